@@ -1,0 +1,303 @@
+#include "compression/codec_util.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/rng.h"
+
+namespace sparrow::compression::detail {
+
+at::Tensor as_input(const at::Tensor& x, const char* method) {
+  SPARROW_CHECK(x.defined(), method << ": input tensor is undefined");
+  SPARROW_CHECK(x.scalar_type() == at::kFloat, method << ": input must be float32, got " << x.scalar_type());
+  SPARROW_CHECK(x.device().is_cpu(), method << ": input must be on the CPU, got " << x.device());
+  return x.contiguous();
+}
+
+std::vector<int64_t> shape_of(const at::Tensor& x) { return std::vector<int64_t>(x.sizes().begin(), x.sizes().end()); }
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+uint64_t tensor_key(const Context& ctx) { return rng::derive(ctx.seed, rng::hash_name(ctx.name)); }
+uint64_t step_key(const Context& ctx, uint64_t step) { return rng::derive(tensor_key(ctx), step); }
+
+// ---- values -------------------------------------------------------------------
+
+size_t value_bytes(ValueType vt, uint64_t n) {
+  switch (vt) {
+    case ValueType::kF32: return n * 4;
+    case ValueType::kF16:
+    case ValueType::kBF16: return n * 2;
+    case ValueType::kSign: return (n + 7) / 8;
+  }
+  throw FormatError("unknown value type " + std::to_string(static_cast<int>(vt)));
+}
+
+void pack_values(const float* src, uint64_t n, ValueType vt, std::vector<uint8_t>& out) {
+  const size_t base = out.size();
+  out.resize(base + value_bytes(vt, n));
+  uint8_t* dst = out.data() + base;
+  switch (vt) {
+    case ValueType::kF32: std::memcpy(dst, src, n * 4); return;
+    case ValueType::kF16: {
+      auto* h = reinterpret_cast<uint16_t*>(dst);
+      for (uint64_t i = 0; i < n; ++i) h[i] = c10::Half(src[i]).x;
+      return;
+    }
+    case ValueType::kBF16: {
+      auto* h = reinterpret_cast<uint16_t*>(dst);
+      for (uint64_t i = 0; i < n; ++i) h[i] = c10::BFloat16(src[i]).x;
+      return;
+    }
+    case ValueType::kSign: {
+      std::memset(dst, 0, (n + 7) / 8);
+      for (uint64_t i = 0; i < n; ++i) dst[i >> 3] |= static_cast<uint8_t>((src[i] < 0.0f) << (i & 7));
+      return;
+    }
+  }
+}
+
+void unpack_values(const uint8_t* bytes, uint64_t n, ValueType vt, float magnitude, float* dst) {
+  switch (vt) {
+    case ValueType::kF32: std::memcpy(dst, bytes, n * 4); return;
+    case ValueType::kF16: {
+      for (uint64_t i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, bytes + 2 * i, 2);
+        dst[i] = static_cast<float>(c10::Half(h, c10::Half::from_bits()));
+      }
+      return;
+    }
+    case ValueType::kBF16: {
+      for (uint64_t i = 0; i < n; ++i) {
+        uint16_t h;
+        std::memcpy(&h, bytes + 2 * i, 2);
+        dst[i] = static_cast<float>(c10::BFloat16(h, c10::BFloat16::from_bits()));
+      }
+      return;
+    }
+    case ValueType::kSign:
+      for (uint64_t i = 0; i < n; ++i) dst[i] = ((bytes[i >> 3] >> (i & 7)) & 1) ? -magnitude : magnitude;
+      return;
+  }
+  throw FormatError("unknown value type " + std::to_string(static_cast<int>(vt)));
+}
+
+ValueType parse_value_type(const std::string& text) {
+  if (text == "fp32") return ValueType::kF32;
+  if (text == "fp16") return ValueType::kF16;
+  if (text == "bf16") return ValueType::kBF16;
+  throw ConfigError("values='" + text + "' is not one of fp32, fp16, bf16");
+}
+
+// ---- indices ------------------------------------------------------------------
+
+namespace {
+
+inline size_t varint_len(uint64_t v) {
+  size_t n = 1;
+  while (v >= 0x80) {
+    v >>= 7;
+    ++n;
+  }
+  return n;
+}
+
+}  // namespace
+
+size_t delta_varint_bytes(const int64_t* idx, uint64_t k) {
+  size_t bytes = 0;
+  int64_t prev = -1;
+  for (uint64_t i = 0; i < k; ++i) {
+    bytes += varint_len(static_cast<uint64_t>(idx[i] - prev - 1));
+    prev = idx[i];
+  }
+  return bytes;
+}
+
+void encode_indices(const int64_t* idx, uint64_t k, int64_t numel, Encoded& e) {
+  e.count = k;
+  e.indices.clear();
+  const size_t delta = delta_varint_bytes(idx, k);
+  const size_t bitmap = static_cast<size_t>((numel + 7) / 8);
+  if (bitmap < delta) {
+    e.index_coding = IndexCoding::kBitmap;
+    e.indices.assign(bitmap, 0);
+    for (uint64_t i = 0; i < k; ++i) e.indices[idx[i] >> 3] |= static_cast<uint8_t>(1u << (idx[i] & 7));
+    return;
+  }
+  // Gaps are stored minus one (indices are strictly ascending), so dense runs cost one byte each.
+  e.index_coding = IndexCoding::kDeltaVarint;
+  e.indices.resize(delta);
+  uint8_t* p = e.indices.data();
+  int64_t prev = -1;
+  for (uint64_t i = 0; i < k; ++i) {
+    uint64_t v = static_cast<uint64_t>(idx[i] - prev - 1);
+    prev = idx[i];
+    while (v >= 0x80) {
+      *p++ = static_cast<uint8_t>(v | 0x80);
+      v >>= 7;
+    }
+    *p++ = static_cast<uint8_t>(v);
+  }
+}
+
+std::vector<int64_t> decode_indices(const Encoded& e) {
+  const int64_t numel = e.numel();
+  std::vector<int64_t> idx;
+  switch (e.index_coding) {
+    case IndexCoding::kDeltaVarint: {
+      SPARROW_CHECK_T(FormatError, e.count <= static_cast<uint64_t>(numel) && e.count <= e.indices.size(),
+                      "sparse: count " << e.count << " exceeds what " << e.indices.size() << " index bytes can hold");
+      idx.resize(e.count);
+      const uint8_t* p = e.indices.data();
+      const uint8_t* end = p + e.indices.size();
+      int64_t prev = -1;
+      for (uint64_t i = 0; i < e.count; ++i) {
+        uint64_t v = 0;
+        int shift = 0;
+        while (true) {
+          SPARROW_CHECK_T(FormatError, p < end, "sparse: index stream truncated at index " << i);
+          SPARROW_CHECK_T(FormatError, shift <= 56, "sparse: index varint too long at index " << i);
+          const uint8_t b = *p++;
+          v |= static_cast<uint64_t>(b & 0x7f) << shift;
+          shift += 7;
+          if (!(b & 0x80)) break;
+        }
+        SPARROW_CHECK_T(FormatError, v < static_cast<uint64_t>(numel) - static_cast<uint64_t>(prev + 1),
+                        "sparse: index out of range at position " << i << " (numel " << numel << ")");
+        prev = prev + 1 + static_cast<int64_t>(v);
+        idx[i] = prev;
+      }
+      SPARROW_CHECK_T(FormatError, p == end, "sparse: " << (end - p) << " trailing bytes after the index stream");
+      return idx;
+    }
+    case IndexCoding::kBitmap: {
+      SPARROW_CHECK_T(FormatError, e.indices.size() == static_cast<size_t>((numel + 7) / 8),
+                      "sparse: bitmap has " << e.indices.size() << " bytes, numel " << numel << " needs "
+                                            << (numel + 7) / 8);
+      SPARROW_CHECK_T(FormatError, e.count <= static_cast<uint64_t>(numel), "sparse: count exceeds numel");
+      idx.reserve(e.count);
+      for (size_t byte = 0; byte < e.indices.size(); ++byte) {
+        unsigned b = e.indices[byte];
+        while (b) {
+          const int bit = __builtin_ctz(b);
+          b &= b - 1;
+          const int64_t i = static_cast<int64_t>(byte) * 8 + bit;
+          SPARROW_CHECK_T(FormatError, i < numel, "sparse: bitmap bit " << i << " beyond numel " << numel);
+          SPARROW_CHECK_T(FormatError, idx.size() < e.count, "sparse: bitmap has more bits set than count " << e.count);
+          idx.push_back(i);
+        }
+      }
+      SPARROW_CHECK_T(FormatError, idx.size() == e.count,
+                      "sparse: bitmap has " << idx.size() << " bits set, count says " << e.count);
+      return idx;
+    }
+    case IndexCoding::kSeeded:
+      SPARROW_CHECK_T(FormatError, e.indices.empty(), "sparse: seeded indices carry no index bytes");
+      SPARROW_CHECK_T(FormatError, e.count <= static_cast<uint64_t>(numel), "sparse: count exceeds numel");
+      return seeded_indices(e.seed, e.count, numel);
+    case IndexCoding::kNone: break;
+  }
+  throw FormatError("sparse: unknown index coding " + std::to_string(static_cast<int>(e.index_coding)));
+}
+
+std::vector<int64_t> seeded_indices(uint64_t key, uint64_t k, int64_t n) {
+  SPARROW_CHECK(k <= static_cast<uint64_t>(n), "seeded_indices: k " << k << " > n " << n);
+  std::vector<int64_t> idx;
+  idx.reserve(k);
+  const uint64_t un = static_cast<uint64_t>(n);
+  if (k * 2 > un) {
+    // Dense selection: a partial Fisher–Yates shuffle of 0..n-1 keeps it exact.
+    std::vector<int64_t> perm(un);
+    for (uint64_t i = 0; i < un; ++i) perm[i] = static_cast<int64_t>(i);
+    rng::Stream s(key);
+    for (uint64_t i = 0; i < k; ++i) std::swap(perm[i], perm[i + s.below(un - i)]);
+    idx.assign(perm.begin(), perm.begin() + static_cast<int64_t>(k));
+  } else {
+    // Sparse selection: draw with rejection against a bitmap (expected draws < 2k).
+    std::vector<uint64_t> seen((un + 63) / 64, 0);
+    rng::Stream s(key);
+    while (idx.size() < k) {
+      const uint64_t i = s.below(un);
+      uint64_t& w = seen[i >> 6];
+      const uint64_t bit = 1ull << (i & 63);
+      if (w & bit) continue;
+      w |= bit;
+      idx.push_back(static_cast<int64_t>(i));
+    }
+  }
+  std::sort(idx.begin(), idx.end());
+  return idx;
+}
+
+Encoded make_sparse(const std::vector<int64_t>& shape, const int64_t* idx, const float* vals, uint64_t k,
+                    ValueType vt, float sign_magnitude) {
+  Encoded e;
+  e.format = Format::kSparse;
+  e.shape = shape;
+  e.value_type = vt;
+  encode_indices(idx, k, numel_of(shape), e);
+  pack_values(vals, k, vt, e.values);
+  if (vt == ValueType::kSign) e.scales = {sign_magnitude};
+  return e;
+}
+
+void decode_sparse_add(const Encoded& e, float* out, float weight) {
+  const std::vector<int64_t> idx = decode_indices(e);
+  std::vector<float> vals(e.count);
+  const float mag = e.value_type == ValueType::kSign ? e.scales.at(0) : 0.0f;
+  unpack_values(e.values.data(), e.count, e.value_type, mag, vals.data());
+  for (uint64_t i = 0; i < e.count; ++i) out[idx[i]] += weight * vals[i];
+}
+
+// ---- bit streams -----------------------------------------------------------------
+
+void BitWriter::finish(std::vector<uint8_t>& out) {
+  const uint64_t nbytes = (bit_count() + 7) / 8;
+  const size_t base = out.size();
+  out.resize(base + nbytes);
+  uint8_t* dst = out.data() + base;
+  const size_t full = std::min<uint64_t>(words_.size() * 8, nbytes);
+  if (full) std::memcpy(dst, words_.data(), full);  // little-endian hosts only (x86-64, aarch64)
+  for (uint64_t b = full; b < nbytes; ++b) dst[b] = static_cast<uint8_t>(acc_ >> (8 * (b - full)));
+}
+
+uint64_t BitReader::get(int width) {
+  SPARROW_CHECK_T(FormatError, static_cast<uint64_t>(width) <= bits_ - pos_,
+                  "bit stream truncated: need " << width << " bits at bit " << pos_ << " of " << bits_);
+  uint64_t v = 0;
+  int got = 0;
+  while (got < width) {
+    const uint64_t byte = pos_ >> 3;
+    const int off = static_cast<int>(pos_ & 7);
+    const int take = std::min(8 - off, width - got);
+    const uint64_t bits = (static_cast<uint64_t>(data_[byte]) >> off) & ((1u << take) - 1);
+    v |= bits << got;
+    got += take;
+    pos_ += static_cast<uint64_t>(take);
+  }
+  return v;
+}
+
+// ---- error feedback ------------------------------------------------------------------
+
+at::Tensor ef_compensate(const at::Tensor& x, State& state, bool ef, const char* slot) {
+  if (!ef) return x;
+  return x + state.slot(slot, x);
+}
+
+void ef_update(State& state, const at::Tensor& compensated, const Encoded& e, const Context& ctx, const char* slot) {
+  at::Tensor& residual = state.slot(slot, compensated);
+  residual.copy_(compensated - decode(e, ctx));
+}
+
+}  // namespace sparrow::compression::detail

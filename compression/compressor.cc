@@ -1,0 +1,97 @@
+#include "compression/compressor.h"
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <mutex>
+
+#include "compression/formats.h"
+#include "core/error.h"
+#include "core/spec.h"
+
+namespace sparrow::compression {
+namespace {
+
+std::mutex& registry_mutex() {
+  static std::mutex m;
+  return m;
+}
+std::map<std::string, Factory>& registry() {
+  static std::map<std::string, Factory> r;
+  return r;
+}
+
+}  // namespace
+
+at::Tensor Compressor::decode(const Encoded& e, const Context& ctx) const { return compression::decode(e, ctx); }
+
+at::Tensor decode(const Encoded& e, const Context& ctx) {
+  validate(e);
+  at::Tensor out = at::zeros(e.shape, at::TensorOptions().dtype(at::kFloat));
+  decode_add(e, out, 1.0f, ctx);
+  return out;
+}
+
+void decode_add(const Encoded& e, at::Tensor& out, float weight, const Context& ctx) {
+  SPARROW_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.device().is_cpu(),
+                "decode_add: output must be a contiguous float32 CPU tensor");
+  validate(e);
+  SPARROW_CHECK_T(FormatError, out.numel() == e.numel(),
+                  "decode_add: output has " << out.numel() << " elements, update has " << e.numel());
+  float* o = out.data_ptr<float>();
+  switch (e.format) {
+    case Format::kDense: return detail::decode_dense_add(e, o, weight);
+    case Format::kSparse: return detail::decode_sparse_add(e, o, weight);
+    case Format::kQuantized: return detail::decode_quantized_add(e, o, weight);
+    case Format::kTernary: return detail::decode_ternary_add(e, o, weight);
+    case Format::kSign: return detail::decode_sign_add(e, o, weight);
+    case Format::kLowRank: return detail::decode_lowrank_add(e, out, weight);
+    case Format::kLowRankFactor: return detail::decode_factor_add(e, out, weight, ctx);
+  }
+  throw FormatError("unknown tensor format");
+}
+
+void register_compressor(const std::string& name, Factory factory) {
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  registry()[name] = std::move(factory);
+}
+
+void register_builtins() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    detail::register_dense();
+    detail::register_sparsifiers();
+    detail::register_dgc();
+    detail::register_quantizers();
+    detail::register_lowrank();
+  });
+}
+
+std::unique_ptr<Compressor> make_compressor(const std::string& text) {
+  register_builtins();
+  Spec spec = Spec::parse(text);
+  Factory factory;
+  {
+    std::lock_guard<std::mutex> lock(registry_mutex());
+    auto it = registry().find(spec.method());
+    if (it == registry().end()) {
+      std::string known;
+      for (const auto& kv : registry()) known += (known.empty() ? "" : ", ") + kv.first;
+      throw ConfigError("unknown compression method '" + spec.method() + "' (known: " + known + ")");
+    }
+    factory = it->second;
+  }
+  std::unique_ptr<Compressor> c = factory(spec);
+  spec.check_all_consumed();
+  return c;
+}
+
+std::vector<std::string> registered_methods() {
+  register_builtins();
+  std::lock_guard<std::mutex> lock(registry_mutex());
+  std::vector<std::string> names;
+  for (const auto& kv : registry()) names.push_back(kv.first);
+  return names;
+}
+
+}  // namespace sparrow::compression

@@ -1,0 +1,62 @@
+#pragma once
+// The compressor interface. A Compressor is an immutable codec built from a spec
+// string ("dgc:ratio=0.001,momentum=0.9"); all mutable state lives in a State the
+// caller owns, so one Compressor serves any number of tensors and clients and
+// encode() may run concurrently on different states.
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "compression/encoded.h"
+#include "compression/state.h"
+
+namespace sparrow {
+class Spec;
+}
+
+namespace sparrow::compression {
+
+// Inputs that are not the tensor and not per-tensor state.
+struct Context {
+  std::string name;       // tensor name; keys per-tensor random streams (same on every party)
+  uint64_t seed = 0;      // run seed shared by every party
+  int num_workers = 1;    // N, for DGC's local clipping threshold C·N^-1/2
+  int64_t round = -1;     // global round (ACP picks P or Q by its parity); -1: use State::step
+  at::Tensor shared_factor;  // ACP: the aggregator's current shared factor; undefined: derive from seed
+};
+
+class Compressor {
+ public:
+  virtual ~Compressor() = default;
+  // The method name as registered ("dgc", "topk", ...).
+  virtual std::string method() const = 0;
+  // Compresses x (float32, any shape, CPU). Reads/updates state; increments state.step.
+  // Throws sparrow::Error on a non-float32 or undefined tensor.
+  virtual Encoded encode(const at::Tensor& x, State& state, const Context& ctx) const = 0;
+  // Same as the free decode(): the format is self-describing.
+  at::Tensor decode(const Encoded& e, const Context& ctx = {}) const;
+};
+
+// Decodes any Encoded to a float32 tensor of e.shape. Validates first; throws
+// FormatError on malformed input.
+at::Tensor decode(const Encoded& e, const Context& ctx = {});
+// out += weight · decode(e), without materialising a dense copy for sparse and
+// low-rank formats. out must be float32, contiguous, numel == e.numel().
+void decode_add(const Encoded& e, at::Tensor& out, float weight, const Context& ctx = {});
+
+using Factory = std::function<std::unique_ptr<Compressor>(Spec& spec)>;
+
+// Registers a method under `name`; the factory consumes the keys it knows and
+// make_compressor rejects any key left unconsumed.
+void register_compressor(const std::string& name, Factory factory);
+// Registers every built-in method. Idempotent, thread-safe.
+void register_builtins();
+// Builds a compressor from a spec string; ConfigError for an unknown method or key.
+std::unique_ptr<Compressor> make_compressor(const std::string& spec);
+std::vector<std::string> registered_methods();
+
+}  // namespace sparrow::compression

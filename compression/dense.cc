@@ -1,0 +1,60 @@
+// none (fp32), fp16, bf16: dense casts. fp16/bf16 round to nearest even.
+#include <ATen/ATen.h>
+
+#include "compression/codec_util.h"
+#include "compression/formats.h"
+#include "core/spec.h"
+
+namespace sparrow::compression::detail {
+namespace {
+
+class DenseCompressor final : public Compressor {
+ public:
+  DenseCompressor(std::string method, ValueType vt) : method_(std::move(method)), vt_(vt) {}
+  std::string method() const override { return method_; }
+
+  Encoded encode(const at::Tensor& x_in, State& state, const Context&) const override {
+    const at::Tensor x = as_input(x_in, method_.c_str());
+    Encoded e;
+    e.format = Format::kDense;
+    e.shape = shape_of(x);
+    e.value_type = vt_;
+    pack_values(x.data_ptr<float>(), static_cast<uint64_t>(x.numel()), vt_, e.values);
+    ++state.step;
+    return e;
+  }
+
+ private:
+  std::string method_;
+  ValueType vt_;
+};
+
+}  // namespace
+
+void decode_dense_add(const Encoded& e, float* out, float weight) {
+  const uint64_t n = static_cast<uint64_t>(e.numel());
+  if (e.value_type == ValueType::kF32 && weight == 1.0f) {
+    const float* v = reinterpret_cast<const float*>(e.values.data());
+    for (uint64_t i = 0; i < n; ++i) out[i] += v[i];
+    return;
+  }
+  constexpr uint64_t kChunk = 4096;
+  float buf[kChunk];
+  const size_t stride = value_bytes(e.value_type, kChunk);
+  for (uint64_t b = 0; b < n; b += kChunk) {
+    const uint64_t m = std::min(kChunk, n - b);
+    unpack_values(e.values.data() + (b / kChunk) * stride, m, e.value_type, 0.0f, buf);
+    for (uint64_t i = 0; i < m; ++i) out[b + i] += weight * buf[i];
+  }
+}
+
+void register_dense() {
+  for (auto [name, vt] : {std::pair{"none", ValueType::kF32}, std::pair{"fp16", ValueType::kF16},
+                          std::pair{"bf16", ValueType::kBF16}}) {
+    const std::string method = name;
+    const ValueType type = vt;
+    register_compressor(method, [method, type](Spec&) { return std::make_unique<DenseCompressor>(method, type); });
+  }
+}
+
+}  // namespace sparrow::compression::detail

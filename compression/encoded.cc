@@ -1,0 +1,149 @@
+#include "compression/encoded.h"
+
+#include <cmath>
+#include <cstring>
+
+#include "compression/codec_util.h"
+#include "core/error.h"
+
+namespace sparrow::compression {
+namespace {
+
+constexpr int kMaxDims = 8;
+constexpr int64_t kMaxNumel = int64_t{1} << 40;
+
+void check_finite_f32(const uint8_t* bytes, uint64_t n, const char* what) {
+  for (uint64_t i = 0; i < n; ++i) {
+    float v;
+    std::memcpy(&v, bytes + 4 * i, 4);
+    SPARROW_CHECK_T(FormatError, std::isfinite(v), what << ": value " << i << " is not finite");
+  }
+}
+
+void check_finite_16(const uint8_t* bytes, uint64_t n, ValueType vt, const char* what) {
+  // fp16: exponent bits 0x7c00 all set = inf/nan; bf16: 0x7f80.
+  const uint16_t mask = vt == ValueType::kF16 ? 0x7c00 : 0x7f80;
+  for (uint64_t i = 0; i < n; ++i) {
+    uint16_t h;
+    std::memcpy(&h, bytes + 2 * i, 2);
+    SPARROW_CHECK_T(FormatError, (h & mask) != mask, what << ": value " << i << " is not finite");
+  }
+}
+
+void check_values(const Encoded& e, uint64_t n, const char* what) {
+  const size_t want = detail::value_bytes(e.value_type, n);
+  SPARROW_CHECK_T(FormatError, e.values.size() == want,
+                  what << ": " << e.values.size() << " value bytes, expected " << want);
+  if (e.value_type == ValueType::kF32) check_finite_f32(e.values.data(), n, what);
+  if (e.value_type == ValueType::kF16 || e.value_type == ValueType::kBF16)
+    check_finite_16(e.values.data(), n, e.value_type, what);
+}
+
+void check_scales(const Encoded& e, size_t want, const char* what) {
+  SPARROW_CHECK_T(FormatError, e.scales.size() == want,
+                  what << ": " << e.scales.size() << " scales, expected " << want);
+  for (size_t i = 0; i < e.scales.size(); ++i)
+    SPARROW_CHECK_T(FormatError, std::isfinite(e.scales[i]), what << ": scale " << i << " is not finite");
+}
+
+void check_no_indices(const Encoded& e, const char* what) {
+  SPARROW_CHECK_T(FormatError, e.index_coding == IndexCoding::kNone && e.indices.empty(),
+                  what << ": unexpected index data");
+}
+
+}  // namespace
+
+int64_t Encoded::numel() const {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  return n;
+}
+
+size_t Encoded::payload_bytes() const {
+  return values.size() + indices.size() + scales.size() * sizeof(float) + params.size() * sizeof(uint32_t);
+}
+
+const char* format_name(Format f) {
+  switch (f) {
+    case Format::kDense: return "dense";
+    case Format::kSparse: return "sparse";
+    case Format::kQuantized: return "quantized";
+    case Format::kTernary: return "ternary";
+    case Format::kSign: return "sign";
+    case Format::kLowRank: return "lowrank";
+    case Format::kLowRankFactor: return "lowrank_factor";
+  }
+  return "unknown";
+}
+
+void validate(const Encoded& e) {
+  SPARROW_CHECK_T(FormatError, e.shape.size() <= kMaxDims, "tensor has " << e.shape.size() << " dimensions (max " << kMaxDims << ")");
+  int64_t numel = 1;
+  for (int64_t d : e.shape) {
+    SPARROW_CHECK_T(FormatError, d >= 0 && d <= kMaxNumel, "bad dimension " << d);
+    SPARROW_CHECK_T(FormatError, d == 0 || numel <= kMaxNumel / d, "tensor too large");
+    numel *= d;
+  }
+  const uint64_t n = static_cast<uint64_t>(numel);
+  switch (e.format) {
+    case Format::kDense:
+      SPARROW_CHECK_T(FormatError, e.value_type != ValueType::kSign, "dense: sign value type is not allowed");
+      check_no_indices(e, "dense");
+      check_values(e, n, "dense");
+      return;
+    case Format::kSparse:
+      SPARROW_CHECK_T(FormatError, e.count <= n, "sparse: count " << e.count << " exceeds numel " << n);
+      SPARROW_CHECK_T(FormatError, e.index_coding != IndexCoding::kNone, "sparse: no index coding");
+      check_values(e, e.count, "sparse");
+      check_scales(e, e.value_type == ValueType::kSign ? 1 : 0, "sparse");
+      (void)detail::decode_indices(e);  // range, order and count checks
+      return;
+    case Format::kQuantized: {
+      check_no_indices(e, "qsgd");
+      SPARROW_CHECK_T(FormatError, e.params.size() == 2, "qsgd: expected params {levels, bucket}");
+      const uint32_t levels = e.params[0], bucket = e.params[1];
+      SPARROW_CHECK_T(FormatError, levels >= 1 && levels <= (1u << 24), "qsgd: bad levels " << levels);
+      SPARROW_CHECK_T(FormatError, bucket >= 1, "qsgd: bad bucket " << bucket);
+      check_scales(e, static_cast<size_t>((n + bucket - 1) / bucket), "qsgd");
+      for (float s : e.scales) SPARROW_CHECK_T(FormatError, s >= 0.0f, "qsgd: negative bucket norm");
+      // Every element costs at least one bit; the decoder checks the rest of the stream.
+      SPARROW_CHECK_T(FormatError, e.values.size() >= (n + 7) / 8, "qsgd: bit stream shorter than numel bits");
+      SPARROW_CHECK_T(FormatError, e.values.size() <= n * 8 + 8, "qsgd: bit stream too long");
+      return;
+    }
+    case Format::kTernary:
+      check_no_indices(e, "terngrad");
+      check_scales(e, 1, "terngrad");
+      SPARROW_CHECK_T(FormatError, e.scales[0] >= 0.0f, "terngrad: negative scale");
+      SPARROW_CHECK_T(FormatError, e.values.size() == (2 * n + 7) / 8,
+                      "terngrad: " << e.values.size() << " bytes, expected " << (2 * n + 7) / 8);
+      return;
+    case Format::kSign:
+      check_no_indices(e, "sign");
+      check_scales(e, 1, "sign");
+      SPARROW_CHECK_T(FormatError, e.values.size() == (n + 7) / 8,
+                      "sign: " << e.values.size() << " bytes, expected " << (n + 7) / 8);
+      return;
+    case Format::kLowRank:
+    case Format::kLowRankFactor: {
+      const bool factor = e.format == Format::kLowRankFactor;
+      const char* what = factor ? "acp" : "powersgd";
+      check_no_indices(e, what);
+      SPARROW_CHECK_T(FormatError, e.params.size() == (factor ? 4u : 3u), what << ": wrong number of params");
+      const uint64_t rows = e.params[0], cols = e.params[1], rank = e.params[2];
+      SPARROW_CHECK_T(FormatError, rows * cols == n, what << ": " << rows << "x" << cols << " does not match numel " << n);
+      SPARROW_CHECK_T(FormatError, rank >= 1 && rank <= rows && rank <= cols, what << ": bad rank " << rank);
+      SPARROW_CHECK_T(FormatError, e.value_type == ValueType::kF32, what << ": factors must be fp32");
+      uint64_t floats = (rows + cols) * rank;
+      if (factor) {
+        SPARROW_CHECK_T(FormatError, e.params[3] <= 1, what << ": factor selector must be 0 (P) or 1 (Q)");
+        floats = (e.params[3] == 0 ? rows : cols) * rank;
+      }
+      check_values(e, floats, what);
+      return;
+    }
+  }
+  throw FormatError("unknown tensor format " + std::to_string(static_cast<int>(e.format)));
+}
+
+}  // namespace sparrow::compression

@@ -1,0 +1,73 @@
+#pragma once
+// Encoded: what one compressed tensor is on the wire, as a plain struct.
+// Only wire/ turns it into FlatBuffers bytes; everything else sees this.
+// The format is self-describing, so any party can decode an update without
+// knowing the spec that produced it (ACP additionally needs the shared factor).
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace sparrow::compression {
+
+// Layout of Encoded::values / indices / scales / params per format.
+enum class Format : uint8_t {
+  // values: numel values of value_type (kF32, kF16, kBF16).
+  kDense = 0,
+  // `count` values of value_type at the positions given by index_coding.
+  // value_type kSign: one bit per value (1 = negative), magnitude scales[0].
+  kSparse = 1,
+  // QSGD. params = {levels s, bucket}; scales = one L2 norm per bucket;
+  // values = per element Elias-gamma(level + 1) then, when level > 0, a sign bit
+  // (bit stream, LSB first in 64-bit little-endian words).
+  kQuantized = 2,
+  // TernGrad. scales[0] = s (max |g|); values = 2 bits per element
+  // (0 = zero, 1 = +s, 2 = -s), LSB first.
+  kTernary = 3,
+  // 1-bit sign. scales[0] = magnitude; values = 1 bit per element (1 = negative).
+  kSign = 4,
+  // PowerSGD. params = {rows n, cols m, rank r}; values = P (n×r) then Q (m×r),
+  // fp32 row-major. Decodes to P·Qᵀ reshaped to `shape`.
+  kLowRank = 5,
+  // ACP-SGD, one factor. params = {rows n, cols m, rank r, which (0 = P, 1 = Q)};
+  // values = that factor, fp32 row-major. Decoding needs the other factor, the
+  // aggregator's shared one, from Context::shared_factor.
+  kLowRankFactor = 6,
+};
+
+enum class ValueType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2, kSign = 3 };
+
+enum class IndexCoding : uint8_t {
+  kNone = 0,         // dense formats
+  kDeltaVarint = 1,  // ascending indices, gaps (first: index itself) as LEB128 varints
+  kBitmap = 2,       // ceil(numel/8) bytes, bit i set = index i present (LSB first)
+  kSeeded = 3,       // no index bytes: `count` distinct indices drawn from key `seed` (random-k)
+};
+
+struct Encoded {
+  Format format = Format::kDense;
+  std::vector<int64_t> shape;
+  ValueType value_type = ValueType::kF32;
+  IndexCoding index_coding = IndexCoding::kNone;
+  uint64_t count = 0;  // kSparse: number of values sent
+  uint64_t seed = 0;   // kSeeded: key of the index stream
+  std::vector<uint32_t> params;
+  std::vector<float> scales;
+  std::vector<uint8_t> indices;
+  std::vector<uint8_t> values;
+
+  int64_t numel() const;
+  // Bytes of tensor payload (values + indices + scales + params); the wire adds
+  // framing, which wire::encoded_size() reports.
+  size_t payload_bytes() const;
+};
+
+const char* format_name(Format f);
+
+// Structural checks on an Encoded that came from outside: shape sane, sizes of
+// values/indices/scales/params consistent with the format, sparse index ranges
+// and counts valid, float scales and fp32 values finite. Throws FormatError.
+// decode() calls it; the wire parser calls it on every tensor.
+void validate(const Encoded& e);
+
+}  // namespace sparrow::compression

@@ -1,0 +1,28 @@
+#pragma once
+// Per-format decoders, dispatched by decode()/decode_add() in compressor.cc.
+// Each adds weight · decoded into out (float32, contiguous, numel == e.numel())
+// and may assume validate(e) passed; it still throws FormatError on bad payload
+// bits that validate() cannot see (e.g. a truncated Elias-gamma stream).
+// Each register_* adds the methods of one file to the registry.
+
+#include <ATen/core/Tensor.h>
+
+#include "compression/compressor.h"
+
+namespace sparrow::compression::detail {
+
+void decode_dense_add(const Encoded& e, float* out, float weight);
+void decode_sparse_add(const Encoded& e, float* out, float weight);
+void decode_quantized_add(const Encoded& e, float* out, float weight);  // qsgd.cc
+void decode_ternary_add(const Encoded& e, float* out, float weight);    // terngrad.cc
+void decode_sign_add(const Encoded& e, float* out, float weight);       // sign.cc
+void decode_lowrank_add(const Encoded& e, at::Tensor& out, float weight);                         // powersgd.cc
+void decode_factor_add(const Encoded& e, at::Tensor& out, float weight, const Context& ctx);       // acp.cc
+
+void register_dense();      // none, fp16, bf16             (dense.cc)
+void register_sparsifiers();  // topk, randomk, threshold  (sparse.cc)
+void register_dgc();        // dgc                          (dgc.cc)
+void register_quantizers(); // qsgd, terngrad, sign         (qsgd.cc, terngrad.cc, sign.cc via quantizers)
+void register_lowrank();    // powersgd, acp                (powersgd.cc, acp.cc)
+
+}  // namespace sparrow::compression::detail

@@ -1,0 +1,106 @@
+#include "compression/state.h"
+
+#include <ATen/ATen.h>
+
+#include <cstring>
+
+#include "core/error.h"
+
+namespace sparrow::compression {
+namespace {
+
+constexpr char kMagic[4] = {'S', 'P', 'S', 'T'};
+constexpr uint32_t kVersion = 1;
+
+template <typename T>
+void put(std::string& out, T v) {
+  out.append(reinterpret_cast<const char*>(&v), sizeof(T));
+}
+
+class Reader {
+ public:
+  explicit Reader(const std::string& b) : b_(b) {}
+  template <typename T>
+  T get() {
+    need(sizeof(T));
+    T v;
+    std::memcpy(&v, b_.data() + pos_, sizeof(T));
+    pos_ += sizeof(T);
+    return v;
+  }
+  const char* take(size_t n) {
+    need(n);
+    const char* p = b_.data() + pos_;
+    pos_ += n;
+    return p;
+  }
+  bool done() const { return pos_ == b_.size(); }
+
+ private:
+  void need(size_t n) {
+    SPARROW_CHECK_T(FormatError, n <= b_.size() - pos_, "compressor state: truncated at byte " << pos_);
+  }
+  const std::string& b_;
+  size_t pos_ = 0;
+};
+
+}  // namespace
+
+at::Tensor& State::slot(const std::string& key, const at::Tensor& like) {
+  auto it = tensors.find(key);
+  if (it == tensors.end() || !it->second.sizes().equals(like.sizes())) {
+    at::Tensor z = at::zeros(like.sizes(), at::TensorOptions().dtype(at::kFloat));
+    it = tensors.insert_or_assign(key, z).first;
+  }
+  return it->second;
+}
+
+std::string State::serialize() const {
+  std::string out(kMagic, 4);
+  put<uint32_t>(out, kVersion);
+  put<uint64_t>(out, step);
+  put<uint32_t>(out, static_cast<uint32_t>(tensors.size()));
+  for (const auto& [name, t] : tensors) {
+    SPARROW_CHECK(t.scalar_type() == at::kFloat, "compressor state '" << name << "' is not float32");
+    at::Tensor c = t.contiguous().cpu();
+    put<uint32_t>(out, static_cast<uint32_t>(name.size()));
+    out += name;
+    put<uint32_t>(out, static_cast<uint32_t>(c.dim()));
+    for (int64_t d : c.sizes()) put<int64_t>(out, d);
+    out.append(reinterpret_cast<const char*>(c.data_ptr<float>()), static_cast<size_t>(c.numel()) * 4);
+  }
+  return out;
+}
+
+State State::deserialize(const std::string& bytes) {
+  Reader r(bytes);
+  SPARROW_CHECK_T(FormatError, bytes.size() >= 4 && std::memcmp(r.take(4), kMagic, 4) == 0,
+                  "compressor state: bad magic");
+  const uint32_t version = r.get<uint32_t>();
+  SPARROW_CHECK_T(FormatError, version == kVersion, "compressor state: unsupported version " << version);
+  State s;
+  s.step = r.get<uint64_t>();
+  const uint32_t count = r.get<uint32_t>();
+  for (uint32_t i = 0; i < count; ++i) {
+    const uint32_t name_len = r.get<uint32_t>();
+    std::string name(r.take(name_len), name_len);
+    const uint32_t dims = r.get<uint32_t>();
+    SPARROW_CHECK_T(FormatError, dims <= 8, "compressor state: '" << name << "' has " << dims << " dims");
+    std::vector<int64_t> shape(dims);
+    uint64_t numel = 1;
+    for (auto& d : shape) {
+      d = r.get<int64_t>();
+      SPARROW_CHECK_T(FormatError, d >= 0 && d < (int64_t{1} << 40), "compressor state: bad dimension " << d);
+      numel *= static_cast<uint64_t>(d);
+      SPARROW_CHECK_T(FormatError, numel < (uint64_t{1} << 40), "compressor state: tensor too large");
+    }
+    const char* data = r.take(numel * 4);
+    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(at::kFloat));
+    if (numel) std::memcpy(t.data_ptr<float>(), data, numel * 4);
+    SPARROW_CHECK_T(FormatError, s.tensors.emplace(std::move(name), t).second, "compressor state: duplicate slot");
+  }
+  SPARROW_CHECK_T(FormatError, r.done(), "compressor state: trailing bytes");
+  return s;
+}
+
+}  // namespace sparrow::compression

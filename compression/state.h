@@ -1,0 +1,31 @@
+#pragma once
+// Per-tensor compressor state (error-feedback residual, DGC's u and v, PowerSGD's
+// warm-start Q, ...). A plain value the caller owns: the simulator parks it in
+// the state store, a client persists it. Compressors read and write it only
+// inside encode().
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+namespace sparrow::compression {
+
+struct State {
+  uint64_t step = 0;                          // encode() calls so far
+  std::map<std::string, at::Tensor> tensors;  // float32, contiguous, CPU
+
+  bool has(const std::string& key) const { return tensors.count(key) != 0; }
+  // The named slot, created as zeros of `like`'s shape when missing or when its
+  // shape no longer matches (a changed model resets that slot).
+  at::Tensor& slot(const std::string& key, const at::Tensor& like);
+
+  // Self-describing little-endian bytes: magic "SPST", version, step, then
+  // (name, shape, fp32 data) per tensor.
+  std::string serialize() const;
+  // Throws FormatError on truncated or malformed bytes.
+  static State deserialize(const std::string& bytes);
+};
+
+}  // namespace sparrow::compression

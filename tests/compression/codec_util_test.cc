@@ -1,0 +1,125 @@
+#include <doctest/doctest.h>
+
+#include <ATen/ATen.h>
+
+#include <set>
+
+#include "compression/codec_util.h"
+#include "compression/compressor.h"
+#include "compression/state.h"
+
+using namespace sparrow::compression;
+using namespace sparrow::compression::detail;
+using sparrow::FormatError;
+
+TEST_CASE("index coding: delta varint and bitmap round trip, smaller one chosen") {
+  const int64_t n = 10000;
+  for (uint64_t k : {0ull, 1ull, 10ull, 500ull, 3000ull, 9000ull, 10000ull}) {
+    std::vector<int64_t> idx = seeded_indices(123 + k, k, n);
+    REQUIRE(idx.size() == k);
+    for (size_t i = 1; i < idx.size(); ++i) REQUIRE(idx[i - 1] < idx[i]);
+    Encoded e;
+    e.format = Format::kSparse;
+    e.shape = {n};
+    encode_indices(idx.data(), k, n, e);
+    const size_t bitmap = (n + 7) / 8;
+    CHECK(e.indices.size() == std::min(bitmap, delta_varint_bytes(idx.data(), k)));
+    CHECK(e.index_coding == (bitmap < delta_varint_bytes(idx.data(), k) ? IndexCoding::kBitmap : IndexCoding::kDeltaVarint));
+    CHECK(decode_indices(e) == idx);
+  }
+}
+
+TEST_CASE("index coding: malformed streams are rejected") {
+  Encoded e;
+  e.format = Format::kSparse;
+  e.shape = {100};
+  std::vector<int64_t> idx = {3, 50, 99};
+  encode_indices(idx.data(), 3, 100, e);
+  REQUIRE(e.index_coding == IndexCoding::kDeltaVarint);
+  SUBCASE("count too large") {
+    e.count = 4;
+    CHECK_THROWS_AS(decode_indices(e), FormatError);
+  }
+  SUBCASE("out of range") {
+    e.indices.back() = 60;
+    CHECK_THROWS_AS(decode_indices(e), FormatError);
+  }
+  SUBCASE("unterminated varint") {
+    e.indices.back() |= 0x80;
+    CHECK_THROWS_AS(decode_indices(e), FormatError);
+  }
+  SUBCASE("trailing bytes") {
+    e.indices.push_back(0);
+    CHECK_THROWS_AS(decode_indices(e), FormatError);
+  }
+  SUBCASE("bitmap with a bit past numel") {
+    Encoded b;
+    b.shape = {10};
+    b.index_coding = IndexCoding::kBitmap;
+    b.indices = {0x01, 0x08};  // bits 0 and 11
+    b.count = 2;
+    CHECK_THROWS_AS(decode_indices(b), FormatError);
+    b.indices = {0x03, 0x00};
+    b.count = 1;
+    CHECK_THROWS_AS(decode_indices(b), FormatError);
+  }
+}
+
+TEST_CASE("bit streams: writer and reader agree on mixed widths") {
+  BitWriter w;
+  std::vector<std::pair<uint64_t, int>> items;
+  uint64_t x = 12345;
+  for (int i = 0; i < 2000; ++i) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    const int width = static_cast<int>((x >> 58) % 65);  // 0..64
+    const uint64_t v = width == 64 ? x : (x & ((1ull << width) - 1));
+    items.push_back({v, width});
+    w.put(v, width);
+  }
+  std::vector<uint8_t> bytes;
+  w.finish(bytes);
+  CHECK(bytes.size() == (w.bit_count() + 7) / 8);
+  BitReader r(bytes.data(), bytes.size());
+  for (auto [v, width] : items) REQUIRE(r.get(width) == v);
+  CHECK(r.remaining() < 8);
+  CHECK_THROWS_AS(r.get(9), FormatError);
+}
+
+TEST_CASE("values: fp16/bf16/sign packing") {
+  std::vector<float> v = {0.0f, 1.0f, -2.5f, 65504.0f, 1e-3f, -0.0f, 3.14159f};
+  for (ValueType vt : {ValueType::kF32, ValueType::kF16, ValueType::kBF16}) {
+    std::vector<uint8_t> bytes;
+    pack_values(v.data(), v.size(), vt, bytes);
+    CHECK(bytes.size() == value_bytes(vt, v.size()));
+    std::vector<float> out(v.size());
+    unpack_values(bytes.data(), v.size(), vt, 0, out.data());
+    const float tol = vt == ValueType::kF32 ? 0.0f : (vt == ValueType::kF16 ? 1e-3f : 8e-3f);
+    for (size_t i = 0; i < v.size(); ++i) CHECK(std::abs(out[i] - v[i]) <= tol * std::abs(v[i]) + 1e-6f);
+  }
+  std::vector<uint8_t> bits;
+  pack_values(v.data(), v.size(), ValueType::kSign, bits);
+  CHECK(bits.size() == 1);
+  std::vector<float> out(v.size());
+  unpack_values(bits.data(), v.size(), ValueType::kSign, 0.5f, out.data());
+  CHECK(out[2] == -0.5f);
+  CHECK(out[1] == 0.5f);
+  CHECK(out[5] == 0.5f);  // -0 is not < 0: sign maps zero to +
+}
+
+TEST_CASE("state: serialise round trip and malformed bytes") {
+  State s;
+  s.step = 17;
+  at::Tensor like = at::ones({3, 4});
+  s.slot("u", like).fill_(2.0f);
+  s.slot("v", at::ones({5})).fill_(-1.0f);
+  const std::string bytes = s.serialize();
+  State r = State::deserialize(bytes);
+  CHECK(r.step == 17);
+  REQUIRE(r.tensors.size() == 2);
+  CHECK(at::equal(r.tensors.at("u"), s.tensors.at("u")));
+  CHECK(at::equal(r.tensors.at("v"), s.tensors.at("v")));
+  for (size_t len = 0; len < bytes.size(); len += 7) CHECK_THROWS_AS(State::deserialize(bytes.substr(0, len)), FormatError);
+  CHECK_THROWS_AS(State::deserialize(bytes + "z"), FormatError);
+  // A slot whose shape no longer matches is reset.
+  CHECK(r.slot("u", at::ones({2})).sum().item<float>() == 0.0f);
+}

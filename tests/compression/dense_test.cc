@@ -1,0 +1,69 @@
+#include <doctest/doctest.h>
+
+#include <ATen/ATen.h>
+
+#include "compression/compressor.h"
+#include "core/error.h"
+
+using namespace sparrow::compression;
+
+TEST_CASE("dense codecs round trip shapes") {
+  at::manual_seed(0);
+  for (const char* spec : {"none", "fp16", "bf16"}) {
+    auto c = make_compressor(spec);
+    for (auto shape : {std::vector<int64_t>{7}, {3, 5}, {2, 3, 4}, {0}}) {
+      at::Tensor x = at::randn(shape);
+      State s;
+      Encoded e = c->encode(x, s, {});
+      CHECK(e.shape == shape);
+      at::Tensor y = c->decode(e);
+      CHECK(y.sizes() == x.sizes());
+      CHECK(y.scalar_type() == at::kFloat);
+      const double tol = std::string(spec) == "none" ? 0.0 : (std::string(spec) == "fp16" ? 1e-3 : 8e-3);
+      if (x.numel()) CHECK(((y - x).abs() - tol * x.abs()).max().item<float>() <= 1e-6f);
+      CHECK(s.step == 1);
+    }
+  }
+}
+
+TEST_CASE("dense: wire sizes") {
+  at::Tensor x = at::randn({1000});
+  State s;
+  CHECK(make_compressor("none")->encode(x, s, {}).values.size() == 4000);
+  CHECK(make_compressor("fp16")->encode(x, s, {}).values.size() == 2000);
+  CHECK(make_compressor("bf16")->encode(x, s, {}).values.size() == 2000);
+}
+
+TEST_CASE("registry: unknown methods and keys are errors") {
+  CHECK_THROWS_AS(make_compressor("nonexistent"), sparrow::ConfigError);
+  CHECK_THROWS_AS(make_compressor("none:ratio=0.1"), sparrow::ConfigError);
+  CHECK_THROWS_AS(make_compressor("fp16:x=1"), sparrow::ConfigError);
+}
+
+TEST_CASE("dense: input checks") {
+  auto c = make_compressor("none");
+  State s;
+  CHECK_THROWS_AS(c->encode(at::Tensor(), s, {}), sparrow::Error);
+  CHECK_THROWS_AS(c->encode(at::ones({3}, at::kDouble), s, {}), sparrow::Error);
+  // Non-contiguous input is accepted (made contiguous).
+  at::Tensor x = at::randn({4, 6}).t();
+  CHECK(at::equal(c->decode(c->encode(x, s, {})), x));
+}
+
+TEST_CASE("decode rejects NaN and wrong sizes") {
+  auto c = make_compressor("none");
+  State s;
+  Encoded e = c->encode(at::ones({4}), s, {});
+  Encoded bad = e;
+  float nan = std::nanf("");
+  std::memcpy(bad.values.data() + 4, &nan, 4);
+  CHECK_THROWS_AS(decode(bad), sparrow::FormatError);
+  bad = e;
+  bad.values.pop_back();
+  CHECK_THROWS_AS(decode(bad), sparrow::FormatError);
+  bad = e;
+  bad.shape = {5};
+  CHECK_THROWS_AS(decode(bad), sparrow::FormatError);
+  at::Tensor out = at::zeros({3});
+  CHECK_THROWS_AS(decode_add(e, out, 1.0f), sparrow::FormatError);
+}

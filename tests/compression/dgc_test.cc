@@ -1,0 +1,1 @@
+// tests for this codec family are added here
