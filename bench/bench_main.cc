@@ -1,0 +1,176 @@
+// sparrow-bench: benchmarks that print one JSON object per line and measure
+// their baselines in the same run (these machines are noisy; only ratios are
+// stable).
+//
+//   sparrow-bench compress [--elements N] [--repeat R] [--methods a,b,...]
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <CLI/CLI.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <iostream>
+#include <sstream>
+
+#include "bench/resnet50.h"
+#include "compression/compressor.h"
+#include "core/error.h"
+#include "wire/roundtrip.h"
+
+namespace {
+
+using namespace sparrow;
+using Clock = std::chrono::steady_clock;
+using Named = std::vector<std::pair<std::string, at::Tensor>>;
+
+double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+std::string num(double v) {
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.6g", v);
+  return buf;
+}
+
+struct Case {
+  std::string name;  // the "case" field
+  std::string spec;
+  bool resnet;       // low-rank cases run on ResNet-50's layer shapes
+};
+
+// The methods at the parameters the issue's targets name.
+std::vector<Case> default_cases() {
+  return {
+      {"none", "none", false},
+      {"fp16", "fp16", false},
+      {"bf16", "bf16", false},
+      {"topk", "topk:ratio=0.001", false},
+      {"randomk", "randomk:ratio=0.001", false},
+      {"threshold", "threshold:tau=3.3", false},  // ~0.1% of N(0,1) values pass
+      {"dgc", "dgc:ratio=0.001", false},
+      {"qsgd", "qsgd:levels=16", false},
+      {"terngrad", "terngrad", false},
+      {"sign", "sign", false},
+      {"powersgd", "powersgd:rank=4", true},
+      {"acp", "acp:rank=4", true},
+  };
+}
+
+// A flat gradient-like tensor viewed as a matrix (DGC sends 1-D tensors dense).
+at::Tensor flat_input(int64_t n) {
+  at::manual_seed(1);
+  at::Tensor x = at::randn({n});
+  return n % 1000 == 0 ? x.view({n / 1000, 1000}) : x.view({n, 1});
+}
+
+Named resnet_input() {
+  at::manual_seed(2);
+  Named t;
+  for (auto& [name, shape] : bench::resnet50_shapes()) t.emplace_back(name, at::randn(shape));
+  return t;
+}
+
+int bench_compress(int64_t n, int repeat, const std::string& only) {
+  const int threads = at::get_num_threads();
+  const at::Tensor x = flat_input(n);
+  const double dense_bytes = 4.0 * static_cast<double>(n);
+
+  // Baseline 1: memcpy of the fp32 buffer.
+  {
+    at::Tensor dst = at::empty_like(x);
+    std::vector<double> t;
+    for (int r = 0; r < repeat + 1; ++r) {
+      auto t0 = Clock::now();
+      std::memcpy(dst.data_ptr<float>(), x.data_ptr<float>(), static_cast<size_t>(n) * 4);
+      if (r) t.push_back(ms_since(t0));
+    }
+    std::cout << "{\"bench\":\"compress\",\"case\":\"memcpy\",\"elements\":" << n << ",\"encode_ms\":" << num(median(t))
+              << ",\"gb_per_s\":" << num(dense_bytes / median(t) / 1e6) << ",\"threads\":" << threads << "}"
+              << std::endl;
+  }
+  // Baseline 2: torch::topk of |g| with DGC's k.
+  {
+    const int64_t k = static_cast<int64_t>(std::ceil(0.001 * static_cast<double>(n)));
+    std::vector<double> t;
+    for (int r = 0; r < std::max(2, repeat / 2 + 1); ++r) {
+      auto t0 = Clock::now();
+      auto top = at::topk(x.reshape(-1).abs(), k);
+      if (r) t.push_back(ms_since(t0));
+    }
+    std::cout << "{\"bench\":\"compress\",\"case\":\"torch_topk\",\"elements\":" << n << ",\"k\":" << k
+              << ",\"encode_ms\":" << num(median(t)) << ",\"threads\":" << threads << "}" << std::endl;
+  }
+
+  Named flat = {{"grad", x}};
+  Named resnet;
+  for (const Case& c : default_cases()) {
+    if (!only.empty() && ("," + only + ",").find("," + c.name + ",") == std::string::npos) continue;
+    if (c.resnet && resnet.empty()) resnet = resnet_input();
+    const Named& input = c.resnet ? resnet : flat;
+    int64_t elements = 0;
+    for (auto& t : input) elements += t.second.numel();
+
+    auto compressor = compression::make_compressor(c.spec);
+    wire::RoundTrip trip(*compressor, 7);
+    std::vector<double> enc, dec;
+    size_t wire_bytes = 0;
+    double err = 0;
+    for (int r = 0; r < repeat + 1; ++r) {  // step 0 allocates state: not timed
+      wire::RoundTripResult res = trip.step(input);
+      wire_bytes = res.wire_bytes;
+      if (r == 0) continue;
+      enc.push_back(res.encode_ms);
+      dec.push_back(res.decode_ms);
+      if (r == repeat) {
+        double e2 = 0, x2 = 0;
+        for (size_t i = 0; i < input.size(); ++i) {
+          e2 += (res.decoded[i] - input[i].second).pow(2).sum().item<double>();
+          x2 += input[i].second.pow(2).sum().item<double>();
+        }
+        err = std::sqrt(e2 / x2);
+      }
+    }
+    std::cout << "{\"bench\":\"compress\",\"case\":\"" << c.name << "\",\"spec\":\"" << c.spec
+              << "\",\"elements\":" << elements << ",\"tensors\":" << input.size()
+              << ",\"encode_ms\":" << num(median(enc)) << ",\"decode_ms\":" << num(median(dec))
+              << ",\"wire_bytes\":" << wire_bytes
+              << ",\"ratio\":" << num(4.0 * static_cast<double>(elements) / static_cast<double>(wire_bytes))
+              << ",\"rel_error\":" << num(err) << ",\"threads\":" << threads << "}" << std::endl;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"sparrow-bench: JSON-lines benchmarks with same-run baselines"};
+  app.require_subcommand(1);
+  int64_t elements = 25000000;
+  int repeat = 5;
+  std::string methods;
+  auto* compress = app.add_subcommand("compress", "every compressor against memcpy and torch::topk");
+  compress->add_option("--elements", elements, "elements of the flat gradient (default 25,000,000, ~ResNet-50)")
+      ->check(CLI::Range(int64_t{1000}, int64_t{1} << 31));
+  compress->add_option("--repeat", repeat, "timed repetitions per case (median reported)")->check(CLI::Range(1, 1000));
+  compress->add_option("--methods", methods, "comma-separated subset of cases to run");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e) == 0 ? 0 : 2;
+  }
+  try {
+    if (*compress) return bench_compress(elements, repeat, methods);
+  } catch (const std::exception& e) {
+    std::cerr << "sparrow-bench: error: " << e.what() << "\n";
+    return 1;
+  }
+  return 0;
+}

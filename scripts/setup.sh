@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs the Debian packages Sparrow's build, tests and demo need.
+# Does nothing when they are all present. Uses sudo when not root.
+set -euo pipefail
+
+PACKAGES=(
+  g++ cmake ninja-build ccache pkg-config
+  libtorch-dev            # LibTorch (ATen, torch::nn)
+  libflatbuffers-dev flatbuffers-compiler   # wire format
+  doctest-dev             # tests
+  libcli11-dev            # command lines
+  zlib1g-dev              # gzipped IDX datasets
+  dataset-fashion-mnist   # the real data set (/usr/share/datasets/fashion-mnist)
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
+  [[ "$status" == "install ok installed" ]] || missing+=("$p")
+done
+
+if [[ ${#missing[@]} -eq 0 ]]; then
+  exit 0
+fi
+
+SUDO=""
+if [[ $(id -u) -ne 0 ]]; then
+  command -v sudo >/dev/null || { echo "setup.sh: need root or sudo to install: ${missing[*]}" >&2; exit 1; }
+  SUDO="sudo"
+fi
+echo "setup.sh: installing ${missing[*]}" >&2
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -q
+$SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"

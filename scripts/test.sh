@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Installs what is missing, builds, and runs the tests.
+#   scripts/test.sh           the default suite (everything not labelled slow)
+#   scripts/test.sh --slow    only the slow tests
+#   scripts/test.sh --all     everything
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode=${1:-default}
+scripts/setup.sh
+scripts/build.sh
+BUILD_DIR=${SPARROW_BUILD_DIR:-build}
+case "$mode" in
+  default) ctest --test-dir "$BUILD_DIR" --output-on-failure -j 2 -LE slow ;;
+  --slow)  ctest --test-dir "$BUILD_DIR" --output-on-failure -j 2 -L slow ;;
+  --all)   ctest --test-dir "$BUILD_DIR" --output-on-failure -j 2 ;;
+  *) echo "usage: scripts/test.sh [--slow|--all]" >&2; exit 2 ;;
+esac
