@@ -1,5 +1,362 @@
-// placeholder during development: replaced by the real codec
+// powersgd:rank=r[,warm_start=0|1][,ef=0|1] — PowerSGD (Vogels, Karimireddy,
+// Jaggi, NeurIPS 2019), one power-iteration step per encode.
+//
+// This is PyTorch's powerSGD_hook with the all-reduces removed (N = 1): in
+// federated learning each client sends both of its own factors in one message,
+// so there is no mid-step exchange of P. Consequences:
+//  - error feedback is local: E = (M + E) − P·Qᵀ with this client's own P, Q
+//    (the hook uses local − global reconstruction);
+//  - the aggregator cannot sum factors (Σ P_i Q_iᵀ ≠ (Σ P_i)(Σ Q_i)ᵀ), it sums
+//    the decoded P·Qᵀ. `acp` is the variant whose aggregation is linear.
+//
+// Also here: the matrix view, Gram–Schmidt and the decoder of kLowRank, which
+// ACP (acp.cc) shares.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "compression/codec_util.h"
 #include "compression/formats.h"
-#include "core/error.h"
-namespace sparrow::compression::detail { void register_lowrank() {}
-void decode_lowrank_add(const Encoded&, at::Tensor&, float) { throw Error("todo"); } }
+#include "compression/lowrank.h"
+#include "core/rng.h"
+#include "core/spec.h"
+
+namespace sparrow::compression {
+
+LowRankDims lowrank_dims(const std::vector<int64_t>& shape, int64_t rank) {
+  LowRankDims d;
+  if (shape.empty()) return d;
+  const int64_t numel = detail::numel_of(shape);
+  if (numel <= 0 || shape[0] <= 0) return d;
+  d.rows = shape[0];
+  d.cols = numel / d.rows;
+  d.rank = std::max<int64_t>(0, std::min({rank, d.rows, d.cols}));
+  return d;
+}
+
+bool lowrank_compressible(const std::vector<int64_t>& shape, int64_t rank) {
+  if (shape.size() < 2) return false;
+  const LowRankDims d = lowrank_dims(shape, rank);
+  if (d.rank < 1) return false;
+  constexpr int64_t kMaxParam = std::numeric_limits<uint32_t>::max();
+  if (d.rows > kMaxParam || d.cols > kMaxParam) return false;
+  constexpr int64_t kMinCompressionRate = 2;
+  return (d.rows + d.cols) * d.rank * kMinCompressionRate < d.rows * d.cols;
+}
+
+namespace {
+
+// Gram–Schmidt on a row-major n × r float matrix. Works on a column-major
+// double copy (columns contiguous), projects each column twice against the
+// earlier ones, zeroes columns that are ~0. Returns the number of zero columns.
+int64_t gram_schmidt(float* a, int64_t n, int64_t r, std::vector<double>& buf) {
+  buf.assign(static_cast<size_t>(n * r), 0.0);
+  double scale = 0.0;
+  for (int64_t j = 0; j < r; ++j) {
+    double* c = buf.data() + j * n;
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      c[i] = a[i * r + j];
+      ss += c[i] * c[i];
+    }
+    if (std::isfinite(ss)) scale = std::max(scale, std::sqrt(ss));
+  }
+  const double tol = 1e-8 * scale;
+  int64_t zero = 0;
+  for (int64_t j = 0; j < r; ++j) {
+    double* c = buf.data() + j * n;
+    for (int pass = 0; pass < 2; ++pass) {
+      for (int64_t k = 0; k < j; ++k) {
+        const double* b = buf.data() + k * n;
+        double dot = 0.0;
+        for (int64_t i = 0; i < n; ++i) dot += b[i] * c[i];
+        if (dot == 0.0) continue;  // includes zeroed columns
+        for (int64_t i = 0; i < n; ++i) c[i] -= dot * b[i];
+      }
+    }
+    double ss = 0.0;
+    for (int64_t i = 0; i < n; ++i) ss += c[i] * c[i];
+    const double norm = std::sqrt(ss);
+    if (!(norm > tol) || !std::isfinite(norm)) {  // also catches scale == 0 and NaN
+      std::fill(c, c + n, 0.0);
+      ++zero;
+      continue;
+    }
+    const double inv = 1.0 / norm;
+    for (int64_t i = 0; i < n; ++i) c[i] *= inv;
+  }
+  for (int64_t j = 0; j < r; ++j) {
+    const double* c = buf.data() + j * n;
+    for (int64_t i = 0; i < n; ++i) a[i * r + j] = static_cast<float>(c[i]);
+  }
+  return zero;
+}
+
+void check_matrix(const at::Tensor& m, const char* what) {
+  SPARROW_CHECK(m.defined() && m.dim() == 2 && m.scalar_type() == at::kFloat && m.device().is_cpu(),
+                what << ": expected a 2-D float32 CPU matrix");
+}
+
+}  // namespace
+
+void orthonormalize_columns(at::Tensor& m) {
+  check_matrix(m, "orthonormalize_columns");
+  std::vector<double> buf;
+  if (m.is_contiguous()) {
+    gram_schmidt(m.data_ptr<float>(), m.size(0), m.size(1), buf);
+    return;
+  }
+  at::Tensor c = m.contiguous();
+  gram_schmidt(c.data_ptr<float>(), c.size(0), c.size(1), buf);
+  m.copy_(c);
+}
+
+namespace detail {
+
+int64_t orthonormalize_refill(at::Tensor& m, uint64_t key) {
+  check_matrix(m, "orthonormalize_refill");
+  SPARROW_CHECK(m.is_contiguous(), "orthonormalize_refill: matrix must be contiguous");
+  const int64_t n = m.size(0), r = m.size(1);
+  float* a = m.data_ptr<float>();
+  std::vector<double> buf;
+  if (gram_schmidt(a, n, r, buf) == 0) return 0;
+  for (int64_t j = 0; j < r; ++j) {
+    bool is_zero = true;
+    for (int64_t i = 0; i < n && is_zero; ++i) is_zero = a[i * r + j] == 0.0f;
+    if (!is_zero) continue;
+    for (int64_t i = 0; i < n; ++i) a[i * r + j] = rng::normal(key, static_cast<uint64_t>(i * r + j));
+  }
+  return gram_schmidt(a, n, r, buf);
+}
+
+namespace {
+
+// Columns handled per block of a row, so a block of A and of Bᵀ stay in L1/L2
+// however long the rows are.
+constexpr int64_t kBlock = 2048;
+constexpr int kLanes = 16;
+
+// Rows per parallel task: at least ~32K elements each.
+int64_t row_grain(int64_t m) { return std::max<int64_t>(1, 32768 / std::max<int64_t>(m, 1)); }
+
+// Σ a[l]·b[l] in kLanes independent float lanes (vectorisable without
+// reassociation, so the order is fixed), summed in double.
+inline double dot(const float* a, const float* b, int64_t len) {
+  float acc[kLanes] = {};
+  int64_t l = 0;
+  for (; l + kLanes <= len; l += kLanes) {
+    for (int k = 0; k < kLanes; ++k) acc[k] += a[l + k] * b[l + k];
+  }
+  double s = 0.0;
+  for (int k = 0; k < kLanes; ++k) s += acc[k];
+  for (; l < len; ++l) s += static_cast<double>(a[l]) * b[l];
+  return s;
+}
+
+inline void axpy(float* y, float alpha, const float* x, int64_t len) {
+  for (int64_t l = 0; l < len; ++l) y[l] += alpha * x[l];
+}
+
+// m × r row-major -> r × m row-major.
+std::vector<float> transposed(const float* b, int64_t m, int64_t r) {
+  std::vector<float> t(static_cast<size_t>(m * r));
+  for (int64_t l = 0; l < m; ++l)
+    for (int64_t j = 0; j < r; ++j) t[j * m + l] = b[l * r + j];
+  return t;
+}
+
+// Row i of A, or of A + x (written to sum's row, or to scratch when sum is null).
+const float* source_row(const float* a, const float* x, float* sum, int64_t i, int64_t m, float* scratch) {
+  const float* ar = a + i * m;
+  if (x == nullptr) return ar;
+  const float* xr = x + i * m;
+  float* dst = sum != nullptr ? sum + i * m : scratch;
+  for (int64_t l = 0; l < m; ++l) dst[l] = ar[l] + xr[l];
+  return dst;
+}
+
+}  // namespace
+
+void skinny_mm(const float* a, const float* x, float* sum, int64_t n, int64_t m, const float* b, int64_t r,
+               float* out) {
+  if (n <= 0 || r <= 0) return;
+  const std::vector<float> bt = transposed(b, m, r);
+  at::parallel_for(0, n, row_grain(m), [&](int64_t begin, int64_t end) {
+    std::vector<float> scratch(x != nullptr && sum == nullptr ? static_cast<size_t>(m) : 0);
+    std::vector<double> acc(static_cast<size_t>(r));
+    for (int64_t i = begin; i < end; ++i) {
+      const float* row = source_row(a, x, sum, i, m, scratch.data());
+      std::fill(acc.begin(), acc.end(), 0.0);
+      for (int64_t l0 = 0; l0 < m; l0 += kBlock) {
+        const int64_t len = std::min(kBlock, m - l0);
+        for (int64_t j = 0; j < r; ++j) acc[j] += dot(row + l0, bt.data() + j * m + l0, len);
+      }
+      for (int64_t j = 0; j < r; ++j) out[i * r + j] = static_cast<float>(acc[j]);
+    }
+  });
+}
+
+void skinny_mm_t(const float* a, const float* x, float* sum, int64_t n, int64_t m, const float* p, int64_t r,
+                 float* out) {
+  if (m <= 0 || r <= 0) return;
+  if (n <= 0) {
+    std::fill(out, out + m * r, 0.0f);
+    return;
+  }
+  // Rows are split into a fixed number of chunks (a function of the shape, not
+  // of the thread count); each chunk accumulates its own r × m partial sum (Qᵀ),
+  // and the partials are added in chunk order.
+  constexpr int64_t kMaxChunks = 16;
+  constexpr int64_t kMaxPartialFloats = int64_t{1} << 22;
+  int64_t chunks = std::min({kMaxChunks, n, std::max<int64_t>(1, kMaxPartialFloats / (r * m))});
+  const int64_t rows_per = (n + chunks - 1) / chunks;
+  chunks = (n + rows_per - 1) / rows_per;
+  std::vector<float> part(static_cast<size_t>(chunks * r * m), 0.0f);
+  at::parallel_for(0, chunks, 1, [&](int64_t cb, int64_t ce) {
+    std::vector<float> scratch(x != nullptr && sum == nullptr ? static_cast<size_t>(m) : 0);
+    for (int64_t c = cb; c < ce; ++c) {
+      float* qt = part.data() + c * r * m;
+      const int64_t i_end = std::min(n, (c + 1) * rows_per);
+      for (int64_t i = c * rows_per; i < i_end; ++i) {
+        const float* row = source_row(a, x, sum, i, m, scratch.data());
+        for (int64_t l0 = 0; l0 < m; l0 += kBlock) {
+          const int64_t len = std::min(kBlock, m - l0);
+          for (int64_t j = 0; j < r; ++j) axpy(qt + j * m + l0, p[i * r + j], row + l0, len);
+        }
+      }
+    }
+  });
+  at::parallel_for(0, m, row_grain(r * chunks), [&](int64_t lb, int64_t le) {
+    for (int64_t l = lb; l < le; ++l) {
+      for (int64_t j = 0; j < r; ++j) {
+        float s = 0.0f;
+        for (int64_t c = 0; c < chunks; ++c) s += part[(c * r + j) * m + l];
+        out[l * r + j] = s;
+      }
+    }
+  });
+}
+
+void rank_update(float* a, int64_t n, int64_t m, const float* p, const float* q, int64_t r, float alpha) {
+  if (n <= 0 || m <= 0 || r <= 0) return;
+  const std::vector<float> qt = transposed(q, m, r);
+  at::parallel_for(0, n, row_grain(m), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      float* row = a + i * m;
+      for (int64_t l0 = 0; l0 < m; l0 += kBlock) {
+        const int64_t len = std::min(kBlock, m - l0);
+        for (int64_t j = 0; j < r; ++j) {
+          const float c = alpha * p[i * r + j];
+          if (c != 0.0f) axpy(row + l0, c, qt.data() + j * m + l0, len);
+        }
+      }
+    }
+  });
+}
+
+at::Tensor factor_from_bytes(const uint8_t* bytes, int64_t k, int64_t r) {
+  at::Tensor f = at::empty({k, r}, at::TensorOptions().dtype(at::kFloat));
+  if (k > 0 && r > 0) std::memcpy(f.data_ptr<float>(), bytes, static_cast<size_t>(k * r) * sizeof(float));
+  return f;
+}
+
+void decode_lowrank_add(const Encoded& e, at::Tensor& out, float weight) {
+  const int64_t rows = e.params[0], cols = e.params[1], r = e.params[2];
+  const at::Tensor p = factor_from_bytes(e.values.data(), rows, r);
+  const at::Tensor q = factor_from_bytes(e.values.data() + rows * r * sizeof(float), cols, r);
+  rank_update(out.data_ptr<float>(), rows, cols, p.data_ptr<float>(), q.data_ptr<float>(), r, weight);
+}
+
+namespace {
+
+class PowerSgdCompressor final : public Compressor {
+ public:
+  PowerSgdCompressor(int64_t rank, bool warm_start, bool ef) : rank_(rank), warm_start_(warm_start), ef_(ef) {}
+  std::string method() const override { return "powersgd"; }
+
+  Encoded encode(const at::Tensor& x_in, State& state, const Context& ctx) const override {
+    const at::Tensor x = as_input(x_in, "powersgd");
+    Encoded e;
+    e.shape = shape_of(x);
+    ++state.step;
+    if (!lowrank_compressible(e.shape, rank_)) {
+      e.format = Format::kDense;
+      pack_values(x.data_ptr<float>(), static_cast<uint64_t>(x.numel()), ValueType::kF32, e.values);
+      return e;
+    }
+    const LowRankDims d = lowrank_dims(e.shape, rank_);
+    const int64_t n = d.rows, m = d.cols, r = d.rank;
+
+    // Q: last step's Q (warm start) or the seeded one, orthonormalised. A stored
+    // Q that lost columns (e.g. after an all-zero input, Q = M'ᵀP = 0) is refilled
+    // from the seeded stream, or the iteration would stay stuck at zero.
+    at::Tensor q;
+    auto it = state.tensors.find("q");
+    if (warm_start_ && it != state.tensors.end() && it->second.dim() == 2 && it->second.size(0) == m &&
+        it->second.size(1) == r) {
+      q = it->second.contiguous().clone();
+      detail::orthonormalize_refill(q, tensor_key(ctx));
+    } else {
+      q = acp_initial_factor(ctx, n, m, r, 1);
+    }
+
+    // M' = M + E is built in the residual slot during the first product's pass.
+    const float* xp = x.data_ptr<float>();
+    float* res = nullptr;
+    if (ef_) {
+      at::Tensor& slot = state.slot("residual", x);
+      if (!slot.is_contiguous()) slot = slot.contiguous();
+      res = slot.data_ptr<float>();
+    }
+    const float* mc = ef_ ? res : xp;
+    at::Tensor p = at::empty({n, r}, at::TensorOptions().dtype(at::kFloat));
+    if (ef_) {
+      detail::skinny_mm(res, xp, res, n, m, q.data_ptr<float>(), r, p.data_ptr<float>());
+    } else {
+      detail::skinny_mm(xp, nullptr, nullptr, n, m, q.data_ptr<float>(), r, p.data_ptr<float>());
+    }
+    orthonormalize_columns(p);
+    q = at::empty({m, r}, at::TensorOptions().dtype(at::kFloat));  // Q = M'ᵀ P
+    detail::skinny_mm_t(mc, nullptr, nullptr, n, m, p.data_ptr<float>(), r, q.data_ptr<float>());
+
+    e.format = Format::kLowRank;
+    e.params = {static_cast<uint32_t>(n), static_cast<uint32_t>(m), static_cast<uint32_t>(r)};
+    e.values.reserve(static_cast<size_t>((n + m) * r) * sizeof(float));
+    pack_values(p.data_ptr<float>(), static_cast<uint64_t>(n * r), ValueType::kF32, e.values);
+    pack_values(q.data_ptr<float>(), static_cast<uint64_t>(m * r), ValueType::kF32, e.values);
+
+    if (ef_) detail::rank_update(res, n, m, p.data_ptr<float>(), q.data_ptr<float>(), r, -1.0f);  // E = M' − P·Qᵀ
+    if (warm_start_) {
+      state.tensors.insert_or_assign("q", q);
+    } else {
+      state.tensors.erase("q");
+    }
+    return e;
+  }
+
+ private:
+  int64_t rank_;
+  bool warm_start_;
+  bool ef_;
+};
+
+}  // namespace
+
+void register_lowrank() {
+  register_compressor("powersgd", [](Spec& spec) -> std::unique_ptr<Compressor> {
+    SPARROW_CHECK_T(ConfigError, spec.has("rank"), "powersgd: 'rank' is required (e.g. powersgd:rank=4)");
+    const int64_t rank = spec.get_int("rank", 0);
+    SPARROW_CHECK_T(ConfigError, rank >= 1, "powersgd: rank must be >= 1, got " << rank);
+    const bool warm_start = spec.get_bool("warm_start", true);
+    const bool ef = spec.get_bool("ef", true);
+    return std::make_unique<PowerSgdCompressor>(rank, warm_start, ef);
+  });
+  register_acp();
+}
+
+}  // namespace detail
+}  // namespace sparrow::compression

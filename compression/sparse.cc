@@ -1,3 +1,318 @@
-// placeholder during development: replaced by the real codec
+// Sparsifiers that send (index, value) pairs, Format::kSparse:
+//   topk:ratio=R[,ef=0|1][,values=fp32|fp16|bf16]   exact top-k by magnitude
+//   randomk:ratio=R[,ef=0|1]                         k shared-seed random indices, unbiased
+//   threshold:tau=T[,ef=0|1]                         Strom (2015): ±tau where |residual| >= tau
+// plus the selection kernels DGC shares (declared in dgc.h).
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+#include "compression/codec_util.h"
+#include "compression/dgc.h"
 #include "compression/formats.h"
-namespace sparrow::compression::detail { void register_sparsifiers() {} }
+#include "core/spec.h"
+
+namespace sparrow::compression::detail {
+
+// ---- selection kernels ----------------------------------------------------------
+
+namespace {
+
+// Selections are sparse: with SSE2 a lane mask from a 4-wide comparison finds
+// the selected elements without a branch per element.
+inline void collect_abs_ge_range(const float* a, int64_t begin, int64_t end, float thr, std::vector<int64_t>& out) {
+  int64_t i = begin;
+#if defined(__SSE2__)
+  const __m128 vt = _mm_set1_ps(thr);
+  const __m128 abs_mask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
+  for (; i + 4 <= end; i += 4) {
+    int mask = _mm_movemask_ps(_mm_cmpge_ps(_mm_and_ps(_mm_loadu_ps(a + i), abs_mask), vt));
+    while (mask) {
+      out.push_back(i + __builtin_ctz(static_cast<unsigned>(mask)));
+      mask &= mask - 1;
+    }
+  }
+#endif
+  for (; i < end; ++i)
+    if (std::fabs(a[i]) >= thr) out.push_back(i);
+}
+
+}  // namespace
+
+float kth_largest(std::vector<float>& s, int64_t r) {
+  s.erase(std::remove_if(s.begin(), s.end(), [](float x) { return std::isnan(x); }), s.end());
+  if (s.empty() || r <= 0) return s.empty() ? 0.0f : *std::max_element(s.begin(), s.end());
+  const int64_t size = static_cast<int64_t>(s.size());
+  r = std::min(r, size);
+  if (r * 64 <= size) {
+    // Heap selection: for a small rank nearly every value fails one comparison
+    // with the heap's minimum, about 10x faster than nth_element here.
+    std::vector<float> heap(s.begin(), s.begin() + r);
+    std::make_heap(heap.begin(), heap.end(), std::greater<float>());
+    for (int64_t i = r; i < size; ++i) {
+      const float x = s[static_cast<size_t>(i)];
+      if (x > heap.front()) {
+        std::pop_heap(heap.begin(), heap.end(), std::greater<float>());
+        heap.back() = x;
+        std::push_heap(heap.begin(), heap.end(), std::greater<float>());
+      }
+    }
+    return heap.front();
+  }
+  const auto pos = static_cast<std::ptrdiff_t>(r - 1);
+  std::nth_element(s.begin(), s.begin() + pos, s.end(), std::greater<float>());
+  return s[static_cast<size_t>(pos)];
+}
+
+void collect_abs_ge(const float* a, int64_t n, float thr, std::vector<int64_t>& out) {
+  scan_blocks(n, out, [a, thr](int64_t b, int64_t e, std::vector<int64_t>& part) {
+    collect_abs_ge_range(a, b, e, thr, part);
+  });
+}
+
+void keep_topk(const float* a, std::vector<int64_t>& cand, uint64_t k) {
+  if (cand.size() <= k) return;
+  if (k == 0) {
+    cand.clear();
+    return;
+  }
+  // Select the k-th largest magnitude on a contiguous copy of the candidates'
+  // magnitudes (cache-friendly, no indirection in the selection), then filter the
+  // ascending list: everything above it, plus as many equal to it as are still
+  // needed, lowest indices first. That is exactly the order of a stable sort.
+  std::vector<float> mags(cand.size());
+  for (size_t j = 0; j < cand.size(); ++j) mags[j] = std::fabs(a[cand[j]]);
+  std::nth_element(mags.begin(), mags.begin() + static_cast<std::ptrdiff_t>(k - 1), mags.end(), std::greater<float>());
+  const float pivot = mags[k - 1];
+  uint64_t above = 0;
+  for (const int64_t i : cand) above += std::fabs(a[i]) > pivot;
+  uint64_t ties = k - above;
+  size_t w = 0;
+  for (const int64_t i : cand) {
+    const float x = std::fabs(a[i]);
+    if (x > pivot) {
+      cand[w++] = i;
+    } else if (x == pivot && ties > 0) {
+      cand[w++] = i;
+      --ties;
+    }
+  }
+  cand.resize(w);
+}
+
+std::vector<int64_t> topk_abs_indices(const float* a, int64_t n, int64_t k) {
+  std::vector<int64_t> cand;
+  k = std::min(k, n);
+  if (k <= 0) return cand;
+  // Small tensors: every non-NaN entry is a candidate.
+  constexpr int64_t kDirectBelow = 8192;
+  if (n <= kDirectBelow) {
+    collect_abs_ge(a, n, 0.0f, cand);
+  } else {
+    // Threshold = the r-th largest of m strided samples, with r a few standard
+    // deviations above the expected number of samples in the top-k, so the
+    // candidates (all |a| >= threshold) hold about k + O(sqrt(k)·n/m) entries.
+    // Whenever they number at least k they provably contain the top-k: every
+    // top-k entry is >= the k-th largest value, which is >= the threshold.
+    const int64_t m = std::min<int64_t>(n, 65536);
+    const int64_t stride = n / m;
+    std::vector<float> samples;
+    const double expected = static_cast<double>(m) * static_cast<double>(k) / static_cast<double>(n);
+    auto r = static_cast<int64_t>(std::ceil(expected + 4.0 * std::sqrt(expected) + 4.0));
+    while (true) {
+      float thr = 0.0f;
+      if (r < m) {
+        samples.resize(static_cast<size_t>(m));  // kth_largest drops NaNs: refill every round
+        for (int64_t j = 0; j < m; ++j) samples[static_cast<size_t>(j)] = std::fabs(a[j * stride]);
+        thr = kth_largest(samples, r);
+      }
+      cand.clear();
+      collect_abs_ge(a, n, thr, cand);
+      if (static_cast<int64_t>(cand.size()) >= k || thr == 0.0f) break;
+      r *= 4;  // unlucky sample (probability well below 1e-6): lower the threshold, rescan
+    }
+  }
+  SPARROW_CHECK(static_cast<int64_t>(cand.size()) >= k,
+                "top-k: only " << cand.size() << " of " << n << " values are not NaN, k = " << k);
+  keep_topk(a, cand, static_cast<uint64_t>(k));
+  return cand;
+}
+
+namespace {
+
+double parse_ratio(Spec& spec, const char* method, double def) {
+  const double ratio = spec.get_double("ratio", def);
+  SPARROW_CHECK_T(ConfigError, ratio > 0.0 && ratio <= 1.0,
+                  method << ": ratio=" << ratio << " must be in (0, 1]");
+  return ratio;
+}
+
+// k = max(1, ceil(ratio·n)), at most n.
+int64_t count_for(double ratio, int64_t n) {
+  const auto k = static_cast<int64_t>(std::ceil(ratio * static_cast<double>(n)));
+  return std::min(n, std::max<int64_t>(1, k));
+}
+
+// Error feedback without n-sized temporaries: the residual slot is turned into
+// the compensated tensor in place (r += x, the same sum ef_compensate forms),
+// and after encoding the decoded values are subtracted at the sent indices,
+// which leaves r = compensated - decode(e), exactly what ef_update computes.
+float* compensate_in_place(const at::Tensor& x, State& state) {
+  at::Tensor& r = state.slot("residual", x);
+  SPARROW_CHECK(r.scalar_type() == at::kFloat, "residual state must be float32");
+  if (!r.is_contiguous()) r = r.contiguous();
+  r.add_(x);
+  return r.data_ptr<float>();
+}
+
+void subtract_sent(float* r, const Encoded& e, const int64_t* idx) {
+  std::vector<float> dec(e.count);
+  const float mag = e.value_type == ValueType::kSign ? e.scales.at(0) : 0.0f;
+  unpack_values(e.values.data(), e.count, e.value_type, mag, dec.data());
+  for (uint64_t j = 0; j < e.count; ++j) r[idx[j]] -= dec[j];
+}
+
+std::vector<float> gather(const float* src, const std::vector<int64_t>& idx, float scale = 1.0f) {
+  std::vector<float> vals(idx.size());
+  for (size_t j = 0; j < idx.size(); ++j) vals[j] = src[idx[j]] * scale;
+  return vals;
+}
+
+class TopKCompressor final : public Compressor {
+ public:
+  TopKCompressor(double ratio, bool ef, ValueType vt) : ratio_(ratio), ef_(ef), vt_(vt) {}
+  std::string method() const override { return "topk"; }
+
+  Encoded encode(const at::Tensor& x_in, State& state, const Context&) const override {
+    const at::Tensor x = as_input(x_in, "topk");
+    const int64_t n = x.numel();
+    float* res = ef_ ? compensate_in_place(x, state) : nullptr;
+    const float* src = ef_ ? res : x.data_ptr<float>();
+    const std::vector<int64_t> idx = topk_abs_indices(src, n, n == 0 ? 0 : count_for(ratio_, n));
+    const std::vector<float> vals = gather(src, idx);
+    Encoded e = make_sparse(shape_of(x), idx.data(), vals.data(), idx.size(), vt_);
+    if (ef_) subtract_sent(res, e, idx.data());
+    ++state.step;
+    return e;
+  }
+
+ private:
+  double ratio_;
+  bool ef_;
+  ValueType vt_;
+};
+
+// Random-k (Stich et al. 2018; GRACE's randomk without its bias): indices are a
+// pure function of step_key(ctx, step), so they never travel (IndexCoding::kSeeded)
+// and every party with the same (seed, name, step) derives the same set. Each index
+// is chosen with probability k/n, so values scaled by n/k make decode unbiased.
+class RandomKCompressor final : public Compressor {
+ public:
+  RandomKCompressor(double ratio, bool ef) : ratio_(ratio), ef_(ef) {}
+  std::string method() const override { return "randomk"; }
+
+  Encoded encode(const at::Tensor& x_in, State& state, const Context& ctx) const override {
+    const at::Tensor x = as_input(x_in, "randomk");
+    const int64_t n = x.numel();
+    float* res = ef_ ? compensate_in_place(x, state) : nullptr;
+    const float* src = ef_ ? res : x.data_ptr<float>();
+    const int64_t k = n == 0 ? 0 : count_for(ratio_, n);
+    const uint64_t key = step_key(ctx, state.step);
+    const std::vector<int64_t> idx = seeded_indices(key, static_cast<uint64_t>(k), n);
+    const float scale = k == 0 ? 1.0f : static_cast<float>(static_cast<double>(n) / static_cast<double>(k));
+    const std::vector<float> vals = gather(src, idx, scale);
+    Encoded e;
+    e.format = Format::kSparse;
+    e.shape = shape_of(x);
+    e.value_type = ValueType::kF32;
+    e.index_coding = IndexCoding::kSeeded;
+    e.count = static_cast<uint64_t>(k);
+    e.seed = key;
+    pack_values(vals.data(), vals.size(), ValueType::kF32, e.values);
+    if (ef_) subtract_sent(res, e, idx.data());
+    ++state.step;
+    return e;
+  }
+
+ private:
+  double ratio_;
+  bool ef_;
+};
+
+// Strom (2015): the residual r accumulates gradients; every element with
+// |r| >= tau is sent as ±tau (one sign bit, ValueType::kSign with magnitude tau)
+// and tau·sign is subtracted from r. Without ef there is no memory: a plain
+// ±tau quantiser of the elements of x above tau.
+class ThresholdCompressor final : public Compressor {
+ public:
+  ThresholdCompressor(float tau, bool ef) : tau_(tau), ef_(ef) {}
+  std::string method() const override { return "threshold"; }
+
+  Encoded encode(const at::Tensor& x_in, State& state, const Context&) const override {
+    const at::Tensor x = as_input(x_in, "threshold");
+    const int64_t n = x.numel();
+    float* res = nullptr;
+    const float* src = x.data_ptr<float>();
+    if (ef_) {
+      at::Tensor& r = state.slot("residual", x);
+      SPARROW_CHECK(r.scalar_type() == at::kFloat, "residual state must be float32");
+      if (!r.is_contiguous()) r = r.contiguous();
+      res = r.data_ptr<float>();
+      src = res;
+    }
+    std::vector<int64_t> idx;
+    const float tau = tau_;
+    if (ef_) {
+      // One pass: r += x and collect |r| >= tau (same sum as ef_compensate).
+      const float* xs = x.data_ptr<float>();
+      scan_blocks(n, idx, [res, xs, tau](int64_t b, int64_t e, std::vector<int64_t>& part) {
+        for (int64_t i = b; i < e; ++i) res[i] += xs[i];
+        collect_abs_ge_range(res, b, e, tau, part);
+      });
+    } else {
+      collect_abs_ge(src, n, tau, idx);
+    }
+    const std::vector<float> vals = gather(src, idx);
+    Encoded e = make_sparse(shape_of(x), idx.data(), vals.data(), idx.size(), ValueType::kSign, tau);
+    if (ef_)
+      for (size_t j = 0; j < idx.size(); ++j) res[idx[j]] -= vals[j] < 0.0f ? -tau : tau;
+    ++state.step;
+    return e;
+  }
+
+ private:
+  float tau_;
+  bool ef_;
+};
+
+}  // namespace
+
+void register_sparsifiers() {
+  register_compressor("topk", [](Spec& spec) {
+    const double ratio = parse_ratio(spec, "topk", 0.01);
+    const bool ef = spec.get_bool("ef", false);
+    const ValueType vt = parse_value_type(spec.get_string("values", "fp32"));
+    return std::make_unique<TopKCompressor>(ratio, ef, vt);
+  });
+  register_compressor("randomk", [](Spec& spec) {
+    const double ratio = parse_ratio(spec, "randomk", 0.01);
+    const bool ef = spec.get_bool("ef", false);
+    return std::make_unique<RandomKCompressor>(ratio, ef);
+  });
+  register_compressor("threshold", [](Spec& spec) {
+    const double tau = spec.require_double("tau");
+    const auto tau_f = static_cast<float>(tau);
+    SPARROW_CHECK_T(ConfigError, tau > 0.0 && tau_f > 0.0f && std::isfinite(tau_f),
+                    "threshold: tau=" << tau << " must be a positive float32");
+    const bool ef = spec.get_bool("ef", true);
+    return std::make_unique<ThresholdCompressor>(tau_f, ef);
+  });
+}
+
+}  // namespace sparrow::compression::detail

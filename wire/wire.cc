@@ -1,1 +1,451 @@
-// placeholder
+// The only translation unit that sees the flatc-generated code: it turns the
+// plain structs of wire.h into size-prefixed FlatBuffers and back.
+#include "wire/wire.h"
+
+#include <flatbuffers/flatbuffers.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <new>
+#include <sstream>
+#include <string_view>
+#include <unordered_set>
+
+#include "sparrow_generated.h"
+
+namespace sparrow::wire {
+namespace {
+
+namespace c = compression;
+
+constexpr char kIdentifier[] = "SPRW";
+// Size prefix + root offset + identifier: the least a buffer can be before
+// anything else is read (FlatBuffers' own minimum is the same 12 bytes).
+constexpr size_t kHeaderBytes = 12;
+// Payload vectors are 16-byte aligned so fp32/fp16 values can be read in place.
+constexpr size_t kValuesAlign = 16;
+// Our nesting is Message > ModelUpdate > [EncodedTensor] > EncodedTensor > vector
+// (5 levels); anything much deeper is an attack, not a message.
+constexpr flatbuffers::uoffset_t kMaxDepth = 16;
+constexpr flatbuffers::uoffset_t kMaxTables = flatbuffers::uoffset_t{1} << 20;
+// An Error reply's message is cut to this many bytes.
+constexpr size_t kMaxErrorMessageBytes = 1024;
+
+static_assert(sizeof(kIdentifier) == flatbuffers::kFileIdentifierLength + 1, "identifier is 4 bytes");
+static_assert(static_cast<int>(fb::ErrorCode::MAX) == static_cast<int>(ErrorCode::kUnsupported),
+              "wire::ErrorCode must mirror fb::ErrorCode");
+static_assert(static_cast<int>(fb::Format::MAX) == static_cast<int>(c::Format::kLowRankFactor),
+              "fb::Format must mirror compression::Format");
+static_assert(static_cast<int>(fb::ValueType::MAX) == static_cast<int>(c::ValueType::kSign),
+              "fb::ValueType must mirror compression::ValueType");
+static_assert(static_cast<int>(fb::IndexCoding::MAX) == static_cast<int>(c::IndexCoding::kSeeded),
+              "fb::IndexCoding must mirror compression::IndexCoding");
+
+[[noreturn]] void fail(ErrorCode code, const std::string& what) { throw ProtocolError(code, what); }
+
+// Strict UTF-8 (no overlong forms, no surrogates, nothing above U+10FFFF) and
+// no NUL, so names are safe as keys, in logs and in C strings.
+bool valid_text(const char* s, size_t n) {
+  const auto* p = reinterpret_cast<const unsigned char*>(s);
+  size_t i = 0;
+  while (i < n) {
+    const unsigned b = p[i];
+    if (b == 0) return false;
+    if (b < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t len;
+    uint32_t cp, min;
+    if ((b & 0xe0) == 0xc0) {
+      len = 2, cp = b & 0x1f, min = 0x80;
+    } else if ((b & 0xf0) == 0xe0) {
+      len = 3, cp = b & 0x0f, min = 0x800;
+    } else if ((b & 0xf8) == 0xf0) {
+      len = 4, cp = b & 0x07, min = 0x10000;
+    } else {
+      return false;
+    }
+    if (n - i < len) return false;
+    for (size_t k = 1; k < len; ++k) {
+      if ((p[i + k] & 0xc0) != 0x80) return false;
+      cp = (cp << 6) | (p[i + k] & 0x3f);
+    }
+    if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return false;
+    i += len;
+  }
+  return true;
+}
+
+// The string's bytes, or "" for an absent string; kMalformed unless valid text.
+std::string_view text_of(const flatbuffers::String* s, const std::string& what) {
+  if (!s) return {};
+  if (!valid_text(s->c_str(), s->size())) fail(ErrorCode::kMalformed, what + " is not valid UTF-8 (or contains NUL)");
+  return {s->c_str(), s->size()};
+}
+
+// Copies a verified FlatBuffers vector (absent = empty). Element-wise reads keep
+// this independent of the host's byte order.
+template <typename T>
+std::vector<T> vector_of(const flatbuffers::Vector<T>* v) {
+  std::vector<T> out;
+  if (!v) return out;
+  out.resize(v->size());
+  for (flatbuffers::uoffset_t i = 0; i < v->size(); ++i) out[i] = v->Get(i);
+  return out;
+}
+
+std::vector<uint8_t> bytes_of(const flatbuffers::Vector<uint8_t>* v) {
+  if (!v) return {};
+  return std::vector<uint8_t>(v->data(), v->data() + v->size());
+}
+
+// ---- serialize -----------------------------------------------------------------
+
+size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+// Upper bound on the bytes one tensor takes in a message (see encoded_size()).
+size_t tensor_bound(const c::Encoded& e, size_t name_bytes) {
+  size_t n = 4;    // its offset in ModelUpdate.tensors
+  n += 4 + 28;     // vtable: size + table size + 11 field slots, padded
+  n += 64;         // table: soffset, 6 offsets, 3 enums, 2 ulongs, padding
+  if (name_bytes) n += align_up(4 + name_bytes + 1, 4);
+  if (!e.shape.empty()) n += 8 + 8 * e.shape.size();
+  if (!e.params.empty()) n += 4 + 4 * e.params.size();
+  if (!e.scales.empty()) n += 4 + 4 * e.scales.size();
+  if (!e.indices.empty()) n += align_up(4 + e.indices.size(), 4);
+  if (!e.values.empty()) n += 4 + e.values.size() + (kValuesAlign - 1);
+  return n;
+}
+
+template <typename T>
+flatbuffers::Offset<flatbuffers::Vector<T>> vector_or_absent(flatbuffers::FlatBufferBuilder& b, const std::vector<T>& v,
+                                                             size_t align = 0) {
+  if (v.empty()) return 0;  // absent reads as empty and costs nothing
+  if (align) b.ForceVectorAlignment(v.size(), sizeof(T), align);
+  return b.CreateVector(v.data(), v.size());
+}
+
+flatbuffers::Offset<flatbuffers::String> string_or_absent(flatbuffers::FlatBufferBuilder& b, const std::string& s) {
+  if (s.empty()) return 0;
+  return b.CreateString(s);
+}
+
+flatbuffers::Offset<fb::EncodedTensor> build_tensor(flatbuffers::FlatBufferBuilder& b, const NamedTensor& t) {
+  const c::Encoded& e = t.tensor;
+  const auto name = string_or_absent(b, t.name);
+  const auto shape = vector_or_absent(b, e.shape);
+  const auto params = vector_or_absent(b, e.params);
+  const auto scales = vector_or_absent(b, e.scales);
+  const auto indices = vector_or_absent(b, e.indices);
+  const auto values = vector_or_absent(b, e.values, kValuesAlign);
+  fb::EncodedTensorBuilder tb(b);
+  tb.add_name(name);
+  tb.add_shape(shape);
+  tb.add_format(static_cast<fb::Format>(e.format));
+  tb.add_value_type(static_cast<fb::ValueType>(e.value_type));
+  tb.add_index_coding(static_cast<fb::IndexCoding>(e.index_coding));
+  tb.add_count(e.count);
+  tb.add_seed(e.seed);
+  tb.add_params(params);
+  tb.add_scales(scales);
+  tb.add_indices(indices);
+  tb.add_values(values);
+  return tb.Finish();
+}
+
+flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const ModelUpdate& u) {
+  std::vector<flatbuffers::Offset<fb::EncodedTensor>> tensors;
+  tensors.reserve(u.tensors.size());
+  for (const NamedTensor& t : u.tensors) tensors.push_back(build_tensor(b, t));
+  std::vector<flatbuffers::Offset<fb::Metric>> metrics;
+  metrics.reserve(u.metrics.size());
+  for (const auto& [key, value] : u.metrics) metrics.push_back(fb::CreateMetric(b, string_or_absent(b, key), value));
+  const auto client_id = string_or_absent(b, u.client_id);
+  const auto tensors_off = tensors.empty() ? 0 : b.CreateVector(tensors);
+  const auto metrics_off = metrics.empty() ? 0 : b.CreateVector(metrics);
+  return fb::CreateModelUpdate(b, u.round, client_id, u.num_samples, tensors_off, metrics_off).Union();
+}
+
+flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const ErrorBody& e) {
+  const auto message = string_or_absent(b, e.message);
+  const flatbuffers::Optional<uint64_t> round =
+      e.round ? flatbuffers::Optional<uint64_t>(*e.round) : flatbuffers::nullopt;
+  return fb::CreateError(b, static_cast<fb::ErrorCode>(e.code), message, round).Union();
+}
+
+fb::Body body_type(const ModelUpdate&) { return fb::Body::ModelUpdate; }
+fb::Body body_type(const ErrorBody&) { return fb::Body::Error; }
+
+size_t size_bound(const ModelUpdate& u) {
+  size_t n = 256 + u.client_id.size();
+  for (const NamedTensor& t : u.tensors) n += tensor_bound(t.tensor, t.name.size());
+  for (const auto& m : u.metrics) n += 64 + m.first.size();
+  return n;
+}
+size_t size_bound(const ErrorBody& e) { return 256 + e.message.size(); }
+
+// ---- parse ------------------------------------------------------------------------
+
+flatbuffers::Verifier::Options verifier_options() {
+  flatbuffers::Verifier::Options o;
+  o.max_depth = kMaxDepth;
+  o.max_tables = kMaxTables;
+  o.check_alignment = true;
+  return o;
+}
+
+// Reads major and minor after verifying only the root table's header and those
+// two fields, so a peer of another major is told so even when the rest of its
+// message means something else to us.
+std::pair<uint16_t, uint16_t> peek_version(const uint8_t* buf, size_t size) {
+  flatbuffers::Verifier v(buf, size, verifier_options());
+  const flatbuffers::uoffset_t root = v.VerifyOffset(sizeof(flatbuffers::uoffset_t));
+  if (!root) fail(ErrorCode::kMalformed, "malformed message: bad root offset");
+  const auto* table = reinterpret_cast<const flatbuffers::Table*>(buf + sizeof(flatbuffers::uoffset_t) + root);
+  if (!table->VerifyTableStart(v) || !table->VerifyField<uint16_t>(v, fb::Message::VT_MAJOR, sizeof(uint16_t)) ||
+      !table->VerifyField<uint16_t>(v, fb::Message::VT_MINOR, sizeof(uint16_t)))
+    fail(ErrorCode::kMalformed, "malformed message: bad root table");
+  return {table->GetField<uint16_t>(fb::Message::VT_MAJOR, 0), table->GetField<uint16_t>(fb::Message::VT_MINOR, 0)};
+}
+
+// numel of `shape`, checked against the elements the message may still hold.
+uint64_t checked_numel(const std::vector<int64_t>& shape, uint64_t budget, const std::string& name) {
+  for (int64_t d : shape)
+    if (d < 0) fail(ErrorCode::kMalformed, "tensor '" + name + "': negative dimension " + std::to_string(d));
+  for (int64_t d : shape)
+    if (d == 0) return 0;
+  uint64_t n = 1;
+  for (int64_t d : shape) {
+    const auto ud = static_cast<uint64_t>(d);
+    if (n > budget / ud)
+      fail(ErrorCode::kOversize, "tensor '" + name + "' takes the message over the receiver's element limit");
+    n *= ud;
+  }
+  if (n > budget) fail(ErrorCode::kOversize, "tensor '" + name + "' takes the message over the receiver's element limit");
+  return n;
+}
+
+NamedTensor tensor_of(const fb::EncodedTensor& t, size_t i, uint64_t& budget) {
+  NamedTensor out;
+  out.name = std::string(text_of(t.name(), "tensor " + std::to_string(i) + "'s name"));
+  if (out.name.empty()) fail(ErrorCode::kMalformed, "tensor " + std::to_string(i) + " has no name");
+  const std::string& name = out.name;
+  // Enum values this build does not know come from a newer peer (or noise).
+  const auto format = static_cast<uint8_t>(t.format());
+  const auto value_type = static_cast<uint8_t>(t.value_type());
+  const auto index_coding = static_cast<uint8_t>(t.index_coding());
+  if (format > static_cast<uint8_t>(fb::Format::MAX))
+    fail(ErrorCode::kUnsupported, "tensor '" + name + "': unknown format " + std::to_string(format));
+  if (value_type > static_cast<uint8_t>(fb::ValueType::MAX))
+    fail(ErrorCode::kUnsupported, "tensor '" + name + "': unknown value type " + std::to_string(value_type));
+  if (index_coding > static_cast<uint8_t>(fb::IndexCoding::MAX))
+    fail(ErrorCode::kUnsupported, "tensor '" + name + "': unknown index coding " + std::to_string(index_coding));
+
+  c::Encoded& e = out.tensor;
+  e.format = static_cast<c::Format>(format);
+  e.value_type = static_cast<c::ValueType>(value_type);
+  e.index_coding = static_cast<c::IndexCoding>(index_coding);
+  e.count = t.count();
+  e.seed = t.seed();
+  e.shape = vector_of(t.shape());
+  // Before anything that allocates per element (validate() expands seeded
+  // indices): shape sanity and the message's element budget.
+  if (e.shape.size() > 8)
+    fail(ErrorCode::kMalformed, "tensor '" + name + "' has " + std::to_string(e.shape.size()) + " dimensions (max 8)");
+  budget -= checked_numel(e.shape, budget, name);
+  e.params = vector_of(t.params());
+  e.scales = vector_of(t.scales());
+  e.indices = bytes_of(t.indices());
+  e.values = bytes_of(t.values());
+  try {
+    c::validate(e);
+  } catch (const sparrow::Error& err) {
+    fail(ErrorCode::kMalformed, "tensor '" + name + "': " + err.what());
+  }
+  return out;
+}
+
+ModelUpdate update_of(const fb::ModelUpdate& u, uint64_t max_elements) {
+  ModelUpdate out;
+  out.round = u.round();
+  out.num_samples = u.num_samples();
+  out.client_id = std::string(text_of(u.client_id(), "client_id"));
+  if (const auto* tensors = u.tensors()) {
+    out.tensors.reserve(tensors->size());
+    std::unordered_set<std::string_view> names;
+    uint64_t budget = max_elements;
+    for (flatbuffers::uoffset_t i = 0; i < tensors->size(); ++i) {
+      const fb::EncodedTensor& t = *tensors->Get(i);
+      out.tensors.push_back(tensor_of(t, i, budget));
+      // A view into the verified buffer, which outlives this function.
+      if (!names.insert(std::string_view(t.name()->c_str(), t.name()->size())).second)
+        fail(ErrorCode::kMalformed, "duplicate tensor name '" + out.tensors.back().name + "'");
+    }
+  }
+  if (const auto* metrics = u.metrics()) {
+    out.metrics.reserve(metrics->size());
+    std::unordered_set<std::string_view> keys;
+    for (flatbuffers::uoffset_t i = 0; i < metrics->size(); ++i) {
+      const fb::Metric& m = *metrics->Get(i);
+      const std::string_view key = text_of(m.key(), "metric " + std::to_string(i) + "'s key");
+      if (key.empty()) fail(ErrorCode::kMalformed, "metric " + std::to_string(i) + " has no key");
+      if (!keys.insert(key).second) fail(ErrorCode::kMalformed, "duplicate metric '" + std::string(key) + "'");
+      if (!std::isfinite(m.value())) fail(ErrorCode::kMalformed, "metric '" + std::string(key) + "' is not finite");
+      out.metrics.emplace_back(std::string(key), m.value());
+    }
+  }
+  return out;
+}
+
+ErrorBody error_of(const fb::Error& e) {
+  ErrorBody out;
+  const auto code = static_cast<uint8_t>(e.code());
+  out.code = code <= static_cast<uint8_t>(fb::ErrorCode::MAX) ? static_cast<ErrorCode>(code) : ErrorCode::kUnknown;
+  out.message = std::string(text_of(e.message(), "error message"));
+  if (e.round()) out.round = *e.round();
+  return out;
+}
+
+Message parse_verified(const uint8_t* buf, size_t size, const ParseLimits& limits) {
+  const auto [major, minor] = peek_version(buf, size);
+  if (major != kProtocolMajor) {
+    std::ostringstream os;
+    os << "protocol version mismatch: peer speaks " << major << "." << minor << ", this build speaks "
+       << kProtocolMajor << "." << kProtocolMinor;
+    fail(ErrorCode::kVersionMismatch, os.str());
+  }
+  flatbuffers::Verifier verifier(buf, size, verifier_options());
+  if (!fb::VerifySizePrefixedMessageBuffer(verifier))
+    fail(ErrorCode::kMalformed, "malformed message: FlatBuffers verification failed");
+
+  const fb::Message* m = fb::GetSizePrefixedMessage(buf);
+  Message out;
+  out.major = major;
+  out.minor = minor;
+  switch (m->body_type()) {
+    case fb::Body::NONE: fail(ErrorCode::kMalformed, "message has no body");
+    case fb::Body::ModelUpdate: {
+      const fb::ModelUpdate* u = m->body_as_ModelUpdate();
+      if (!u) fail(ErrorCode::kMalformed, "ModelUpdate body missing");
+      out.body = update_of(*u, limits.max_elements);
+      return out;
+    }
+    case fb::Body::Error: {
+      const fb::Error* e = m->body_as_Error();
+      if (!e) fail(ErrorCode::kMalformed, "Error body missing");
+      out.body = error_of(*e);
+      return out;
+    }
+  }
+  fail(ErrorCode::kUnsupported, "unknown message type " + std::to_string(static_cast<int>(m->body_type())) +
+                                    " (peer speaks " + std::to_string(major) + "." + std::to_string(minor) + ")");
+}
+
+// Cuts to kMaxErrorMessageBytes and replaces bytes that are not valid text with
+// '?', so an Error reply always passes the peer's checks.
+std::string sanitize(const std::string& s) {
+  std::string out;
+  for (size_t i = 0; i < s.size() && out.size() < kMaxErrorMessageBytes;) {
+    const auto b = static_cast<unsigned char>(s[i]);
+    const size_t len = b >= 0xf0 ? 4 : b >= 0xe0 ? 3 : b >= 0xc0 ? 2 : 1;
+    if (i + len <= s.size() && valid_text(s.data() + i, len)) {
+      if (out.size() + len > kMaxErrorMessageBytes) break;
+      out.append(s, i, len);
+      i += len;
+    } else {
+      out += '?';
+      ++i;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+const char* error_code_name(ErrorCode code) {
+  switch (code) {
+    case ErrorCode::kUnknown: return "unknown";
+    case ErrorCode::kVersionMismatch: return "version_mismatch";
+    case ErrorCode::kMalformed: return "malformed";
+    case ErrorCode::kOversize: return "oversize";
+    case ErrorCode::kRejected: return "rejected";
+    case ErrorCode::kInternal: return "internal";
+    case ErrorCode::kUnsupported: return "unsupported";
+  }
+  return "unknown";
+}
+
+std::string serialize(const Message& m) {
+  const size_t bound = std::visit([](const auto& body) { return size_bound(body); }, m.body);
+  SPARROW_CHECK(bound < FLATBUFFERS_MAX_BUFFER_SIZE,
+                "wire: message of up to " << bound << " bytes exceeds the FlatBuffers limit of 2 GiB");
+  // Sized for the whole message up front so building never reallocates.
+  flatbuffers::FlatBufferBuilder b(bound);
+  const auto body = std::visit([&](const auto& v) { return build_body(b, v); }, m.body);
+  const fb::Body type = std::visit([](const auto& v) { return body_type(v); }, m.body);
+  b.FinishSizePrefixed(fb::CreateMessage(b, m.major, m.minor, type, body), kIdentifier);
+  return std::string(reinterpret_cast<const char*>(b.GetBufferPointer()), b.GetSize());
+}
+
+Message parse(const void* data, size_t size, size_t max_bytes) {
+  ParseLimits limits;
+  limits.max_bytes = max_bytes;
+  return parse(data, size, limits);
+}
+
+Message parse(const void* data, size_t size, const ParseLimits& limits) {
+  if (!data || size == 0) fail(ErrorCode::kMalformed, "empty message");
+  if (size > limits.max_bytes || size >= FLATBUFFERS_MAX_BUFFER_SIZE)
+    fail(ErrorCode::kOversize, "message of " + std::to_string(size) + " bytes exceeds the limit of " +
+                                   std::to_string(std::min<size_t>(limits.max_bytes, FLATBUFFERS_MAX_BUFFER_SIZE - 1)));
+  if (size < kHeaderBytes) fail(ErrorCode::kMalformed, "message of " + std::to_string(size) + " bytes is too short");
+  const auto* bytes = static_cast<const uint8_t*>(data);
+  if (std::memcmp(bytes + 2 * sizeof(flatbuffers::uoffset_t), kIdentifier, flatbuffers::kFileIdentifierLength) != 0)
+    fail(ErrorCode::kMalformed, "not a Sparrow message (file identifier is not \"SPRW\")");
+  // The size prefix must account for every byte: catches truncation and trailing garbage.
+  const uint64_t prefix = uint64_t{bytes[0]} | uint64_t{bytes[1]} << 8 | uint64_t{bytes[2]} << 16 | uint64_t{bytes[3]} << 24;
+  if (prefix != size - sizeof(flatbuffers::uoffset_t))
+    fail(ErrorCode::kMalformed, "size prefix says " + std::to_string(prefix) + " bytes follow, the frame has " +
+                                    std::to_string(size - sizeof(flatbuffers::uoffset_t)) + " (truncated or padded)");
+  try {
+    // The verifier (rightly) insists on aligned scalars; realign a misaligned
+    // frame instead of refusing it.
+    if (reinterpret_cast<uintptr_t>(bytes) % alignof(uint64_t) == 0) return parse_verified(bytes, size, limits);
+    struct alignas(kValuesAlign) Block {
+      uint8_t b[kValuesAlign];
+    };
+    std::unique_ptr<Block[]> copy(new Block[(size + kValuesAlign - 1) / kValuesAlign]);
+    std::memcpy(copy.get(), bytes, size);
+    return parse_verified(reinterpret_cast<const uint8_t*>(copy.get()), size, limits);
+  } catch (const std::bad_alloc&) {
+    fail(ErrorCode::kInternal, "out of memory parsing a message of " + std::to_string(size) + " bytes");
+  }
+}
+
+ErrorBody error_for(const std::exception& e, std::optional<uint64_t> round) {
+  ErrorBody out;
+  out.round = round;
+  if (const auto* p = dynamic_cast<const ProtocolError*>(&e)) {
+    out.code = p->code();
+    out.message = sanitize(p->what());
+  } else if (dynamic_cast<const FormatError*>(&e)) {
+    out.code = ErrorCode::kMalformed;
+    out.message = sanitize(e.what());
+  } else if (dynamic_cast<const sparrow::Error*>(&e)) {
+    out.code = ErrorCode::kRejected;
+    out.message = sanitize(e.what());
+  } else {
+    out.code = ErrorCode::kInternal;
+    out.message = "internal error";
+  }
+  return out;
+}
+
+size_t encoded_size(const compression::Encoded& e, const std::string& name) {
+  return tensor_bound(e, name.size());
+}
+
+}  // namespace sparrow::wire

@@ -1,4 +1,4 @@
-#include <doctest/doctest.h>
+#include "tests/sparrow_test.h"
 
 #include "core/error.h"
 #include "core/spec.h"

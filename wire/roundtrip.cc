@@ -1,0 +1,63 @@
+#include "wire/roundtrip.h"
+
+#include <ATen/ATen.h>
+
+#include <chrono>
+
+#include "compression/lowrank.h"
+#include "core/error.h"
+#include "wire/wire.h"
+
+namespace sparrow::wire {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
+
+}  // namespace
+
+RoundTrip::RoundTrip(const compression::Compressor& compressor, uint64_t seed) : compressor_(compressor), seed_(seed) {}
+
+RoundTripResult RoundTrip::step(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
+  RoundTripResult r;
+  ModelUpdate update;
+  update.round = static_cast<uint64_t>(round_);
+  update.num_samples = 1;
+  std::vector<compression::Context> contexts(tensors.size());
+  auto t0 = Clock::now();
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    compression::Context& ctx = contexts[i];
+    ctx.name = tensors[i].first;
+    ctx.seed = seed_;
+    ctx.round = round_;
+    auto it = shared_.find(ctx.name);
+    if (it != shared_.end()) ctx.shared_factor = it->second;
+    update.tensors.push_back({ctx.name, compressor_.encode(tensors[i].second, states_[ctx.name], ctx)});
+  }
+  r.encode_ms = ms_since(t0);
+
+  t0 = Clock::now();
+  Message sent;
+  sent.body = std::move(update);
+  const std::string bytes = serialize(sent);
+  Message received = parse(bytes.data(), bytes.size());
+  r.serialize_ms = ms_since(t0);
+  r.wire_bytes = bytes.size();
+  const auto& got = std::get<ModelUpdate>(received.body);
+  SPARROW_CHECK(got.tensors.size() == tensors.size(), "round trip lost tensors");
+
+  t0 = Clock::now();
+  for (size_t i = 0; i < got.tensors.size(); ++i) {
+    const compression::Encoded& e = got.tensors[i].tensor;
+    r.decoded.push_back(compression::decode(e, contexts[i]));
+    // The aggregator's half of ACP: the mean factor of this round (one client
+    // here), orthonormalised, is the shared factor of the next round.
+    if (e.format == compression::Format::kLowRankFactor)
+      shared_[got.tensors[i].name] = compression::acp_next_shared(compression::acp_factor(e));
+  }
+  r.decode_ms = ms_since(t0);
+  ++round_;
+  return r;
+}
+
+}  // namespace sparrow::wire

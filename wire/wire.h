@@ -1,0 +1,125 @@
+#pragma once
+// The Sparrow wire format as plain structs. wire/sparrow.fbs is the schema and
+// docs/protocol.md its description for other languages; only wire/*.cc sees the
+// FlatBuffers-generated code.
+//
+// A message is one size-prefixed FlatBuffer (a uint32 length, then a buffer
+// whose root is `Message`, file identifier "SPRW"): serialize() produces those
+// bytes, parse() turns bytes from a peer back into structs after checking
+// everything (FlatBuffers verifier, protocol version, every tensor through
+// compression::validate(), names, metrics). parse() never aborts and never
+// reads out of bounds; every failure is a ProtocolError whose code() is what
+// an Error reply should carry.
+
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <optional>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "compression/encoded.h"
+#include "core/error.h"
+
+namespace sparrow::wire {
+
+// Major: a receiver refuses any other major. Minor: additions an older peer can
+// ignore (new optional fields, new union members it answers with kUnsupported).
+constexpr uint16_t kProtocolMajor = 1, kProtocolMinor = 0;
+
+// parse() refuses larger buffers before looking at them (kOversize).
+constexpr size_t kDefaultMaxMessageBytes = size_t{1} << 30;
+// parse() refuses a message whose tensors hold more elements in total
+// (sum of numel) (kOversize). Bounds the memory that validating and decoding
+// take; a receiver that knows its model should pass the model's size instead.
+constexpr uint64_t kDefaultMaxElements = uint64_t{1} << 28;
+
+// Mirrors fb::ErrorCode in wire/sparrow.fbs (same numbers); codes only grow.
+enum class ErrorCode : uint8_t {
+  kUnknown = 0,          // unspecified, or a code newer than this build knows
+  kVersionMismatch = 1,  // protocol major differs
+  kMalformed = 2,        // failed FlatBuffers verification or our checks
+  kOversize = 3,         // more bytes or tensor elements than the receiver accepts
+  kRejected = 4,         // well formed, but refused in the receiver's current state
+  kInternal = 5,         // the receiver failed for reasons of its own
+  kUnsupported = 6,      // a message type / format / encoding the receiver lacks
+};
+
+const char* error_code_name(ErrorCode code);
+
+// A message the receiver refuses. Derives from FormatError so code that only
+// knows "bad bytes" still catches it.
+class ProtocolError : public FormatError {
+ public:
+  ProtocolError(ErrorCode code, const std::string& what) : FormatError(what), code_(code) {}
+  ErrorCode code() const { return code_; }
+
+ private:
+  ErrorCode code_;
+};
+
+struct NamedTensor {
+  std::string name;             // non-empty, unique within the update
+  compression::Encoded tensor;
+};
+
+struct ModelUpdate {
+  uint64_t round = 0;           // the round this update was computed for
+  std::string client_id;
+  uint64_t num_samples = 0;     // the client's FedAvg weight
+  std::vector<NamedTensor> tensors;
+  std::vector<std::pair<std::string, double>> metrics;  // keys non-empty and unique, values finite
+};
+
+struct ErrorBody {
+  ErrorCode code = ErrorCode::kUnknown;
+  std::string message;
+  std::optional<uint64_t> round;  // absent when unknown or not about a round
+};
+
+struct Message {
+  uint16_t major = kProtocolMajor, minor = kProtocolMinor;
+  std::variant<ModelUpdate, ErrorBody> body;
+};
+
+// Limits parse() enforces before it allocates anything proportional to them.
+struct ParseLimits {
+  size_t max_bytes = kDefaultMaxMessageBytes;
+  uint64_t max_elements = kDefaultMaxElements;
+};
+
+// The exact bytes that go on the wire (one ZeroMQ frame). Does not validate the
+// tensors (the receiver does); throws sparrow::Error only when the message
+// cannot be represented (over FlatBuffers' 2 GiB limit).
+std::string serialize(const Message& m);
+
+// Parses and fully checks bytes from a peer. Throws ProtocolError:
+//   kOversize        size > limits.max_bytes, or total numel > limits.max_elements
+//   kMalformed       empty/short buffer, wrong identifier or size prefix, failed
+//                    verification, no body, invalid tensor (compression::validate),
+//                    empty/duplicate names, non-finite metrics, invalid UTF-8
+//   kVersionMismatch major != kProtocolMajor (a newer minor is accepted)
+//   kUnsupported     a body type, tensor format, value type or index coding this
+//                    build does not know
+// `data` needs no particular alignment (a misaligned buffer is copied first).
+Message parse(const void* data, size_t size, const ParseLimits& limits);
+Message parse(const void* data, size_t size, size_t max_bytes = kDefaultMaxMessageBytes);
+inline Message parse(const std::string& bytes, const ParseLimits& limits = {}) {
+  return parse(bytes.data(), bytes.size(), limits);
+}
+
+// The Error body to answer a failed message with: a ProtocolError keeps its
+// code and message; another FormatError is kMalformed, another sparrow::Error
+// kRejected (both with their message); anything else is kInternal with a
+// generic message (internal details are not sent to peers).
+ErrorBody error_for(const std::exception& e, std::optional<uint64_t> round = std::nullopt);
+
+// Bytes `e` adds to a serialized ModelUpdate when sent under `name`: its
+// EncodedTensor table, vtable, vectors and alignment padding. An upper bound,
+// at most 64 bytes above the exact figure, computed without serializing;
+// compare with Encoded::payload_bytes() for the framing overhead.
+size_t encoded_size(const compression::Encoded& e, const std::string& name = {});
+
+}  // namespace sparrow::wire
