@@ -156,16 +156,20 @@ int main(int argc, char** argv) {
   int64_t elements = 25000000;
   int repeat = 5;
   std::string methods;
+  int threads = 0;
   auto* compress = app.add_subcommand("compress", "every compressor against memcpy and torch::topk");
   compress->add_option("--elements", elements, "elements of the flat gradient (default 25,000,000, ~ResNet-50)")
       ->check(CLI::Range(int64_t{1000}, int64_t{1} << 31));
   compress->add_option("--repeat", repeat, "timed repetitions per case (median reported)")->check(CLI::Range(1, 1000));
   compress->add_option("--methods", methods, "comma-separated subset of cases to run");
+  app.add_option("--threads", threads, "intra-op threads (default: LibTorch's choice, one per physical core)")
+      ->check(CLI::Range(0, 1024));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
+  if (threads > 0) at::set_num_threads(threads);
   try {
     if (*compress) return bench_compress(elements, repeat, methods);
   } catch (const std::exception& e) {

@@ -12,7 +12,6 @@
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <iostream>
@@ -27,12 +26,6 @@
 namespace {
 
 using namespace sparrow;
-using Clock = std::chrono::steady_clock;
-
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
-
 std::string json_number(double v) {
   if (!std::isfinite(v)) return "null";
   char buf[64];

@@ -15,7 +15,20 @@ at::Tensor as_input(const at::Tensor& x, const char* method) {
   SPARROW_CHECK(x.defined(), method << ": input tensor is undefined");
   SPARROW_CHECK(x.scalar_type() == at::kFloat, method << ": input must be float32, got " << x.scalar_type());
   SPARROW_CHECK(x.device().is_cpu(), method << ": input must be on the CPU, got " << x.device());
-  return x.contiguous();
+  at::Tensor c = x.contiguous();
+  // Checked before any state is touched: a NaN or infinity would otherwise end
+  // up in error-feedback residuals and momentum for good. One read of x, in
+  // blocks so the compiler vectorises the inner loop without early exits.
+  const auto* bits = reinterpret_cast<const uint32_t*>(c.data_ptr<float>());
+  const int64_t n = c.numel();
+  constexpr int64_t kBlock = 4096;
+  for (int64_t b = 0; b < n; b += kBlock) {
+    const int64_t e = std::min(n, b + kBlock);
+    uint32_t bad = 0;
+    for (int64_t i = b; i < e; ++i) bad |= static_cast<uint32_t>((bits[i] & 0x7f800000u) == 0x7f800000u);
+    SPARROW_CHECK(!bad, method << ": input contains NaN or infinity (first bad block at element " << b << ")");
+  }
+  return c;
 }
 
 std::vector<int64_t> shape_of(const at::Tensor& x) { return std::vector<int64_t>(x.sizes().begin(), x.sizes().end()); }
@@ -45,6 +58,7 @@ void pack_values(const float* src, uint64_t n, ValueType vt, std::vector<uint8_t
   const size_t base = out.size();
   out.resize(base + value_bytes(vt, n));
   uint8_t* dst = out.data() + base;
+  if (n == 0) return;
   switch (vt) {
     case ValueType::kF32: std::memcpy(dst, src, n * 4); return;
     case ValueType::kF16: {
@@ -66,6 +80,7 @@ void pack_values(const float* src, uint64_t n, ValueType vt, std::vector<uint8_t
 }
 
 void unpack_values(const uint8_t* bytes, uint64_t n, ValueType vt, float magnitude, float* dst) {
+  if (n == 0) return;
   switch (vt) {
     case ValueType::kF32: std::memcpy(dst, bytes, n * 4); return;
     case ValueType::kF16: {

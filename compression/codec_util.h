@@ -14,7 +14,8 @@
 
 namespace sparrow::compression::detail {
 
-// Checks x is defined, float32 and on the CPU; returns a contiguous view or copy.
+// Checks x is defined, float32, on the CPU and finite (sparrow::Error otherwise,
+// before any state is touched); returns a contiguous view or copy.
 at::Tensor as_input(const at::Tensor& x, const char* method);
 std::vector<int64_t> shape_of(const at::Tensor& x);
 int64_t numel_of(const std::vector<int64_t>& shape);

@@ -25,19 +25,11 @@ std::map<std::string, Factory>& registry() {
 
 at::Tensor Compressor::decode(const Encoded& e, const Context& ctx) const { return compression::decode(e, ctx); }
 
-at::Tensor decode(const Encoded& e, const Context& ctx) {
-  validate(e);
-  at::Tensor out = at::zeros(e.shape, at::TensorOptions().dtype(at::kFloat));
-  decode_add(e, out, 1.0f, ctx);
-  return out;
-}
+namespace {
 
-void decode_add(const Encoded& e, at::Tensor& out, float weight, const Context& ctx) {
-  SPARROW_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.device().is_cpu(),
-                "decode_add: output must be a contiguous float32 CPU tensor");
-  validate(e);
-  SPARROW_CHECK_T(FormatError, out.numel() == e.numel(),
-                  "decode_add: output has " << out.numel() << " elements, update has " << e.numel());
+// Adds weight · decode(e) into out; may leave out half-updated on a bit-stream
+// error, so only for fresh buffers. Assumes validate(e) passed and sizes match.
+void decode_into(const Encoded& e, at::Tensor& out, float weight, const Context& ctx) {
   float* o = out.data_ptr<float>();
   switch (e.format) {
     case Format::kDense: return detail::decode_dense_add(e, o, weight);
@@ -49,6 +41,34 @@ void decode_add(const Encoded& e, at::Tensor& out, float weight, const Context& 
     case Format::kLowRankFactor: return detail::decode_factor_add(e, out, weight, ctx);
   }
   throw FormatError("unknown tensor format");
+}
+
+}  // namespace
+
+at::Tensor decode(const Encoded& e, const Context& ctx) {
+  validate(e);
+  at::Tensor out = at::zeros(e.shape, at::TensorOptions().dtype(at::kFloat));
+  decode_into(e, out, 1.0f, ctx);
+  return out;
+}
+
+void decode_add(const Encoded& e, at::Tensor& out, float weight, const Context& ctx) {
+  SPARROW_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.device().is_cpu(),
+                "decode_add: output must be a contiguous float32 CPU tensor");
+  validate(e);
+  SPARROW_CHECK_T(FormatError, out.numel() == e.numel(),
+                  "decode_add: output has " << out.numel() << " elements, update has " << e.numel());
+  // Bit-stream formats can turn out malformed half way through (a truncated
+  // Elias-gamma stream, a TernGrad code 3, nonzero padding) where validate()
+  // cannot see it; they decode into scratch first so that a throw leaves `out`
+  // untouched, which an aggregator folding updates into a running sum relies on.
+  if (e.format == Format::kQuantized || e.format == Format::kTernary || e.format == Format::kSign) {
+    at::Tensor scratch = at::zeros(out.sizes(), out.options());
+    decode_into(e, scratch, weight, ctx);
+    out.add_(scratch);
+    return;
+  }
+  decode_into(e, out, weight, ctx);
 }
 
 void register_compressor(const std::string& name, Factory factory) {

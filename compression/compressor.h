@@ -46,6 +46,7 @@ class Compressor {
 at::Tensor decode(const Encoded& e, const Context& ctx = {});
 // out += weight · decode(e), without materialising a dense copy for sparse and
 // low-rank formats. out must be float32, contiguous, numel == e.numel().
+// Throws FormatError on a malformed e, and then leaves out unchanged.
 void decode_add(const Encoded& e, at::Tensor& out, float weight, const Context& ctx = {});
 
 using Factory = std::function<std::unique_ptr<Compressor>(Spec& spec)>;

@@ -20,7 +20,7 @@
 // significant first (the LSB-first form of gamma: same length, 2N+1 bits, and
 // decodable with one count-trailing-zeros). The stream ends with < 8 zero
 // padding bits. Level 0 costs one bit, level 1 four bits; on Gaussian data with
-// S = 16, B = 512 this averages about 2.2 bits per element (~14x below fp32).
+// S = 16, B = 512 this averages about 2.55 bits per element (12.3x below fp32).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
@@ -178,8 +178,7 @@ class QsgdCompressor final : public Compressor {
 }  // namespace
 
 void decode_quantized_add(const Encoded& e, float* out, float weight) {
-  SPARROW_CHECK_T(FormatError, e.params.size() == 2 && e.params[0] >= 1 && e.params[1] >= 1,
-                  "qsgd: bad params");
+  SPARROW_CHECK_T(FormatError, e.params.size() == 2 && e.params[0] >= 1 && e.params[1] >= 1, "qsgd: bad params");
   const uint64_t levels = e.params[0];
   const uint64_t bucket = e.params[1];
   const uint64_t n = static_cast<uint64_t>(e.numel());
@@ -230,7 +229,8 @@ void decode_quantized_add(const Encoded& e, float* out, float weight) {
       if (nb > max_prefix || level > levels || pos > nbits) {
         SPARROW_CHECK_T(FormatError, nb <= max_prefix,
                         "qsgd: Elias-gamma prefix too long (or stream truncated) at element " << i);
-        SPARROW_CHECK_T(FormatError, level <= levels, "qsgd: level " << level << " exceeds " << levels << " at element " << i);
+        SPARROW_CHECK_T(FormatError, level <= levels,
+                        "qsgd: level " << level << " exceeds " << levels << " at element " << i);
         throw FormatError("qsgd: bit stream truncated at element " + std::to_string(i));
       }
       uint32_t bits;

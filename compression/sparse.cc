@@ -24,17 +24,20 @@ namespace sparrow::compression::detail {
 
 namespace {
 
-// Selections are sparse: with SSE2 a lane mask from a 4-wide comparison finds
-// the selected elements without a branch per element.
+// Selections are sparse: with SSE2 the lane masks of 4-wide comparisons find
+// the selected elements with one branch per 16 elements.
 inline void collect_abs_ge_range(const float* a, int64_t begin, int64_t end, float thr, std::vector<int64_t>& out) {
   int64_t i = begin;
 #if defined(__SSE2__)
   const __m128 vt = _mm_set1_ps(thr);
   const __m128 abs_mask = _mm_castsi128_ps(_mm_set1_epi32(0x7fffffff));
-  for (; i + 4 <= end; i += 4) {
-    int mask = _mm_movemask_ps(_mm_cmpge_ps(_mm_and_ps(_mm_loadu_ps(a + i), abs_mask), vt));
+  for (; i + 16 <= end; i += 16) {
+    unsigned mask = 0;
+    for (int l = 0; l < 16; l += 4)
+      mask |= static_cast<unsigned>(_mm_movemask_ps(_mm_cmpge_ps(_mm_and_ps(_mm_loadu_ps(a + i + l), abs_mask), vt)))
+              << l;
     while (mask) {
-      out.push_back(i + __builtin_ctz(static_cast<unsigned>(mask)));
+      out.push_back(i + __builtin_ctz(mask));
       mask &= mask - 1;
     }
   }
@@ -212,6 +215,10 @@ class TopKCompressor final : public Compressor {
 // pure function of step_key(ctx, step), so they never travel (IndexCoding::kSeeded)
 // and every party with the same (seed, name, step) derives the same set. Each index
 // is chosen with probability k/n, so values scaled by n/k make decode unbiased.
+// With error feedback the values go unscaled (as GRACE pairs random-k with
+// residual memory): error feedback needs a contractive compressor,
+// ||C(x) - x|| < ||x||, and the n/k-scaled estimate is not one — its residual
+// grows without bound (measured: 4e5x the input after 30 steps at ratio 0.05).
 class RandomKCompressor final : public Compressor {
  public:
   RandomKCompressor(double ratio, bool ef) : ratio_(ratio), ef_(ef) {}
@@ -225,7 +232,8 @@ class RandomKCompressor final : public Compressor {
     const int64_t k = n == 0 ? 0 : count_for(ratio_, n);
     const uint64_t key = step_key(ctx, state.step);
     const std::vector<int64_t> idx = seeded_indices(key, static_cast<uint64_t>(k), n);
-    const float scale = k == 0 ? 1.0f : static_cast<float>(static_cast<double>(n) / static_cast<double>(k));
+    const float scale =
+        (k == 0 || ef_) ? 1.0f : static_cast<float>(static_cast<double>(n) / static_cast<double>(k));
     const std::vector<float> vals = gather(src, idx, scale);
     Encoded e;
     e.format = Format::kSparse;

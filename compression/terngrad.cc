@@ -143,8 +143,9 @@ void decode_ternary_add(const Encoded& e, float* out, float weight) {
 void register_terngrad() {
   register_compressor("terngrad", [](Spec& spec) -> std::unique_ptr<Compressor> {
     const double clip = spec.get_double("clip", 0.0);
-    SPARROW_CHECK_T(ConfigError, clip >= 0.0,
-                    "spec '" << spec.text() << "': terngrad clip must be >= 0 (0 = off; the paper uses 2.5), got " << clip);
+    SPARROW_CHECK_T(
+        ConfigError, clip >= 0.0,
+        "spec '" << spec.text() << "': terngrad clip must be >= 0 (0 = off; the paper uses 2.5), got " << clip);
     return std::make_unique<TernGradCompressor>(clip);
   });
 }

@@ -4,6 +4,7 @@
 
 #include <flatbuffers/flatbuffers.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -87,11 +88,17 @@ std::string_view text_of(const flatbuffers::String* s, const std::string& what) 
 }
 
 // Copies a verified FlatBuffers vector (absent = empty). Element-wise reads keep
-// this independent of the host's byte order.
+// this independent of the host's byte order. The verifier (2.0.8) checks only
+// the 4-byte alignment of a vector's length, so a vector of 8-byte scalars can
+// be misaligned in a hostile buffer: refuse it (a builder never writes one, and
+// reading it would be undefined behaviour). The buffer itself is 8-byte aligned
+// here, so address alignment is offset alignment.
 template <typename T>
 std::vector<T> vector_of(const flatbuffers::Vector<T>* v) {
   std::vector<T> out;
   if (!v) return out;
+  if (reinterpret_cast<uintptr_t>(v->data()) % alignof(T) != 0)
+    fail(ErrorCode::kMalformed, "malformed message: misaligned vector");
   out.resize(v->size());
   for (flatbuffers::uoffset_t i = 0; i < v->size(); ++i) out[i] = v->Get(i);
   return out;

@@ -123,3 +123,22 @@ TEST_CASE("state: serialise round trip and malformed bytes") {
   // A slot whose shape no longer matches is reset.
   CHECK(r.slot("u", at::ones({2})).sum().item<float>() == 0.0f);
 }
+
+TEST_CASE("decode_add: a malformed update leaves the running sum untouched") {
+  at::Tensor x = at::randn({4000});
+  at::Tensor sum = at::ones({4000});
+  for (const char* spec : {"qsgd:levels=16", "terngrad", "sign", "topk:ratio=0.01", "none"}) {
+    CAPTURE(spec);
+    State s;
+    Encoded e = make_compressor(spec)->encode(x, s, {});
+    at::Tensor before = sum.clone();
+    decode_add(e, sum, 0.5f);  // a good one goes in
+    CHECK_FALSE(at::equal(before, sum));
+    Encoded bad = e;
+    if (!bad.values.empty()) bad.values.back() ^= 0xff;  // garbage at the end of the payload
+    if (!bad.values.empty()) bad.values.pop_back();      // and truncated
+    before = sum.clone();
+    CHECK_THROWS_AS(decode_add(bad, sum, 1.0f), FormatError);
+    CHECK(at::equal(before, sum));
+  }
+}

@@ -1,3 +1,4 @@
+#include "tests/sparrow_test.h"
 // PowerSGD and ACP-SGD: codec round trips, convergence of the power iteration,
 // zero-column guards, error feedback, the ACP aggregator API.
 #include <ATen/ATen.h>
@@ -12,9 +13,6 @@
 #include "compression/lowrank.h"
 #include "core/error.h"
 
-// doctest last: ATen pulls in glog, whose CHECK(cond) (abort on failure) would
-// otherwise replace doctest's CHECK.
-#include <doctest/doctest.h>
 
 using namespace sparrow::compression;
 

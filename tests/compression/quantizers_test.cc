@@ -1,9 +1,7 @@
+#include "tests/sparrow_test.h"
 // Tests for the quantizing codecs: qsgd, terngrad, sign.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-// After the ATen headers: c10's logging (glog) defines its own CHECK macro, and
-// doctest's must win or a failing CHECK aborts the binary instead of failing a test.
-#include <doctest/doctest.h>
 
 #include <chrono>
 #include <cmath>
@@ -57,7 +55,8 @@ void decode_or_format_error(const Encoded& e) {
   }
 }
 
-const std::vector<std::vector<int64_t>> kShapes = {{1}, {7}, {1000}, {1025}, {3, 5}, {17, 31}, {2, 3, 5, 7}, {0}, {4, 0}};
+const std::vector<std::vector<int64_t>> kShapes = {{1},      {7},          {1000}, {1025}, {3, 5},
+                                                   {17, 31}, {2, 3, 5, 7}, {0},    {4, 0}};
 
 }  // namespace
 
@@ -127,10 +126,10 @@ TEST_CASE("quantizers: bytes do not depend on the thread count, and depend on se
 }
 
 TEST_CASE("quantizers: config errors") {
-  for (const char* bad : {"qsgd", "qsgd:levels=0", "qsgd:levels=-3", "qsgd:levels=2.5", "qsgd:levels=16777217",
-                          "qsgd:levels=4,bucket=0", "qsgd:levels=4,bucket=-1", "qsgd:levels=4,bucket=4294967296",
-                          "qsgd:levels=4,foo=1", "qsgd:bucket=512", "terngrad:clip=-1", "terngrad:clip=nan",
-                          "terngrad:levels=2", "sign:ef=2", "sign:ratio=0.1"}) {
+  for (const char* bad :
+       {"qsgd", "qsgd:levels=0", "qsgd:levels=-3", "qsgd:levels=2.5", "qsgd:levels=16777217", "qsgd:levels=4,bucket=0",
+        "qsgd:levels=4,bucket=-1", "qsgd:levels=4,bucket=4294967296", "qsgd:levels=4,foo=1", "qsgd:bucket=512",
+        "terngrad:clip=-1", "terngrad:clip=nan", "terngrad:levels=2", "sign:ef=2", "sign:ratio=0.1"}) {
     CAPTURE(bad);
     CHECK_THROWS_AS(make_compressor(bad), ConfigError);
   }
@@ -226,8 +225,8 @@ TEST_CASE("qsgd: wire size") {
   const Encoded e = make_compressor("qsgd:levels=16,bucket=512")->encode(x, s, ctx_with(4));
   const double dense = 4.0 * x.numel();
   const double ratio = dense / static_cast<double>(e.payload_bytes());
-  MESSAGE("qsgd levels=16 bucket=512 on randn(2^20): " << ratio << "x below fp32, "
-                                                       << 8.0 * e.values.size() / x.numel() << " bits/element");
+  MESSAGE("qsgd levels=16 bucket=512 on randn(2^20): " << ratio << "x below fp32, " << 8.0 * e.values.size() / x.numel()
+                                                       << " bits/element");
   CHECK(ratio >= 6.0);
   // Fewer levels, smaller; one level costs at most 2 bits per element + norms.
   const Encoded e1 = make_compressor("qsgd:levels=1,bucket=512")->encode(x, s, ctx_with(4));
@@ -524,7 +523,7 @@ TEST_SUITE("slow") {
       decode_add(e, out, 1.0f);
       auto t2 = clock::now();
       MESSAGE(std::string(spec) << ": encode " << ms(t0, t1) << " ms, decode_add " << ms(t1, t2) << " ms, "
-                   << 4.0 * n / e.payload_bytes() << "x below fp32");
+                                << 4.0 * n / e.payload_bytes() << "x below fp32");
       CHECK(ms(t0, t1) < 5000.0);  // generous: the target is < 1 s; this only catches pathologies
       CHECK(ms(t1, t2) < 5000.0);
     }

@@ -282,6 +282,14 @@ TEST_CASE("randomk: error feedback keeps x_c - decode") {
     residual = comp - decode(e);
     CHECK(at::equal(s.tensors.at("residual"), residual));
   }
+  // Error feedback converges (values unscaled, so the compressor is contractive):
+  // the mean of the decodes approaches x and the residual stays bounded.
+  State s2;
+  at::Tensor sum = at::zeros_like(x);
+  const int steps = 400;
+  for (int step = 0; step < steps; ++step) sum += decode(c->encode(x, s2, ctx));
+  CHECK(((sum / steps - x).norm() / x.norm()).item<double>() < 0.05);
+  CHECK((s2.tensors.at("residual").norm() / x.norm()).item<double>() < 15.0);
   CHECK_THROWS_AS(make_compressor("randomk:ratio=2"), ConfigError);
   CHECK_THROWS_AS(make_compressor("randomk:ratio=0.1,values=fp16"), ConfigError);
 }

@@ -1,7 +1,8 @@
-#include <doctest/doctest.h>
+#include "tests/sparrow_test.h"
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -15,9 +16,6 @@
 #include "core/rng.h"
 #include "wire/wire.h"
 
-// glog, pulled in by ATen, defines CHECK as well; here CHECK means doctest's.
-#undef CHECK
-#define CHECK(...) DOCTEST_CHECK(__VA_ARGS__)
 
 using namespace sparrow;
 using namespace sparrow::wire;
@@ -314,6 +312,13 @@ std::vector<std::string> corpus() {
   return out;
 }
 
+// Mutation trials per base message; SPARROW_WIRE_FUZZ_TRIALS raises it for a
+// long run by hand (e.g. under the sanitizers).
+int trials(int def) {
+  const char* env = std::getenv("SPARROW_WIRE_FUZZ_TRIALS");
+  return env ? std::max(1, std::atoi(env)) : def;
+}
+
 // A parsed message must be usable: every tensor validates (and the dense and
 // sparse ones decode), and it survives another serialize/parse unchanged.
 void check_usable(const Message& m) {
@@ -586,7 +591,7 @@ TEST_CASE("wire: random byte mutations never crash and never yield an invalid me
   // fails with ProtocolError or parses into a message that validates, decodes
   // and re-serializes to itself.
   const std::vector<std::string> bases = corpus();
-  const int kTrials = 4000;
+  const int kTrials = trials(4000);
   size_t accepted = 0, rejected = 0, other = 0;
   std::string first_other;
   rng::Stream r(20240601);
@@ -622,7 +627,7 @@ TEST_CASE("wire: random byte mutations never crash and never yield an invalid me
 TEST_CASE("wire: mutations behind a correct size prefix and identifier") {
   // As above, but the header is kept intact so every mutation reaches the verifier.
   const std::vector<std::string> bases = corpus();
-  const int kTrials = 2000;
+  const int kTrials = trials(2000);
   rng::Stream r(7);
   size_t non_protocol = 0;
   for (const std::string& base : bases) {
@@ -639,6 +644,27 @@ TEST_CASE("wire: mutations behind a correct size prefix and identifier") {
     }
   }
   CHECK(non_protocol == 0);
+}
+
+TEST_CASE("wire: a misaligned vector of 8-byte scalars is refused, not read") {
+  // Re-point the shape vector 4 bytes further: still in bounds, and its length
+  // word (the low half of dimension 0 = 2) passes the verifier, but its int64
+  // elements now sit at 4 mod 8.
+  std::string bytes = serialize(update_message({{"w", dense({2, 3}, ValueType::kF32, f32_bytes({1, 2, 3, 4, 5, 6}))}}));
+  const std::string shape_vec("\x02\0\0\0\x02\0\0\0\0\0\0\0\x03\0\0\0\0\0\0\0", 20);
+  const size_t at = bytes.find(shape_vec);
+  REQUIRE(at != std::string::npos);
+  size_t patched = 0;
+  for (size_t p = 0; p + 4 <= at; p += 4) {
+    uint32_t off;
+    std::memcpy(&off, &bytes[p], 4);
+    if (p + off == at) {
+      put32(bytes, p, off + 4);
+      ++patched;
+    }
+  }
+  REQUIRE(patched == 1);
+  expect_rejected(bytes, ErrorCode::kMalformed, "misaligned");
 }
 
 // ---- specific bad messages -------------------------------------------------------------------
