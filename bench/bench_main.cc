@@ -43,7 +43,7 @@ std::string num(double v) {
 struct Case {
   std::string name;  // the "case" field
   std::string spec;
-  bool resnet;       // low-rank cases run on ResNet-50's layer shapes
+  bool resnet;  // low-rank cases run on ResNet-50's layer shapes
 };
 
 // The methods at the parameters the targets name.

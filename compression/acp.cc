@@ -77,12 +77,7 @@ class AcpCompressor final : public Compressor {
 
     // M' = M + E is built in the residual slot during the product's pass.
     const float* xp = x.data_ptr<float>();
-    float* res = nullptr;
-    if (ef_) {
-      at::Tensor& slot = state.slot("residual", x);
-      if (!slot.is_contiguous()) slot = slot.contiguous();
-      res = slot.data_ptr<float>();
-    }
+    float* res = ef_ ? detail::residual_data(state, x) : nullptr;
     const float* src = ef_ ? res : xp;
     const float* add = ef_ ? xp : nullptr;
     at::Tensor f = at::empty({which == 0 ? n : m, r}, at::TensorOptions().dtype(at::kFloat));

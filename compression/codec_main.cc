@@ -53,7 +53,8 @@ int run_codec(const std::string& method, const std::string& in, int steps, uint6
   auto compressor = compression::make_compressor(method);
   npy::Array a = npy::read(in);
   at::Tensor x = at::from_blob(a.data.data(), a.shape, at::TensorOptions().dtype(at::kFloat)).clone();
-  for (const float v : a.data) SPARROW_CHECK_T(FormatError, std::isfinite(v), "'" << in << "' contains NaN or infinity");
+  for (const float v : a.data)
+    SPARROW_CHECK_T(FormatError, std::isfinite(v), "'" << in << "' contains NaN or infinity");
 
   wire::RoundTrip trip(*compressor, seed);
   at::Tensor sum = at::zeros_like(x);

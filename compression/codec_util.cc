@@ -46,10 +46,13 @@ uint64_t step_key(const Context& ctx, uint64_t step) { return rng::derive(tensor
 
 size_t value_bytes(ValueType vt, uint64_t n) {
   switch (vt) {
-    case ValueType::kF32: return n * 4;
+    case ValueType::kF32:
+      return n * 4;
     case ValueType::kF16:
-    case ValueType::kBF16: return n * 2;
-    case ValueType::kSign: return (n + 7) / 8;
+    case ValueType::kBF16:
+      return n * 2;
+    case ValueType::kSign:
+      return (n + 7) / 8;
   }
   throw FormatError("unknown value type " + std::to_string(static_cast<int>(vt)));
 }
@@ -60,7 +63,9 @@ void pack_values(const float* src, uint64_t n, ValueType vt, std::vector<uint8_t
   uint8_t* dst = out.data() + base;
   if (n == 0) return;
   switch (vt) {
-    case ValueType::kF32: std::memcpy(dst, src, n * 4); return;
+    case ValueType::kF32:
+      std::memcpy(dst, src, n * 4);
+      return;
     case ValueType::kF16: {
       auto* h = reinterpret_cast<uint16_t*>(dst);
       for (uint64_t i = 0; i < n; ++i) h[i] = c10::Half(src[i]).x;
@@ -82,7 +87,9 @@ void pack_values(const float* src, uint64_t n, ValueType vt, std::vector<uint8_t
 void unpack_values(const uint8_t* bytes, uint64_t n, ValueType vt, float magnitude, float* dst) {
   if (n == 0) return;
   switch (vt) {
-    case ValueType::kF32: std::memcpy(dst, bytes, n * 4); return;
+    case ValueType::kF32:
+      std::memcpy(dst, bytes, n * 4);
+      return;
     case ValueType::kF16: {
       for (uint64_t i = 0; i < n; ++i) {
         uint16_t h;
@@ -196,9 +203,9 @@ std::vector<int64_t> decode_indices(const Encoded& e) {
       return idx;
     }
     case IndexCoding::kBitmap: {
-      SPARROW_CHECK_T(FormatError, e.indices.size() == static_cast<size_t>((numel + 7) / 8),
-                      "sparse: bitmap has " << e.indices.size() << " bytes, numel " << numel << " needs "
-                                            << (numel + 7) / 8);
+      SPARROW_CHECK_T(
+          FormatError, e.indices.size() == static_cast<size_t>((numel + 7) / 8),
+          "sparse: bitmap has " << e.indices.size() << " bytes, numel " << numel << " needs " << (numel + 7) / 8);
       SPARROW_CHECK_T(FormatError, e.count <= static_cast<uint64_t>(numel), "sparse: count exceeds numel");
       idx.reserve(e.count);
       for (size_t byte = 0; byte < e.indices.size(); ++byte) {
@@ -220,7 +227,8 @@ std::vector<int64_t> decode_indices(const Encoded& e) {
       SPARROW_CHECK_T(FormatError, e.indices.empty(), "sparse: seeded indices carry no index bytes");
       SPARROW_CHECK_T(FormatError, e.count <= static_cast<uint64_t>(numel), "sparse: count exceeds numel");
       return seeded_indices(e.seed, e.count, numel);
-    case IndexCoding::kNone: break;
+    case IndexCoding::kNone:
+      break;
   }
   throw FormatError("sparse: unknown index coding " + std::to_string(static_cast<int>(e.index_coding)));
 }
@@ -254,8 +262,8 @@ std::vector<int64_t> seeded_indices(uint64_t key, uint64_t k, int64_t n) {
   return idx;
 }
 
-Encoded make_sparse(const std::vector<int64_t>& shape, const int64_t* idx, const float* vals, uint64_t k,
-                    ValueType vt, float sign_magnitude) {
+Encoded make_sparse(const std::vector<int64_t>& shape, const int64_t* idx, const float* vals, uint64_t k, ValueType vt,
+                    float sign_magnitude) {
   Encoded e;
   e.format = Format::kSparse;
   e.shape = shape;

@@ -45,8 +45,8 @@ std::vector<int64_t> decode_indices(const Encoded& e);
 std::vector<int64_t> seeded_indices(uint64_t key, uint64_t k, int64_t n);
 
 // Builds a kSparse Encoded from ascending indices and their values.
-Encoded make_sparse(const std::vector<int64_t>& shape, const int64_t* idx, const float* vals, uint64_t k,
-                    ValueType vt, float sign_magnitude = 0.0f);
+Encoded make_sparse(const std::vector<int64_t>& shape, const int64_t* idx, const float* vals, uint64_t k, ValueType vt,
+                    float sign_magnitude = 0.0f);
 
 // ---- bit streams (LSB first, 64-bit little-endian words) ---------------------
 class BitWriter {

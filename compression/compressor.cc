@@ -32,13 +32,20 @@ namespace {
 void decode_into(const Encoded& e, at::Tensor& out, float weight, const Context& ctx) {
   float* o = out.data_ptr<float>();
   switch (e.format) {
-    case Format::kDense: return detail::decode_dense_add(e, o, weight);
-    case Format::kSparse: return detail::decode_sparse_add(e, o, weight);
-    case Format::kQuantized: return detail::decode_quantized_add(e, o, weight);
-    case Format::kTernary: return detail::decode_ternary_add(e, o, weight);
-    case Format::kSign: return detail::decode_sign_add(e, o, weight);
-    case Format::kLowRank: return detail::decode_lowrank_add(e, out, weight);
-    case Format::kLowRankFactor: return detail::decode_factor_add(e, out, weight, ctx);
+    case Format::kDense:
+      return detail::decode_dense_add(e, o, weight);
+    case Format::kSparse:
+      return detail::decode_sparse_add(e, o, weight);
+    case Format::kQuantized:
+      return detail::decode_quantized_add(e, o, weight);
+    case Format::kTernary:
+      return detail::decode_ternary_add(e, o, weight);
+    case Format::kSign:
+      return detail::decode_sign_add(e, o, weight);
+    case Format::kLowRank:
+      return detail::decode_lowrank_add(e, out, weight);
+    case Format::kLowRankFactor:
+      return detail::decode_factor_add(e, out, weight, ctx);
   }
   throw FormatError("unknown tensor format");
 }

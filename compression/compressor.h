@@ -22,10 +22,10 @@ namespace sparrow::compression {
 
 // Inputs that are not the tensor and not per-tensor state.
 struct Context {
-  std::string name;       // tensor name; keys per-tensor random streams (same on every party)
-  uint64_t seed = 0;      // run seed shared by every party
-  int num_workers = 1;    // N, for DGC's local clipping threshold C·N^-1/2
-  int64_t round = -1;     // global round (ACP picks P or Q by its parity); -1: use State::step
+  std::string name;          // tensor name; keys per-tensor random streams (same on every party)
+  uint64_t seed = 0;         // run seed shared by every party
+  int num_workers = 1;       // N, for DGC's local clipping threshold C·N^-1/2
+  int64_t round = -1;        // global round (ACP picks P or Q by its parity); -1: use State::step
   at::Tensor shared_factor;  // ACP: the aggregator's current shared factor; undefined: derive from seed
 };
 

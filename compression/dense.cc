@@ -49,8 +49,8 @@ void decode_dense_add(const Encoded& e, float* out, float weight) {
 }
 
 void register_dense() {
-  for (auto [name, vt] : {std::pair{"none", ValueType::kF32}, std::pair{"fp16", ValueType::kF16},
-                          std::pair{"bf16", ValueType::kBF16}}) {
+  for (auto [name, vt] :
+       {std::pair{"none", ValueType::kF32}, std::pair{"fp16", ValueType::kF16}, std::pair{"bf16", ValueType::kBF16}}) {
     const std::string method = name;
     const ValueType type = vt;
     register_compressor(method, [method, type](Spec&) { return std::make_unique<DenseCompressor>(method, type); });

@@ -82,8 +82,8 @@ int64_t dgc_sample_offset(uint64_t key, int64_t stride) {
 
 namespace {
 
-constexpr double kUpperBound = 1.3;  // reference: compress_upper_bound
-constexpr double kLowerBound = 0.8;  // reference: compress_lower_bound
+constexpr double kUpperBound = 1.3;   // reference: compress_upper_bound
+constexpr double kLowerBound = 0.8;   // reference: compress_lower_bound
 constexpr float kLowerBoundF = 0.8f;  // thr *= 0.8 happens on a float32 tensor there
 constexpr int kMaxAdaptationIters = 10;
 constexpr int64_t kProvisionalSamples = 8192;  // every (count / this)-th sample sets the provisional threshold
@@ -163,8 +163,7 @@ class DgcCompressor final : public Compressor {
 
  private:
   // Updates u and v in place and returns the ascending indices to send.
-  std::vector<int64_t> select(const float* g, float* u, float* v, int64_t n, uint64_t step,
-                              const Context& ctx) const {
+  std::vector<int64_t> select(const float* g, float* u, float* v, int64_t n, uint64_t step, const Context& ctx) const {
     const double density = dgc_density(step, warmup_, ratio_);
     const DgcSamplePlan plan = dgc_sample_plan(n, density, sample_);
     const float m = static_cast<float>(momentum_);
@@ -197,8 +196,8 @@ class DgcCompressor final : public Compressor {
         float uu = u[i];
         samples.push_back(std::fabs(dgc_step(uu, v[i], g[i], m, coef)));
       }
-      const double expect = static_cast<double>(samples.size()) * static_cast<double>(plan.top_k_samples) /
-                            static_cast<double>(count);
+      const double expect =
+          static_cast<double>(samples.size()) * static_cast<double>(plan.top_k_samples) / static_cast<double>(count);
       const auto rank = static_cast<int64_t>(std::ceil(expect + 4.0 * std::sqrt(expect) + 4.0));
       const float provisional = rank >= static_cast<int64_t>(samples.size()) ? 0.0f : kth_largest(samples, rank);
 

@@ -65,19 +65,27 @@ size_t Encoded::payload_bytes() const {
 
 const char* format_name(Format f) {
   switch (f) {
-    case Format::kDense: return "dense";
-    case Format::kSparse: return "sparse";
-    case Format::kQuantized: return "quantized";
-    case Format::kTernary: return "ternary";
-    case Format::kSign: return "sign";
-    case Format::kLowRank: return "lowrank";
-    case Format::kLowRankFactor: return "lowrank_factor";
+    case Format::kDense:
+      return "dense";
+    case Format::kSparse:
+      return "sparse";
+    case Format::kQuantized:
+      return "quantized";
+    case Format::kTernary:
+      return "ternary";
+    case Format::kSign:
+      return "sign";
+    case Format::kLowRank:
+      return "lowrank";
+    case Format::kLowRankFactor:
+      return "lowrank_factor";
   }
   return "unknown";
 }
 
 void validate(const Encoded& e) {
-  SPARROW_CHECK_T(FormatError, e.shape.size() <= kMaxDims, "tensor has " << e.shape.size() << " dimensions (max " << kMaxDims << ")");
+  SPARROW_CHECK_T(FormatError, e.shape.size() <= kMaxDims,
+                  "tensor has " << e.shape.size() << " dimensions (max " << kMaxDims << ")");
   int64_t numel = 1;
   for (int64_t d : e.shape) {
     SPARROW_CHECK_T(FormatError, d >= 0 && d <= kMaxNumel, "bad dimension " << d);
@@ -131,7 +139,8 @@ void validate(const Encoded& e) {
       check_no_indices(e, what);
       SPARROW_CHECK_T(FormatError, e.params.size() == (factor ? 4u : 3u), what << ": wrong number of params");
       const uint64_t rows = e.params[0], cols = e.params[1], rank = e.params[2];
-      SPARROW_CHECK_T(FormatError, rows * cols == n, what << ": " << rows << "x" << cols << " does not match numel " << n);
+      SPARROW_CHECK_T(FormatError, rows * cols == n,
+                      what << ": " << rows << "x" << cols << " does not match numel " << n);
       SPARROW_CHECK_T(FormatError, rank >= 1 && rank <= rows && rank <= cols, what << ": bad rank " << rank);
       SPARROW_CHECK_T(FormatError, e.value_type == ValueType::kF32, what << ": factors must be fp32");
       uint64_t floats = (rows + cols) * rank;

@@ -13,16 +13,16 @@ namespace sparrow::compression::detail {
 
 void decode_dense_add(const Encoded& e, float* out, float weight);
 void decode_sparse_add(const Encoded& e, float* out, float weight);
-void decode_quantized_add(const Encoded& e, float* out, float weight);  // qsgd.cc
-void decode_ternary_add(const Encoded& e, float* out, float weight);    // terngrad.cc
-void decode_sign_add(const Encoded& e, float* out, float weight);       // sign.cc
-void decode_lowrank_add(const Encoded& e, at::Tensor& out, float weight);                         // powersgd.cc
-void decode_factor_add(const Encoded& e, at::Tensor& out, float weight, const Context& ctx);       // acp.cc
+void decode_quantized_add(const Encoded& e, float* out, float weight);                        // qsgd.cc
+void decode_ternary_add(const Encoded& e, float* out, float weight);                          // terngrad.cc
+void decode_sign_add(const Encoded& e, float* out, float weight);                             // sign.cc
+void decode_lowrank_add(const Encoded& e, at::Tensor& out, float weight);                     // powersgd.cc
+void decode_factor_add(const Encoded& e, at::Tensor& out, float weight, const Context& ctx);  // acp.cc
 
-void register_dense();      // none, fp16, bf16             (dense.cc)
+void register_dense();        // none, fp16, bf16             (dense.cc)
 void register_sparsifiers();  // topk, randomk, threshold  (sparse.cc)
-void register_dgc();        // dgc                          (dgc.cc)
-void register_quantizers(); // qsgd, terngrad, sign         (qsgd.cc, terngrad.cc, sign.cc via quantizers)
-void register_lowrank();    // powersgd, acp                (powersgd.cc, acp.cc)
+void register_dgc();          // dgc                          (dgc.cc)
+void register_quantizers();   // qsgd, terngrad, sign         (qsgd.cc, terngrad.cc, sign.cc via quantizers)
+void register_lowrank();      // powersgd, acp                (powersgd.cc, acp.cc)
 
 }  // namespace sparrow::compression::detail

@@ -258,6 +258,12 @@ void rank_update(float* a, int64_t n, int64_t m, const float* p, const float* q,
   });
 }
 
+float* residual_data(State& state, const at::Tensor& x) {
+  at::Tensor& slot = state.slot("residual", x);
+  if (!slot.is_contiguous()) slot = slot.contiguous();
+  return slot.data_ptr<float>();
+}
+
 at::Tensor factor_from_bytes(const uint8_t* bytes, int64_t k, int64_t r) {
   at::Tensor f = at::empty({k, r}, at::TensorOptions().dtype(at::kFloat));
   if (k > 0 && r > 0) std::memcpy(f.data_ptr<float>(), bytes, static_cast<size_t>(k * r) * sizeof(float));
@@ -306,12 +312,7 @@ class PowerSgdCompressor final : public Compressor {
 
     // M' = M + E is built in the residual slot during the first product's pass.
     const float* xp = x.data_ptr<float>();
-    float* res = nullptr;
-    if (ef_) {
-      at::Tensor& slot = state.slot("residual", x);
-      if (!slot.is_contiguous()) slot = slot.contiguous();
-      res = slot.data_ptr<float>();
-    }
+    float* res = ef_ ? detail::residual_data(state, x) : nullptr;
     const float* mc = ef_ ? res : xp;
     at::Tensor p = at::empty({n, r}, at::TensorOptions().dtype(at::kFloat));
     if (ef_) {

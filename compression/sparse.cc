@@ -74,9 +74,8 @@ float kth_largest(std::vector<float>& s, int64_t r) {
 }
 
 void collect_abs_ge(const float* a, int64_t n, float thr, std::vector<int64_t>& out) {
-  scan_blocks(n, out, [a, thr](int64_t b, int64_t e, std::vector<int64_t>& part) {
-    collect_abs_ge_range(a, b, e, thr, part);
-  });
+  scan_blocks(n, out,
+              [a, thr](int64_t b, int64_t e, std::vector<int64_t>& part) { collect_abs_ge_range(a, b, e, thr, part); });
 }
 
 void keep_topk(const float* a, std::vector<int64_t>& cand, uint64_t k) {
@@ -151,8 +150,7 @@ namespace {
 
 double parse_ratio(Spec& spec, const char* method, double def) {
   const double ratio = spec.get_double("ratio", def);
-  SPARROW_CHECK_T(ConfigError, ratio > 0.0 && ratio <= 1.0,
-                  method << ": ratio=" << ratio << " must be in (0, 1]");
+  SPARROW_CHECK_T(ConfigError, ratio > 0.0 && ratio <= 1.0, method << ": ratio=" << ratio << " must be in (0, 1]");
   return ratio;
 }
 
@@ -232,8 +230,7 @@ class RandomKCompressor final : public Compressor {
     const int64_t k = n == 0 ? 0 : count_for(ratio_, n);
     const uint64_t key = step_key(ctx, state.step);
     const std::vector<int64_t> idx = seeded_indices(key, static_cast<uint64_t>(k), n);
-    const float scale =
-        (k == 0 || ef_) ? 1.0f : static_cast<float>(static_cast<double>(n) / static_cast<double>(k));
+    const float scale = (k == 0 || ef_) ? 1.0f : static_cast<float>(static_cast<double>(n) / static_cast<double>(k));
     const std::vector<float> vals = gather(src, idx, scale);
     Encoded e;
     e.format = Format::kSparse;

@@ -62,12 +62,13 @@ int run_tour(const std::string& data_dir, int batch, uint64_t seed, std::ostream
   const double gnorm = flat.norm().item<double>();
 
   char line[256];
-  std::snprintf(line, sizeof(line), "Sparrow codec tour: MLP 784-200-200-10, %lld parameters in %zu tensors,\n"
+  std::snprintf(line, sizeof(line),
+                "Sparrow codec tour: MLP 784-200-200-10, %lld parameters in %zu tensors,\n"
                 "gradient of one Fashion-MNIST batch of %lld (loss %.4f). Bytes are whole wire messages.\n\n",
                 static_cast<long long>(elements), grads.size(), static_cast<long long>(n), loss.item<double>());
   out << line;
-  std::snprintf(line, sizeof(line), "%-30s %11s %8s %10s %10s %9s %9s\n", "method", "wire bytes", "ratio",
-                "rel error", "mean err", "encode ms", "decode ms");
+  std::snprintf(line, sizeof(line), "%-30s %11s %8s %10s %10s %9s %9s\n", "method", "wire bytes", "ratio", "rel error",
+                "mean err", "encode ms", "decode ms");
   out << line << std::string(93, '-') << "\n";
   for (const char* spec : kTourSpecs) {
     auto compressor = make_compressor(spec);
@@ -92,12 +93,14 @@ int run_tour(const std::string& data_dir, int batch, uint64_t seed, std::ostream
       mean2 += (sum[i] / kTourSteps - grads[i].second).pow(2).sum().item<double>();
     }
     std::snprintf(line, sizeof(line), "%-30s %11zu %8.1f %10.4f %10.4f %9.3f %9.3f\n", spec, first.wire_bytes,
-                  4.0 * static_cast<double>(elements) / static_cast<double>(first.wire_bytes),
-                  std::sqrt(err2) / gnorm, std::sqrt(mean2) / gnorm, median(enc), median(dec));
+                  4.0 * static_cast<double>(elements) / static_cast<double>(first.wire_bytes), std::sqrt(err2) / gnorm,
+                  std::sqrt(mean2) / gnorm, median(enc), median(dec));
     out << line;
   }
   out << "\nrel error = ||decoded - g|| / ||g|| for one step from fresh state. mean err = the same for the\n"
-         "mean of " << kTourSteps << " decoded updates of the same g with persistent state: error feedback and\n"
+         "mean of "
+      << kTourSteps
+      << " decoded updates of the same g with persistent state: error feedback and\n"
          "unbiased quantisers drive it towards 0, one-step error understates them. dgc sends momentum-\n"
          "corrected velocity (momentum 0.9), so its mean exceeds g by design. Times: median of the steps.\n";
   return 0;

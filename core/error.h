@@ -33,21 +33,21 @@ namespace detail {
 }  // namespace sparrow
 
 // SPARROW_CHECK(cond, stream-expr) throws sparrow::Error with file:line.
-#define SPARROW_CHECK(cond, ...)                                             \
-  do {                                                                        \
-    if (!(cond)) {                                                            \
-      std::ostringstream sparrow_check_os_;                                   \
-      sparrow_check_os_ << __VA_ARGS__;                                       \
+#define SPARROW_CHECK(cond, ...)                                                          \
+  do {                                                                                    \
+    if (!(cond)) {                                                                        \
+      std::ostringstream sparrow_check_os_;                                               \
+      sparrow_check_os_ << __VA_ARGS__;                                                   \
       ::sparrow::detail::throw_check(__FILE__, __LINE__, #cond, sparrow_check_os_.str()); \
-    }                                                                         \
+    }                                                                                     \
   } while (0)
 
 // Same, but throws the given Error subclass (for FormatError / ConfigError).
-#define SPARROW_CHECK_T(ErrorType, cond, ...)                                 \
-  do {                                                                        \
-    if (!(cond)) {                                                            \
-      std::ostringstream sparrow_check_os_;                                   \
-      sparrow_check_os_ << __VA_ARGS__;                                       \
-      throw ErrorType(sparrow_check_os_.str());                               \
-    }                                                                         \
+#define SPARROW_CHECK_T(ErrorType, cond, ...)   \
+  do {                                          \
+    if (!(cond)) {                              \
+      std::ostringstream sparrow_check_os_;     \
+      sparrow_check_os_ << __VA_ARGS__;         \
+      throw ErrorType(sparrow_check_os_.str()); \
+    }                                           \
   } while (0)

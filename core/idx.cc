@@ -41,7 +41,8 @@ at::Tensor read_idx(const std::string& path) {
   SPARROW_CHECK_T(FormatError, static_cast<unsigned char>(b[2]) == 0x08,
                   "'" << path << "': IDX data type " << int(static_cast<unsigned char>(b[2])) << " is not uint8");
   const int dims = static_cast<unsigned char>(b[3]);
-  SPARROW_CHECK_T(FormatError, dims >= 1 && dims <= 4 && b.size() >= 4u + 4u * dims, "'" << path << "': bad IDX header");
+  SPARROW_CHECK_T(FormatError, dims >= 1 && dims <= 4 && b.size() >= 4u + 4u * dims,
+                  "'" << path << "': bad IDX header");
   std::vector<int64_t> shape(dims);
   uint64_t numel = 1;
   for (int d = 0; d < dims; ++d) {
@@ -58,12 +59,14 @@ at::Tensor read_idx(const std::string& path) {
 }
 
 ImageSplit load_mnist_format(const std::string& dir, const std::string& split, float mean, float std) {
-  SPARROW_CHECK_T(ConfigError, split == "train" || split == "test", "split must be 'train' or 'test', got '" << split << "'");
+  SPARROW_CHECK_T(ConfigError, split == "train" || split == "test",
+                  "split must be 'train' or 'test', got '" << split << "'");
   const std::string prefix = dir + "/" + (split == "train" ? "train" : "t10k");
   auto pick = [](const std::string& base) {
     if (exists(base + ".gz")) return base + ".gz";
     if (exists(base)) return base;
-    throw ConfigError("dataset file '" + base + "[.gz]' not found (install the Debian package "
+    throw ConfigError("dataset file '" + base +
+                      "[.gz]' not found (install the Debian package "
                       "dataset-fashion-mnist, or point the data path at an MNIST-format folder)");
   };
   at::Tensor images = read_idx(pick(prefix + "-images-idx3-ubyte"));

@@ -51,8 +51,8 @@ std::vector<int64_t> parse_shape(const std::string& tuple) {
     if (b == std::string::npos) continue;  // trailing comma of a 1-tuple
     size_t e = item.find_last_not_of(' ');
     item = item.substr(b, e - b + 1);
-    SPARROW_CHECK_T(FormatError, !item.empty() && item.find_first_not_of("0123456789") == std::string::npos &&
-                                     item.size() <= 15,
+    SPARROW_CHECK_T(FormatError,
+                    !item.empty() && item.find_first_not_of("0123456789") == std::string::npos && item.size() <= 15,
                     "npy: bad dimension '" << item << "' in shape " << tuple);
     shape.push_back(std::stoll(item));
   }

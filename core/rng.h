@@ -33,9 +33,7 @@ inline constexpr uint64_t hash_name(std::string_view s) {
 }
 
 // Uniform in [0, 1) with 24 random bits (exactly representable as float).
-inline float uniform01(uint64_t key, uint64_t i) {
-  return static_cast<float>(at(key, i) >> 40) * (1.0f / 16777216.0f);
-}
+inline float uniform01(uint64_t key, uint64_t i) { return static_cast<float>(at(key, i) >> 40) * (1.0f / 16777216.0f); }
 
 // Uniform integer in [0, n) (Lemire's multiply-shift; bias < n / 2^64).
 inline uint64_t below(uint64_t key, uint64_t i, uint64_t n) {

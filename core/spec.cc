@@ -33,8 +33,7 @@ Spec Spec::parse(const std::string& text) {
     const std::string item = trim(rest.substr(pos, comma - pos));
     pos = comma + 1;
     if (item.empty()) {
-      SPARROW_CHECK_T(ConfigError, comma == rest.size() && rest.empty(),
-                      "spec '" << text << "': empty key=value item");
+      SPARROW_CHECK_T(ConfigError, comma == rest.size() && rest.empty(), "spec '" << text << "': empty key=value item");
       continue;
     }
     const size_t eq = item.find('=');
@@ -64,8 +63,7 @@ double Spec::get_double(const std::string& key, double def) {
 }
 
 double Spec::require_double(const std::string& key) {
-  SPARROW_CHECK_T(ConfigError, has(key), "spec '" << text_ << "': method '" << method_
-                                                  << "' needs " << key << "=...");
+  SPARROW_CHECK_T(ConfigError, has(key), "spec '" << text_ << "': method '" << method_ << "' needs " << key << "=...");
   return get_double(key, 0.0);
 }
 

@@ -115,9 +115,9 @@ size_t align_up(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
 // Upper bound on the bytes one tensor takes in a message (see encoded_size()).
 size_t tensor_bound(const c::Encoded& e, size_t name_bytes) {
-  size_t n = 4;    // its offset in ModelUpdate.tensors
-  n += 4 + 28;     // vtable: size + table size + 11 field slots, padded
-  n += 64;         // table: soffset, 6 offsets, 3 enums, 2 ulongs, padding
+  size_t n = 4;  // its offset in ModelUpdate.tensors
+  n += 4 + 28;   // vtable: size + table size + 11 field slots, padded
+  n += 64;       // table: soffset, 6 offsets, 3 enums, 2 ulongs, padding
   if (name_bytes) n += align_up(4 + name_bytes + 1, 4);
   if (!e.shape.empty()) n += 8 + 8 * e.shape.size();
   if (!e.params.empty()) n += 4 + 4 * e.params.size();
@@ -231,7 +231,8 @@ uint64_t checked_numel(const std::vector<int64_t>& shape, uint64_t budget, const
       fail(ErrorCode::kOversize, "tensor '" + name + "' takes the message over the receiver's element limit");
     n *= ud;
   }
-  if (n > budget) fail(ErrorCode::kOversize, "tensor '" + name + "' takes the message over the receiver's element limit");
+  if (n > budget)
+    fail(ErrorCode::kOversize, "tensor '" + name + "' takes the message over the receiver's element limit");
   return n;
 }
 
@@ -320,8 +321,8 @@ Message parse_verified(const uint8_t* buf, size_t size, const ParseLimits& limit
   const auto [major, minor] = peek_version(buf, size);
   if (major != kProtocolMajor) {
     std::ostringstream os;
-    os << "protocol version mismatch: peer speaks " << major << "." << minor << ", this build speaks "
-       << kProtocolMajor << "." << kProtocolMinor;
+    os << "protocol version mismatch: peer speaks " << major << "." << minor << ", this build speaks " << kProtocolMajor
+       << "." << kProtocolMinor;
     fail(ErrorCode::kVersionMismatch, os.str());
   }
   flatbuffers::Verifier verifier(buf, size, verifier_options());
@@ -333,7 +334,8 @@ Message parse_verified(const uint8_t* buf, size_t size, const ParseLimits& limit
   out.major = major;
   out.minor = minor;
   switch (m->body_type()) {
-    case fb::Body::NONE: fail(ErrorCode::kMalformed, "message has no body");
+    case fb::Body::NONE:
+      fail(ErrorCode::kMalformed, "message has no body");
     case fb::Body::ModelUpdate: {
       const fb::ModelUpdate* u = m->body_as_ModelUpdate();
       if (!u) fail(ErrorCode::kMalformed, "ModelUpdate body missing");
@@ -374,13 +376,20 @@ std::string sanitize(const std::string& s) {
 
 const char* error_code_name(ErrorCode code) {
   switch (code) {
-    case ErrorCode::kUnknown: return "unknown";
-    case ErrorCode::kVersionMismatch: return "version_mismatch";
-    case ErrorCode::kMalformed: return "malformed";
-    case ErrorCode::kOversize: return "oversize";
-    case ErrorCode::kRejected: return "rejected";
-    case ErrorCode::kInternal: return "internal";
-    case ErrorCode::kUnsupported: return "unsupported";
+    case ErrorCode::kUnknown:
+      return "unknown";
+    case ErrorCode::kVersionMismatch:
+      return "version_mismatch";
+    case ErrorCode::kMalformed:
+      return "malformed";
+    case ErrorCode::kOversize:
+      return "oversize";
+    case ErrorCode::kRejected:
+      return "rejected";
+    case ErrorCode::kInternal:
+      return "internal";
+    case ErrorCode::kUnsupported:
+      return "unsupported";
   }
   return "unknown";
 }
@@ -413,7 +422,8 @@ Message parse(const void* data, size_t size, const ParseLimits& limits) {
   if (std::memcmp(bytes + 2 * sizeof(flatbuffers::uoffset_t), kIdentifier, flatbuffers::kFileIdentifierLength) != 0)
     fail(ErrorCode::kMalformed, "not a Sparrow message (file identifier is not \"SPRW\")");
   // The size prefix must account for every byte: catches truncation and trailing garbage.
-  const uint64_t prefix = uint64_t{bytes[0]} | uint64_t{bytes[1]} << 8 | uint64_t{bytes[2]} << 16 | uint64_t{bytes[3]} << 24;
+  const uint64_t prefix =
+      uint64_t{bytes[0]} | uint64_t{bytes[1]} << 8 | uint64_t{bytes[2]} << 16 | uint64_t{bytes[3]} << 24;
   if (prefix != size - sizeof(flatbuffers::uoffset_t))
     fail(ErrorCode::kMalformed, "size prefix says " + std::to_string(prefix) + " bytes follow, the frame has " +
                                     std::to_string(size - sizeof(flatbuffers::uoffset_t)) + " (truncated or padded)");
@@ -451,8 +461,6 @@ ErrorBody error_for(const std::exception& e, std::optional<uint64_t> round) {
   return out;
 }
 
-size_t encoded_size(const compression::Encoded& e, const std::string& name) {
-  return tensor_bound(e, name.size());
-}
+size_t encoded_size(const compression::Encoded& e, const std::string& name) { return tensor_bound(e, name.size()); }
 
 }  // namespace sparrow::wire

@@ -61,14 +61,14 @@ class ProtocolError : public FormatError {
 };
 
 struct NamedTensor {
-  std::string name;             // non-empty, unique within the update
+  std::string name;  // non-empty, unique within the update
   compression::Encoded tensor;
 };
 
 struct ModelUpdate {
-  uint64_t round = 0;           // the round this update was computed for
+  uint64_t round = 0;  // the round this update was computed for
   std::string client_id;
-  uint64_t num_samples = 0;     // the client's FedAvg weight
+  uint64_t num_samples = 0;  // the client's FedAvg weight
   std::vector<NamedTensor> tensors;
   std::vector<std::pair<std::string, double>> metrics;  // keys non-empty and unique, values finite
 };

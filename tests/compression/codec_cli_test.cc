@@ -63,7 +63,9 @@ TEST_CASE("sparrow-codec: JSON line and outputs") {
   write_input("cli_json_x.npy", {64, 50});
   std::remove("cli_json_last.npy");
   std::remove("cli_json_mean.npy");
-  Run r = run("cli_json_", "--method topk:ratio=0.1,ef=1 --in cli_json_x.npy --steps 4 --seed 3 --out cli_json_last.npy --out-mean cli_json_mean.npy");
+  Run r = run("cli_json_",
+              "--method topk:ratio=0.1,ef=1 --in cli_json_x.npy --steps 4 --seed 3 --out cli_json_last.npy --out-mean "
+              "cli_json_mean.npy");
   REQUIRE(r.status == 0);
   for (const char* key : {"elements", "dense_bytes", "wire_bytes", "ratio", "encode_ms", "decode_ms", "rel_error"})
     CHECK(r.out.find(std::string("\"") + key + "\":") != std::string::npos);
@@ -88,14 +90,10 @@ TEST_CASE("sparrow-codec: none is lossless") {
 TEST_CASE("sparrow-codec: bad input exits 2 and writes nothing") {
   write_input("cli_bad_x.npy", {10, 10});
   const std::string good = read_file("cli_bad_x.npy");
-  {
-    std::ofstream("cli_bad_trunc.npy", std::ios::binary) << good.substr(0, good.size() - 5);
-  }
+  { std::ofstream("cli_bad_trunc.npy", std::ios::binary) << good.substr(0, good.size() - 5); }
   std::string f8 = good;
   f8.replace(f8.find("<f4"), 3, "<f8");
-  {
-    std::ofstream("cli_bad_f8.npy", std::ios::binary) << f8;
-  }
+  { std::ofstream("cli_bad_f8.npy", std::ios::binary) << f8; }
   struct Bad {
     const char* args;
     const char* says;
@@ -104,10 +102,8 @@ TEST_CASE("sparrow-codec: bad input exits 2 and writes nothing") {
                 Bad{"--method topk:ratio=0.1,speed=9 --in cli_bad_x.npy", "unknown key"},
                 Bad{"--method topk:ratio=abc --in cli_bad_x.npy", "not a finite number"},
                 Bad{"--method none --in cli_bad_trunc.npy", "truncated"},
-                Bad{"--method none --in cli_bad_f8.npy", "dtype"},
-                Bad{"--method none --in cli_bad_missing.npy", ""},
-                Bad{"--method none --in cli_bad_x.npy --steps 0", ""},
-                Bad{"--in cli_bad_x.npy", "--method"}}) {
+                Bad{"--method none --in cli_bad_f8.npy", "dtype"}, Bad{"--method none --in cli_bad_missing.npy", ""},
+                Bad{"--method none --in cli_bad_x.npy --steps 0", ""}, Bad{"--in cli_bad_x.npy", "--method"}}) {
     CAPTURE(b.args);
     std::remove("cli_bad_out.npy");
     Run r = run("cli_bad_", std::string(b.args) + " --out cli_bad_out.npy");
@@ -128,12 +124,12 @@ TEST_CASE("sparrow-codec: every registered method through the wire") {
     std::string spec;
     double mean_err;
   };
-  for (const Case& c : {Case{"fp16", 0.01}, Case{"bf16", 0.01}, Case{"topk:ratio=0.05", 10}, Case{"topk:ratio=0.05,ef=1", 0.4},
-                        Case{"randomk:ratio=0.05", 1.0}, Case{"randomk:ratio=0.05,ef=1", 0.8} /* 0.60 */,
-                        Case{"threshold:tau=1.5", 0.35} /* 0.21 */, Case{"dgc:ratio=0.01,warmup=4", 100},
-                        Case{"qsgd:levels=16", 0.2} /* 0.10 */, Case{"terngrad", 0.4} /* 0.28 */,
-                        Case{"sign", 0.25} /* 0.15 */, Case{"powersgd:rank=4", 0.3} /* 0.20 */,
-                        Case{"acp:rank=4", 0.6} /* 0.43 */}) {
+  for (const Case& c :
+       {Case{"fp16", 0.01}, Case{"bf16", 0.01}, Case{"topk:ratio=0.05", 10}, Case{"topk:ratio=0.05,ef=1", 0.4},
+        Case{"randomk:ratio=0.05", 1.0}, Case{"randomk:ratio=0.05,ef=1", 0.8} /* 0.60 */,
+        Case{"threshold:tau=1.5", 0.35} /* 0.21 */, Case{"dgc:ratio=0.01,warmup=4", 100},
+        Case{"qsgd:levels=16", 0.2} /* 0.10 */, Case{"terngrad", 0.4} /* 0.28 */, Case{"sign", 0.25} /* 0.15 */,
+        Case{"powersgd:rank=4", 0.3} /* 0.20 */, Case{"acp:rank=4", 0.6} /* 0.43 */}) {
     const std::string spec = c.spec;
     CAPTURE(spec);
     Run r = run("cli_all_", "--method " + spec + " --in cli_all_x.npy --steps 30 --out-mean cli_all_mean.npy");

@@ -24,7 +24,8 @@ TEST_CASE("index coding: delta varint and bitmap round trip, smaller one chosen"
     encode_indices(idx.data(), k, n, e);
     const size_t bitmap = (n + 7) / 8;
     CHECK(e.indices.size() == std::min(bitmap, delta_varint_bytes(idx.data(), k)));
-    CHECK(e.index_coding == (bitmap < delta_varint_bytes(idx.data(), k) ? IndexCoding::kBitmap : IndexCoding::kDeltaVarint));
+    CHECK(e.index_coding ==
+          (bitmap < delta_varint_bytes(idx.data(), k) ? IndexCoding::kBitmap : IndexCoding::kDeltaVarint));
     CHECK(decode_indices(e) == idx);
   }
 }
@@ -118,7 +119,8 @@ TEST_CASE("state: serialise round trip and malformed bytes") {
   REQUIRE(r.tensors.size() == 2);
   CHECK(at::equal(r.tensors.at("u"), s.tensors.at("u")));
   CHECK(at::equal(r.tensors.at("v"), s.tensors.at("v")));
-  for (size_t len = 0; len < bytes.size(); len += 7) CHECK_THROWS_AS(State::deserialize(bytes.substr(0, len)), FormatError);
+  for (size_t len = 0; len < bytes.size(); len += 7)
+    CHECK_THROWS_AS(State::deserialize(bytes.substr(0, len)), FormatError);
   CHECK_THROWS_AS(State::deserialize(bytes + "z"), FormatError);
   // A slot whose shape no longer matches is reset.
   CHECK(r.slot("u", at::ones({2})).sum().item<float>() == 0.0f);

@@ -14,23 +14,15 @@
 #include "compression/compressor.h"
 #include "compression/dgc.h"
 #include "core/error.h"
+#include "tests/compression/sparse_util.h"
 
 using namespace sparrow::compression;
 using sparrow::ConfigError;
 namespace cd = sparrow::compression::detail;
+using sparrow::compression::test::to_vec;
+using sparrow::compression::test::values_of;
 
 namespace {
-
-std::vector<int64_t> to_vec(const at::Tensor& t) {
-  at::Tensor c = t.to(at::kLong).contiguous();
-  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
-}
-
-std::vector<float> values_of(const Encoded& e) {
-  std::vector<float> v(e.count);
-  cd::unpack_values(e.values.data(), e.count, e.value_type, 0.0f, v.data());
-  return v;
-}
 
 // The paper's warm-up, written out: density x1/4 per quarter of the warm-up.
 double expected_density(uint64_t t, int64_t warmup, double ratio) {
@@ -141,8 +133,8 @@ struct ReferenceDgc {
   }
 };
 
-void check_side_by_side(const std::string& spec, ReferenceDgc ref, std::vector<int64_t> shape, int steps,
-                        Context ctx, ReferenceDgc* stats = nullptr) {
+void check_side_by_side(const std::string& spec, ReferenceDgc ref, std::vector<int64_t> shape, int steps, Context ctx,
+                        ReferenceDgc* stats = nullptr) {
   auto dgc = make_compressor(spec);
   State state;
   for (int t = 0; t < steps; ++t) {
@@ -172,8 +164,8 @@ void check_side_by_side(const std::string& spec, ReferenceDgc ref, std::vector<i
 TEST_CASE("dgc: warm-up densities") {
   const double want[] = {0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625, 0.00390625, 0.00390625, 0.001, 0.001};
   for (uint64_t t = 0; t < 10; ++t) CHECK(cd::dgc_density(t, 8, 0.001) == want[t]);
-  CHECK(cd::dgc_density(0, 0, 0.001) == 0.001);    // no warm-up
-  CHECK(cd::dgc_density(0, 8, 0.5) == 0.5);        // never sparser than the target
+  CHECK(cd::dgc_density(0, 0, 0.001) == 0.001);  // no warm-up
+  CHECK(cd::dgc_density(0, 8, 0.5) == 0.5);      // never sparser than the target
   CHECK(cd::dgc_density(399, 400, 0.001) == 0.00390625);
   CHECK(cd::dgc_density(100, 400, 0.001) == 0.0625);
   // The codec sends ceil(n·density) during warm-up: exactly that many when the
@@ -201,8 +193,8 @@ TEST_CASE("dgc: sampling plan matches the reference formula") {
   // Values computed with the reference's Python.
   const Row rows[] = {
       {25000000, 0.001, 97, 257731, 258, 25000}, {3200, 0.25, 97, 32, 8, 800},
-      {3200, 0.015625, 25, 128, 2, 50},         {3200, 0.001, 1, 3200, 4, 4},
-      {2100, 0.015625, 9, 233, 4, 33},          {2000000, 0.01, 97, 20618, 207, 20000},
+      {3200, 0.015625, 25, 128, 2, 50},          {3200, 0.001, 1, 3200, 4, 4},
+      {2100, 0.015625, 9, 233, 4, 33},           {2000000, 0.01, 97, 20618, 207, 20000},
       {100000, 0.001, 49, 2040, 3, 100},
   };
   for (const Row& r : rows) {
@@ -278,7 +270,8 @@ TEST_CASE("dgc: adversarial samples: provisional-threshold rescan and the 10-ite
   at::manual_seed(17);
   at::Tensor g = at::randn({n}) * 0.01;
   float* gp = g.data_ptr<float>();
-  for (int64_t j = 0; off + j * plan.stride < n; j += 2) gp[off + j * plan.stride] = 100.0f + 1e-3f * static_cast<float>(j);
+  for (int64_t j = 0; off + j * plan.stride < n; j += 2)
+    gp[off + j * plan.stride] = 100.0f + 1e-3f * static_cast<float>(j);
   const at::Tensor g2 = g.reshape({2000, 1000});
   ReferenceDgc ref;
   ref.ratio = 0.01;
@@ -459,9 +452,8 @@ TEST_SUITE("slow") {
     State st;
     const double topk_codec_ms = best_ms(3, [&] { (void)topk->encode(g, st, {}); });
     MESSAGE("25M fp32: memcpy " << memcpy_ms << " ms, dgc encode " << dgc_ms << " ms, topk codec " << topk_codec_ms
-                                << " ms, at::topk(x.abs(), 25000) " << topk_ms << " ms; dgc is "
-                                << topk_ms / dgc_ms << "x faster than at::topk and " << dgc_ms / memcpy_ms
-                                << "x a memcpy");
+                                << " ms, at::topk(x.abs(), 25000) " << topk_ms << " ms; dgc is " << topk_ms / dgc_ms
+                                << "x faster than at::topk and " << dgc_ms / memcpy_ms << "x a memcpy");
     CHECK(e.count <= 25000);
     CHECK(e.count >= 20000);
     // Loose bounds (the target is 20x and 10x); a shared machine is noisy.

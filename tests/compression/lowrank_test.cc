@@ -13,7 +13,6 @@
 #include "compression/lowrank.h"
 #include "core/error.h"
 
-
 using namespace sparrow::compression;
 
 namespace {

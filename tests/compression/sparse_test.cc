@@ -12,24 +12,15 @@
 #include "compression/compressor.h"
 #include "compression/dgc.h"
 #include "core/error.h"
+#include "tests/compression/sparse_util.h"
 
 using namespace sparrow::compression;
 using sparrow::ConfigError;
 namespace cd = sparrow::compression::detail;
+using sparrow::compression::test::to_vec;
+using sparrow::compression::test::values_of;
 
 namespace {
-
-std::vector<int64_t> to_vec(const at::Tensor& t) {
-  at::Tensor c = t.to(at::kLong).contiguous();
-  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
-}
-
-std::vector<float> values_of(const Encoded& e) {
-  std::vector<float> v(e.count);
-  const float mag = e.value_type == ValueType::kSign ? e.scales.at(0) : 0.0f;
-  cd::unpack_values(e.values.data(), e.count, e.value_type, mag, v.data());
-  return v;
-}
 
 // The k best of |x| under a stable descending sort (ties: lower index first), ascending.
 std::vector<int64_t> topk_reference(const at::Tensor& x, int64_t k) {

@@ -40,9 +40,7 @@ TEST_CASE("idx: plain and gzip files") {
   std::vector<uint8_t> data(2 * 3 * 4);
   for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<uint8_t>(i * 7);
   const std::string bytes = idx_bytes({2, 3, 4}, data);
-  {
-    std::ofstream("idx_test_plain.idx", std::ios::binary) << bytes;
-  }
+  { std::ofstream("idx_test_plain.idx", std::ios::binary) << bytes; }
   write_gz("idx_test.idx.gz", bytes);
   for (const char* path : {"idx_test_plain.idx", "idx_test.idx.gz"}) {
     at::Tensor t = sparrow::core::read_idx(path);

@@ -16,7 +16,6 @@
 #include "core/rng.h"
 #include "wire/wire.h"
 
-
 using namespace sparrow;
 using namespace sparrow::wire;
 using compression::Encoded;
@@ -161,9 +160,10 @@ Message golden_dense() {
   u.round = 7;
   u.client_id = "client-\xce\xb1";  // "client-α": non-ASCII UTF-8
   u.num_samples = 1234;
-  u.tensors.push_back({"fc1.weight", dense({2, 3}, ValueType::kF32, f32_bytes({1.0f, -2.0f, 3.5f, 0.0f, -0.125f, 1e-3f}))});
+  u.tensors.push_back(
+      {"fc1.weight", dense({2, 3}, ValueType::kF32, f32_bytes({1.0f, -2.0f, 3.5f, 0.0f, -0.125f, 1e-3f}))});
   u.tensors.push_back({"fc1.bias", dense({3}, ValueType::kF16, u16_bytes({0x3c00, 0xc000, 0x0001}))});  // 1, -2, 2^-24
-  u.tensors.push_back({"scale", dense({}, ValueType::kBF16, u16_bytes({0x3fc0}))});                    // 1.5
+  u.tensors.push_back({"scale", dense({}, ValueType::kBF16, u16_bytes({0x3fc0}))});                     // 1.5
   u.tensors.push_back({"empty", dense({0, 4}, ValueType::kF32, {})});
   u.metrics = {{"train_loss", 0.6931471805599453}, {"accuracy", 0.875}};
   Message m;
@@ -197,7 +197,9 @@ const std::vector<std::pair<std::string, Message (*)()>>& golden_files() {
   return files;
 }
 
-std::string golden_path(const std::string& name) { return std::string(SPARROW_SOURCE_DIR) + "/tests/wire/golden/" + name; }
+std::string golden_path(const std::string& name) {
+  return std::string(SPARROW_SOURCE_DIR) + "/tests/wire/golden/" + name;
+}
 
 std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -303,9 +305,9 @@ std::string raw_message(uint16_t major, uint8_t body_type, uint32_t body_offset 
 std::vector<std::string> corpus() {
   std::vector<std::string> out;
   for (const auto& [name, make] : golden_files()) out.push_back(serialize(make()));
-  out.push_back(serialize(update_message({{"q", quantized_tensor()}, {"t", ternary_tensor()}, {"p", lowrank_tensor()},
-                                          {"f", factor_tensor()}},
-                                         {{"loss", 1.25}})));
+  out.push_back(serialize(update_message(
+      {{"q", quantized_tensor()}, {"t", ternary_tensor()}, {"p", lowrank_tensor()}, {"f", factor_tensor()}},
+      {{"loss", 1.25}})));
   Message no_round;
   no_round.body = ErrorBody{ErrorCode::kMalformed, "x", std::nullopt};
   out.push_back(serialize(no_round));
@@ -380,8 +382,8 @@ TEST_CASE("wire: dense codec output survives the wire and decodes identically") 
 }
 
 TEST_CASE("wire: error messages round trip, with and without a round") {
-  for (std::optional<uint64_t> round : {std::optional<uint64_t>{}, std::optional<uint64_t>{0},
-                                        std::optional<uint64_t>{~uint64_t{0}}}) {
+  for (std::optional<uint64_t> round :
+       {std::optional<uint64_t>{}, std::optional<uint64_t>{0}, std::optional<uint64_t>{~uint64_t{0}}}) {
     Message m;
     m.body = ErrorBody{ErrorCode::kVersionMismatch, "peer speaks 2.0", round};
     check_same(parse(serialize(m)), m);
@@ -771,13 +773,15 @@ TEST_CASE("wire: rejects bad names, metrics and text") {
     expect_rejected(serialize(update_message({{"bad\xff", sign_tensor()}})), ErrorCode::kMalformed, "UTF-8");
     expect_rejected(serialize(update_message({{std::string("a\0b", 3), sign_tensor()}})), ErrorCode::kMalformed,
                     "UTF-8");
-    expect_rejected(serialize(update_message({{"\xc0\x80", sign_tensor()}})), ErrorCode::kMalformed, "UTF-8");  // overlong
+    expect_rejected(serialize(update_message({{"\xc0\x80", sign_tensor()}})), ErrorCode::kMalformed,
+                    "UTF-8");  // overlong
     expect_rejected(serialize(update_message({{"\xed\xa0\x80", sign_tensor()}})), ErrorCode::kMalformed,
                     "UTF-8");  // surrogate
     Message m = update_message({});
     std::get<ModelUpdate>(m.body).client_id = "\x80";
     expect_rejected(serialize(m), ErrorCode::kMalformed, "client_id");
-    CHECK_NOTHROW(parse(serialize(update_message({{"\xf0\x9f\x90\xa6.weight", sign_tensor()}}))));  // a 4-byte character
+    CHECK_NOTHROW(
+        parse(serialize(update_message({{"\xf0\x9f\x90\xa6.weight", sign_tensor()}}))));  // a 4-byte character
   }
   SUBCASE("non-finite metrics") {
     expect_rejected(serialize(update_message({}, {{"loss", std::nan("")}})), ErrorCode::kMalformed,
