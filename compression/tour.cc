@@ -77,9 +77,12 @@ int run_tour(const std::string& data_dir, int batch, uint64_t seed, std::ostream
     // same gradient sent kTourSteps times shows what error feedback and
     // unbiasedness buy: the mean of the decoded updates approaches g.
     wire::RoundTripResult r = trip.step(grads);
-    const wire::RoundTripResult first = r;
-    std::vector<at::Tensor> sum;
-    for (const at::Tensor& d : r.decoded) sum.push_back(d.clone());
+    std::vector<at::Tensor> first, sum;
+    for (const at::Tensor& d : r.decoded) {
+      first.push_back(d.clone());  // the next step reuses r's buffers
+      sum.push_back(d.clone());
+    }
+    const size_t wire_bytes = r.wire_bytes;
     std::vector<double> enc = {r.encode_ms}, dec = {r.decode_ms};
     for (int s = 1; s < kTourSteps; ++s) {
       r = trip.step(grads);
@@ -89,11 +92,11 @@ int run_tour(const std::string& data_dir, int batch, uint64_t seed, std::ostream
     }
     double err2 = 0, mean2 = 0;
     for (size_t i = 0; i < grads.size(); ++i) {
-      err2 += (first.decoded[i] - grads[i].second).pow(2).sum().item<double>();
+      err2 += (first[i] - grads[i].second).pow(2).sum().item<double>();
       mean2 += (sum[i] / kTourSteps - grads[i].second).pow(2).sum().item<double>();
     }
-    std::snprintf(line, sizeof(line), "%-30s %11zu %8.1f %10.4f %10.4f %9.3f %9.3f\n", spec, first.wire_bytes,
-                  4.0 * static_cast<double>(elements) / static_cast<double>(first.wire_bytes), std::sqrt(err2) / gnorm,
+    std::snprintf(line, sizeof(line), "%-30s %11zu %8.1f %10.4f %10.4f %9.3f %9.3f\n", spec, wire_bytes,
+                  4.0 * static_cast<double>(elements) / static_cast<double>(wire_bytes), std::sqrt(err2) / gnorm,
                   std::sqrt(mean2) / gnorm, median(enc), median(dec));
     out << line;
   }

@@ -49,7 +49,15 @@ RoundTripResult RoundTrip::step(const std::vector<std::pair<std::string, at::Ten
   t0 = Clock::now();
   for (size_t i = 0; i < got.tensors.size(); ++i) {
     const compression::Encoded& e = got.tensors[i].tensor;
-    r.decoded.push_back(compression::decode(e, contexts[i]));
+    // Decoded into a buffer kept per tensor, as an aggregator folds updates into
+    // a running sum it already holds (decode_add): no fresh allocation per step.
+    at::Tensor& out = decoded_[got.tensors[i].name];
+    if (!out.defined() || out.sizes() != at::IntArrayRef(e.shape))
+      out = at::zeros(e.shape, at::TensorOptions().dtype(at::kFloat));
+    else
+      out.zero_();
+    compression::decode_add(e, out, 1.0f, contexts[i]);
+    r.decoded.push_back(out);
     // The aggregator's half of ACP: the mean factor of this round (one client
     // here), orthonormalised, is the shared factor of the next round.
     if (e.format == compression::Format::kLowRankFactor)

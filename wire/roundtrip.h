@@ -18,11 +18,13 @@
 namespace sparrow::wire {
 
 struct RoundTripResult {
-  std::vector<at::Tensor> decoded;  // in the order given to step()
-  size_t wire_bytes = 0;            // size of the serialised message
-  double encode_ms = 0;             // compressor encode, all tensors
-  double serialize_ms = 0;          // build + parse/verify of the message
-  double decode_ms = 0;             // decode, all tensors
+  // In the order given to step(). The buffers are reused by the next step():
+  // clone what must outlive it.
+  std::vector<at::Tensor> decoded;
+  size_t wire_bytes = 0;    // size of the serialised message
+  double encode_ms = 0;     // compressor encode, all tensors
+  double serialize_ms = 0;  // build + parse/verify of the message
+  double decode_ms = 0;     // zero the output buffer + decode_add, all tensors (ACP: + next shared factor)
 };
 
 class RoundTrip {
@@ -36,7 +38,8 @@ class RoundTrip {
   uint64_t seed_;
   int64_t round_ = 0;
   std::map<std::string, compression::State> states_;
-  std::map<std::string, at::Tensor> shared_;  // ACP: the aggregator's shared factor per tensor
+  std::map<std::string, at::Tensor> shared_;   // ACP: the aggregator's shared factor per tensor
+  std::map<std::string, at::Tensor> decoded_;  // output buffers, reused across steps
 };
 
 }  // namespace sparrow::wire
