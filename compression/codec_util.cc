@@ -278,6 +278,12 @@ std::vector<int64_t> seeded_indices(uint64_t key, uint64_t k, int64_t n) {
   return idx;
 }
 
+float* residual_data(State& state, const at::Tensor& x) {
+  at::Tensor& slot = state.slot("residual", x);
+  if (!slot.is_contiguous()) slot = slot.contiguous();
+  return slot.data_ptr<float>();
+}
+
 Encoded make_sparse(const std::vector<int64_t>& shape, const int64_t* idx, const float* vals, uint64_t k, ValueType vt,
                     float sign_magnitude) {
   Encoded e;
@@ -296,47 +302,6 @@ void decode_sparse_add(const Encoded& e, float* out, float weight) {
   const float mag = e.value_type == ValueType::kSign ? e.scales.at(0) : 0.0f;
   unpack_values(e.values.data(), e.count, e.value_type, mag, vals.data());
   for (uint64_t i = 0; i < e.count; ++i) out[idx[i]] += weight * vals[i];
-}
-
-// ---- bit streams -----------------------------------------------------------------
-
-void BitWriter::finish(std::vector<uint8_t>& out) {
-  const uint64_t nbytes = (bit_count() + 7) / 8;
-  const size_t base = out.size();
-  out.resize(base + nbytes);
-  uint8_t* dst = out.data() + base;
-  const size_t full = std::min<uint64_t>(words_.size() * 8, nbytes);
-  if (full) std::memcpy(dst, words_.data(), full);  // little-endian hosts only (x86-64, aarch64)
-  for (uint64_t b = full; b < nbytes; ++b) dst[b] = static_cast<uint8_t>(acc_ >> (8 * (b - full)));
-}
-
-uint64_t BitReader::get(int width) {
-  SPARROW_CHECK_T(FormatError, static_cast<uint64_t>(width) <= bits_ - pos_,
-                  "bit stream truncated: need " << width << " bits at bit " << pos_ << " of " << bits_);
-  uint64_t v = 0;
-  int got = 0;
-  while (got < width) {
-    const uint64_t byte = pos_ >> 3;
-    const int off = static_cast<int>(pos_ & 7);
-    const int take = std::min(8 - off, width - got);
-    const uint64_t bits = (static_cast<uint64_t>(data_[byte]) >> off) & ((1u << take) - 1);
-    v |= bits << got;
-    got += take;
-    pos_ += static_cast<uint64_t>(take);
-  }
-  return v;
-}
-
-// ---- error feedback ------------------------------------------------------------------
-
-at::Tensor ef_compensate(const at::Tensor& x, State& state, bool ef, const char* slot) {
-  if (!ef) return x;
-  return x + state.slot(slot, x);
-}
-
-void ef_update(State& state, const at::Tensor& compensated, const Encoded& e, const Context& ctx, const char* slot) {
-  at::Tensor& residual = state.slot(slot, compensated);
-  residual.copy_(compensated - decode(e, ctx));
 }
 
 }  // namespace sparrow::compression::detail

@@ -1,7 +1,7 @@
 #pragma once
 // Building blocks shared by the codecs: input checks, per-tensor random keys,
 // value packing (fp32/fp16/bf16/sign bits), index coding (delta varint or bitmap,
-// whichever is smaller; seeded for random-k), bit streams, error feedback.
+// whichever is smaller; seeded for random-k).
 // Internal to compression/: not part of the public interface.
 
 #include <ATen/core/Tensor.h>
@@ -44,54 +44,12 @@ std::vector<int64_t> decode_indices(const Encoded& e);
 // k distinct indices in [0, n), ascending, a pure function of (key, k, n).
 std::vector<int64_t> seeded_indices(uint64_t key, uint64_t k, int64_t n);
 
+// The error-feedback residual (State slot "residual", zeros of x's shape when
+// missing), made contiguous, as a raw pointer for fused kernels.
+float* residual_data(State& state, const at::Tensor& x);
+
 // Builds a kSparse Encoded from ascending indices and their values.
 Encoded make_sparse(const std::vector<int64_t>& shape, const int64_t* idx, const float* vals, uint64_t k, ValueType vt,
                     float sign_magnitude = 0.0f);
-
-// ---- bit streams (LSB first, 64-bit little-endian words) ---------------------
-class BitWriter {
- public:
-  void put(uint64_t bits, int width) {  // width in [0, 64]; bits above width must be 0
-    if (width == 0) return;
-    acc_ |= bits << fill_;
-    const int room = 64 - fill_;
-    if (width >= room) {
-      words_.push_back(acc_);
-      acc_ = room == 64 ? 0 : (width == room ? 0 : bits >> room);
-      fill_ = width - room;
-    } else {
-      fill_ += width;
-    }
-  }
-  uint64_t bit_count() const { return words_.size() * 64 + static_cast<uint64_t>(fill_); }
-  // Appends ceil(bit_count / 8) bytes to out.
-  void finish(std::vector<uint8_t>& out);
-
- private:
-  std::vector<uint64_t> words_;
-  uint64_t acc_ = 0;
-  int fill_ = 0;
-};
-
-class BitReader {
- public:
-  BitReader(const uint8_t* data, size_t bytes) : data_(data), bits_(bytes * 8) {}
-  // Throws FormatError when fewer than `width` bits remain.
-  uint64_t get(int width);
-  uint64_t remaining() const { return bits_ - pos_; }
-  uint64_t position() const { return pos_; }
-
- private:
-  const uint8_t* data_;
-  uint64_t bits_;
-  uint64_t pos_ = 0;
-};
-
-// ---- error feedback -----------------------------------------------------------
-// Returns x + residual (a new tensor) when ef is on, otherwise x itself.
-at::Tensor ef_compensate(const at::Tensor& x, State& state, bool ef, const char* slot = "residual");
-// residual = compensated - decode(e).
-void ef_update(State& state, const at::Tensor& compensated, const Encoded& e, const Context& ctx,
-               const char* slot = "residual");
 
 }  // namespace sparrow::compression::detail

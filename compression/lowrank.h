@@ -114,9 +114,6 @@ namespace sparrow::compression::detail {
 int64_t orthonormalize_refill(at::Tensor& m, uint64_t key);
 // Copies k·r fp32 values (row-major) into a new {k, r} tensor.
 at::Tensor factor_from_bytes(const uint8_t* bytes, int64_t k, int64_t r);
-// The error-feedback residual of x's shape in state (created as zeros), made
-// contiguous, as a raw pointer for the fused kernels below.
-float* residual_data(State& state, const at::Tensor& x);
 // Registers "acp" (acp.cc); called by register_lowrank() in powersgd.cc.
 void register_acp();
 

@@ -258,12 +258,6 @@ void rank_update(float* a, int64_t n, int64_t m, const float* p, const float* q,
   });
 }
 
-float* residual_data(State& state, const at::Tensor& x) {
-  at::Tensor& slot = state.slot("residual", x);
-  if (!slot.is_contiguous()) slot = slot.contiguous();
-  return slot.data_ptr<float>();
-}
-
 at::Tensor factor_from_bytes(const uint8_t* bytes, int64_t k, int64_t r) {
   at::Tensor f = at::empty({k, r}, at::TensorOptions().dtype(at::kFloat));
   if (k > 0 && r > 0) std::memcpy(f.data_ptr<float>(), bytes, static_cast<size_t>(k * r) * sizeof(float));

@@ -161,15 +161,14 @@ int64_t count_for(double ratio, int64_t n) {
 }
 
 // Error feedback without n-sized temporaries: the residual slot is turned into
-// the compensated tensor in place (r += x, the same sum ef_compensate forms),
+// the compensated tensor in place (r += x),
 // and after encoding the decoded values are subtracted at the sent indices,
-// which leaves r = compensated - decode(e), exactly what ef_update computes.
+// which leaves r = compensated - decode(e), the error-feedback residual.
 float* compensate_in_place(const at::Tensor& x, State& state) {
-  at::Tensor& r = state.slot("residual", x);
-  SPARROW_CHECK(r.scalar_type() == at::kFloat, "residual state must be float32");
-  if (!r.is_contiguous()) r = r.contiguous();
-  r.add_(x);
-  return r.data_ptr<float>();
+  float* r = residual_data(state, x);
+  const float* xp = x.data_ptr<float>();
+  for (int64_t i = 0, n = x.numel(); i < n; ++i) r[i] += xp[i];
+  return r;
 }
 
 void subtract_sent(float* r, const Encoded& e, const int64_t* idx) {
@@ -274,7 +273,7 @@ class ThresholdCompressor final : public Compressor {
     std::vector<int64_t> idx;
     const float tau = tau_;
     if (ef_) {
-      // One pass: r += x and collect |r| >= tau (same sum as ef_compensate).
+      // One pass: r += x and collect |r| >= tau .
       const float* xs = x.data_ptr<float>();
       scan_blocks(n, idx, [res, xs, tau](int64_t b, int64_t e, std::vector<int64_t>& part) {
         for (int64_t i = b; i < e; ++i) res[i] += xs[i];

@@ -66,26 +66,6 @@ TEST_CASE("index coding: malformed streams are rejected") {
   }
 }
 
-TEST_CASE("bit streams: writer and reader agree on mixed widths") {
-  BitWriter w;
-  std::vector<std::pair<uint64_t, int>> items;
-  uint64_t x = 12345;
-  for (int i = 0; i < 2000; ++i) {
-    x = x * 6364136223846793005ull + 1442695040888963407ull;
-    const int width = static_cast<int>((x >> 58) % 65);  // 0..64
-    const uint64_t v = width == 64 ? x : (x & ((1ull << width) - 1));
-    items.push_back({v, width});
-    w.put(v, width);
-  }
-  std::vector<uint8_t> bytes;
-  w.finish(bytes);
-  CHECK(bytes.size() == (w.bit_count() + 7) / 8);
-  BitReader r(bytes.data(), bytes.size());
-  for (auto [v, width] : items) REQUIRE(r.get(width) == v);
-  CHECK(r.remaining() < 8);
-  CHECK_THROWS_AS(r.get(9), FormatError);
-}
-
 TEST_CASE("values: fp16/bf16/sign packing") {
   std::vector<float> v = {0.0f, 1.0f, -2.5f, 65504.0f, 1e-3f, -0.0f, 3.14159f};
   for (ValueType vt : {ValueType::kF32, ValueType::kF16, ValueType::kBF16}) {

@@ -174,7 +174,7 @@ TEST_CASE("topk: error feedback makes the mean of decoded updates converge to th
       const at::Tensor before = s.has("residual") ? s.tensors.at("residual").clone() : at::zeros_like(x);
       const Encoded e = c->encode(x, s, {});
       const at::Tensor d = decode(e);
-      // residual = (x + previous residual) - decode, exactly as ef_update defines it.
+      // residual = (x + previous residual) - decode, the error-feedback definition.
       CHECK(at::equal(s.tensors.at("residual"), (x + before) - d));
       sum += d;
       if (step == 25 || step == 200 || step == 1000) errs.push_back(rel_err(sum / step, x));
