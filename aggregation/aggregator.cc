@@ -1,0 +1,254 @@
+#include "aggregation/aggregator.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <set>
+#include <stdexcept>
+
+#include "compression/lowrank.h"
+#include "core/error.h"
+
+namespace sparrow::aggregation {
+
+namespace {
+
+using compression::Context;
+using compression::Encoded;
+using compression::Format;
+
+int g_fail_after = -1;  // detail::inject_add_failure_after
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string out = "[";
+  for (size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+// Formats whose malformation can surface only while decoding (validate() cannot
+// see a truncated Elias-gamma stream or a TernGrad code 3).
+bool fails_late(Format f) { return f == Format::kQuantized || f == Format::kTernary || f == Format::kSign; }
+
+// How one validated tensor of an update will be added.
+struct Pending {
+  enum Kind { kDecodeAdd, kScratch, kFactor } kind = kDecodeAdd;
+  const std::string* name = nullptr;
+  const Encoded* e = nullptr;
+  Context ctx;
+  at::Tensor scratch;  // kScratch: decode(e), unweighted
+  at::Tensor factor;   // kFactor: the {k, r} factor, unweighted
+  at::Tensor shared;   // kFactor: the shared factor it was taken against
+  int which = -1;      // kFactor
+};
+
+}  // namespace
+
+namespace detail {
+void inject_add_failure_after(int tensors) { g_fail_after = tensors; }
+}  // namespace detail
+
+StreamingAggregator::StreamingAggregator(TensorShapes shapes) : shapes_(std::move(shapes)) {
+  for (const auto& [name, shape] : shapes_) {
+    SPARROW_CHECK(!name.empty(), "StreamingAggregator: empty tensor name");
+    SPARROW_CHECK(!slots_.count(name), "StreamingAggregator: duplicate tensor name '" << name << "'");
+    for (int64_t d : shape) SPARROW_CHECK(d >= 0, "StreamingAggregator: '" << name << "' has a negative dimension");
+    Slot s;
+    s.shape = shape;
+    s.sum = at::zeros(shape, at::TensorOptions().dtype(at::kFloat));
+    slots_.emplace(name, std::move(s));
+  }
+}
+
+StreamingAggregator::Slot& StreamingAggregator::slot(const std::string& name) {
+  auto it = slots_.find(name);
+  SPARROW_CHECK(it != slots_.end(), "StreamingAggregator: unknown tensor '" << name << "'");
+  return it->second;
+}
+
+const StreamingAggregator::Slot& StreamingAggregator::slot(const std::string& name) const {
+  auto it = slots_.find(name);
+  SPARROW_CHECK(it != slots_.end(), "StreamingAggregator: unknown tensor '" << name << "'");
+  return it->second;
+}
+
+void StreamingAggregator::add(const EncodedUpdate& update, double weight, const ContextMap& contexts) {
+  SPARROW_CHECK(std::isfinite(weight) && weight > 0 && std::isfinite(static_cast<float>(weight)),
+                "aggregator: weight must be finite and > 0, got " << weight);
+  const float w = static_cast<float>(weight);
+
+  // ---- Phase 1: check everything; nothing below touches the sums until phase 2.
+  std::set<std::string> seen;
+  std::vector<Pending> pending;
+  pending.reserve(update.size());
+  for (const auto& [name, e] : update) {
+    auto it = slots_.find(name);
+    SPARROW_CHECK_T(FormatError, it != slots_.end(), "aggregator: unknown tensor '" << name << "' in update");
+    SPARROW_CHECK_T(FormatError, seen.insert(name).second, "aggregator: tensor '" << name << "' sent twice");
+    const Slot& s = it->second;
+    compression::validate(e);
+    SPARROW_CHECK_T(
+        FormatError, e.shape == s.shape,
+        "aggregator: tensor '" << name << "' has shape " << shape_str(e.shape) << ", model has " << shape_str(s.shape));
+    Pending p;
+    p.name = &name;
+    p.e = &e;
+    auto cit = contexts.find(name);
+    if (cit != contexts.end()) p.ctx = cit->second;
+    if (p.ctx.name.empty()) p.ctx.name = name;
+
+    if (e.format == Format::kLowRankFactor) {
+      p.kind = Pending::kFactor;
+      const int64_t rows = e.params[0], cols = e.params[1], r = e.params[2];
+      p.which = static_cast<int>(e.params[3]);
+      SPARROW_CHECK_T(FormatError, p.ctx.round < 0 || p.which == compression::acp_sent_factor(p.ctx.round),
+                      "aggregator: tensor '" << name << "' carries factor " << (p.which == 0 ? "P" : "Q")
+                                             << " but round " << p.ctx.round << " expects the other");
+      const std::vector<int64_t> shared_shape = {p.which == 0 ? cols : rows, r};
+      if (p.ctx.shared_factor.defined()) {
+        const at::Tensor& sf = p.ctx.shared_factor;
+        SPARROW_CHECK_T(FormatError,
+                        sf.scalar_type() == at::kFloat && sf.device().is_cpu() && sf.sizes().equals(shared_shape),
+                        "aggregator: shared factor of '" << name << "' is " << sf.sizes() << ", update needs "
+                                                         << shape_str(shared_shape) << " float32");
+        p.shared = sf.contiguous().clone();
+      } else {
+        p.shared = compression::acp_initial_factor(p.ctx, rows, cols, r, 1 - p.which);
+      }
+      if (s.which >= 0) {
+        SPARROW_CHECK_T(
+            FormatError,
+            s.which == p.which && s.shared.sizes().equals(p.shared.sizes()) && at::equal(s.shared, p.shared),
+            "aggregator: ACP update of '" << name
+                                          << "' was taken against a different shared factor than "
+                                             "earlier updates of this round");
+      }
+      p.factor = compression::acp_factor(e);
+    } else if (fails_late(e.format)) {
+      p.kind = Pending::kScratch;
+      p.scratch = compression::decode(e, p.ctx);  // may throw FormatError; the sums are untouched
+    }
+    pending.push_back(std::move(p));
+  }
+  for (const auto& [name, s] : slots_) {
+    SPARROW_CHECK_T(FormatError, seen.count(name), "aggregator: update lacks tensor '" << name << "'");
+  }
+
+  // ---- Phase 2: add. After phase 1 only resource exhaustion should throw here;
+  // if anything does, what this update already added is taken back out.
+  size_t done = 0;
+  std::vector<bool> created(pending.size(), false);
+  try {
+    for (; done < pending.size(); ++done) {
+      if (g_fail_after >= 0 && done == static_cast<size_t>(g_fail_after)) {
+        g_fail_after = -1;
+        throw std::runtime_error("aggregator: injected failure");
+      }
+      Pending& p = pending[done];
+      Slot& s = slots_.at(*p.name);
+      switch (p.kind) {
+        case Pending::kDecodeAdd:
+          compression::decode_add(*p.e, s.sum, w, p.ctx);
+          break;
+        case Pending::kScratch:
+          s.sum.add_(p.scratch, w);
+          break;
+        case Pending::kFactor:
+          if (s.which < 0) {
+            s.factor_sum = p.factor * w;
+            s.shared = p.shared;
+            s.which = p.which;
+            created[done] = true;
+          } else {
+            s.factor_sum.add_(p.factor, w);
+          }
+          break;
+      }
+    }
+  } catch (...) {
+    for (size_t i = 0; i < done; ++i) {
+      Pending& p = pending[i];
+      Slot& s = slots_.at(*p.name);
+      switch (p.kind) {
+        case Pending::kDecodeAdd:
+          compression::decode_add(*p.e, s.sum, -w, p.ctx);
+          break;
+        case Pending::kScratch:
+          s.sum.sub_(p.scratch, w);
+          break;
+        case Pending::kFactor:
+          if (created[i]) {
+            s.factor_sum = at::Tensor();
+            s.shared = at::Tensor();
+            s.which = -1;
+          } else {
+            s.factor_sum.sub_(p.factor, w);
+          }
+          break;
+      }
+    }
+    throw;
+  }
+  total_weight_ += weight;
+  ++count_;
+}
+
+void StreamingAggregator::merge(const StreamingAggregator& partial) {
+  SPARROW_CHECK(partial.slots_.size() == slots_.size(), "aggregator merge: partial has a different tensor list");
+  for (const auto& [name, ps] : partial.slots_) {
+    auto it = slots_.find(name);
+    SPARROW_CHECK(it != slots_.end(), "aggregator merge: partial has unknown tensor '" << name << "'");
+    const Slot& s = it->second;
+    SPARROW_CHECK(s.shape == ps.shape, "aggregator merge: tensor '" << name << "' has shape " << shape_str(ps.shape)
+                                                                    << ", expected " << shape_str(s.shape));
+    if (s.which >= 0 && ps.which >= 0) {
+      SPARROW_CHECK(s.which == ps.which && s.shared.sizes().equals(ps.shared.sizes()) && at::equal(s.shared, ps.shared),
+                    "aggregator merge: ACP factors of '" << name << "' were taken against different shared factors");
+    }
+  }
+  for (auto& [name, s] : slots_) {
+    const Slot& ps = partial.slots_.at(name);
+    s.sum.add_(ps.sum);
+    if (ps.which < 0) continue;
+    if (s.which < 0) {
+      s.factor_sum = ps.factor_sum.clone();
+      s.shared = ps.shared;
+      s.which = ps.which;
+    } else {
+      s.factor_sum.add_(ps.factor_sum);
+    }
+  }
+  total_weight_ += partial.total_weight_;
+  count_ += partial.count_;
+}
+
+std::map<std::string, at::Tensor> StreamingAggregator::mean() const {
+  SPARROW_CHECK(total_weight_ > 0, "aggregator: mean() of an empty aggregate (total weight 0)");
+  const float inv = static_cast<float>(1.0 / total_weight_);
+  std::map<std::string, at::Tensor> out;
+  for (const auto& [name, s] : slots_) {
+    at::Tensor m = s.sum * inv;
+    if (s.which >= 0) compression::acp_update_add(s.factor_sum * inv, s.shared, s.which, m, 1.0f);
+    out.emplace(name, std::move(m));
+  }
+  return out;
+}
+
+at::Tensor StreamingAggregator::factor_mean(const std::string& name) const {
+  const Slot& s = slot(name);
+  SPARROW_CHECK(total_weight_ > 0, "aggregator: factor_mean() of an empty aggregate (total weight 0)");
+  if (s.which < 0) return at::Tensor();
+  return s.factor_sum * static_cast<float>(1.0 / total_weight_);
+}
+
+void StreamingAggregator::reset() {
+  for (auto& [name, s] : slots_) {
+    s.sum.zero_();
+    s.factor_sum = at::Tensor();
+    s.shared = at::Tensor();
+    s.which = -1;
+  }
+  total_weight_ = 0.0;
+  count_ = 0;
+}
+
+}  // namespace sparrow::aggregation

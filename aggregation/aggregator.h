@@ -1,0 +1,110 @@
+#pragma once
+// Streaming aggregation: clients' compressed updates are folded into a running
+// weighted sum the moment they arrive, so memory is O(model), never
+// O(clients × model). Sparse, quantised and PowerSGD updates are added with
+// compression::decode_add (no dense per-client copy for sparse and low-rank
+// formats); ACP factors (kLowRankFactor) are summed as factors and expanded once,
+// in mean(), with the round's shared factor (compression/lowrank.h).
+//
+// Hierarchy is the same operation twice: a worker or an edge gateway aggregates
+// its clients into a StreamingAggregator and the global one merge()s the
+// partials. Merging partials in a fixed order gives the flat result up to fp32
+// rounding (sums are float32; weights are double).
+//
+// Not thread-safe: one thread owns an aggregator (shard by worker and merge).
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "compression/compressor.h"
+#include "compression/encoded.h"
+
+namespace sparrow::aggregation {
+
+// One named tensor of the model, in the model's order.
+using TensorShapes = std::vector<std::pair<std::string, std::vector<int64_t>>>;
+// One client's update: every model tensor exactly once, in any order.
+using EncodedUpdate = std::vector<std::pair<std::string, compression::Encoded>>;
+// Per-tensor decode contexts (ACP: the round and the shared factor). A tensor
+// without an entry decodes with Context{name = tensor name}.
+using ContextMap = std::map<std::string, compression::Context>;
+
+class StreamingAggregator {
+ public:
+  // Throws sparrow::Error on an empty or duplicate name or a negative dimension.
+  explicit StreamingAggregator(TensorShapes shapes);
+
+  // sum += weight · decode(update), count += 1, total_weight += weight.
+  //
+  // All-or-nothing: the whole update is checked before the sum is touched, and
+  // a rejected update changes nothing. Rejected (FormatError) are: an unknown
+  // or repeated tensor name, a missing tensor, an Encoded that fails
+  // compression::validate(), a shape that differs from the model's, an ACP
+  // factor whose kind (P/Q) does not match contexts[name].round (when >= 0) or
+  // whose shared factor does not fit or differs from the one this aggregator
+  // already holds for the tensor. A weight that is not finite and > 0 throws
+  // sparrow::Error. Bit-stream formats (QSGD, TernGrad, sign), whose
+  // malformation can only show while decoding, are decoded into per-update
+  // scratch before the sum is touched; if anything still throws while the
+  // update is being added (in practice only std::bad_alloc), the tensors of
+  // this update already added are subtracted again (restored up to fp32
+  // rounding) and the exception propagates.
+  //
+  // kLowRankFactor tensors need the round's shared factor: contexts[name]
+  // .shared_factor, or, when undefined, the seeded initial one derived from
+  // contexts[name] (seed, name) exactly as the clients derive it.
+  void add(const EncodedUpdate& update, double weight, const ContextMap& contexts = {});
+
+  // Adds another aggregator's sums, weight and count (hierarchical partial
+  // aggregates). Throws sparrow::Error, changing nothing, when the tensor lists
+  // differ or both hold ACP factors of a tensor with different kinds or shared
+  // factors. partial may be empty (weight 0).
+  void merge(const StreamingAggregator& partial);
+
+  // The weighted mean per tensor (float32, model shapes), ACP factors expanded.
+  // Throws sparrow::Error when total_weight() is 0.
+  std::map<std::string, at::Tensor> mean() const;
+
+  // ACP: the weighted mean factor F̄ of `name` ({k, r}), what
+  // compression::acp_next_shared() turns into the next round's shared factor;
+  // undefined when no factor update for it was added. Throws sparrow::Error
+  // for an unknown name or when total_weight() is 0.
+  at::Tensor factor_mean(const std::string& name) const;
+
+  double total_weight() const { return total_weight_; }
+  // Updates added, including those inside merged partials.
+  int64_t count() const { return count_; }
+  const TensorShapes& shapes() const { return shapes_; }
+  // Back to the state right after construction (sums zero, no factors).
+  void reset();
+
+ private:
+  struct Slot {
+    std::vector<int64_t> shape;
+    at::Tensor sum;         // float32, contiguous, model shape: Σ w·decode for non-factor updates
+    at::Tensor factor_sum;  // ACP: Σ w·F ({k, r}); undefined until a factor arrives
+    at::Tensor shared;      // ACP: the shared factor the factors were taken against
+    int which = -1;         // ACP: 0 = P sent, 1 = Q sent; -1 = no factor yet
+  };
+  Slot& slot(const std::string& name);
+  const Slot& slot(const std::string& name) const;
+
+  TensorShapes shapes_;
+  std::map<std::string, Slot> slots_;
+  double total_weight_ = 0.0;
+  int64_t count_ = 0;
+};
+
+namespace detail {
+// Test hook: make the next add() throw std::runtime_error after this many
+// tensors of its update have been added to the sum (exercises the rollback).
+// -1 (the default) disables it. Not thread-safe; tests only.
+void inject_add_failure_after(int tensors);
+}  // namespace detail
+
+}  // namespace sparrow::aggregation

@@ -1,0 +1,346 @@
+#include "tests/sparrow_test.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <stdexcept>
+
+#include "aggregation/aggregator.h"
+#include "compression/compressor.h"
+#include "compression/lowrank.h"
+#include "core/error.h"
+
+using namespace sparrow::aggregation;
+using namespace sparrow::compression;
+
+namespace {
+
+const TensorShapes kModel = {{"conv", {16, 24}}, {"bias", {24}}, {"fc", {12, 10}}};
+
+struct Client {
+  std::map<std::string, at::Tensor> x;
+  EncodedUpdate update;
+  double weight;
+};
+
+// Encodes random per-tensor updates with `spec`; ctx.name = tensor name.
+std::vector<Client> make_clients(const std::string& spec, int n, uint64_t seed) {
+  at::manual_seed(seed);
+  auto c = make_compressor(spec);
+  std::vector<Client> out;
+  for (int i = 0; i < n; ++i) {
+    Client cl;
+    cl.weight = 1.0 + 7.0 * i / n;
+    for (const auto& [name, shape] : kModel) {
+      at::Tensor x = at::randn(shape);
+      State s;
+      Context ctx;
+      ctx.name = name;
+      cl.x[name] = x;
+      cl.update.emplace_back(name, c->encode(x, s, ctx));
+    }
+    out.push_back(std::move(cl));
+  }
+  return out;
+}
+
+// Σ w·decode(e) / Σ w, the direct (dense) weighted average.
+std::map<std::string, at::Tensor> direct_mean(const std::vector<Client>& clients) {
+  std::map<std::string, at::Tensor> sum;
+  double wsum = 0;
+  for (const auto& [name, shape] : kModel) sum[name] = at::zeros(shape, at::kDouble);
+  for (const auto& cl : clients) {
+    for (const auto& [name, e] : cl.update) {
+      Context ctx;
+      ctx.name = name;
+      sum[name] += decode(e, ctx).to(at::kDouble) * cl.weight;
+    }
+    wsum += cl.weight;
+  }
+  for (auto& [name, t] : sum) t = (t / wsum).to(at::kFloat);
+  return sum;
+}
+
+void check_close(const std::map<std::string, at::Tensor>& a, const std::map<std::string, at::Tensor>& b,
+                 double tol = 1e-5) {
+  REQUIRE(a.size() == b.size());
+  for (const auto& [name, t] : a) {
+    REQUIRE(b.count(name));
+    INFO("tensor " << name);
+    CHECK(t.sizes() == b.at(name).sizes());
+    CHECK(at::allclose(t, b.at(name), tol, tol));
+  }
+}
+
+bool identical(const std::map<std::string, at::Tensor>& a, const std::map<std::string, at::Tensor>& b) {
+  if (a.size() != b.size()) return false;
+  for (const auto& [name, t] : a) {
+    if (!b.count(name) || !at::equal(t, b.at(name))) return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("aggregator: streaming equals direct weighted average") {
+  for (const char* spec :
+       {"none", "fp16", "topk:ratio=0.1", "randomk:ratio=0.2", "qsgd:levels=16", "terngrad", "powersgd:rank=2"}) {
+    INFO("spec " << spec);
+    auto clients = make_clients(spec, 5, 1);
+    StreamingAggregator agg(kModel);
+    for (const auto& cl : clients) agg.add(cl.update, cl.weight);
+    CHECK(agg.count() == 5);
+    double wsum = 0;
+    for (const auto& cl : clients) wsum += cl.weight;
+    CHECK(agg.total_weight() == doctest::Approx(wsum));
+    check_close(agg.mean(), direct_mean(clients));
+  }
+}
+
+TEST_CASE("aggregator: update order within an update does not matter") {
+  auto clients = make_clients("topk:ratio=0.3", 3, 2);
+  StreamingAggregator a(kModel), b(kModel);
+  for (auto& cl : clients) {
+    a.add(cl.update, cl.weight);
+    EncodedUpdate rev(cl.update.rbegin(), cl.update.rend());
+    b.add(rev, cl.weight);
+  }
+  CHECK(identical(a.mean(), b.mean()));
+}
+
+TEST_CASE("aggregator: partial then merge equals flat") {
+  auto clients = make_clients("qsgd:levels=8", 7, 3);
+  auto more = make_clients("powersgd:rank=2", 3, 4);
+  clients.insert(clients.end(), more.begin(), more.end());
+  StreamingAggregator flat(kModel);
+  for (const auto& cl : clients) flat.add(cl.update, cl.weight);
+
+  // Workers take 4, 0, 5 and 1 clients; the global merges them in a fixed order.
+  const std::vector<size_t> split = {4, 0, 5, 1};
+  StreamingAggregator global(kModel);
+  size_t next = 0;
+  for (size_t k : split) {
+    StreamingAggregator worker(kModel);
+    for (size_t i = 0; i < k; ++i, ++next) worker.add(clients[next].update, clients[next].weight);
+    global.merge(worker);
+  }
+  REQUIRE(next == clients.size());
+  CHECK(global.count() == flat.count());
+  CHECK(global.total_weight() == doctest::Approx(flat.total_weight()));
+  check_close(global.mean(), flat.mean());
+  check_close(global.mean(), direct_mean(clients));
+
+  // Two-level hierarchy: partials of partials.
+  StreamingAggregator g1(kModel), g2(kModel), root(kModel);
+  for (size_t i = 0; i < clients.size(); ++i) (i % 2 ? g1 : g2).add(clients[i].update, clients[i].weight);
+  StreamingAggregator mid(kModel);
+  mid.merge(g1);
+  root.merge(mid);
+  root.merge(g2);
+  check_close(root.mean(), flat.mean());
+
+  StreamingAggregator other({{"conv", {16, 24}}});
+  CHECK_THROWS_AS(global.merge(other), sparrow::Error);
+  StreamingAggregator other_shape({{"conv", {24, 16}}, {"bias", {24}}, {"fc", {12, 10}}});
+  CHECK_THROWS_AS(global.merge(other_shape), sparrow::Error);
+}
+
+TEST_CASE("aggregator: rejected updates change nothing") {
+  auto clients = make_clients("none", 2, 5);
+  auto quant = make_clients("qsgd:levels=4", 1, 6);
+  StreamingAggregator agg(kModel);
+  agg.add(clients[0].update, 2.0);
+  const auto before = agg.mean();
+  const auto check_unchanged = [&] {
+    CHECK(agg.count() == 1);
+    CHECK(agg.total_weight() == 2.0);
+    CHECK(identical(agg.mean(), before));
+  };
+
+  const EncodedUpdate good = clients[1].update;  // order: conv, bias, fc
+  SUBCASE("bad weights") {
+    for (double w : {0.0, -1.0, std::nan(""), std::numeric_limits<double>::infinity(), 1e300}) {
+      CHECK_THROWS_AS(agg.add(good, w), sparrow::Error);
+    }
+  }
+  SUBCASE("unknown tensor") {
+    EncodedUpdate u = good;
+    u.emplace_back("extra", u[1].second);
+    CHECK_THROWS_AS(agg.add(u, 1.0), sparrow::FormatError);
+  }
+  SUBCASE("missing tensor") {
+    EncodedUpdate u = good;
+    u.pop_back();
+    CHECK_THROWS_AS(agg.add(u, 1.0), sparrow::FormatError);
+  }
+  SUBCASE("duplicate tensor") {
+    EncodedUpdate u = good;
+    u.back() = u[0];
+    CHECK_THROWS_AS(agg.add(u, 1.0), sparrow::FormatError);
+  }
+  SUBCASE("wrong shape, same numel") {
+    EncodedUpdate u = good;
+    u.back().second.shape = {10, 12};
+    CHECK_THROWS_AS(agg.add(u, 1.0), sparrow::FormatError);
+  }
+  SUBCASE("malformed last tensor") {
+    EncodedUpdate u = good;
+    u.back().second.values.pop_back();
+    CHECK_THROWS_AS(agg.add(u, 1.0), sparrow::FormatError);
+  }
+  SUBCASE("NaN value in the last tensor") {
+    EncodedUpdate u = good;
+    const float nan = std::nanf("");
+    std::memcpy(u.back().second.values.data(), &nan, 4);
+    CHECK_THROWS_AS(agg.add(u, 1.0), sparrow::FormatError);
+  }
+  SUBCASE("bit stream that fails while decoding") {
+    // Dense tensors first, then a QSGD tensor whose Elias-gamma stream is all
+    // zeros: a code that never ends, which only the decoder can see.
+    EncodedUpdate u = good;
+    Encoded q = quant[0].update.back().second;
+    std::fill(q.values.begin(), q.values.end(), 0);
+    u.back().second = q;
+    CHECK_THROWS_AS(agg.add(u, 1.0), sparrow::FormatError);
+  }
+  check_unchanged();
+  // And the aggregator still works.
+  agg.add(good, 1.0);
+  CHECK(agg.count() == 2);
+}
+
+TEST_CASE("aggregator: a failure midway through an update is rolled back") {
+  auto clients = make_clients("topk:ratio=0.2", 1, 7);
+  auto quant = make_clients("qsgd:levels=16", 2, 8);
+  StreamingAggregator agg(kModel);
+  agg.add(quant[0].update, 1.5);
+  const auto before = agg.mean();
+  // Mixed update: sparse (decode_add), QSGD (scratch) and dense tensors.
+  EncodedUpdate u = clients[0].update;
+  u[1] = quant[1].update[1];
+  for (int after : {1, 2}) {
+    sparrow::aggregation::detail::inject_add_failure_after(after);
+    CHECK_THROWS_AS(agg.add(u, 3.0), std::runtime_error);
+    CHECK(agg.count() == 1);
+    CHECK(agg.total_weight() == 1.5);
+    check_close(agg.mean(), before, 1e-6);
+  }
+  agg.add(u, 3.0);
+  CHECK(agg.count() == 2);
+  Client mixed{clients[0].x, u, 3.0};
+  std::vector<Client> all = {quant[0], mixed};
+  all[0].weight = 1.5;
+  check_close(agg.mean(), direct_mean(all));
+}
+
+TEST_CASE("aggregator: ACP factors aggregate with the shared factor") {
+  const TensorShapes model = {{"w", {16, 24}}, {"b", {24}}};
+  const int64_t rank = 2;
+  auto acp = make_compressor("acp:rank=2,ef=0");
+  const LowRankDims d = lowrank_dims({16, 24}, rank);
+  Context base;
+  base.seed = 42;
+  base.name = "w";
+  at::Tensor shared = acp_initial_shared(base, d, 0);
+  at::manual_seed(9);
+  StreamingAggregator agg(model);
+  for (int64_t round = 0; round < 3; ++round) {
+    INFO("round " << round);
+    agg.reset();
+    ContextMap ctxs;
+    ctxs["w"] = base;
+    ctxs["w"].round = round;
+    ctxs["w"].shared_factor = shared;
+    at::Tensor expect = at::zeros({16, 24}, at::kDouble), expect_f = at::zeros(acp_sent_shape(d, round), at::kDouble);
+    at::Tensor expect_b = at::zeros({24}, at::kDouble);
+    double wsum = 0;
+    for (int i = 0; i < 4; ++i) {
+      const double w = 1.0 + i;
+      EncodedUpdate u;
+      for (const auto& [name, shape] : model) {
+        State s;
+        Context ctx = name == "w" ? ctxs["w"] : Context{};
+        ctx.name = name;
+        u.emplace_back(name, acp->encode(at::randn(shape), s, ctx));
+      }
+      CHECK(u[0].second.format == Format::kLowRankFactor);
+      CHECK(u[1].second.format == Format::kDense);
+      expect += decode(u[0].second, ctxs["w"]).to(at::kDouble) * w;
+      expect_f += acp_factor(u[0].second).to(at::kDouble) * w;
+      expect_b += decode(u[1].second).to(at::kDouble) * w;
+      wsum += w;
+      agg.add(u, w, ctxs);
+
+      if (i == 0) {
+        // Wrong round for the factor kind, and a different shared factor: rejected.
+        ContextMap wrong = ctxs;
+        wrong["w"].round = round + 1;
+        CHECK_THROWS_AS(agg.add(u, 1.0, wrong), sparrow::FormatError);
+        wrong = ctxs;
+        wrong["w"].shared_factor = shared * 2;
+        CHECK_THROWS_AS(agg.add(u, 1.0, wrong), sparrow::FormatError);
+        wrong["w"].shared_factor = at::zeros({3, 3});
+        CHECK_THROWS_AS(agg.add(u, 1.0, wrong), sparrow::FormatError);
+        CHECK(agg.count() == 1);
+      }
+    }
+    const auto mean = agg.mean();
+    CHECK(at::allclose(mean.at("w"), (expect / wsum).to(at::kFloat), 1e-5, 1e-5));
+    CHECK(at::allclose(mean.at("b"), (expect_b / wsum).to(at::kFloat), 1e-5, 1e-5));
+    const at::Tensor fbar = agg.factor_mean("w");
+    REQUIRE(fbar.defined());
+    CHECK(at::allclose(fbar, (expect_f / wsum).to(at::kFloat), 1e-5, 1e-5));
+    CHECK_FALSE(agg.factor_mean("b").defined());
+    // The expansion equals acp_update of the mean factor.
+    CHECK(at::allclose(mean.at("w"), acp_update(fbar, shared, round, {16, 24}), 1e-5, 1e-5));
+    shared = acp_next_shared(fbar);
+  }
+}
+
+TEST_CASE("aggregator: ACP without an explicit shared factor uses the seeded one") {
+  const TensorShapes model = {{"w", {16, 24}}};
+  auto acp = make_compressor("acp:rank=3,ef=0");
+  Context ctx;
+  ctx.name = "w";
+  ctx.seed = 7;
+  ctx.round = 0;
+  at::manual_seed(10);
+  StreamingAggregator a(model), b(model);
+  ContextMap implicit = {{"w", ctx}};
+  ContextMap explicit_ctx = implicit;
+  explicit_ctx["w"].shared_factor = acp_initial_shared(ctx, lowrank_dims({16, 24}, 3), 0);
+  for (int i = 0; i < 3; ++i) {
+    State s;
+    EncodedUpdate u = {{"w", acp->encode(at::randn({16, 24}), s, ctx)}};
+    a.add(u, 1.0, implicit);
+    b.add(u, 1.0, explicit_ctx);
+  }
+  CHECK(identical(a.mean(), b.mean()));
+  // Partials of ACP factors merge; the merged mean equals either.
+  StreamingAggregator g(model);
+  g.merge(a);
+  g.merge(b);
+  check_close(g.mean(), a.mean());
+  CHECK(g.count() == 6);
+}
+
+TEST_CASE("aggregator: construction, empty aggregate and reset") {
+  CHECK_THROWS_AS(StreamingAggregator({{"a", {2}}, {"a", {3}}}), sparrow::Error);
+  CHECK_THROWS_AS(StreamingAggregator({{"", {2}}}), sparrow::Error);
+  StreamingAggregator agg(kModel);
+  CHECK_THROWS_AS(agg.mean(), sparrow::Error);
+  auto clients = make_clients("none", 1, 11);
+  agg.add(clients[0].update, 4.0);
+  check_close(agg.mean(), clients[0].x, 0.0);
+  agg.reset();
+  CHECK(agg.count() == 0);
+  CHECK(agg.total_weight() == 0.0);
+  CHECK_THROWS_AS(agg.mean(), sparrow::Error);
+  StreamingAggregator empty(kModel);
+  agg.add(clients[0].update, 1.0);
+  agg.merge(empty);
+  CHECK(agg.count() == 1);
+  check_close(agg.mean(), clients[0].x, 0.0);
+}

@@ -1,0 +1,238 @@
+#include "tests/sparrow_test.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "aggregation/server_optimizer.h"
+#include "compression/state.h"
+#include "core/error.h"
+
+using sparrow::aggregation::ServerOptimizer;
+
+namespace {
+
+using Weights = std::map<std::string, at::Tensor>;
+
+Weights random_weights(uint64_t seed, double scale = 1.0) {
+  at::manual_seed(seed);
+  return {{"a", at::randn({5, 7}) * scale}, {"b", at::randn({11}) * scale}};
+}
+
+Weights clone(const Weights& w) {
+  Weights out;
+  for (const auto& [k, t] : w) out[k] = t.clone();
+  return out;
+}
+
+// Direct transcription of Reddi et al. (ICLR 2021), Algorithm 2, per element in
+// double; kind: "adagrad", "yogi", "adam".
+struct Reference {
+  std::string kind;
+  double lr, b1, b2, tau;
+  std::map<std::string, std::vector<double>> m, v;
+
+  void step(std::map<std::string, std::vector<double>>& x, const std::map<std::string, std::vector<double>>& delta) {
+    for (auto& [name, xs] : x) {
+      const auto& d = delta.at(name);
+      auto& mm = m[name];
+      auto& vv = v[name];
+      if (mm.empty()) mm.assign(xs.size(), 0.0);        // m_{-1} = 0
+      if (vv.empty()) vv.assign(xs.size(), tau * tau);  // v_{-1} = tau^2
+      for (size_t i = 0; i < xs.size(); ++i) {
+        mm[i] = b1 * mm[i] + (1 - b1) * d[i];
+        const double d2 = d[i] * d[i];
+        if (kind == "adagrad") {
+          vv[i] = vv[i] + d2;
+        } else if (kind == "yogi") {
+          const double s = vv[i] - d2;
+          vv[i] = vv[i] - (1 - b2) * d2 * (s > 0 ? 1.0 : (s < 0 ? -1.0 : 0.0));
+        } else {
+          vv[i] = b2 * vv[i] + (1 - b2) * d2;
+        }
+        xs[i] = xs[i] + lr * mm[i] / (std::sqrt(vv[i]) + tau);
+      }
+    }
+  }
+};
+
+std::map<std::string, std::vector<double>> to_vec(const Weights& w) {
+  std::map<std::string, std::vector<double>> out;
+  for (const auto& [k, t] : w) {
+    at::Tensor d = t.to(at::kDouble).contiguous();
+    out[k] = std::vector<double>(d.data_ptr<double>(), d.data_ptr<double>() + d.numel());
+  }
+  return out;
+}
+
+void check_matches(const Weights& w, const std::map<std::string, std::vector<double>>& ref, double tol) {
+  for (const auto& [k, t] : w) {
+    at::Tensor r = at::tensor(ref.at(k), at::kDouble).view(t.sizes());
+    const double err = (t.to(at::kDouble) - r).abs().max().item<double>();
+    INFO("tensor " << k << " max error " << err);
+    CHECK(err <= tol);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("server optimizer: fedavg with lr=1 equals plain averaging") {
+  Weights x = random_weights(1);
+  std::vector<Weights> clients = {random_weights(2), random_weights(3), random_weights(4)};
+  const std::vector<double> cw = {1.0, 2.5, 0.5};
+  Weights delta, avg;
+  for (const auto& [k, t] : x) {
+    at::Tensor d = at::zeros_like(t), a = at::zeros_like(t);
+    for (size_t i = 0; i < clients.size(); ++i) {
+      d += (clients[i].at(k) - t) * cw[i] / 4.0;
+      a += clients[i].at(k) * cw[i] / 4.0;
+    }
+    delta[k] = d;
+    avg[k] = a;
+  }
+  for (const char* spec : {"fedavg", "fedavg:lr=1"}) {
+    ServerOptimizer opt(spec);
+    Weights w = clone(x);
+    opt.step(w, delta);
+    for (const auto& [k, t] : w) CHECK(at::allclose(t, avg.at(k), 1e-5, 1e-6));
+    CHECK(opt.steps() == 1);
+  }
+  ServerOptimizer half("fedavg:lr=0.5");
+  Weights w = clone(x);
+  half.step(w, delta);
+  for (const auto& [k, t] : w) CHECK(at::allclose(t, x.at(k) + 0.5 * delta.at(k), 1e-6, 1e-6));
+}
+
+TEST_CASE("server optimizer: fedavgm is heavy-ball momentum on the pseudo-gradient") {
+  ServerOptimizer opt("fedavgm:lr=0.7,momentum=0.8");
+  Weights w = random_weights(5);
+  auto ref = to_vec(w);
+  std::map<std::string, std::vector<double>> m;
+  for (int t = 0; t < 4; ++t) {
+    Weights d = random_weights(100 + t, 0.1);
+    auto dv = to_vec(d);
+    opt.step(w, d);
+    for (auto& [k, xs] : ref) {
+      if (m[k].empty()) m[k].assign(xs.size(), 0.0);
+      for (size_t i = 0; i < xs.size(); ++i) {
+        m[k][i] = 0.8 * m[k][i] + dv[k][i];
+        xs[i] += 0.7 * m[k][i];
+      }
+    }
+  }
+  check_matches(w, ref, 1e-5);
+}
+
+TEST_CASE("server optimizer: fedadam, fedyogi, fedadagrad match Algorithm 2") {
+  struct Case {
+    const char* spec;
+    Reference ref;
+  };
+  const std::vector<Case> cases = {
+      {"fedadam", {"adam", 0.01, 0.9, 0.99, 1e-3, {}, {}}},
+      {"fedadam:lr=0.05,beta1=0.5,beta2=0.9,tau=0.01", {"adam", 0.05, 0.5, 0.9, 0.01, {}, {}}},
+      {"fedyogi", {"yogi", 0.01, 0.9, 0.99, 1e-3, {}, {}}},
+      {"fedyogi:lr=0.1,beta1=0,beta2=0.5,tau=0.1", {"yogi", 0.1, 0.0, 0.5, 0.1, {}, {}}},
+      {"fedadagrad", {"adagrad", 0.01, 0.0, 0.0, 1e-3, {}, {}}},
+      {"fedadagrad:lr=0.2,tau=0.05,beta1=0.9", {"adagrad", 0.2, 0.9, 0.0, 0.05, {}, {}}},
+  };
+  for (const auto& c : cases) {
+    INFO("spec " << c.spec);
+    ServerOptimizer opt(c.spec);
+    Reference ref = c.ref;
+    Weights w = random_weights(7);
+    auto xr = to_vec(w);
+    for (int t = 0; t < 5; ++t) {
+      // Deltas of varying size, so Yogi's sign flips both ways.
+      Weights d = random_weights(200 + t, t % 2 ? 0.5 : 0.01);
+      opt.step(w, d);
+      ref.step(xr, to_vec(d));
+    }
+    CHECK(opt.steps() == 5);
+    check_matches(w, xr, 2e-5);
+    for (const auto& [k, vs] : ref.v) {
+      at::Tensor v = opt.second_moment(k);
+      REQUIRE(v.defined());
+      const double err = (v.to(at::kDouble).flatten() - at::tensor(vs, at::kDouble)).abs().max().item<double>();
+      CHECK(err <= 1e-6 * (1 + at::tensor(vs).abs().max().item<double>()));
+    }
+  }
+}
+
+TEST_CASE("server optimizer: state round-trips through serialize/deserialize") {
+  for (const char* spec : {"fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad"}) {
+    INFO("spec " << spec);
+    ServerOptimizer a(spec);
+    Weights wa = random_weights(8);
+    for (int t = 0; t < 3; ++t) a.step(wa, random_weights(300 + t, 0.1));
+    const std::string bytes = a.serialize_state();
+    ServerOptimizer b(spec);
+    b.deserialize_state(bytes);
+    CHECK(b.steps() == 3);
+    Weights wb = clone(wa);
+    const Weights d = random_weights(400, 0.1);
+    a.step(wa, d);
+    b.step(wb, d);
+    for (const auto& [k, t] : wa) CHECK(at::equal(t, wb.at(k)));
+    CHECK(b.serialize_state() == a.serialize_state());
+
+    // Malformed bytes and a state from another method are FormatErrors.
+    CHECK_THROWS_AS(b.deserialize_state(bytes.substr(0, bytes.size() - 1)), sparrow::FormatError);
+    CHECK_THROWS_AS(b.deserialize_state("junk"), sparrow::FormatError);
+    ServerOptimizer other(std::string(spec) == "fedadam" ? "fedyogi" : "fedadam");
+    CHECK_THROWS_AS(other.deserialize_state(bytes), sparrow::FormatError);
+  }
+  // A foreign slot name is rejected.
+  ServerOptimizer adam("fedadam");
+  std::string bytes = adam.serialize_state();
+  sparrow::compression::State st;
+  st.tensors["x/a"] = at::zeros({2});
+  const size_t header = 12 + std::string("fedadam").size();
+  bytes = bytes.substr(0, header) + st.serialize();
+  CHECK_THROWS_AS(adam.deserialize_state(bytes), sparrow::FormatError);
+}
+
+TEST_CASE("server optimizer: unknown methods, keys and bad values are ConfigErrors") {
+  for (const char* spec : {"sgd", "fedavg:momentum=0.9", "fedadam:foo=1", "fedavgm:beta1=0.9", "fedadagrad:beta2=0.9",
+                           "fedavg:lr=0", "fedavg:lr=-1", "fedavgm:momentum=1", "fedadam:beta1=1.5",
+                           "fedyogi:beta2=-0.1", "fedadam:tau=0", "fedadam:lr=abc", "fedadam:lr"}) {
+    INFO("spec " << spec);
+    CHECK_THROWS_AS(ServerOptimizer{spec}, sparrow::ConfigError);
+  }
+  CHECK_NOTHROW(ServerOptimizer{"fedavgm:lr=1,momentum=0.9"});
+  CHECK_NOTHROW(ServerOptimizer{"fedadagrad:lr=0.01,tau=1e-3"});
+}
+
+TEST_CASE("server optimizer: bad steps are errors and change nothing") {
+  ServerOptimizer opt("fedadam");
+  Weights w = random_weights(9);
+  opt.step(w, random_weights(10, 0.1));
+  const Weights before = clone(w);
+  const std::string state = opt.serialize_state();
+
+  Weights d = random_weights(11, 0.1);
+  d["a"][0][0] = std::nanf("");
+  CHECK_THROWS_AS(opt.step(w, d), sparrow::Error);
+  Weights missing = random_weights(11, 0.1);
+  missing.erase("b");
+  CHECK_THROWS_AS(opt.step(w, missing), sparrow::Error);
+  Weights shape = random_weights(11, 0.1);
+  shape["b"] = at::zeros({12});
+  CHECK_THROWS_AS(opt.step(w, shape), sparrow::Error);
+  // The state's tensor set is fixed by the first step.
+  Weights w2 = {{"a", w["a"].clone()}, {"c", at::zeros({11})}};
+  Weights d2 = {{"a", at::zeros({5, 7})}, {"c", at::zeros({11})}};
+  CHECK_THROWS_AS(opt.step(w2, d2), sparrow::Error);
+  Weights wd = {{"a", w["a"].to(at::kDouble)}, {"b", w["b"].clone()}};
+  CHECK_THROWS_AS(opt.step(wd, random_weights(11, 0.1)), sparrow::Error);
+
+  for (const auto& [k, t] : w) CHECK(at::equal(t, before.at(k)));
+  CHECK(opt.serialize_state() == state);
+  CHECK(opt.steps() == 1);
+  opt.reset_state();
+  CHECK(opt.steps() == 0);
+  CHECK_FALSE(opt.second_moment("a").defined());
+}
