@@ -1,11 +1,22 @@
 #include "core/models.h"
 
+#include <torch/script.h>
 #include <torch/torch.h>
 
+#include <fstream>
+#include <mutex>
+#include <set>
+
 #include "core/error.h"
+#include "core/spec.h"
 
 namespace sparrow::core {
 namespace {
+
+constexpr const char* kTorchScriptPrefix = "torchscript:";
+
+// Accepts [N, 1, 28, 28], [N, 28, 28] and [N, 784] for the 28x28 grey-scale models.
+at::Tensor as_image28(const at::Tensor& x) { return x.reshape({x.size(0), 1, 28, 28}); }
 
 class Mlp final : public Model {
  public:
@@ -25,12 +36,172 @@ class Mlp final : public Model {
   torch::nn::Linear fc1_{nullptr}, fc2_{nullptr}, fc3_{nullptr};
 };
 
+class Cnn final : public Model {
+ public:
+  Cnn() {
+    conv1_ = register_module("conv1", torch::nn::Conv2d(torch::nn::Conv2dOptions(1, 32, 5).padding(2)));
+    conv2_ = register_module("conv2", torch::nn::Conv2d(torch::nn::Conv2dOptions(32, 64, 5).padding(2)));
+    fc1_ = register_module("fc1", torch::nn::Linear(7 * 7 * 64, 512));
+    fc2_ = register_module("fc2", torch::nn::Linear(512, 10));
+  }
+  at::Tensor forward(const at::Tensor& x) override {
+    at::Tensor h = torch::max_pool2d(torch::relu(conv1_->forward(as_image28(x))), 2);
+    h = torch::max_pool2d(torch::relu(conv2_->forward(h)), 2);
+    h = torch::relu(fc1_->forward(h.flatten(1)));
+    return fc2_->forward(h);
+  }
+
+ private:
+  torch::nn::Conv2d conv1_{nullptr}, conv2_{nullptr};
+  torch::nn::Linear fc1_{nullptr}, fc2_{nullptr};
+};
+
+torch::nn::Conv2d conv3x3(int64_t in, int64_t out, int64_t stride) {
+  return torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).stride(stride).padding(1).bias(false));
+}
+
+// He et al. 2016's basic block: two 3x3 convs with BN, identity or 1x1-conv shortcut.
+class BasicBlock final : public torch::nn::Module {
+ public:
+  BasicBlock(int64_t in, int64_t out, int64_t stride) {
+    conv1_ = register_module("conv1", conv3x3(in, out, stride));
+    bn1_ = register_module("bn1", torch::nn::BatchNorm2d(out));
+    conv2_ = register_module("conv2", conv3x3(out, out, 1));
+    bn2_ = register_module("bn2", torch::nn::BatchNorm2d(out));
+    if (stride != 1 || in != out) {
+      downsample_ = register_module(
+          "downsample",
+          torch::nn::Sequential(torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 1).stride(stride).bias(false)),
+                                torch::nn::BatchNorm2d(out)));
+    }
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor h = torch::relu(bn1_->forward(conv1_->forward(x)));
+    h = bn2_->forward(conv2_->forward(h));
+    return torch::relu(h + (downsample_ ? downsample_->forward(x) : x));
+  }
+
+ private:
+  torch::nn::Conv2d conv1_{nullptr}, conv2_{nullptr};
+  torch::nn::BatchNorm2d bn1_{nullptr}, bn2_{nullptr};
+  torch::nn::Sequential downsample_{nullptr};
+};
+
+class ResNet8 final : public Model {
+ public:
+  explicit ResNet8(int64_t in_channels) : in_channels_(in_channels) {
+    conv1_ = register_module("conv1", conv3x3(in_channels, 16, 1));
+    bn1_ = register_module("bn1", torch::nn::BatchNorm2d(16));
+    layer1_ = register_module("layer1", std::make_shared<BasicBlock>(16, 16, 1));
+    layer2_ = register_module("layer2", std::make_shared<BasicBlock>(16, 32, 2));
+    layer3_ = register_module("layer3", std::make_shared<BasicBlock>(32, 64, 2));
+    fc_ = register_module("fc", torch::nn::Linear(64, 10));
+  }
+  at::Tensor forward(const at::Tensor& x) override {
+    at::Tensor h = (in_channels_ == 1 && x.dim() == 2) ? as_image28(x) : x;
+    h = torch::relu(bn1_->forward(conv1_->forward(h)));
+    h = layer3_->forward(layer2_->forward(layer1_->forward(h)));
+    return fc_->forward(torch::adaptive_avg_pool2d(h, {1, 1}).flatten(1));
+  }
+
+ private:
+  int64_t in_channels_;
+  torch::nn::Conv2d conv1_{nullptr};
+  torch::nn::BatchNorm2d bn1_{nullptr};
+  std::shared_ptr<BasicBlock> layer1_, layer2_, layer3_;
+  torch::nn::Linear fc_{nullptr};
+};
+
+std::string flat_name(std::string name) {
+  for (char& c : name)
+    if (c == '.') c = '_';
+  return name;
+}
+
+class ScriptedModel final : public Model {
+ public:
+  ScriptedModel(torch::jit::Module module, const std::string& path) : module_(std::move(module)) {
+    std::set<std::string> seen;
+    auto claim = [&](const std::string& scripted) {
+      std::string name = flat_name(scripted);
+      SPARROW_CHECK_T(ConfigError, seen.insert(name).second,
+                      "TorchScript model '" << path << "': '" << scripted << "' maps to '" << name
+                                            << "', which another parameter or buffer already uses");
+      return name;
+    };
+    for (const auto& p : module_.named_parameters(/*recurse=*/true))
+      register_parameter(claim(p.name), p.value, p.value.requires_grad());
+    for (const auto& b : module_.named_buffers(/*recurse=*/true)) register_buffer(claim(b.name), b.value);
+    train(module_.is_training());
+  }
+  at::Tensor forward(const at::Tensor& x) override {
+    c10::IValue out = module_.forward({x});
+    SPARROW_CHECK_T(ConfigError, out.isTensor(), "TorchScript model: forward must return a tensor");
+    return out.toTensor();
+  }
+  void train(bool on = true) override {
+    torch::nn::Module::train(on);
+    module_.train(on);
+  }
+
+ private:
+  torch::jit::Module module_;
+};
+
+std::shared_ptr<Model> load_torchscript(const std::string& path) {
+  SPARROW_CHECK_T(ConfigError, !path.empty(), "model 'torchscript:' needs a file path");
+  SPARROW_CHECK_T(ConfigError, std::ifstream(path).good(), "TorchScript model file '" << path << "' cannot be opened");
+  torch::jit::Module module;
+  try {
+    module = torch::jit::load(path, torch::kCPU);
+  } catch (const std::exception& e) {
+    throw ConfigError("TorchScript model file '" + path + "' could not be loaded: " + e.what());
+  }
+  SPARROW_CHECK_T(ConfigError, module.find_method("forward").has_value(),
+                  "TorchScript model '" << path << "' has no forward method");
+  return std::make_shared<ScriptedModel>(std::move(module), path);
+}
+
+// A built-in model name parsed as a spec; returns the resnet channel count too.
+Spec parse_builtin(const std::string& name, int64_t* in_channels) {
+  Spec s = Spec::parse(name);
+  const std::string& m = s.method();
+  SPARROW_CHECK_T(ConfigError, m == "mlp" || m == "cnn" || m == "resnet",
+                  "unknown model '" << name << "' (known: mlp, cnn, resnet, torchscript:FILE)");
+  *in_channels = 1;
+  if (m == "resnet") {
+    *in_channels = s.get_int("in_channels", 1);
+    SPARROW_CHECK_T(ConfigError, *in_channels == 1 || *in_channels == 3,
+                    "model '" << name << "': in_channels must be 1 or 3");
+  }
+  s.check_all_consumed();
+  return s;
+}
+
 }  // namespace
 
 std::shared_ptr<Model> make_model(const std::string& name, uint64_t seed) {
+  if (name.rfind(kTorchScriptPrefix, 0) == 0)
+    return load_torchscript(name.substr(std::string(kTorchScriptPrefix).size()));
+  int64_t in_channels = 1;
+  const Spec s = parse_builtin(name, &in_channels);
+  static std::mutex init_mutex;  // manual_seed + construction must not interleave
+  std::lock_guard<std::mutex> lock(init_mutex);
   torch::manual_seed(seed);
-  if (name == "mlp") return std::make_shared<Mlp>();
-  throw ConfigError("unknown model '" + name + "' (known: mlp)");
+  if (s.method() == "mlp") return std::make_shared<Mlp>();
+  if (s.method() == "cnn") return std::make_shared<Cnn>();
+  return std::make_shared<ResNet8>(in_channels);
+}
+
+std::vector<std::string> model_names() { return {"mlp", "cnn", "resnet"}; }
+
+std::vector<int64_t> model_input_shape(const std::string& name) {
+  SPARROW_CHECK_T(ConfigError, name.rfind(kTorchScriptPrefix, 0) != 0,
+                  "model '" << name << "': the input shape of a TorchScript model is not known");
+  int64_t in_channels = 1;
+  parse_builtin(name, &in_channels);
+  if (in_channels == 3) return {3, 32, 32};
+  return {1, 28, 28};
 }
 
 }  // namespace sparrow::core

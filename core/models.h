@@ -5,8 +5,10 @@
 
 #include <torch/nn/module.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace sparrow::core {
 
@@ -15,8 +17,43 @@ class Model : public torch::nn::Module {
   virtual at::Tensor forward(const at::Tensor& x) = 0;
 };
 
-// "mlp": 784-200-200-10 with ReLU (McMahan et al. 2017's 2NN). Initialised from
-// `seed` deterministically. ConfigError for an unknown name.
+// Builds a model from its name. Built-ins are initialised deterministically from
+// `seed` (LibTorch's default initialisers under torch::manual_seed(seed); calls
+// are serialised by a lock so concurrent make_model calls cannot interleave their
+// draws, but other code drawing from LibTorch's global generator at the same
+// time would):
+//   "mlp"     784-200-200-10 with ReLU (McMahan et al. 2017's 2NN); 199,210 parameters.
+//   "cnn"     the FedAvg CNN for 1x28x28 (McMahan et al. 2017; FedML's CNN_DropOut
+//             without dropout): conv5x5(32, pad 2) - ReLU - maxpool2 - conv5x5(64,
+//             pad 2) - ReLU - maxpool2 - fc 3136->512 - ReLU - fc 10; 1,663,370 parameters.
+//   "resnet[:in_channels=1|3]"
+//             ResNet-8: conv3x3(16)-BN-ReLU, three stages of one basic block each
+//             (16, 32, 64 channels; stride 1, 2, 2; 1x1 conv + BN shortcut when
+//             the shape changes), global average pooling, fc 10. Any spatial size
+//             works; the canonical inputs are 1x28x28 and 3x32x32. BatchNorm
+//             running statistics are buffers, not parameters: they are not part of
+//             named_parameters() and so stay local unless the caller syncs them.
+//   "torchscript:FILE"
+//             a TorchScript module saved with torch.jit.save / Module::save; its
+//             forward(x) must return a tensor. `seed` is unused (weights come from
+//             the file). Parameters and buffers are registered on the Model with the
+//             very same tensors (storage shared with the scripted module, so
+//             updates to one are the other's), under the scripted names with '.'
+//             replaced by '_' ("fc.weight" -> "fc_weight") because
+//             torch::nn::Module::register_parameter rejects '.'. Names that collide
+//             after the mapping are a ConfigError. train()/eval() propagate to the
+//             scripted module.
+// "mlp", "cnn" and 1-channel "resnet" also accept flattened [N, 784] input.
+// ConfigError for an unknown name or key, or a missing or unreadable TorchScript
+// file (the message names the path).
 std::shared_ptr<Model> make_model(const std::string& name, uint64_t seed);
+
+// The built-in model names accepted by make_model (not "torchscript:FILE").
+std::vector<std::string> model_names();
+
+// The per-sample input shape (without the batch dimension) a built-in model is
+// made for, e.g. {1, 28, 28}; {3, 32, 32} for "resnet:in_channels=3".
+// ConfigError for an unknown name and for TorchScript models (shape unknown).
+std::vector<int64_t> model_input_shape(const std::string& name);
 
 }  // namespace sparrow::core

@@ -10,6 +10,8 @@ PACKAGES=(
   doctest-dev             # tests
   libcli11-dev            # command lines
   zlib1g-dev              # gzipped IDX datasets
+  libsqlite3-dev          # state store (client state, runs)
+  libtomlplusplus-dev     # simulator experiment configs (TOML)
   dataset-fashion-mnist   # the real data set (/usr/share/datasets/fashion-mnist)
 )
 

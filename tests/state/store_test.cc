@@ -1,0 +1,396 @@
+#include "tests/sparrow_test.h"
+
+#include <ATen/ATen.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+#include "state/client_state.h"
+#include "state/store.h"
+
+using sparrow::state::ClientState;
+using sparrow::state::ClientStateStore;
+
+namespace {
+
+// A database path unique to one test case (test cases run in parallel in one
+// directory), removed with its -wal/-shm files before and after.
+class TempDb {
+ public:
+  explicit TempDb(const std::string& name)
+      : path_("sparrow_state_test_" + name + "_" + std::to_string(::getpid()) + ".db") {
+    remove_all();
+  }
+  ~TempDb() { remove_all(); }
+  const std::string& path() const { return path_; }
+
+ private:
+  void remove_all() {
+    for (const char* suffix : {"", "-wal", "-shm", "-journal"}) std::remove((path_ + suffix).c_str());
+  }
+  std::string path_;
+};
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+void write_file(const std::string& path, const std::string& bytes) {
+  std::ofstream f(path, std::ios::binary | std::ios::trunc);
+  f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+ClientState rich_state(uint64_t seed) {
+  at::manual_seed(seed);
+  ClientState s;
+  s.rng = 0x1234567890abcdefULL + seed;
+  s.rounds = 17 + seed;
+  sparrow::compression::State w;
+  w.step = 3;
+  w.tensors["residual"] = at::randn({4, 5});
+  w.tensors["u"] = at::randn({4, 5});
+  sparrow::compression::State b;
+  b.step = 1;
+  b.tensors["v"] = at::randn({5});
+  s.compressor["fc1.weight"] = w;
+  s.compressor["fc1.bias"] = b;
+  s.compressor["empty"] = sparrow::compression::State{};
+  s.control["fc1.weight"] = at::randn({4, 5});
+  s.control["fc1.bias"] = at::arange(5, at::TensorOptions().dtype(at::kDouble)) * 0.5;
+  s.control["counts"] = at::arange(3, at::TensorOptions().dtype(at::kLong)) + static_cast<int64_t>(seed);
+  s.control["half"] = at::randn({2, 2}).to(at::kHalf);
+  s.control["scalar"] = at::scalar_tensor(2.5);
+  return s;
+}
+
+// Small state whose values identify the client.
+ClientState small_state(int64_t client) {
+  ClientState s;
+  s.rng = static_cast<uint64_t>(client) * 1000003ULL;
+  s.rounds = static_cast<uint64_t>(client % 7);
+  s.control["c"] = at::full({8}, static_cast<double>(client), at::TensorOptions().dtype(at::kFloat));
+  sparrow::compression::State e;
+  e.step = static_cast<uint64_t>(client);
+  e.tensors["residual"] = at::full({4}, -static_cast<double>(client), at::TensorOptions().dtype(at::kFloat));
+  s.compressor["w"] = e;
+  return s;
+}
+
+void check_equal(const ClientState& a, const ClientState& b) {
+  CHECK(a.rng == b.rng);
+  CHECK(a.rounds == b.rounds);
+  REQUIRE(a.compressor.size() == b.compressor.size());
+  for (const auto& [name, s] : a.compressor) {
+    REQUIRE(b.compressor.count(name) == 1);
+    const auto& o = b.compressor.at(name);
+    CHECK(s.step == o.step);
+    REQUIRE(s.tensors.size() == o.tensors.size());
+    for (const auto& [slot, t] : s.tensors) {
+      REQUIRE(o.tensors.count(slot) == 1);
+      CHECK(at::equal(t, o.tensors.at(slot)));
+    }
+  }
+  REQUIRE(a.control.size() == b.control.size());
+  for (const auto& [name, t] : a.control) {
+    REQUIRE(b.control.count(name) == 1);
+    const at::Tensor& u = b.control.at(name);
+    CHECK((t.scalar_type() == u.scalar_type()));
+    CHECK(t.sizes().equals(u.sizes()));
+    CHECK(at::equal(t, u));
+  }
+}
+
+void check_small(const std::optional<ClientState>& s, int64_t client) {
+  REQUIRE(s.has_value());
+  check_equal(*s, small_state(client));
+}
+
+}  // namespace
+
+TEST_CASE("client state round trips through bytes") {
+  SUBCASE("rich state") {
+    const ClientState s = rich_state(1);
+    const ClientState back = ClientState::deserialize(s.serialize());
+    check_equal(s, back);
+    CHECK((back.control.at("half").scalar_type() == at::kHalf));
+    CHECK(back.control.at("scalar").dim() == 0);
+  }
+  SUBCASE("empty state") {
+    ClientState s;
+    const ClientState back = ClientState::deserialize(s.serialize());
+    CHECK(back.compressor.empty());
+    CHECK(back.control.empty());
+    CHECK(back.rng == 0);
+  }
+  SUBCASE("non-contiguous control tensor") {
+    ClientState s;
+    s.control["t"] = at::randn({3, 4}).t();
+    check_equal(s, ClientState::deserialize(s.serialize()));
+  }
+}
+
+TEST_CASE("client state rejects truncated and malformed bytes") {
+  const std::string bytes = rich_state(2).serialize();
+  SUBCASE("every truncation") {
+    for (size_t n = 0; n < bytes.size(); ++n) {
+      CHECK_THROWS_AS(ClientState::deserialize(bytes.substr(0, n)), sparrow::FormatError);
+    }
+  }
+  SUBCASE("trailing bytes") { CHECK_THROWS_AS(ClientState::deserialize(bytes + "x"), sparrow::FormatError); }
+  SUBCASE("bad magic") {
+    std::string b = bytes;
+    b[0] = 'X';
+    CHECK_THROWS_WITH_AS(ClientState::deserialize(b), doctest::Contains("magic"), sparrow::FormatError);
+  }
+  SUBCASE("newer version") {
+    std::string b = bytes;
+    b[4] = 9;
+    CHECK_THROWS_WITH_AS(ClientState::deserialize(b), doctest::Contains("version"), sparrow::FormatError);
+  }
+  SUBCASE("corrupt compressor entry names the entry") {
+    std::string b = bytes;
+    const size_t at = b.find("SPST");  // first embedded compressor::State
+    REQUIRE(at != std::string::npos);
+    b[at] = 'Q';
+    CHECK_THROWS_WITH_AS(ClientState::deserialize(b), doctest::Contains("compressor 'empty'"), sparrow::FormatError);
+  }
+  SUBCASE("unknown dtype code") {
+    ClientState s;
+    s.control["x"] = at::ones({2});
+    std::string b = s.serialize();
+    const size_t at = b.find('x');
+    REQUIRE(at != std::string::npos);
+    b[at + 1] = 99;  // the dtype byte follows the name
+    CHECK_THROWS_WITH_AS(ClientState::deserialize(b), doctest::Contains("dtype"), sparrow::FormatError);
+  }
+  SUBCASE("huge dimension") {
+    ClientState s;
+    s.control["x"] = at::ones({2});
+    std::string b = s.serialize();
+    const size_t dim_at = b.find('x') + 1 + 1 + 4;
+    const int64_t huge = int64_t{1} << 50;
+    std::memcpy(&b[dim_at], &huge, 8);
+    CHECK_THROWS_AS(ClientState::deserialize(b), sparrow::FormatError);
+  }
+}
+
+TEST_CASE("client state refuses tensors it cannot store") {
+  ClientState s;
+  s.control["z"] = at::ones({2}, at::TensorOptions().dtype(at::kComplexFloat));
+  CHECK_THROWS_AS(s.serialize(), sparrow::Error);
+  CHECK_THROWS_AS(s.deep_copy(), sparrow::Error);
+  ClientState c;
+  c.compressor["w"].tensors["r"] = at::ones({2}, at::TensorOptions().dtype(at::kDouble));
+  CHECK_THROWS_AS(c.serialize(), sparrow::Error);
+
+  TempDb db("refuse");
+  auto store = ClientStateStore::open(db.path(), {});
+  CHECK_THROWS_AS(store->put(1, s), sparrow::Error);
+  CHECK_THROWS_AS(store->put(2, c), sparrow::Error);
+  CHECK(store->cached_entries() == 0);
+  CHECK_FALSE(store->get(1).has_value());
+}
+
+TEST_CASE("deep copy shares no storage") {
+  ClientState s = rich_state(3);
+  ClientState c = s.deep_copy();
+  check_equal(s, c);
+  c.control["fc1.weight"].add_(1.0);
+  c.compressor["fc1.weight"].tensors["residual"].zero_();
+  CHECK_FALSE(at::equal(s.control["fc1.weight"], c.control["fc1.weight"]));
+  CHECK_FALSE(
+      at::equal(s.compressor["fc1.weight"].tensors["residual"], c.compressor["fc1.weight"].tensors["residual"]));
+  CHECK(s.approx_bytes() >= (4 * 5 * 4) * 4);
+}
+
+TEST_CASE("store get put and cache") {
+  TempDb db("getput");
+  auto store = ClientStateStore::open(db.path(), {});
+  SUBCASE("missing client is empty") {
+    CHECK_FALSE(store->get(42).has_value());
+    CHECK(store->stats().misses == 1);
+  }
+  SUBCASE("put then get hits the cache with value semantics") {
+    ClientState s = rich_state(4);
+    store->put(7, s);
+    s.control["fc1.weight"].zero_();  // the caller's copy; the store must not see this
+    auto got = store->get(7);
+    REQUIRE(got.has_value());
+    check_equal(*got, rich_state(4));
+    got->compressor["fc1.weight"].tensors["u"].zero_();
+    check_equal(*store->get(7), rich_state(4));
+    CHECK(store->stats().hits == 2);
+    CHECK(store->stats().misses == 0);
+    CHECK(store->stats().writes == 0);  // below write_batch: nothing written yet
+    CHECK(store->cached_bytes() == rich_state(4).approx_bytes());
+    store->put(7, small_state(7));  // replace
+    check_small(store->get(7), 7);
+    CHECK(store->cached_entries() == 1);
+  }
+}
+
+TEST_CASE("store evicts by bytes and writes dirty entries back") {
+  TempDb db("evict");
+  const size_t one = small_state(0).approx_bytes();
+  ClientStateStore::Options opt;
+  opt.cache_bytes = 3 * one + one / 2;  // room for three entries
+  opt.write_batch = 1000;               // only eviction writes
+  auto store = ClientStateStore::open(db.path(), opt);
+  for (int64_t c = 0; c < 10; ++c) store->put(c, small_state(c));
+  CHECK(store->cached_entries() == 3);
+  CHECK(store->cached_bytes() <= opt.cache_bytes);
+  CHECK(store->stats().evictions == 7);
+  CHECK(store->stats().writes >= 7);
+  for (int64_t c = 0; c < 10; ++c) check_small(store->get(c), c);
+  CHECK(store->stats().misses >= 7);
+  CHECK(store->cached_bytes() <= opt.cache_bytes);
+}
+
+TEST_CASE("store survives close and reopen") {
+  TempDb db("reopen");
+  {
+    auto store = ClientStateStore::open(db.path(), {});
+    store->put(1, rich_state(5));
+    store->put(2, small_state(2));
+    // no flush: the destructor writes back
+  }
+  auto store = ClientStateStore::open(db.path(), {});
+  auto got = store->get(1);
+  REQUIRE(got.has_value());
+  check_equal(*got, rich_state(5));
+  check_small(store->get(2), 2);
+  CHECK_FALSE(store->get(3).has_value());
+  CHECK(store->stats().misses == 3);
+}
+
+TEST_CASE("store writes back in batches") {
+  TempDb db("batch");
+  ClientStateStore::Options wopt;
+  wopt.write_batch = 4;
+  auto writer = ClientStateStore::open(db.path(), wopt);
+  ClientStateStore::Options ropt;
+  ropt.cache_bytes = 0;  // every get reads the database
+  auto reader = ClientStateStore::open(db.path(), ropt);
+
+  for (int64_t c = 0; c < 3; ++c) writer->put(c, small_state(c));
+  writer->put(1, small_state(1));  // a dirty entry counts once
+  CHECK_FALSE(reader->get(0).has_value());
+  CHECK(writer->stats().transactions == 0);
+  writer->put(3, small_state(3));  // fourth dirty entry fills the batch
+  CHECK(writer->stats().transactions == 1);
+  CHECK(writer->stats().writes == 4);
+  for (int64_t c = 0; c < 4; ++c) check_small(reader->get(c), c);
+  CHECK(reader->cached_entries() == 0);
+
+  writer->put(4, small_state(4));
+  CHECK_FALSE(reader->get(4).has_value());
+  writer->flush();
+  CHECK(writer->stats().transactions == 2);
+  check_small(reader->get(4), 4);
+  writer->flush();  // nothing dirty: no empty transaction
+  CHECK(writer->stats().transactions == 2);
+}
+
+TEST_CASE("store round trips 2000 clients") {
+  TempDb db("many");
+  ClientStateStore::Options opt;
+  opt.cache_bytes = 500 * small_state(0).approx_bytes();
+  opt.write_batch = 64;
+  {
+    auto store = ClientStateStore::open(db.path(), opt);
+    for (int64_t c = 0; c < 2000; ++c) store->put(c, small_state(c));
+    CHECK(store->cached_entries() <= 500);
+    for (int64_t c = 0; c < 2000; c += 3) check_small(store->get(c), c);
+  }
+  auto store = ClientStateStore::open(db.path(), opt);
+  for (int64_t c = 0; c < 2000; ++c) check_small(store->get(c), c);
+  CHECK(store->stats().misses == 2000);
+}
+
+TEST_CASE("store is safe to share between threads") {
+  TempDb db("threads");
+  ClientStateStore::Options opt;
+  opt.cache_bytes = 40 * small_state(0).approx_bytes();  // forces evictions and write-backs
+  opt.write_batch = 16;
+  auto store = ClientStateStore::open(db.path(), opt);
+  std::vector<std::thread> threads;
+  std::vector<int> bad(4, 0);
+  for (int w = 0; w < 4; ++w) {
+    threads.emplace_back([&, w] {
+      for (int64_t c = w; c < 400; c += 4) store->put(c, small_state(c));
+      for (int64_t c = w; c < 400; c += 4) {
+        auto s = store->get(c);
+        if (!s || s->rng != small_state(c).rng || !at::equal(s->control.at("c"), small_state(c).control.at("c")))
+          ++bad[w];
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int w = 0; w < 4; ++w) CHECK(bad[w] == 0);
+  CHECK(store->cached_bytes() <= opt.cache_bytes);
+}
+
+TEST_CASE("store reports a corrupt row and stays usable") {
+  TempDb db("corrupt");
+  ClientState victim = small_state(1);
+  victim.rng = 0x5eed5eed5eed5eedULL;
+  {
+    auto store = ClientStateStore::open(db.path(), {});
+    store->put(1, victim);
+    store->put(2, small_state(2));
+  }
+  // Damage client 1's row on disk: its blob starts "SPCL", version, rng.
+  std::string file = read_file(db.path());
+  std::string pattern("SPCL", 4);
+  const uint32_t version = 1;
+  pattern.append(reinterpret_cast<const char*>(&version), 4);
+  pattern.append(reinterpret_cast<const char*>(&victim.rng), 8);
+  const size_t at = file.find(pattern);
+  REQUIRE(at != std::string::npos);
+  file[at + 4] = 77;  // unsupported version
+  write_file(db.path(), file);
+
+  auto store = ClientStateStore::open(db.path(), {});
+  CHECK_THROWS_WITH_AS(store->get(1), doctest::Contains("client 1:"), sparrow::FormatError);
+  check_small(store->get(2), 2);
+  store->put(1, small_state(1));  // overwriting repairs it
+  store->flush();
+  check_small(store->get(1), 1);
+}
+
+TEST_CASE("store refuses files that are not its database") {
+  SUBCASE("not SQLite") {
+    TempDb db("notsqlite");
+    std::string junk;
+    for (int i = 0; i < 100; ++i) junk += "this is not an SQLite database, just text\n";
+    write_file(db.path(), junk);
+    CHECK_THROWS_WITH_AS(ClientStateStore::open(db.path(), {}), doctest::Contains("not an SQLite database"),
+                         sparrow::FormatError);
+    CHECK(read_file(db.path()) == junk);  // left untouched
+  }
+  SUBCASE("newer schema") {
+    TempDb db("newer");
+    { ClientStateStore::open(db.path(), {})->put(1, small_state(1)); }
+    std::string file = read_file(db.path());
+    REQUIRE(file.size() >= 100);
+    file[60] = 0, file[61] = 0, file[62] = 0, file[63] = 9;  // PRAGMA user_version, big-endian
+    write_file(db.path(), file);
+    CHECK_THROWS_WITH_AS(ClientStateStore::open(db.path(), {}), doctest::Contains("newer"), sparrow::FormatError);
+  }
+  SUBCASE("bad options") {
+    TempDb db("options");
+    ClientStateStore::Options opt;
+    opt.write_batch = 0;
+    CHECK_THROWS_AS(ClientStateStore::open(db.path(), opt), sparrow::ConfigError);
+    CHECK_THROWS_AS(ClientStateStore::open("", {}), sparrow::ConfigError);
+  }
+}
