@@ -17,6 +17,7 @@
 #include <sstream>
 
 #include "bench/resnet50.h"
+#include "bench/sim_bench.h"
 #include "compression/compressor.h"
 #include "core/error.h"
 #include "wire/roundtrip.h"
@@ -164,6 +165,19 @@ int main(int argc, char** argv) {
   compress->add_option("--methods", methods, "comma-separated subset of cases to run");
   app.add_option("--threads", threads, "intra-op threads (default: LibTorch's choice, one per physical core)")
       ->check(CLI::Range(0, 1024));
+  int sim_rounds = 6, sim_workers = 1, child_clients = 100;
+  std::string sim_tmp = "bench-sim-runs";
+  auto* sim =
+      app.add_subcommand("sim", "simulator vs a bare LibTorch loop (efficiency); RSS and s/round vs population");
+  sim->add_option("--rounds", sim_rounds, "rounds per run (first and last are not timed)")->check(CLI::Range(3, 1000));
+  sim->add_option("--workers", sim_workers, "simulator workers")->check(CLI::Range(1, 64));
+  sim->add_option("--tmp", sim_tmp, "folder for the benchmark's run folders");
+  auto* child = app.add_subcommand("sim-scale-child", "internal: one population of the scale case");
+  child->group("");  // hidden
+  child->add_option("--clients", child_clients)->required();
+  child->add_option("--rounds", sim_rounds);
+  child->add_option("--workers", sim_workers);
+  child->add_option("--tmp", sim_tmp);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -172,6 +186,8 @@ int main(int argc, char** argv) {
   if (threads > 0) at::set_num_threads(threads);
   try {
     if (*compress) return bench_compress(elements, repeat, methods);
+    if (*sim) return sparrow::bench::bench_sim(sim_rounds, sim_workers, sim_tmp);
+    if (*child) return sparrow::bench::bench_sim_scale_child(child_clients, sim_rounds, sim_workers, sim_tmp);
   } catch (const std::exception& e) {
     std::cerr << "sparrow-bench: error: " << e.what() << "\n";
     return 1;

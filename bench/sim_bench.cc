@@ -1,0 +1,139 @@
+// sparrow-bench sim: the simulator against a bare LibTorch loop (efficiency),
+// and its memory and time per round as the population grows (scale).
+#include "bench/sim_bench.h"
+
+#include <torch/torch.h>
+
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <string>
+
+#include "core/datasets.h"
+#include "core/models.h"
+#include "simulator/config.h"
+#include "simulator/simulator.h"
+
+namespace sparrow::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+std::string num(double v) {
+  if (!std::isfinite(v)) return "null";
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%.6g", v);
+  return buf;
+}
+
+double peak_rss_mb() {
+  struct rusage ru;
+  getrusage(RUSAGE_SELF, &ru);
+  return static_cast<double>(ru.ru_maxrss) / 1024.0;  // Linux: kilobytes
+}
+
+simulator::SimConfig base_config(int clients, int per_round, int rounds, int workers, const std::string& out) {
+  simulator::SimConfig c = simulator::parse_config_string("");
+  c.seed = 1;
+  c.dataset = "fashion-mnist";
+  c.partition = "dirichlet:alpha=0.5";
+  c.clients = clients;
+  c.clients_per_round = per_round;
+  c.rounds = rounds;
+  c.model = "mlp";
+  c.algorithm = "fedavg";
+  c.local_epochs = 1;
+  c.batch_size = 32;
+  c.lr = 0.05;
+  c.compression = "dgc:ratio=0.001";
+  c.workers = workers;
+  c.eval_every = 1000000;  // evaluate only after the last round
+  c.out = out;
+  return c;
+}
+
+// The same work without the simulator: the same model and batch size over the
+// same number of samples, forward/backward/SGD step and nothing else.
+double raw_samples_per_s(int64_t samples, int batch, double lr) {
+  core::Dataset train = core::load_fashion_mnist(core::kFashionMnistDir, "train");
+  auto model = core::make_model("mlp", 1);
+  torch::optim::SGD opt(model->parameters(), torch::optim::SGDOptions(lr));
+  const int64_t n = train.x.size(0);
+  at::Tensor order = torch::randperm(n, torch::TensorOptions().dtype(torch::kLong));
+  int64_t done = 0, pos = 0;
+  auto t0 = Clock::now();
+  while (done < samples) {
+    const int64_t b = std::min<int64_t>({batch, samples - done, n - pos});
+    at::Tensor idx = order.narrow(0, pos, b);
+    at::Tensor x = train.x.index_select(0, idx), y = train.y.index_select(0, idx);
+    opt.zero_grad();
+    at::Tensor loss = torch::nn::functional::cross_entropy(model->forward(x), y);
+    loss.backward();
+    opt.step();
+    done += b;
+    pos = (pos + b) % n;
+  }
+  return static_cast<double>(samples) / seconds_since(t0);
+}
+
+}  // namespace
+
+int bench_sim(int rounds, int workers, const std::string& tmp) {
+  // efficiency: 1,000 clients, DGC on, MLP; rounds after the first (warm-up)
+  // and before the last (evaluation) are timed.
+  {
+    simulator::Simulator sim(base_config(1000, 50, rounds, workers, tmp + "/efficiency"));
+    int64_t samples = 0;
+    double secs = 0;
+    for (int r = 0; r < rounds; ++r) {
+      simulator::RoundMetrics m = sim.run_round();
+      if (r == 0 || r == rounds - 1) continue;
+      samples += m.samples;
+      secs += m.real_s;
+    }
+    const double sim_sps = static_cast<double>(samples) / secs;
+    const double raw_sps = raw_samples_per_s(samples, 32, 0.05);
+    std::cout
+        << "{\"bench\":\"sim\",\"case\":\"efficiency\",\"model\":\"mlp\",\"clients\":1000,\"clients_per_round\":50,"
+        << "\"compression\":\"dgc:ratio=0.001\",\"workers\":" << workers << ",\"samples\":" << samples
+        << ",\"sim_samples_per_s\":" << num(sim_sps) << ",\"raw_samples_per_s\":" << num(raw_sps)
+        << ",\"efficiency\":" << num(sim_sps / raw_sps) << "}" << std::endl;
+  }
+  // scale: each population in its own process, so peak RSS is its own.
+  for (int clients : {100, 1000, 10000}) {
+    const std::string cmd = "\"" + std::string(std::filesystem::read_symlink("/proc/self/exe")) +
+                            "\" sim-scale-child --clients " + std::to_string(clients) + " --rounds " +
+                            std::to_string(rounds) + " --workers " + std::to_string(workers) + " --tmp \"" + tmp + "\"";
+    FILE* p = popen(cmd.c_str(), "r");
+    if (!p) return 1;
+    char line[1024];
+    while (std::fgets(line, sizeof(line), p)) std::cout << line;
+    if (pclose(p) != 0) return 1;
+  }
+  return 0;
+}
+
+int bench_sim_scale_child(int clients, int rounds, int workers, const std::string& tmp) {
+  simulator::Simulator sim(base_config(clients, 20, rounds, workers, tmp + "/scale_" + std::to_string(clients)));
+  double secs = 0;
+  int timed = 0;
+  for (int r = 0; r < rounds; ++r) {
+    simulator::RoundMetrics m = sim.run_round();
+    if (r == 0 || r == rounds - 1) continue;
+    secs += m.real_s;
+    ++timed;
+  }
+  std::cout << "{\"bench\":\"sim\",\"case\":\"scale\",\"model\":\"mlp\",\"compression\":\"dgc:ratio=0.001\","
+            << "\"clients\":" << clients << ",\"clients_per_round\":20,\"rounds\":" << rounds
+            << ",\"peak_rss_mb\":" << num(peak_rss_mb()) << ",\"s_per_round\":" << num(secs / std::max(1, timed)) << "}"
+            << std::endl;
+  return 0;
+}
+
+}  // namespace sparrow::bench

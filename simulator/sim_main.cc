@@ -1,0 +1,118 @@
+// sparrow-sim: runs a federated-learning experiment described by a TOML file.
+//
+//   sparrow-sim --config FILE.toml [--set key=value]... [--resume RUN_DIR]
+//   sparrow-sim report RUN_DIR [--compare OTHER_RUN_DIR]...
+//
+// Progress goes to stderr (one line redrawn with \r on a terminal, one line per
+// round otherwise); the LAST stdout line is a JSON summary. Exit codes: 0 done,
+// 2 bad command line or config, 1 any other failure.
+
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "simulator/config.h"
+#include "simulator/report.h"
+#include "simulator/simulator.h"
+
+namespace {
+
+std::string clock_text(double s) {
+  if (!std::isfinite(s) || s < 0) return "--:--";
+  const long t = static_cast<long>(s + 0.5);
+  char buf[32];
+  if (t >= 3600)
+    std::snprintf(buf, sizeof buf, "%ld:%02ld:%02ld", t / 3600, (t / 60) % 60, t % 60);
+  else
+    std::snprintf(buf, sizeof buf, "%02ld:%02ld", t / 60, t % 60);
+  return buf;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace sparrow::simulator;
+  CLI::App app{"sparrow-sim: simulate a federated-learning experiment"};
+  std::string config_path, resume_dir;
+  std::vector<std::string> overrides;
+  app.add_option("--config", config_path, "experiment TOML file");
+  app.add_option("--set", overrides, "override a config key (key=value); repeatable")->take_all();
+  app.add_option("--resume", resume_dir, "continue the run in RUN_DIR after its last completed round");
+  std::string report_dir;
+  std::vector<std::string> compare;
+  auto* report = app.add_subcommand("report", "plot accuracy against rounds and against uplink bytes (SVG)");
+  report->add_option("run_dir", report_dir, "the run folder (holds metrics.csv)")->required();
+  report->add_option("--compare", compare, "other run folders to overlay")->take_all();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    const int rc = app.exit(e);
+    return rc == 0 ? 0 : 2;
+  }
+  if (*report) {
+    try {
+      for (const std::string& path : write_report(report_dir, compare)) std::cout << path << '\n';
+      return 0;
+    } catch (const sparrow::ConfigError& e) {
+      std::cerr << "sparrow-sim report: " << e.what() << '\n';
+      return 2;
+    } catch (const std::exception& e) {
+      std::cerr << "sparrow-sim report: " << e.what() << '\n';
+      return 1;
+    }
+  }
+  try {
+    SimConfig cfg;
+    const bool resume = !resume_dir.empty();
+    if (resume) {
+      // The run's own config, then --set (e.g. rounds=100 to extend a run).
+      // --config is not needed; if given it must not disagree (checked by Simulator).
+      cfg = load_config((std::filesystem::path(resume_dir) / "config.toml").string(), overrides);
+      cfg.out = resume_dir;
+    } else {
+      if (config_path.empty()) {
+        std::cerr << "sparrow-sim: --config FILE.toml (or --resume RUN_DIR) is required\n";
+        return 2;
+      }
+      cfg = load_config(config_path, overrides);
+    }
+    const auto start = std::chrono::steady_clock::now();
+    Simulator sim(cfg, resume);
+    const int first = sim.completed_rounds();
+    const bool tty = isatty(2) != 0;
+    sim.run([&](const RoundMetrics& m) {
+      const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      const int done = m.round - first, total = cfg.rounds - first;
+      const double eta = done > 0 ? el / done * (total - done) : NAN;
+      const int width = 30, filled = total > 0 ? width * done / total : width;
+      std::string bar(filled, '#');
+      bar.resize(width, '.');
+      char line[256];
+      std::snprintf(line, sizeof line, "[%s] round %d/%d  acc %s  train_loss %.4f  ETA %s", bar.c_str(), m.round,
+                    cfg.rounds,
+                    std::isnan(m.accuracy) ? "  -   " : (std::to_string(m.accuracy * 100).substr(0, 5) + "%").c_str(),
+                    m.train_loss, clock_text(eta).c_str());
+      if (tty)
+        std::cerr << '\r' << line << "\033[K" << std::flush;
+      else
+        std::cerr << line << '\n';
+    });
+    if (tty) std::cerr << '\n';
+    std::cout << summary_json(sim.summary()) << std::endl;
+    return 0;
+  } catch (const sparrow::ConfigError& e) {
+    std::cerr << "sparrow-sim: config error: " << e.what() << '\n';
+    return 2;
+  } catch (const std::exception& e) {
+    std::cerr << "sparrow-sim: " << e.what() << '\n';
+    return 1;
+  }
+}

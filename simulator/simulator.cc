@@ -1,0 +1,649 @@
+#include "simulator/simulator.h"
+
+#include <sqlite3.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <limits>
+#include <optional>
+#include <sstream>
+#include <thread>
+
+#include "aggregation/aggregator.h"
+#include "aggregation/server_optimizer.h"
+#include "client/trainer.h"
+#include "compression/compressor.h"
+#include "compression/lowrank.h"
+#include "core/datasets.h"
+#include "core/error.h"
+#include "core/models.h"
+#include "core/partition.h"
+#include "core/rng.h"
+#include "core/spec.h"
+#include "simulator/scheduler.h"
+#include "state/store.h"
+#include "wire/wire.h"
+
+namespace sparrow::simulator {
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+namespace {
+
+// Stream tags: every random decision has its own counter-based stream.
+constexpr uint64_t kProfileTag = 0x70726f66;  // "prof"
+constexpr uint64_t kAvailTag = 0x6176616c;    // "aval"
+constexpr uint64_t kSampleTag = 0x73616d70;   // "samp"
+constexpr uint64_t kTrainTag = 0x7472616e;    // "tran"
+constexpr uint64_t kPartitionTag = 0x70617274;
+
+const double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+class LogReg final : public core::Model {
+ public:
+  LogReg(int64_t in, int64_t out) {
+    fc_ = register_module("fc", torch::nn::Linear(in, out));
+    torch::NoGradGuard g;
+    fc_->weight.zero_();
+    fc_->bias.zero_();
+  }
+  at::Tensor forward(const at::Tensor& x) override { return fc_->forward(x.reshape({x.size(0), -1})); }
+
+ private:
+  torch::nn::Linear fc_{nullptr};
+};
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+std::string fmt_double(double v) {
+  std::ostringstream os;
+  os << std::setprecision(17) << v;
+  return os.str();
+}
+
+// ---- SQLite helpers (run.db) ------------------------------------------------------
+
+struct Db {
+  sqlite3* db = nullptr;
+  ~Db() {
+    if (db) sqlite3_close(db);
+  }
+  void exec(const std::string& sql) {
+    char* err = nullptr;
+    if (sqlite3_exec(db, sql.c_str(), nullptr, nullptr, &err) != SQLITE_OK) {
+      std::string msg = err ? err : "unknown";
+      sqlite3_free(err);
+      throw Error("run.db: " + msg + " in: " + sql);
+    }
+  }
+  sqlite3_stmt* prepare(const std::string& sql) {
+    sqlite3_stmt* st = nullptr;
+    if (sqlite3_prepare_v2(db, sql.c_str(), -1, &st, nullptr) != SQLITE_OK)
+      throw Error(std::string("run.db: ") + sqlite3_errmsg(db));
+    return st;
+  }
+};
+
+struct Stmt {
+  sqlite3_stmt* st;
+  ~Stmt() { sqlite3_finalize(st); }
+};
+
+std::string serialize_weights(const client::Weights& w) {
+  compression::State s;
+  for (const auto& [k, v] : w) s.tensors[k] = v.to(at::kCPU, at::kFloat).contiguous();
+  return s.serialize();
+}
+
+client::Weights deserialize_weights(const std::string& bytes) {
+  if (bytes.empty()) return {};
+  compression::State s = compression::State::deserialize(bytes);
+  return client::Weights(s.tensors.begin(), s.tensors.end());
+}
+
+struct Profile {
+  double speed = 1;
+  double up_bps = 0;
+  double down_bps = 0;
+};
+
+// What a worker reports about one client.
+struct ClientResult {
+  int64_t client = 0;
+  int64_t samples = 0;
+  double train_s = 0;
+  double sim_s = 0;
+  double train_loss = 0;
+  uint64_t bytes_up = 0;
+  bool kept = false;
+  state::ClientState state;
+};
+
+struct Worker {
+  std::shared_ptr<core::Model> model;
+  std::unique_ptr<client::LocalTrainer> trainer;
+  std::unique_ptr<aggregation::StreamingAggregator> agg;
+  client::Weights control_sum;  // SCAFFOLD: Σ Δc_i of kept clients
+};
+
+std::string csv_num(double v) { return std::isnan(v) ? "" : fmt_double(v); }
+
+std::string csv_row(const RoundMetrics& m) {
+  std::ostringstream os;
+  os << m.round << ',' << csv_num(m.accuracy) << ',' << csv_num(m.loss) << ',' << csv_num(m.train_loss) << ','
+     << m.bytes_up << ',' << m.bytes_down << ',' << csv_num(m.sim_round_s) << ',' << csv_num(m.real_s) << ','
+     << m.clients << ',' << m.dropped << '\n';
+  return os.str();
+}
+
+constexpr const char* kCsvHeader =
+    "round,accuracy,loss,train_loss,bytes_up,bytes_down,sim_round_s,real_s,clients,dropped\n";
+
+}  // namespace
+
+std::string summary_json(const Summary& s) {
+  auto num = [](double v) { return std::isfinite(v) ? fmt_double(v) : std::string("null"); };
+  std::ostringstream os;
+  os << "{\"rounds\":" << s.rounds << ",\"accuracy\":" << num(s.accuracy) << ",\"loss\":" << num(s.loss)
+     << ",\"bytes_up\":" << s.bytes_up << ",\"bytes_down\":" << s.bytes_down << ",\"sim_wall_s\":" << num(s.sim_wall_s)
+     << ",\"real_s\":" << num(s.real_s) << "}";
+  return os.str();
+}
+
+std::shared_ptr<core::Model> make_sim_model(const std::string& name, uint64_t seed, int64_t input_dim,
+                                            int64_t classes) {
+  if (name == "logreg") return std::make_shared<LogReg>(input_dim, classes);
+  return core::make_model(name, seed);
+}
+
+struct Simulator::Impl {
+  SimConfig cfg;
+  fs::path dir;
+  // Data: the full train tensor once, clients as index tensors.
+  at::Tensor train_x, train_y, test_x, test_y;
+  std::vector<at::Tensor> client_idx;
+  std::vector<Profile> profiles;
+  double availability = 1;
+
+  std::unique_ptr<compression::Compressor> compressor;
+  std::vector<std::string> names;  // parameter names, model order
+  aggregation::TensorShapes shapes;
+  uint64_t model_bytes = 0;  // dense fp32
+  std::vector<Worker> workers;
+  CostModel cost;
+
+  client::Weights global;
+  std::unique_ptr<aggregation::ServerOptimizer> server_opt;
+  client::Weights server_control;                // SCAFFOLD c (empty = zeros)
+  std::map<std::string, at::Tensor> acp_shared;  // ACP: next round's shared factor per tensor
+
+  std::unique_ptr<state::ClientStateStore> store;
+  Db db;
+  int round = 0;  // completed rounds
+  std::vector<RoundMetrics> history;
+
+  explicit Impl(SimConfig c) : cfg(std::move(c)), dir(cfg.out), cost(std::max(1, cfg.workers)) {}
+
+  void load_data() {
+    Spec ds = Spec::parse(cfg.dataset);
+    if (ds.method() == "fashion-mnist") {
+      ds.check_all_consumed();
+      core::Dataset tr = core::load_fashion_mnist(cfg.data_dir, "train");
+      core::Dataset te = core::load_fashion_mnist(cfg.data_dir, "test");
+      auto parts = core::partition(tr.y, cfg.clients, cfg.partition, rng::derive(cfg.seed, kPartitionTag));
+      train_x = tr.x;
+      train_y = tr.y;
+      test_x = te.x;
+      test_y = te.y;
+      for (auto& p : parts) client_idx.push_back(at::tensor(p, at::kLong));
+    } else if (ds.method() == "synthetic") {
+      const double a = ds.get_double("alpha", 1.0), b = ds.get_double("beta", 1.0);
+      ds.check_all_consumed();
+      core::FederatedData fd = core::make_synthetic(a, b, cfg.clients, cfg.seed);
+      std::vector<at::Tensor> xs, ys, txs, tys;
+      int64_t off = 0;
+      for (size_t k = 0; k < fd.train.size(); ++k) {
+        const int64_t n = fd.train[k].size();
+        client_idx.push_back(at::arange(off, off + n, at::kLong));
+        off += n;
+        xs.push_back(fd.train[k].x);
+        ys.push_back(fd.train[k].y);
+        txs.push_back(fd.test[k].x);
+        tys.push_back(fd.test[k].y);
+      }
+      train_x = at::cat(xs);
+      train_y = at::cat(ys);
+      test_x = at::cat(txs);
+      test_y = at::cat(tys);
+    } else {
+      throw ConfigError("dataset: unknown dataset '" + cfg.dataset + "' (known: fashion-mnist, synthetic)");
+    }
+  }
+
+  void build_population() {
+    const uint64_t key = rng::derive(cfg.seed, kProfileTag);
+    const auto& p = cfg.profiles;
+    availability = p.availability;
+    profiles.resize(cfg.clients);
+    for (int c = 0; c < cfg.clients; ++c) {
+      const uint64_t i = 3 * static_cast<uint64_t>(c);
+      Profile& q = profiles[c];
+      q.speed = p.compute_speed > 0 ? std::exp(p.compute_speed * rng::normal(key, i)) : 1.0;
+      q.up_bps = p.uplink_mbps * 1e6 * std::exp(0.5 * rng::normal(key, i + 1));
+      q.down_bps = p.downlink_mbps * 1e6 * std::exp(0.5 * rng::normal(key, i + 2));
+    }
+  }
+
+  client::TrainConfig train_config() const {
+    client::TrainConfig t;
+    t.algorithm = cfg.algorithm;
+    t.local_epochs = cfg.local_epochs;
+    t.batch_size = cfg.batch_size;
+    t.lr = cfg.lr;
+    t.momentum = cfg.momentum;
+    t.weight_decay = cfg.weight_decay;
+    t.mu = cfg.mu;
+    return t;
+  }
+
+  void build_workers() {
+    const int64_t input_dim = train_x.numel() / std::max<int64_t>(1, train_x.size(0));
+    const int64_t classes = std::max<int64_t>(10, train_y.max().item<int64_t>() + 1);
+    if (cfg.model != "logreg") {
+      SPARROW_CHECK_T(ConfigError, input_dim == 784 || cfg.model.rfind("torchscript:", 0) == 0,
+                      "model: '" << cfg.model << "' takes 28x28 images but dataset '" << cfg.dataset << "' has "
+                                 << input_dim << " features per sample (use model = \"logreg\")");
+    }
+    for (int w = 0; w < cfg.workers; ++w) {
+      Worker wk;
+      wk.model = make_sim_model(cfg.model, cfg.seed, input_dim, classes);
+      wk.trainer = std::make_unique<client::LocalTrainer>(wk.model, train_config());
+      if (w == 0) {
+        global = client::get_weights(*wk.model);
+        names = wk.trainer->names();
+        for (const auto& n : names) {
+          const at::Tensor& t = global.at(n);
+          shapes.emplace_back(n, t.sizes().vec());
+          model_bytes += static_cast<uint64_t>(t.numel()) * 4;
+        }
+      }
+      wk.agg = std::make_unique<aggregation::StreamingAggregator>(shapes);
+      workers.push_back(std::move(wk));
+    }
+  }
+
+  void open_db(bool resume) {
+    fs::create_directories(dir);
+    const fs::path dbp = dir / "run.db";
+    const fs::path csv = dir / "metrics.csv";
+    const fs::path cs = dir / "client_state.db";
+    if (!resume) {
+      for (const auto& p : {dbp, csv, cs}) {
+        fs::remove(p);
+        fs::remove(p.string() + "-wal");
+        fs::remove(p.string() + "-shm");
+      }
+    }
+    if (sqlite3_open(dbp.c_str(), &db.db) != SQLITE_OK)
+      throw Error("cannot open " + dbp.string() + ": " + sqlite3_errmsg(db.db));
+    db.exec("PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;");
+    db.exec(
+        "CREATE TABLE IF NOT EXISTS rounds(round INTEGER PRIMARY KEY, accuracy REAL, loss REAL, train_loss REAL, "
+        "bytes_up INTEGER, bytes_down INTEGER, sim_round_s REAL, real_s REAL, clients INTEGER, dropped INTEGER);"
+        "CREATE TABLE IF NOT EXISTS checkpoint(round INTEGER PRIMARY KEY, global BLOB, server_opt BLOB, "
+        "scaffold BLOB, acp BLOB);");
+    state::ClientStateStore::Options o;
+    o.write_batch = 256;
+    store = state::ClientStateStore::open(cs.string(), o);
+    if (!resume) {
+      std::ofstream(csv) << kCsvHeader;
+      std::ofstream(dir / "config.toml") << to_toml(cfg);
+    }
+  }
+
+  void load_checkpoint() {
+    Stmt q{db.prepare("SELECT round, global, server_opt, scaffold, acp FROM checkpoint ORDER BY round DESC LIMIT 1")};
+    SPARROW_CHECK_T(ConfigError, sqlite3_step(q.st) == SQLITE_ROW,
+                    "resume: no checkpoint in " << (dir / "run.db").string());
+    auto blob = [&](int col) {
+      const void* p = sqlite3_column_blob(q.st, col);
+      return std::string(static_cast<const char*>(p), p ? sqlite3_column_bytes(q.st, col) : 0);
+    };
+    round = sqlite3_column_int(q.st, 0);
+    client::Weights g = deserialize_weights(blob(1));
+    SPARROW_CHECK_T(FormatError, g.size() == global.size(), "resume: checkpoint does not match the model");
+    for (auto& [k, v] : global) {
+      SPARROW_CHECK_T(FormatError, g.count(k) && g.at(k).sizes() == v.sizes(),
+                      "resume: checkpoint does not match the model at '" << k << "'");
+      v.copy_(g.at(k));
+    }
+    const std::string so = blob(2);
+    if (!so.empty()) server_opt->deserialize_state(so);
+    server_control = deserialize_weights(blob(3));
+    acp_shared = deserialize_weights(blob(4));
+    SPARROW_CHECK_T(ConfigError, round <= cfg.rounds,
+                    "resume: the run already has " << round << " rounds, more than rounds = " << cfg.rounds);
+    // Rounds after the checkpoint (a crash mid-commit) are forgotten.
+    db.exec("DELETE FROM rounds WHERE round > " + std::to_string(round) + ";");
+    Stmt r{db.prepare(
+        "SELECT round, accuracy, loss, train_loss, bytes_up, bytes_down, sim_round_s, real_s, clients, dropped "
+        "FROM rounds ORDER BY round")};
+    auto real = [&](int col) {
+      return sqlite3_column_type(r.st, col) == SQLITE_NULL ? kNaN : sqlite3_column_double(r.st, col);
+    };
+    while (sqlite3_step(r.st) == SQLITE_ROW) {
+      RoundMetrics m;
+      m.round = sqlite3_column_int(r.st, 0);
+      m.accuracy = real(1);
+      m.loss = real(2);
+      m.train_loss = real(3);
+      m.bytes_up = static_cast<uint64_t>(sqlite3_column_int64(r.st, 4));
+      m.bytes_down = static_cast<uint64_t>(sqlite3_column_int64(r.st, 5));
+      m.sim_round_s = real(6);
+      m.real_s = real(7);
+      m.clients = sqlite3_column_int(r.st, 8);
+      m.dropped = sqlite3_column_int(r.st, 9);
+      history.push_back(m);
+    }
+    std::ofstream csv(dir / "metrics.csv", std::ios::trunc);
+    csv << kCsvHeader;
+    for (const auto& m : history) csv << csv_row(m);
+  }
+
+  std::vector<int64_t> select_clients(int t) const {
+    const uint64_t akey = rng::derive(rng::derive(cfg.seed, kAvailTag), static_cast<uint64_t>(t));
+    std::vector<int64_t> avail;
+    for (int c = 0; c < cfg.clients; ++c)
+      if (availability >= 1 || rng::uniform01(akey, static_cast<uint64_t>(c)) < availability) avail.push_back(c);
+    rng::Stream s(rng::derive(rng::derive(cfg.seed, kSampleTag), static_cast<uint64_t>(t)));
+    const size_t k = std::min<size_t>(avail.size(), static_cast<size_t>(cfg.clients_per_round));
+    for (size_t i = 0; i < k; ++i) std::swap(avail[i], avail[i + s.below(avail.size() - i)]);
+    avail.resize(k);
+    std::sort(avail.begin(), avail.end());
+    return avail;
+  }
+
+  // One worker's clients, in ascending id; results go to their slots.
+  void run_worker(int w, int t, const std::vector<int64_t>& ids, std::vector<ClientResult*> out, int num_selected) {
+    Worker& wk = workers[w];
+    wk.agg->reset();
+    wk.control_sum.clear();
+    aggregation::ContextMap ctxs;
+    std::map<std::string, compression::Context> enc_ctx;
+    for (const auto& n : names) {
+      compression::Context c;
+      c.name = n;
+      c.seed = cfg.seed;
+      c.num_workers = num_selected;
+      c.round = t;
+      auto it = acp_shared.find(n);
+      if (it != acp_shared.end()) c.shared_factor = it->second;
+      ctxs[n] = c;
+    }
+    for (size_t j = 0; j < ids.size(); ++j) {
+      const int64_t c = ids[j];
+      ClientResult& r = *out[j];
+      r.client = c;
+      std::optional<state::ClientState> got = store->get(c);
+      r.state = got ? std::move(*got) : state::ClientState{};
+      const at::Tensor& idx = client_idx[c];
+      at::Tensor x = train_x.index_select(0, idx), y = train_y.index_select(0, idx);
+      const uint64_t seed = rng::derive(rng::derive(rng::derive(cfg.seed, kTrainTag), t), c);
+      const bool scaffold = cfg.algorithm == "scaffold";
+      const auto t0 = Clock::now();
+      client::TrainResult tr = wk.trainer->train(global, x, y, seed, scaffold ? &r.state.control : nullptr,
+                                                 scaffold ? &server_control : nullptr);
+      r.train_s = seconds_since(t0);
+      r.samples = tr.num_samples;
+      r.train_loss = tr.mean_loss;
+      wire::ModelUpdate u;
+      u.round = static_cast<uint64_t>(t);
+      u.client_id = std::to_string(c);
+      u.num_samples = static_cast<uint64_t>(tr.num_samples);
+      u.metrics = {{"train_loss", tr.mean_loss}};
+      for (const auto& n : names) {
+        at::Tensor d = tr.delta.at(n).to(at::kCPU, at::kFloat).contiguous();
+        u.tensors.push_back({n, compressor->encode(d, r.state.compressor[n], ctxs[n])});
+      }
+      r.state.rounds += 1;
+      const std::string bytes = wire::serialize(wire::Message{wire::kProtocolMajor, wire::kProtocolMinor, u});
+      r.bytes_up = bytes.size();
+      const Profile& p = profiles[c];
+      r.sim_s = static_cast<double>(model_bytes) * 8 / p.down_bps + r.train_s / p.speed +
+                static_cast<double>(bytes.size()) * 8 / p.up_bps;
+      r.kept = !(cfg.deadline_s > 0 && r.sim_s > cfg.deadline_s);
+      if (!r.kept) continue;
+      wire::Message back = wire::parse(bytes);
+      auto& pu = std::get<wire::ModelUpdate>(back.body);
+      aggregation::EncodedUpdate eu;
+      for (auto& nt : pu.tensors) eu.emplace_back(std::move(nt.name), std::move(nt.tensor));
+      wk.agg->add(eu, static_cast<double>(pu.num_samples), ctxs);
+      if (scaffold) {
+        for (const auto& [n, dc] : tr.control_delta) {
+          at::Tensor d = dc.to(at::kCPU, at::kFloat);
+          auto it = wk.control_sum.find(n);
+          if (it == wk.control_sum.end())
+            wk.control_sum[n] = d.clone();
+          else
+            it->second.add_(d);
+        }
+      }
+    }
+  }
+
+  RoundMetrics step() {
+    SPARROW_CHECK(round < cfg.rounds, "all " << cfg.rounds << " rounds are done");
+    const int t = round;
+    const auto t0 = Clock::now();
+    const std::vector<int64_t> ids = select_clients(t);
+    std::vector<ClientResult> results(ids.size());
+    std::vector<double> jobs;
+    for (int64_t c : ids) jobs.push_back(static_cast<double>(client_idx[c].numel()));
+    const Assignment as = schedule_lpt(jobs, cost);
+    std::vector<int> worker_of(ids.size(), 0);
+    std::vector<std::vector<int64_t>> wids(workers.size());
+    std::vector<std::vector<ClientResult*>> wout(workers.size());
+    for (size_t w = 0; w < workers.size(); ++w) {
+      std::vector<int64_t> jobs_w = as.per_worker[w];
+      std::sort(jobs_w.begin(), jobs_w.end());  // ids are sorted, so ascending job = ascending id
+      for (int64_t j : jobs_w) {
+        wids[w].push_back(ids[j]);
+        wout[w].push_back(&results[j]);
+        worker_of[j] = static_cast<int>(w);
+      }
+    }
+    const int n_sel = static_cast<int>(ids.size());
+    if (workers.size() == 1) {
+      run_worker(0, t, wids[0], wout[0], n_sel);
+    } else {
+      std::vector<std::thread> th;
+      std::vector<std::exception_ptr> errs(workers.size());
+      for (size_t w = 0; w < workers.size(); ++w)
+        th.emplace_back([&, w] {
+          try {
+            run_worker(static_cast<int>(w), t, wids[w], wout[w], n_sel);
+          } catch (...) {
+            errs[w] = std::current_exception();
+          }
+        });
+      for (auto& x : th) x.join();
+      for (auto& e : errs)
+        if (e) std::rethrow_exception(e);
+    }
+    // Measured times feed the cost model in client-id order.
+    for (size_t j = 0; j < ids.size(); ++j)
+      cost.observe(worker_of[j], static_cast<double>(results[j].samples), results[j].train_s);
+
+    aggregation::StreamingAggregator agg(shapes);
+    client::Weights control_sum;
+    for (auto& wk : workers) {
+      agg.merge(*wk.agg);
+      for (const auto& [n, v] : wk.control_sum) {
+        auto it = control_sum.find(n);
+        if (it == control_sum.end())
+          control_sum[n] = v.clone();
+        else
+          it->second.add_(v);
+      }
+    }
+    RoundMetrics m;
+    m.round = t + 1;
+    m.clients = n_sel;
+    m.bytes_down = model_bytes * static_cast<uint64_t>(n_sel);
+    double loss_w = 0, slowest = 0;
+    int64_t samples = 0;
+    for (const auto& r : results) {
+      m.bytes_up += r.bytes_up;
+      loss_w += r.train_loss * static_cast<double>(r.samples);
+      samples += r.samples;
+      if (r.kept)
+        slowest = std::max(slowest, r.sim_s);
+      else
+        ++m.dropped;
+    }
+    m.train_loss = samples > 0 ? loss_w / static_cast<double>(samples) : kNaN;
+    m.samples = samples * cfg.local_epochs;
+    // With stragglers the server waits out the deadline.
+    m.sim_round_s = m.dropped > 0 ? cfg.deadline_s : slowest;
+
+    if (agg.total_weight() > 0) {
+      client::Weights delta = agg.mean();
+      server_opt->step(global, delta);
+      if (cfg.algorithm == "scaffold" && !control_sum.empty()) {
+        if (server_control.empty())
+          for (const auto& [n, v] : global) server_control[n] = at::zeros_like(v);
+        for (const auto& [n, v] : control_sum) server_control.at(n).add_(v, 1.0 / cfg.clients);
+      }
+      for (const auto& n : names) {
+        at::Tensor f = agg.factor_mean(n);
+        if (f.defined()) acp_shared[n] = compression::acp_next_shared(f);
+      }
+    }
+    const bool eval = (t + 1) % cfg.eval_every == 0 || t + 1 == cfg.rounds;
+    m.accuracy = m.loss = kNaN;
+    if (eval) {
+      auto [loss, acc] = workers[0].trainer->evaluate(global, test_x, test_y);
+      m.loss = loss;
+      m.accuracy = acc;
+    }
+    // Client states in id order, flushed before the checkpoint that depends on them.
+    for (auto& r : results) store->put(r.client, r.state);
+    store->flush();
+    m.real_s = seconds_since(t0);
+    commit(m);
+    round = t + 1;
+    history.push_back(m);
+    return m;
+  }
+
+  void commit(const RoundMetrics& m) {
+    db.exec("BEGIN IMMEDIATE;");
+    try {
+      Stmt r{db.prepare("INSERT OR REPLACE INTO rounds VALUES(?,?,?,?,?,?,?,?,?,?)")};
+      auto bind_real = [&](int i, double v) {
+        if (std::isnan(v))
+          sqlite3_bind_null(r.st, i);
+        else
+          sqlite3_bind_double(r.st, i, v);
+      };
+      sqlite3_bind_int(r.st, 1, m.round);
+      bind_real(2, m.accuracy);
+      bind_real(3, m.loss);
+      bind_real(4, m.train_loss);
+      sqlite3_bind_int64(r.st, 5, static_cast<sqlite3_int64>(m.bytes_up));
+      sqlite3_bind_int64(r.st, 6, static_cast<sqlite3_int64>(m.bytes_down));
+      bind_real(7, m.sim_round_s);
+      bind_real(8, m.real_s);
+      sqlite3_bind_int(r.st, 9, m.clients);
+      sqlite3_bind_int(r.st, 10, m.dropped);
+      SPARROW_CHECK(sqlite3_step(r.st) == SQLITE_DONE, "run.db: " << sqlite3_errmsg(db.db));
+      Stmt c{db.prepare("INSERT OR REPLACE INTO checkpoint VALUES(?,?,?,?,?)")};
+      const std::string g = serialize_weights(global), so = server_opt->serialize_state(),
+                        sc = server_control.empty() ? std::string() : serialize_weights(server_control),
+                        ac = acp_shared.empty() ? std::string() : serialize_weights(acp_shared);
+      sqlite3_bind_int(c.st, 1, m.round);
+      sqlite3_bind_blob(c.st, 2, g.data(), static_cast<int>(g.size()), SQLITE_STATIC);
+      sqlite3_bind_blob(c.st, 3, so.data(), static_cast<int>(so.size()), SQLITE_STATIC);
+      sqlite3_bind_blob(c.st, 4, sc.data(), static_cast<int>(sc.size()), SQLITE_STATIC);
+      sqlite3_bind_blob(c.st, 5, ac.data(), static_cast<int>(ac.size()), SQLITE_STATIC);
+      SPARROW_CHECK(sqlite3_step(c.st) == SQLITE_DONE, "run.db: " << sqlite3_errmsg(db.db));
+      // Only the latest checkpoint is needed to resume.
+      db.exec("DELETE FROM checkpoint WHERE round < " + std::to_string(m.round) + ";");
+      db.exec("COMMIT;");
+    } catch (...) {
+      sqlite3_exec(db.db, "ROLLBACK;", nullptr, nullptr, nullptr);
+      throw;
+    }
+    std::ofstream(dir / "metrics.csv", std::ios::app) << csv_row(m);
+  }
+};
+
+Simulator::Simulator(SimConfig cfg, bool resume) : impl_(std::make_unique<Impl>(std::move(cfg))) {
+  Impl& s = *impl_;
+  SPARROW_CHECK_T(ConfigError, s.cfg.workers >= 1, "workers: must be >= 1");
+  SPARROW_CHECK_T(ConfigError, s.cfg.clients_per_round >= 1 && s.cfg.clients_per_round <= s.cfg.clients,
+                  "clients_per_round: must be in 1..clients");
+  if (resume) {
+    const fs::path prev = s.dir / "config.toml";
+    SPARROW_CHECK_T(ConfigError, fs::exists(prev), "resume: " << prev.string() << " not found");
+    SimConfig old = load_config(prev.string());
+    old.rounds = s.cfg.rounds;
+    old.out = s.cfg.out;
+    SPARROW_CHECK_T(ConfigError, old == s.cfg,
+                    "resume: the config differs from " << prev.string() << " in more than rounds");
+  }
+  compression::register_builtins();
+  s.compressor = compression::make_compressor(s.cfg.compression);
+  s.server_opt = std::make_unique<aggregation::ServerOptimizer>(s.cfg.server_optimizer);
+  s.load_data();
+  s.build_population();
+  s.build_workers();
+  s.open_db(resume);
+  if (resume) {
+    s.load_checkpoint();
+    std::ofstream(s.dir / "config.toml") << to_toml(s.cfg);  // records a changed `rounds`
+  }
+}
+
+Simulator::~Simulator() = default;
+
+RoundMetrics Simulator::run_round() { return impl_->step(); }
+
+void Simulator::run(const std::function<void(const RoundMetrics&)>& progress) {
+  while (!done()) {
+    RoundMetrics m = run_round();
+    if (progress) progress(m);
+  }
+}
+
+bool Simulator::done() const { return impl_->round >= impl_->cfg.rounds; }
+int Simulator::completed_rounds() const { return impl_->round; }
+
+Summary Simulator::summary() const {
+  Summary s;
+  s.rounds = impl_->round;
+  s.accuracy = s.loss = kNaN;
+  for (const auto& m : impl_->history) {
+    s.bytes_up += m.bytes_up;
+    s.bytes_down += m.bytes_down;
+    s.sim_wall_s += m.sim_round_s;
+    s.real_s += m.real_s;
+    if (!std::isnan(m.accuracy)) {
+      s.accuracy = m.accuracy;
+      s.loss = m.loss;
+    }
+  }
+  return s;
+}
+
+const std::vector<RoundMetrics>& Simulator::history() const { return impl_->history; }
+const Simulator::Weights& Simulator::global() const { return impl_->global; }
+const SimConfig& Simulator::config() const { return impl_->cfg; }
+
+}  // namespace sparrow::simulator

@@ -1,0 +1,124 @@
+#pragma once
+// The simulator's run loop (FedML Parrot's design with Sparrow's own client and
+// aggregation code): a population of stateful clients trained one after another
+// on a few workers, each worker folding its clients' updates into a partial
+// aggregate, the partials merged in worker order into the global step.
+//
+// One round t (0-based; metrics number rounds from 1):
+//  1. Available clients: Bernoulli(profiles.availability) per (seed, t, client).
+//     clients_per_round of them are sampled without replacement (seeded by
+//     (seed, t)) and sorted by id.
+//  2. schedule_lpt assigns them to `workers` threads with a cost model fed by
+//     each client's measured training seconds.
+//  3. A worker, for each of its clients in ascending id: loads the client's
+//     ClientState, trains (LocalTrainer, weights copied into the worker's one
+//     replica), encodes every parameter delta with the one compressor and the
+//     client's per-tensor state, serialises a wire ModelUpdate (bytes_up is its
+//     exact size), parses the bytes back as a server would and adds the parsed
+//     tensors to its StreamingAggregator with weight num_samples.
+//  4. Straggler model: simulated client time = downlink (dense fp32 model) +
+//     measured train seconds / speed factor + uplink (message bytes). With
+//     deadline_s > 0 a client slower than the deadline is dropped (its update is
+//     not aggregated; its own state still advances, as on a real device).
+//  5. Partials merged in worker order; ServerOptimizer steps the global model
+//     with the mean delta; SCAFFOLD's server control c += (1/N)·Σ Δc_i over the
+//     kept clients (Karimireddy et al. Alg. 1, |S|/N · mean); ACP's next shared
+//     factor per low-rank tensor = acp_next_shared(factor_mean).
+//  6. Client states are written to the store and flushed, then metrics and the
+//     checkpoint are committed to run.db in one transaction, then metrics.csv.
+//
+// Determinism: with workers = 1 a run is bit-reproducible from its config (and
+// resume reproduces the uninterrupted run). With more workers the LPT
+// assignment depends on measured times, so the float summation order, hence
+// the last bits, can differ between runs. Straggler dropping depends on
+// measured train seconds and so is only reproducible when the deadline is far
+// from the clients' times.
+//
+// Run folder (cfg.out): config.toml, metrics.csv, run.db (tables rounds and
+// checkpoint), client_state.db. See docs/simulator.md.
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "simulator/config.h"
+
+namespace at {
+class Tensor;
+}
+
+namespace sparrow::core {
+class Model;
+}
+
+namespace sparrow::simulator {
+
+struct RoundMetrics {
+  int round = 0;            // 1-based
+  double accuracy = 0;      // NaN on rounds without evaluation
+  double loss = 0;          // NaN on rounds without evaluation
+  double train_loss = 0;    // sample-weighted mean local training loss of the selected clients
+  uint64_t bytes_up = 0;    // serialized ModelUpdate bytes of the selected clients
+  uint64_t bytes_down = 0;  // dense fp32 model bytes × selected clients
+  double sim_round_s = 0;   // simulated wall-clock of the round
+  double real_s = 0;        // measured wall-clock of the round
+  int clients = 0;          // selected clients
+  int dropped = 0;          // stragglers whose update was not aggregated
+  int64_t samples = 0;      // samples trained (data × local epochs); not persisted, 0 on rounds a resume reloads
+};
+
+struct Summary {
+  int rounds = 0;         // completed rounds
+  double accuracy = 0;    // last evaluated (NaN if none)
+  double loss = 0;        // last evaluated (NaN if none)
+  uint64_t bytes_up = 0;  // totals over all completed rounds
+  uint64_t bytes_down = 0;
+  double sim_wall_s = 0;
+  double real_s = 0;
+};
+
+// {"rounds":..,"accuracy":..,"loss":..,"bytes_up":..,"bytes_down":..,"sim_wall_s":..,"real_s":..}
+// on one line; NaN values are null.
+std::string summary_json(const Summary& s);
+
+// The model for `name`: core::make_model, plus the simulator's "logreg"
+// (multinomial logistic regression input_dim -> classes, zero-initialised as
+// in FedProx's Synthetic experiments; one parameter pair "fc.weight"/"fc.bias").
+std::shared_ptr<core::Model> make_sim_model(const std::string& name, uint64_t seed, int64_t input_dim, int64_t classes);
+
+class Simulator {
+ public:
+  using Weights = std::map<std::string, at::Tensor>;
+
+  // Builds data, population, workers and the run folder. resume = false starts
+  // afresh (an existing run folder's metrics, checkpoints and client states are
+  // replaced); resume = true continues cfg.out's last checkpoint, which must
+  // have been written with the same config up to `rounds` (ConfigError
+  // otherwise, or when there is nothing to resume). Throws ConfigError for a
+  // bad config (model/dataset mismatch, unknown compressor, ...).
+  explicit Simulator(SimConfig cfg, bool resume = false);
+  ~Simulator();
+  Simulator(const Simulator&) = delete;
+  Simulator& operator=(const Simulator&) = delete;
+
+  // Runs the next round and checkpoints it. Error when all rounds are done.
+  RoundMetrics run_round();
+  // Runs the remaining rounds; `progress` (may be empty) after each.
+  void run(const std::function<void(const RoundMetrics&)>& progress = {});
+  bool done() const;
+  int completed_rounds() const;
+
+  Summary summary() const;
+  const std::vector<RoundMetrics>& history() const;
+  const Weights& global() const;
+  const SimConfig& config() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace sparrow::simulator

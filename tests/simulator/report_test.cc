@@ -1,0 +1,312 @@
+#include "tests/sparrow_test.h"
+
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "simulator/report.h"
+
+using namespace sparrow::simulator;
+using namespace sparrow::simulator::report_detail;
+namespace fs = std::filesystem;
+
+namespace {
+
+const char* kHeader = "round,accuracy,loss,train_loss,bytes_up,bytes_down,sim_round_s,real_s,clients,dropped\n";
+
+// A run folder with a name unique to this test and process, removed on scope exit.
+struct TempRun {
+  fs::path dir;
+  explicit TempRun(const std::string& name) : dir(fs::path("report_test_" + std::to_string(getpid())) / name) {
+    fs::create_directories(dir);
+  }
+  ~TempRun() {
+    std::error_code ec;
+    fs::remove_all(dir, ec);
+    fs::remove(dir.parent_path(), ec);  // only succeeds once the last run of this process is gone
+  }
+  void write(const std::string& csv) const { std::ofstream(dir / "metrics.csv", std::ios::binary) << csv; }
+  std::string str() const { return dir.string(); }
+};
+
+// `rounds` rounds, evaluated every `eval_every` rounds (and never otherwise),
+// `up` bytes uplink per round.
+std::string synthetic_csv(int rounds, int eval_every, double up) {
+  std::ostringstream o;
+  o << kHeader;
+  for (int r = 1; r <= rounds; ++r) {
+    bool eval = r % eval_every == 0;
+    o << r << ",";
+    if (eval) o << 0.1 + 0.8 * r / rounds;
+    o << ",";
+    if (eval) o << 2.0 / r;
+    o << "," << 1.5 / r << "," << up << "," << 4 * up << ",0.5,0.01,10,0\n";
+  }
+  return o.str();
+}
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::ostringstream o;
+  o << f.rdbuf();
+  return o.str();
+}
+
+size_t count(const std::string& s, const std::string& part) {
+  size_t n = 0;
+  for (size_t p = s.find(part); p != std::string::npos; p = s.find(part, p + 1)) ++n;
+  return n;
+}
+
+// A small XML well-formedness check: tags balance and nest, '<' never occurs in
+// text, and every '&' starts one of the five predefined entities.
+bool well_formed(const std::string& x, std::string* why) {
+  std::vector<std::string> stack;
+  size_t i = 0;
+  bool root_seen = false;
+  while (i < x.size()) {
+    if (x[i] == '&') {
+      bool ok = false;
+      for (const char* e : {"&amp;", "&lt;", "&gt;", "&quot;", "&apos;"}) ok |= x.compare(i, strlen(e), e) == 0;
+      if (!ok) return *why = "bare & at " + std::to_string(i), false;
+      ++i;
+      continue;
+    }
+    if (x[i] != '<') {
+      ++i;
+      continue;
+    }
+    size_t end = x.find('>', i);
+    if (end == std::string::npos) return *why = "unterminated tag", false;
+    std::string tag = x.substr(i + 1, end - i - 1);
+    if (tag.find('<') != std::string::npos) return *why = "'<' inside tag " + tag, false;
+    for (size_t k = 0; k < tag.size(); ++k) {
+      if (tag[k] == '&') {
+        bool ok = false;
+        for (const char* e : {"&amp;", "&lt;", "&gt;", "&quot;", "&apos;"}) ok |= tag.compare(k, strlen(e), e) == 0;
+        if (!ok) return *why = "bare & in tag " + tag, false;
+      }
+    }
+    i = end + 1;
+    if (tag.front() == '?') continue;  // XML declaration
+    if (tag.front() == '/') {
+      std::string name = tag.substr(1);
+      if (stack.empty() || stack.back() != name) return *why = "mismatched </" + name + ">", false;
+      stack.pop_back();
+      continue;
+    }
+    std::string name = tag.substr(0, tag.find_first_of(" \t\n/"));
+    if (stack.empty()) {
+      if (root_seen) return *why = "second root element " + name, false;
+      root_seen = true;
+    }
+    if (tag.back() != '/') stack.push_back(name);
+  }
+  if (!stack.empty()) return *why = "unclosed <" + stack.back() + ">", false;
+  if (!root_seen) return *why = "no element", false;
+  return true;
+}
+
+// The points="..." of every polyline, in order.
+std::vector<std::string> polylines(const std::string& svg) {
+  std::vector<std::string> out;
+  for (size_t p = svg.find("<polyline"); p != std::string::npos; p = svg.find("<polyline", p + 1)) {
+    size_t a = svg.find("points=\"", p) + 8;
+    out.push_back(svg.substr(a, svg.find('"', a) - a));
+  }
+  return out;
+}
+
+size_t point_count(const std::string& points) {
+  if (points.empty()) return 0;
+  return count(points, " ") + 1;
+}
+
+// x1 of each tick mark inside the <g class="x-ticks"> group, in document order.
+std::vector<double> x_tick_positions(const std::string& svg) {
+  std::vector<double> xs;
+  size_t g = svg.find("<g class=\"x-ticks\"");
+  size_t end = svg.find("</g>", g);
+  for (size_t p = svg.find("<line x1=\"", g); p != std::string::npos && p < end; p = svg.find("<line x1=\"", p + 1)) {
+    xs.push_back(std::atof(svg.c_str() + p + 10));
+  }
+  return xs;
+}
+
+template <class E, class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  }
+  return "";
+}
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+}  // namespace
+
+TEST_CASE("report writes two well-formed plots of one run") {
+  TempRun run("single");
+  run.write(synthetic_csv(10, 2, 250000));  // 5 evaluated rounds, 250 KB .. 2.5 MB cumulative
+  std::vector<std::string> paths = write_report(run.str());
+  REQUIRE(paths.size() == 2);
+  CHECK(paths[0] == (run.dir / "accuracy_vs_round.svg").string());
+  CHECK(paths[1] == (run.dir / "accuracy_vs_bytes.svg").string());
+  for (const std::string& p : paths) {
+    REQUIRE(fs::exists(p));
+    std::string svg = slurp(p);
+    std::string why;
+    CHECK_MESSAGE(well_formed(svg, &why), p << ": " << why);
+    CHECK(contains(svg, "<svg"));
+    CHECK(contains(svg, ">accuracy</text>"));
+    CHECK(contains(svg, "single"));  // run label in the title and legend
+    CHECK(count(svg, "class=\"legend-entry\"") == 1);
+    std::vector<std::string> lines = polylines(svg);
+    REQUIRE(lines.size() == 1);
+    CHECK(point_count(lines[0]) == 5);
+    CHECK(count(svg, "<circle") == 5 + 1);  // markers plus the legend's
+    std::vector<double> xs = x_tick_positions(svg);
+    REQUIRE(xs.size() >= 2);
+    for (size_t i = 1; i < xs.size(); ++i) CHECK(xs[i] > xs[i - 1]);
+  }
+  std::string by_round = slurp(paths[0]), by_bytes = slurp(paths[1]);
+  CHECK(contains(by_round, ">round</text>"));
+  CHECK(contains(by_bytes, ">cumulative uplink bytes (log scale)</text>"));
+  CHECK(contains(by_bytes, ">1 MB</text>"));
+  CHECK(contains(by_bytes, ">100 KB</text>"));
+  CHECK(contains(by_bytes, ">10 MB</text>"));
+}
+
+TEST_CASE("report ticks on a log axis are monotone and cover the data") {
+  for (auto [lo, hi] : std::vector<std::pair<double, double>>{
+           {1500, 3e6}, {1e3, 1e6}, {7, 7}, {2e6, 8e6}, {1, 1e15}, {999, 1001}, {0.5, 3}}) {
+    std::vector<Tick> t = log_byte_ticks(lo, hi);
+    REQUIRE(t.size() >= 2);
+    CHECK(t.front().value <= lo);
+    CHECK(t.back().value >= hi);
+    for (size_t i = 1; i < t.size(); ++i) {
+      CHECK(t[i].value > t[i - 1].value);
+      CHECK(t[i].label != t[i - 1].label);
+    }
+    CHECK(t.size() <= 12);
+  }
+  std::vector<Tick> t = log_byte_ticks(1500, 3e6);
+  std::vector<std::string> labels;
+  for (const Tick& k : t) labels.push_back(k.label);
+  CHECK(labels == std::vector<std::string>{"1 KB", "10 KB", "100 KB", "1 MB", "10 MB"});
+  std::vector<Tick> narrow = log_byte_ticks(2e6, 8e6);  // one decade: 1/2/5 ticks
+  CHECK(narrow.size() == 4);
+  CHECK(narrow[1].label == "2 MB");
+  CHECK(narrow[2].label == "5 MB");
+  CHECK_THROWS_AS(log_byte_ticks(0, 10), sparrow::Error);
+}
+
+TEST_CASE("report formats bytes and linear ticks") {
+  CHECK(format_bytes(0) == "0 B");
+  CHECK(format_bytes(500) == "500 B");
+  CHECK(format_bytes(1000) == "1 KB");
+  CHECK(format_bytes(2.5e6) == "2.5 MB");
+  CHECK(format_bytes(999999) == "1 MB");
+  CHECK(format_bytes(1.234e10) == "12.3 GB");
+  std::vector<Tick> t = linear_ticks(0, 1);
+  REQUIRE(t.size() == 6);
+  CHECK(t[0].label == "0.0");
+  CHECK(t[5].label == "1.0");
+  CHECK(t[5].value == doctest::Approx(1));
+  std::vector<Tick> r = linear_ticks(0, 3, 6, 1);  // rounds: whole steps
+  CHECK(r.size() == 4);
+  CHECK(r[3].label == "3");
+  std::vector<Tick> odd = linear_ticks(3, 97);
+  CHECK(odd.front().value <= 3);
+  CHECK(odd.back().value >= 97);
+  CHECK(xml_escape("a&b<c>\"d'") == "a&amp;b&lt;c&gt;&quot;d&apos;");
+}
+
+TEST_CASE("report overlays runs labelled by folder name") {
+  TempRun a("fedavg"), b("dgc&<top>");
+  a.write(synthetic_csv(6, 1, 1e6));
+  b.write(synthetic_csv(6, 3, 1e4));
+  std::vector<std::string> paths = write_report(a.str(), {b.str() + "/"});
+  for (const std::string& p : paths) {
+    std::string svg = slurp(p);
+    std::string why;
+    CHECK_MESSAGE(well_formed(svg, &why), p << ": " << why);
+    CHECK(count(svg, "class=\"legend-entry\"") == 2);
+    CHECK(contains(svg, ">fedavg</text>"));
+    CHECK(contains(svg, ">dgc&amp;&lt;top&gt;</text>"));
+    std::vector<std::string> lines = polylines(svg);
+    REQUIRE(lines.size() == 2);
+    CHECK(point_count(lines[0]) == 6);
+    CHECK(point_count(lines[1]) == 2);
+  }
+  CHECK_FALSE(fs::exists(b.dir / "accuracy_vs_round.svg"));  // only the main run folder gets plots
+}
+
+TEST_CASE("report rejects malformed metrics and writes nothing") {
+  TempRun run("bad");
+  auto format_error = [&](const std::string& csv) {
+    run.write(csv);
+    return error_of<sparrow::FormatError>([&] { write_report(run.str()); });
+  };
+  std::string csv_path = (run.dir / "metrics.csv").string();
+
+  SUBCASE("empty file") { CHECK(contains(format_error(""), csv_path + ":1:")); }
+  SUBCASE("missing header column") {
+    std::string e = format_error("round,accuracy,loss,train_loss,bytes_up,bytes_down,sim_round_s,real_s,clients\n");
+    CHECK(contains(e, csv_path + ":1:"));
+    CHECK(contains(e, "dropped"));
+  }
+  SUBCASE("bad number") {
+    std::string e = format_error(std::string(kHeader) + "1,0.5,1,1,100,100,1,1,1,0\n2,0.6x,1,1,100,100,1,1,1,0\n");
+    CHECK(contains(e, csv_path + ":3:"));
+    CHECK(contains(e, "accuracy"));
+  }
+  SUBCASE("wrong field count") {
+    CHECK(contains(format_error(std::string(kHeader) + "1,0.5,1,1,100\n"), csv_path + ":2:"));
+  }
+  SUBCASE("empty required cell") {
+    CHECK(contains(format_error(std::string(kHeader) + ",0.5,1,1,100,100,1,1,1,0\n"), "round"));
+  }
+  SUBCASE("non-finite accuracy and negative bytes") {
+    CHECK(contains(format_error(std::string(kHeader) + "1,nan,1,1,100,100,1,1,1,0\n"), ":2:"));
+    CHECK(contains(format_error(std::string(kHeader) + "1,0.5,1,1,-100,100,1,1,1,0\n"), ":2:"));
+  }
+  SUBCASE("a bad compare run stops the report") {
+    run.write(synthetic_csv(4, 1, 100));
+    TempRun other("bad_other");
+    other.write("round,accuracy\n1,0.5\n");
+    CHECK(contains(error_of<sparrow::FormatError>([&] { write_report(run.str(), {other.str()}); }), "bad_other"));
+  }
+  CHECK_FALSE(fs::exists(run.dir / "accuracy_vs_round.svg"));
+  CHECK_FALSE(fs::exists(run.dir / "accuracy_vs_bytes.svg"));
+}
+
+TEST_CASE("report on a folder without metrics is a config error") {
+  TempRun run("empty_dir");
+  CHECK(contains(error_of<sparrow::ConfigError>([&] { write_report(run.str()); }), "metrics.csv"));
+  CHECK(contains(error_of<sparrow::ConfigError>([&] { write_report((run.dir / "nope").string()); }), "nope"));
+}
+
+TEST_CASE("report accepts diverged losses and unevaluated runs") {
+  TempRun run("diverged");
+  run.write(std::string(kHeader) + "1,,,nan,100,100,1,1,1,0\n\n2,,inf,inf,100,100,1,1,1,0\n");
+  std::vector<MetricsRow> rows = read_metrics(run.str());
+  REQUIRE(rows.size() == 2);
+  CHECK_FALSE(rows[0].has_accuracy);
+  CHECK(rows[1].has_loss);
+  std::vector<std::string> paths = write_report(run.str());
+  std::string svg = slurp(paths[1]);
+  std::string why;
+  CHECK_MESSAGE(well_formed(svg, &why), why);
+  CHECK(contains(svg, "(no data)"));
+  CHECK(point_count(polylines(svg).at(0)) == 0);
+}

@@ -1,0 +1,307 @@
+#include "tests/sparrow_test.h"
+
+#include <torch/torch.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+
+#include "core/datasets.h"
+#include "core/error.h"
+#include "core/models.h"
+#include "simulator/config.h"
+#include "simulator/simulator.h"
+
+using namespace sparrow::simulator;
+namespace fs = std::filesystem;
+
+namespace {
+
+// A run folder unique to this test and process, removed on scope exit.
+struct TempDir {
+  std::string path;
+  explicit TempDir(const std::string& name) : path("simulator_test_" + name + "_" + std::to_string(getpid())) {
+    fs::remove_all(path);
+  }
+  ~TempDir() { fs::remove_all(path); }
+};
+
+// A tiny synthetic experiment: 6 clients, 3 per round, logistic regression.
+SimConfig tiny(const std::string& out) {
+  SimConfig c;
+  c.seed = 7;
+  c.dataset = "synthetic:alpha=1,beta=1";
+  c.clients = 6;
+  c.clients_per_round = 3;
+  c.rounds = 4;
+  c.model = "logreg";
+  c.local_epochs = 1;
+  c.batch_size = 16;
+  c.lr = 0.05;
+  c.eval_every = 2;
+  c.out = out;
+  return c;
+}
+
+void check_same_metrics(const RoundMetrics& a, const RoundMetrics& b) {
+  CHECK(a.round == b.round);
+  CHECK(a.train_loss == b.train_loss);
+  CHECK(a.bytes_up == b.bytes_up);
+  CHECK(a.bytes_down == b.bytes_down);
+  CHECK(a.clients == b.clients);
+  CHECK(a.dropped == b.dropped);
+  CHECK(std::isnan(a.accuracy) == std::isnan(b.accuracy));
+  if (!std::isnan(a.accuracy)) {
+    CHECK(a.accuracy == b.accuracy);
+    CHECK(a.loss == b.loss);
+  }
+}
+
+void check_same_weights(const Simulator::Weights& a, const Simulator::Weights& b) {
+  REQUIRE(a.size() == b.size());
+  for (const auto& [k, v] : a) CHECK(at::equal(v, b.at(k)));
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+TEST_CASE("simulator same seed gives identical metrics and weights") {
+  TempDir d1("same1"), d2("same2");
+  SimConfig c = tiny(d1.path);
+  c.compression = "topk:ratio=0.1";
+  Simulator a(c);
+  a.run();
+  c.out = d2.path;
+  Simulator b(c);
+  b.run();
+  REQUIRE(a.history().size() == 4);
+  REQUIRE(b.history().size() == 4);
+  for (size_t i = 0; i < 4; ++i) check_same_metrics(a.history()[i], b.history()[i]);
+  check_same_weights(a.global(), b.global());
+  // Evaluation every 2 rounds: rounds 1 and 3 carry NaN, 2 and 4 a value.
+  CHECK(std::isnan(a.history()[0].accuracy));
+  CHECK(!std::isnan(a.history()[1].accuracy));
+  CHECK(std::isnan(a.history()[2].accuracy));
+  CHECK(!std::isnan(a.history()[3].accuracy));
+  // A different seed gives a different run.
+  TempDir d3("same3");
+  c.out = d3.path;
+  c.seed = 8;
+  Simulator other(c);
+  other.run();
+  CHECK(other.history()[0].train_loss != a.history()[0].train_loss);
+}
+
+TEST_CASE("simulator writes csv db and config to the run folder") {
+  TempDir d("files");
+  SimConfig c = tiny(d.path);
+  c.rounds = 2;
+  Simulator s(c);
+  s.run();
+  const std::string csv = read_file(d.path + "/metrics.csv");
+  CHECK(csv.rfind("round,accuracy,loss,train_loss,bytes_up,bytes_down,sim_round_s,real_s,clients,dropped\n", 0) == 0);
+  // Header plus two rows; round 1 is not evaluated, so accuracy and loss are empty.
+  CHECK(std::count(csv.begin(), csv.end(), '\n') == 3);
+  CHECK(csv.find("\n1,,,") != std::string::npos);
+  CHECK(fs::exists(d.path + "/run.db"));
+  CHECK(fs::exists(d.path + "/client_state.db"));
+  CHECK(load_config(d.path + "/config.toml") == c);
+}
+
+TEST_CASE("simulator resume reproduces the uninterrupted run") {
+  for (const std::string comp : {"none", "dgc:ratio=0.1,momentum=0.9", "acp:rank=2"}) {
+    CAPTURE(comp);
+    TempDir full("resume_full"), part("resume_part");
+    SimConfig c = tiny(full.path);
+    c.compression = comp;
+    c.algorithm = comp == "none" ? "scaffold" : "fedavg";
+    c.server_optimizer = "fedadam:lr=0.05";
+    Simulator a(c);
+    a.run();
+
+    SimConfig h = c;
+    h.out = part.path;
+    h.rounds = 2;
+    {
+      Simulator b(h);
+      b.run();
+      CHECK(b.completed_rounds() == 2);
+    }
+    h.rounds = 4;
+    Simulator r(h, /*resume=*/true);
+    CHECK(r.completed_rounds() == 2);
+    r.run();
+    REQUIRE(r.history().size() == 4);
+    for (size_t i = 0; i < 4; ++i) check_same_metrics(a.history()[i], r.history()[i]);
+    check_same_weights(a.global(), r.global());
+    // The CSV holds every round once.
+    const std::string csv = read_file(part.path + "/metrics.csv");
+    CHECK(std::count(csv.begin(), csv.end(), '\n') == 5);
+  }
+}
+
+TEST_CASE("simulator resume refuses a changed config or a missing run") {
+  TempDir d("resume_bad");
+  SimConfig c = tiny(d.path);
+  CHECK_THROWS_AS(Simulator(c, true), sparrow::ConfigError);
+  c.rounds = 1;
+  { Simulator(c).run(); }
+  SimConfig changed = c;
+  changed.lr = 0.1;
+  CHECK_THROWS_AS(Simulator(changed, true), sparrow::ConfigError);
+}
+
+TEST_CASE("simulator one client full batch equals centralised SGD") {
+  TempDir d("central");
+  SimConfig c = tiny(d.path);
+  c.clients = 1;
+  c.clients_per_round = 1;
+  c.rounds = 1;
+  c.local_epochs = 1;
+  c.batch_size = 100000;  // full batch
+  c.lr = 0.5;
+  c.compression = "none";
+  c.server_optimizer = "fedavg:lr=1";
+  c.model = "logreg";
+  Simulator s(c);
+  s.run();
+
+  sparrow::core::FederatedData fd = sparrow::core::make_synthetic(1, 1, 1, c.seed);
+  const at::Tensor x = fd.train[0].x, y = fd.train[0].y;
+  auto model = make_sim_model("logreg", c.seed, x.size(1), 10);
+  at::Tensor loss = torch::cross_entropy_loss(model->forward(x), y);
+  loss.backward();
+  {
+    torch::NoGradGuard g;
+    for (auto& p : model->named_parameters()) p.value().sub_(p.value().grad() * c.lr);
+  }
+  for (auto& p : model->named_parameters()) {
+    CAPTURE(p.key());
+    CHECK(at::allclose(s.global().at(p.key()), p.value(), 1e-5, 1e-6));
+  }
+  // And the update really moved the model.
+  CHECK(s.global().at("fc.weight").abs().sum().item<double>() > 0);
+}
+
+TEST_CASE("simulator drops stragglers past the deadline") {
+  TempDir d1("strag1"), d2("strag2");
+  SimConfig c = tiny(d1.path);
+  c.rounds = 2;
+  c.deadline_s = 1e-9;  // nobody can make it: every update is dropped
+  Simulator s(c);
+  s.run();
+  for (const auto& m : s.history()) {
+    CHECK(m.dropped == m.clients);
+    CHECK(m.sim_round_s == doctest::Approx(1e-9));
+  }
+  // Nothing aggregated: logreg stays at its zero initialisation.
+  CHECK(s.global().at("fc.weight").abs().sum().item<double>() == 0);
+
+  c.out = d2.path;
+  c.deadline_s = 1e6;  // everybody makes it
+  Simulator t(c);
+  t.run();
+  for (const auto& m : t.history()) {
+    CHECK(m.dropped == 0);
+    CHECK(m.sim_round_s > 0);
+    CHECK(m.sim_round_s < 1e6);
+  }
+}
+
+TEST_CASE("simulator bad config throws ConfigError") {
+  TempDir d("badcfg");
+  SimConfig c = tiny(d.path);
+  SUBCASE("mlp on 60 synthetic features") {
+    c.model = "mlp";
+    CHECK_THROWS_AS(Simulator{c}, sparrow::ConfigError);
+  }
+  SUBCASE("unknown compressor") {
+    c.compression = "nosuch";
+    CHECK_THROWS_AS(Simulator{c}, sparrow::ConfigError);
+  }
+  SUBCASE("unknown server optimiser key") {
+    c.server_optimizer = "fedadam:nokey=1";
+    CHECK_THROWS_AS(Simulator{c}, sparrow::ConfigError);
+  }
+  SUBCASE("missing fashion-mnist folder") {
+    c.dataset = "fashion-mnist";
+    c.data_dir = "/nonexistent/fmnist";
+    c.model = "mlp";
+    CHECK_THROWS_AS(Simulator{c}, sparrow::ConfigError);
+  }
+  CHECK_THROWS_AS(parse_config_string("clients = -1"), sparrow::ConfigError);
+}
+
+TEST_CASE("simulator with two workers aggregates every client") {
+  TempDir d1("w1"), d2("w2");
+  SimConfig c = tiny(d1.path);
+  c.clients_per_round = 5;
+  c.rounds = 2;
+  Simulator one(c);
+  one.run();
+  c.out = d2.path;
+  c.workers = 2;
+  Simulator two(c);
+  two.run();
+  for (size_t i = 0; i < 2; ++i) {
+    CHECK(one.history()[i].bytes_up == two.history()[i].bytes_up);
+    CHECK(one.history()[i].train_loss == doctest::Approx(two.history()[i].train_loss));
+  }
+  for (const auto& [k, v] : one.global()) CHECK(at::allclose(v, two.global().at(k), 1e-4, 1e-6));
+}
+
+TEST_CASE("summary json is one valid line") {
+  Summary s;
+  s.rounds = 3;
+  s.accuracy = 0.5;
+  s.loss = std::nan("");
+  s.bytes_up = 10;
+  CHECK(summary_json(s) ==
+        "{\"rounds\":3,\"accuracy\":0.5,\"loss\":null,\"bytes_up\":10,\"bytes_down\":0,\"sim_wall_s\":0,\"real_s\":0}");
+}
+
+TEST_CASE("sparrow-sim cli prints a json summary last and exits 2 on config errors") {
+  TempDir d("cli");
+  const std::string cfg = d.path + ".toml";
+  std::ofstream(cfg) << "dataset = \"synthetic:alpha=1,beta=1\"\nmodel = \"logreg\"\nclients = 4\n"
+                        "clients_per_round = 2\nrounds = 2\nout = \""
+                     << d.path << "\"\n";
+  const std::string bin = std::string(SPARROW_BIN_DIR) + "/sparrow-sim";
+  auto run = [](const std::string& cmd, std::string* out) {
+    FILE* p = popen(cmd.c_str(), "r");
+    REQUIRE(p != nullptr);
+    char buf[4096];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, p)) > 0) out->append(buf, n);
+    const int st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+  };
+  std::string out;
+  CHECK(run(bin + " --config " + cfg + " --set eval_every=1 2>/dev/null", &out) == 0);
+  while (!out.empty() && out.back() == '\n') out.pop_back();
+  const std::string last = out.substr(out.rfind('\n') == std::string::npos ? 0 : out.rfind('\n') + 1);
+  CHECK(last.rfind("{\"rounds\":2,\"accuracy\":", 0) == 0);
+  for (const char* k : {"\"loss\":", "\"bytes_up\":", "\"bytes_down\":", "\"sim_wall_s\":", "\"real_s\":"})
+    CHECK(last.find(k) != std::string::npos);
+  CHECK(last.back() == '}');
+  CHECK(last.find("nan") == std::string::npos);
+  std::string ignored;
+  CHECK(run(bin + " --config " + cfg + " --set clients=0 2>/dev/null", &ignored) == 2);
+  CHECK(run(bin + " --config " + cfg + " --set nosuchkey=1 2>/dev/null", &ignored) == 2);
+  CHECK(run(bin + " 2>/dev/null", &ignored) == 2);
+  std::remove(cfg.c_str());
+}
