@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds, and runs the main job on the built-in default:
-# the codec tour (every compressor on a real MLP gradient from Fashion-MNIST).
+# the DGC simulation (examples/dgc_mnist.toml: 1,000 stateful Fashion-MNIST clients,
+# 99.9% sparse updates), then plots it. Extra arguments go to sparrow-sim
+# (e.g. --set rounds=20). `build/bin/sparrow-codec tour` shows every compressor
+# on a real gradient.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/build.sh >/dev/null
 BUILD_DIR=${SPARROW_BUILD_DIR:-build}
-exec "$BUILD_DIR/bin/sparrow-codec" tour "$@"
+"$BUILD_DIR/bin/sparrow-sim" --config examples/dgc_mnist.toml "$@"
+"$BUILD_DIR/bin/sparrow-sim" report runs/dgc_mnist >&2
