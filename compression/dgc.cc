@@ -7,7 +7,8 @@
 //   u = m·u + g;  v += u                          momentum correction
 //   thr from a strided sample of |v|, the reference's 1.3/0.8 adaptation loop
 //   send (idx, v[idx]) for the first k indices;  u[idx] = v[idx] = 0 (momentum factor masking)
-// with the density warmed up over the first `warmup` steps (dgc_density).
+// with the density warmed up over the first `warmup` steps (dgc_density): global
+// rounds when Context::round >= 0, else the tensor's own State::step.
 // Tensors with dim() <= 1 (biases, norms) go dense fp32, untouched, as in the reference.
 //
 // Parameters: ratio in (0, 1] (density after warm-up), momentum in [0, 1),
@@ -164,7 +165,10 @@ class DgcCompressor final : public Compressor {
  private:
   // Updates u and v in place and returns the ascending indices to send.
   std::vector<int64_t> select(const float* g, float* u, float* v, int64_t n, uint64_t step, const Context& ctx) const {
-    const double density = dgc_density(step, warmup_, ratio_);
+    // Warm-up follows the global round when the caller gives one: in federated
+    // learning a client encodes only in the rounds it is selected, so its own
+    // step count would keep it in warm-up long after the paper's first epochs.
+    const double density = dgc_density(ctx.round >= 0 ? static_cast<uint64_t>(ctx.round) : step, warmup_, ratio_);
     const DgcSamplePlan plan = dgc_sample_plan(n, density, sample_);
     const float m = static_cast<float>(momentum_);
     float coef = 1.0f;  // g·1 == g exactly, so the unclipped path needs no branch

@@ -462,3 +462,27 @@ TEST_SUITE("slow") {
     CHECK(topk_codec_ms * 8 < topk_ms);
   }
 }
+
+TEST_CASE("dgc: warm-up follows the global round when the context gives one") {
+  at::manual_seed(21);
+  const at::Tensor g = at::randn({100, 40});
+  auto c = make_compressor("dgc:ratio=0.001,warmup=8,momentum=0");
+  // A client first selected in round 7 is in the last warm-up phase (0.39%),
+  // not the first (25%) as its own step count 0 would say; from round 8 on: ratio.
+  for (int64_t round : {0, 2, 7, 8, 50}) {
+    CAPTURE(round);
+    State s;
+    Context ctx;
+    ctx.name = "w";
+    ctx.round = round;
+    const Encoded e = c->encode(g, s, ctx);
+    const double density = cd::dgc_density(static_cast<uint64_t>(round), 8, 0.001);
+    CHECK(e.count <= static_cast<uint64_t>(std::ceil(4000 * density)));
+    CHECK(e.count >= static_cast<uint64_t>(std::floor(0.8 * std::ceil(4000 * density))));
+  }
+  // Without a round, the tensor's own steps drive it (the data-parallel case).
+  State s;
+  const uint64_t sent = c->encode(g, s, {}).count;  // step 0: 25% of 4000 (within the 0.8k..k bounds)
+  CHECK(sent <= 1000);
+  CHECK(sent >= 800);
+}
