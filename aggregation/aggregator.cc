@@ -25,10 +25,6 @@ std::string shape_str(const std::vector<int64_t>& s) {
   return out + "]";
 }
 
-// Formats whose malformation can surface only while decoding (validate() cannot
-// see a truncated Elias-gamma stream or a TernGrad code 3).
-bool fails_late(Format f) { return f == Format::kQuantized || f == Format::kTernary || f == Format::kSign; }
-
 // How one validated tensor of an update will be added.
 struct Pending {
   enum Kind { kDecodeAdd, kScratch, kFactor } kind = kDecodeAdd;
@@ -123,7 +119,7 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
                                              "earlier updates of this round");
       }
       p.factor = compression::acp_factor(e);
-    } else if (fails_late(e.format)) {
+    } else if (compression::decodes_late(e.format)) {
       p.kind = Pending::kScratch;
       p.scratch = compression::decode(e, p.ctx);  // may throw FormatError; the sums are untouched
     }

@@ -52,6 +52,8 @@ void decode_into(const Encoded& e, at::Tensor& out, float weight, const Context&
 
 }  // namespace
 
+bool decodes_late(Format f) { return f == Format::kQuantized || f == Format::kTernary || f == Format::kSign; }
+
 at::Tensor decode(const Encoded& e, const Context& ctx) {
   validate(e);
   at::Tensor out = at::zeros(e.shape, at::TensorOptions().dtype(at::kFloat));
@@ -69,7 +71,7 @@ void decode_add(const Encoded& e, at::Tensor& out, float weight, const Context& 
   // Elias-gamma stream, a TernGrad code 3, nonzero padding) where validate()
   // cannot see it; they decode into scratch first so that a throw leaves `out`
   // untouched, which an aggregator folding updates into a running sum relies on.
-  if (e.format == Format::kQuantized || e.format == Format::kTernary || e.format == Format::kSign) {
+  if (decodes_late(e.format)) {
     at::Tensor scratch = at::zeros(out.sizes(), out.options());
     decode_into(e, scratch, weight, ctx);
     out.add_(scratch);

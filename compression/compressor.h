@@ -49,6 +49,11 @@ at::Tensor decode(const Encoded& e, const Context& ctx = {});
 // Throws FormatError on a malformed e, and then leaves out unchanged.
 void decode_add(const Encoded& e, at::Tensor& out, float weight, const Context& ctx = {});
 
+// True for formats whose malformation can surface only while decoding (a
+// truncated Elias-gamma stream, a TernGrad code 3, nonzero padding), which
+// validate() cannot see: decode_add and aggregators decode these into scratch.
+bool decodes_late(Format f);
+
 using Factory = std::function<std::unique_ptr<Compressor>(Spec& spec)>;
 
 // Registers a method under `name`; the factory consumes the keys it knows and
