@@ -19,6 +19,7 @@
 #include "bench/resnet50.h"
 #include "bench/sim_bench.h"
 #include "compression/compressor.h"
+#include "core/json.h"
 #include "core/error.h"
 #include "wire/roundtrip.h"
 
@@ -33,12 +34,6 @@ double ms_since(Clock::time_point t0) { return std::chrono::duration<double, std
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v.empty() ? 0.0 : v[v.size() / 2];
-}
-
-std::string num(double v) {
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.6g", v);
-  return buf;
 }
 
 struct Case {
@@ -93,8 +88,9 @@ int bench_compress(int64_t n, int repeat, const std::string& only) {
       std::memcpy(dst.data_ptr<float>(), x.data_ptr<float>(), static_cast<size_t>(n) * 4);
       if (r) t.push_back(ms_since(t0));
     }
-    std::cout << "{\"bench\":\"compress\",\"case\":\"memcpy\",\"elements\":" << n << ",\"encode_ms\":" << num(median(t))
-              << ",\"gb_per_s\":" << num(dense_bytes / median(t) / 1e6) << ",\"threads\":" << threads << "}"
+    std::cout << "{\"bench\":\"compress\",\"case\":\"memcpy\",\"elements\":" << n
+              << ",\"encode_ms\":" << json_number(median(t))
+              << ",\"gb_per_s\":" << json_number(dense_bytes / median(t) / 1e6) << ",\"threads\":" << threads << "}"
               << std::endl;
   }
   // Baseline 2: torch::topk of |g| with DGC's k.
@@ -107,7 +103,7 @@ int bench_compress(int64_t n, int repeat, const std::string& only) {
       if (r) t.push_back(ms_since(t0));
     }
     std::cout << "{\"bench\":\"compress\",\"case\":\"torch_topk\",\"elements\":" << n << ",\"k\":" << k
-              << ",\"encode_ms\":" << num(median(t)) << ",\"threads\":" << threads << "}" << std::endl;
+              << ",\"encode_ms\":" << json_number(median(t)) << ",\"threads\":" << threads << "}" << std::endl;
   }
 
   Named flat = {{"grad", x}};
@@ -141,10 +137,10 @@ int bench_compress(int64_t n, int repeat, const std::string& only) {
     }
     std::cout << "{\"bench\":\"compress\",\"case\":\"" << c.name << "\",\"spec\":\"" << c.spec
               << "\",\"elements\":" << elements << ",\"tensors\":" << input.size()
-              << ",\"encode_ms\":" << num(median(enc)) << ",\"decode_ms\":" << num(median(dec))
+              << ",\"encode_ms\":" << json_number(median(enc)) << ",\"decode_ms\":" << json_number(median(dec))
               << ",\"wire_bytes\":" << wire_bytes
-              << ",\"ratio\":" << num(4.0 * static_cast<double>(elements) / static_cast<double>(wire_bytes))
-              << ",\"rel_error\":" << num(err) << ",\"threads\":" << threads << "}" << std::endl;
+              << ",\"ratio\":" << json_number(4.0 * static_cast<double>(elements) / static_cast<double>(wire_bytes))
+              << ",\"rel_error\":" << json_number(err) << ",\"threads\":" << threads << "}" << std::endl;
   }
   return 0;
 }

@@ -13,6 +13,7 @@
 #include <iostream>
 #include <string>
 
+#include "core/json.h"
 #include "core/datasets.h"
 #include "core/models.h"
 #include "simulator/config.h"
@@ -24,13 +25,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
-
-std::string num(double v) {
-  if (!std::isfinite(v)) return "null";
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.6g", v);
-  return buf;
-}
 
 double peak_rss_mb() {
   struct rusage ru;
@@ -102,8 +96,8 @@ int bench_sim(int rounds, int workers, const std::string& tmp) {
     std::cout
         << "{\"bench\":\"sim\",\"case\":\"efficiency\",\"model\":\"mlp\",\"clients\":1000,\"clients_per_round\":50,"
         << "\"compression\":\"dgc:ratio=0.001\",\"workers\":" << workers << ",\"samples\":" << samples
-        << ",\"sim_samples_per_s\":" << num(sim_sps) << ",\"raw_samples_per_s\":" << num(raw_sps)
-        << ",\"efficiency\":" << num(sim_sps / raw_sps) << "}" << std::endl;
+        << ",\"sim_samples_per_s\":" << json_number(sim_sps) << ",\"raw_samples_per_s\":" << json_number(raw_sps)
+        << ",\"efficiency\":" << json_number(sim_sps / raw_sps) << "}" << std::endl;
   }
   // scale: each population in its own process, so peak RSS is its own.
   for (int clients : {100, 1000, 10000}) {
@@ -137,9 +131,10 @@ int bench_sim_scale_child(int clients, int rounds, int workers, const std::strin
   }
   std::cout << "{\"bench\":\"sim\",\"case\":\"scale\",\"model\":\"mlp\",\"compression\":\"dgc:ratio=0.001\","
             << "\"clients\":" << clients << ",\"clients_per_round\":20,\"rounds\":" << rounds
-            << ",\"peak_rss_mb\":" << num(peak_rss_mb()) << ",\"s_per_round\":" << num(secs / std::max(1, timed))
+            << ",\"peak_rss_mb\":" << json_number(peak_rss_mb())
+            << ",\"s_per_round\":" << json_number(secs / std::max(1, timed))
             << ",\"samples_per_round\":" << samples / std::max(1, timed)
-            << ",\"ms_per_client\":" << num(1000.0 * secs / std::max(1, timed) / 20) << "}" << std::endl;
+            << ",\"ms_per_client\":" << json_number(1000.0 * secs / std::max(1, timed) / 20) << "}" << std::endl;
   return 0;
 }
 

@@ -18,6 +18,7 @@
 
 #include "compression/compressor.h"
 #include "compression/tour.h"
+#include "core/json.h"
 #include "core/idx.h"
 #include "wire/roundtrip.h"
 #include "core/error.h"
@@ -26,13 +27,6 @@
 namespace {
 
 using namespace sparrow;
-std::string json_number(double v) {
-  if (!std::isfinite(v)) return "null";
-  char buf[64];
-  std::snprintf(buf, sizeof(buf), "%.6g", v);
-  return buf;
-}
-
 std::string json_string(const std::string& s) {
   std::string out = "\"";
   for (char c : s) {
