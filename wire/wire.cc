@@ -163,17 +163,79 @@ flatbuffers::Offset<fb::EncodedTensor> build_tensor(flatbuffers::FlatBufferBuild
   return tb.Finish();
 }
 
-flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const ModelUpdate& u) {
+flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<fb::EncodedTensor>>> build_tensors(
+    flatbuffers::FlatBufferBuilder& b, const std::vector<NamedTensor>& ts) {
+  if (ts.empty()) return 0;
   std::vector<flatbuffers::Offset<fb::EncodedTensor>> tensors;
-  tensors.reserve(u.tensors.size());
-  for (const NamedTensor& t : u.tensors) tensors.push_back(build_tensor(b, t));
+  tensors.reserve(ts.size());
+  for (const NamedTensor& t : ts) tensors.push_back(build_tensor(b, t));
+  return b.CreateVector(tensors);
+}
+
+flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const ModelUpdate& u) {
+  const auto tensors_off = build_tensors(b, u.tensors);
+  const auto control_off = build_tensors(b, u.control_delta);
   std::vector<flatbuffers::Offset<fb::Metric>> metrics;
   metrics.reserve(u.metrics.size());
   for (const auto& [key, value] : u.metrics) metrics.push_back(fb::CreateMetric(b, string_or_absent(b, key), value));
   const auto client_id = string_or_absent(b, u.client_id);
-  const auto tensors_off = tensors.empty() ? 0 : b.CreateVector(tensors);
   const auto metrics_off = metrics.empty() ? 0 : b.CreateVector(metrics);
-  return fb::CreateModelUpdate(b, u.round, client_id, u.num_samples, tensors_off, metrics_off).Union();
+  return fb::CreateModelUpdate(b, u.round, client_id, u.num_samples, tensors_off, metrics_off, control_off).Union();
+}
+
+flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const Hello& h) {
+  const auto id = string_or_absent(b, h.client_id);
+  const auto model = string_or_absent(b, h.model);
+  const auto software = string_or_absent(b, h.software);
+  const flatbuffers::Optional<uint64_t> last =
+      h.last_round ? flatbuffers::Optional<uint64_t>(*h.last_round) : flatbuffers::nullopt;
+  return fb::CreateHello(b, id, h.num_samples, model, h.model_digest, last, software).Union();
+}
+
+flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const Welcome& w) {
+  return fb::CreateWelcome(b, string_or_absent(b, w.run_id), w.heartbeat_ms, w.round, w.max_message_bytes).Union();
+}
+
+flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const Task& t) {
+  const auto weights = build_tensors(b, t.weights);
+  const auto shared = build_tensors(b, t.shared);
+  const auto control = build_tensors(b, t.control);
+  const auto compression = string_or_absent(b, t.compression);
+  const TrainSettings& s = t.train;
+  const auto train = fb::CreateTrainSettings(b, string_or_absent(b, s.algorithm), s.local_epochs, s.batch_size, s.lr,
+                                             s.momentum, s.weight_decay, s.mu);
+  return fb::CreateTask(b, t.round, static_cast<fb::ModelEncoding>(t.model_encoding), t.base_round, weights, train,
+                        compression, t.seed, shared, control, t.deadline_ms)
+      .Union();
+}
+
+flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const Ack& a) {
+  return fb::CreateAck(b, a.round).Union();
+}
+
+flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const Heartbeat& h) {
+  return fb::CreateHeartbeat(b, h.round).Union();
+}
+
+flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const Bye& m) {
+  return fb::CreateBye(b, string_or_absent(b, m.reason)).Union();
+}
+
+flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const SplitActivation& a) {
+  const auto session = string_or_absent(b, a.session);
+  const auto codec = string_or_absent(b, a.codec);
+  const auto shape = vector_or_absent(b, a.shape);
+  const auto payload = vector_or_absent(b, a.payload, kValuesAlign);
+  const auto labels = vector_or_absent(b, a.labels);
+  return fb::CreateSplitActivation(b, session, a.step, codec, shape, payload, labels, a.train).Union();
+}
+
+flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const SplitGradient& g) {
+  const auto session = string_or_absent(b, g.session);
+  const auto codec = string_or_absent(b, g.codec);
+  const auto shape = vector_or_absent(b, g.shape);
+  const auto payload = vector_or_absent(b, g.payload, kValuesAlign);
+  return fb::CreateSplitGradient(b, session, g.step, codec, shape, payload, g.loss, g.correct).Union();
 }
 
 flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const ErrorBody& e) {
@@ -185,14 +247,44 @@ flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const Er
 
 fb::Body body_type(const ModelUpdate&) { return fb::Body::ModelUpdate; }
 fb::Body body_type(const ErrorBody&) { return fb::Body::Error; }
+fb::Body body_type(const Hello&) { return fb::Body::Hello; }
+fb::Body body_type(const Welcome&) { return fb::Body::Welcome; }
+fb::Body body_type(const Task&) { return fb::Body::Task; }
+fb::Body body_type(const Ack&) { return fb::Body::Ack; }
+fb::Body body_type(const Heartbeat&) { return fb::Body::Heartbeat; }
+fb::Body body_type(const Bye&) { return fb::Body::Bye; }
+fb::Body body_type(const SplitActivation&) { return fb::Body::SplitActivation; }
+fb::Body body_type(const SplitGradient&) { return fb::Body::SplitGradient; }
+
+size_t tensors_bound(const std::vector<NamedTensor>& ts) {
+  size_t n = 8;
+  for (const NamedTensor& t : ts) n += tensor_bound(t.tensor, t.name.size());
+  return n;
+}
 
 size_t size_bound(const ModelUpdate& u) {
-  size_t n = 256 + u.client_id.size();
-  for (const NamedTensor& t : u.tensors) n += tensor_bound(t.tensor, t.name.size());
+  size_t n = 256 + u.client_id.size() + tensors_bound(u.tensors) + tensors_bound(u.control_delta);
   for (const auto& m : u.metrics) n += 64 + m.first.size();
   return n;
 }
+
 size_t size_bound(const ErrorBody& e) { return 256 + e.message.size(); }
+size_t size_bound(const Hello& h) { return 256 + h.client_id.size() + h.model.size() + h.software.size(); }
+size_t size_bound(const Welcome& w) { return 256 + w.run_id.size(); }
+size_t size_bound(const Task& t) {
+  return 512 + t.train.algorithm.size() + t.compression.size() + tensors_bound(t.weights) + tensors_bound(t.shared) +
+         tensors_bound(t.control);
+}
+size_t size_bound(const Ack&) { return 128; }
+size_t size_bound(const Heartbeat&) { return 128; }
+size_t size_bound(const Bye& m) { return 128 + m.reason.size(); }
+size_t size_bound(const SplitActivation& a) {
+  return 256 + a.session.size() + a.codec.size() + 8 * a.shape.size() + a.payload.size() + kValuesAlign +
+         8 * a.labels.size();
+}
+size_t size_bound(const SplitGradient& g) {
+  return 256 + g.session.size() + g.codec.size() + 8 * g.shape.size() + g.payload.size() + kValuesAlign;
+}
 
 // ---- parse ------------------------------------------------------------------------
 
@@ -276,23 +368,41 @@ NamedTensor tensor_of(const fb::EncodedTensor& t, size_t i, uint64_t& budget) {
   return out;
 }
 
+// A vector of tensors, names unique within it; `budget` is the message's
+// remaining element allowance (shared by all its tensor vectors).
+std::vector<NamedTensor> tensors_of(const flatbuffers::Vector<flatbuffers::Offset<fb::EncodedTensor>>* tensors,
+                                    uint64_t& budget) {
+  std::vector<NamedTensor> out;
+  if (!tensors) return out;
+  out.reserve(tensors->size());
+  std::unordered_set<std::string_view> names;
+  for (flatbuffers::uoffset_t i = 0; i < tensors->size(); ++i) {
+    const fb::EncodedTensor& t = *tensors->Get(i);
+    out.push_back(tensor_of(t, i, budget));
+    // A view into the verified buffer, which outlives this function.
+    if (!names.insert(std::string_view(t.name()->c_str(), t.name()->size())).second)
+      fail(ErrorCode::kMalformed, "duplicate tensor name '" + out.back().name + "'");
+  }
+  return out;
+}
+
+// A string field with a length limit (bytes).
+std::string bounded_text(const flatbuffers::String* s, const std::string& what, size_t max_bytes = kMaxTextBytes) {
+  const std::string_view v = text_of(s, what);
+  if (v.size() > max_bytes)
+    fail(ErrorCode::kMalformed,
+         what + " is " + std::to_string(v.size()) + " bytes (max " + std::to_string(max_bytes) + ")");
+  return std::string(v);
+}
+
 ModelUpdate update_of(const fb::ModelUpdate& u, uint64_t max_elements) {
   ModelUpdate out;
   out.round = u.round();
   out.num_samples = u.num_samples();
   out.client_id = std::string(text_of(u.client_id(), "client_id"));
-  if (const auto* tensors = u.tensors()) {
-    out.tensors.reserve(tensors->size());
-    std::unordered_set<std::string_view> names;
-    uint64_t budget = max_elements;
-    for (flatbuffers::uoffset_t i = 0; i < tensors->size(); ++i) {
-      const fb::EncodedTensor& t = *tensors->Get(i);
-      out.tensors.push_back(tensor_of(t, i, budget));
-      // A view into the verified buffer, which outlives this function.
-      if (!names.insert(std::string_view(t.name()->c_str(), t.name()->size())).second)
-        fail(ErrorCode::kMalformed, "duplicate tensor name '" + out.tensors.back().name + "'");
-    }
-  }
+  uint64_t budget = max_elements;
+  out.tensors = tensors_of(u.tensors(), budget);
+  out.control_delta = tensors_of(u.control_delta(), budget);
   if (const auto* metrics = u.metrics()) {
     out.metrics.reserve(metrics->size());
     std::unordered_set<std::string_view> keys;
@@ -315,6 +425,115 @@ ErrorBody error_of(const fb::Error& e) {
   out.message = std::string(text_of(e.message(), "error message"));
   if (e.round()) out.round = *e.round();
   return out;
+}
+
+Hello hello_of(const fb::Hello& h) {
+  Hello out;
+  out.client_id = bounded_text(h.client_id(), "client_id", kMaxClientIdBytes);
+  if (out.client_id.empty()) fail(ErrorCode::kMalformed, "Hello without a client_id");
+  out.num_samples = h.num_samples();
+  out.model = bounded_text(h.model(), "model");
+  out.model_digest = h.model_digest();
+  if (h.last_round()) out.last_round = *h.last_round();
+  out.software = bounded_text(h.software(), "software");
+  return out;
+}
+
+Welcome welcome_of(const fb::Welcome& w) {
+  Welcome out;
+  out.run_id = bounded_text(w.run_id(), "run_id");
+  out.heartbeat_ms = w.heartbeat_ms();
+  out.round = w.round();
+  out.max_message_bytes = w.max_message_bytes();
+  return out;
+}
+
+TrainSettings train_of(const fb::TrainSettings* t) {
+  if (!t) fail(ErrorCode::kMalformed, "Task without training settings");
+  TrainSettings out;
+  out.algorithm = bounded_text(t->algorithm(), "train.algorithm");
+  out.local_epochs = t->local_epochs();
+  out.batch_size = t->batch_size();
+  out.lr = t->lr();
+  out.momentum = t->momentum();
+  out.weight_decay = t->weight_decay();
+  out.mu = t->mu();
+  if (out.local_epochs < 1 || out.batch_size < 1)
+    fail(ErrorCode::kMalformed, "Task: local_epochs and batch_size must be >= 1");
+  if (!std::isfinite(out.lr) || out.lr <= 0) fail(ErrorCode::kMalformed, "Task: lr must be finite and > 0");
+  if (!std::isfinite(out.momentum) || out.momentum < 0 || out.momentum >= 1)
+    fail(ErrorCode::kMalformed, "Task: momentum must be in [0, 1)");
+  if (!std::isfinite(out.weight_decay) || out.weight_decay < 0 || !std::isfinite(out.mu) || out.mu < 0)
+    fail(ErrorCode::kMalformed, "Task: weight_decay and mu must be finite and >= 0");
+  return out;
+}
+
+Task task_of(const fb::Task& t, uint64_t max_elements) {
+  Task out;
+  out.round = t.round();
+  const auto enc = static_cast<uint8_t>(t.model_encoding());
+  if (enc > static_cast<uint8_t>(fb::ModelEncoding::MAX))
+    fail(ErrorCode::kUnsupported, "Task: unknown model encoding " + std::to_string(enc));
+  out.model_encoding = static_cast<ModelEncoding>(enc);
+  out.base_round = t.base_round();
+  uint64_t budget = max_elements;
+  out.weights = tensors_of(t.weights(), budget);
+  out.train = train_of(t.train());
+  out.compression = bounded_text(t.compression(), "compression");
+  out.seed = t.seed();
+  out.shared = tensors_of(t.shared(), budget);
+  out.control = tensors_of(t.control(), budget);
+  out.deadline_ms = t.deadline_ms();
+  return out;
+}
+
+// Shape of a split message: 1..8 dimensions (0..8 when `allow_empty`), each
+// >= 0, numel within the element budget.
+std::vector<int64_t> split_shape_of(const flatbuffers::Vector<int64_t>* v, uint64_t max_elements, bool allow_empty) {
+  std::vector<int64_t> shape = vector_of(v);
+  if (shape.size() > 8 || (shape.empty() && !allow_empty))
+    fail(ErrorCode::kMalformed, "split message: shape has " + std::to_string(shape.size()) + " dimensions (1..8)");
+  checked_numel(shape, max_elements, "split");
+  return shape;
+}
+
+SplitActivation activation_of(const fb::SplitActivation& a, uint64_t max_elements) {
+  SplitActivation out;
+  out.session = bounded_text(a.session(), "session", kMaxClientIdBytes);
+  if (out.session.empty()) fail(ErrorCode::kMalformed, "SplitActivation without a session");
+  out.step = a.step();
+  out.codec = bounded_text(a.codec(), "codec");
+  out.shape = split_shape_of(a.shape(), max_elements, false);
+  out.payload = bytes_of(a.payload());
+  out.labels = vector_of(a.labels());
+  if (!out.labels.empty() && static_cast<int64_t>(out.labels.size()) != out.shape[0])
+    fail(ErrorCode::kMalformed, "SplitActivation: " + std::to_string(out.labels.size()) + " labels for a batch of " +
+                                    std::to_string(out.shape[0]));
+  for (int64_t l : out.labels)
+    if (l < 0) fail(ErrorCode::kMalformed, "SplitActivation: negative label " + std::to_string(l));
+  out.train = a.train();
+  return out;
+}
+
+SplitGradient gradient_of(const fb::SplitGradient& g, uint64_t max_elements) {
+  SplitGradient out;
+  out.session = bounded_text(g.session(), "session", kMaxClientIdBytes);
+  out.step = g.step();
+  out.codec = bounded_text(g.codec(), "codec");
+  out.shape = split_shape_of(g.shape(), max_elements, true);
+  out.payload = bytes_of(g.payload());
+  out.loss = g.loss();
+  if (!std::isfinite(out.loss)) fail(ErrorCode::kMalformed, "SplitGradient: loss is not finite");
+  out.correct = g.correct();
+  return out;
+}
+
+// A union member the verifier accepted is non-null unless its type tag and
+// value disagree.
+template <typename T>
+const T& body_or_fail(const T* p, const char* name) {
+  if (!p) fail(ErrorCode::kMalformed, std::string(name) + " body missing");
+  return *p;
 }
 
 Message parse_verified(const uint8_t* buf, size_t size, const ParseLimits& limits) {
@@ -348,6 +567,30 @@ Message parse_verified(const uint8_t* buf, size_t size, const ParseLimits& limit
       out.body = error_of(*e);
       return out;
     }
+    case fb::Body::Hello:
+      out.body = hello_of(body_or_fail(m->body_as_Hello(), "Hello"));
+      return out;
+    case fb::Body::Welcome:
+      out.body = welcome_of(body_or_fail(m->body_as_Welcome(), "Welcome"));
+      return out;
+    case fb::Body::Task:
+      out.body = task_of(body_or_fail(m->body_as_Task(), "Task"), limits.max_elements);
+      return out;
+    case fb::Body::Ack:
+      out.body = Ack{body_or_fail(m->body_as_Ack(), "Ack").round()};
+      return out;
+    case fb::Body::Heartbeat:
+      out.body = Heartbeat{body_or_fail(m->body_as_Heartbeat(), "Heartbeat").round()};
+      return out;
+    case fb::Body::Bye:
+      out.body = Bye{bounded_text(body_or_fail(m->body_as_Bye(), "Bye").reason(), "reason")};
+      return out;
+    case fb::Body::SplitActivation:
+      out.body = activation_of(body_or_fail(m->body_as_SplitActivation(), "SplitActivation"), limits.max_elements);
+      return out;
+    case fb::Body::SplitGradient:
+      out.body = gradient_of(body_or_fail(m->body_as_SplitGradient(), "SplitGradient"), limits.max_elements);
+      return out;
   }
   fail(ErrorCode::kUnsupported, "unknown message type " + std::to_string(static_cast<int>(m->body_type())) +
                                     " (peer speaks " + std::to_string(major) + "." + std::to_string(minor) + ")");
@@ -373,6 +616,14 @@ std::string sanitize(const std::string& s) {
 }
 
 }  // namespace
+
+const char* body_name(const Body& body) {
+  static const char* const kNames[] = {"ModelUpdate", "Error",     "Hello", "Welcome",         "Task",
+                                       "Ack",         "Heartbeat", "Bye",   "SplitActivation", "SplitGradient"};
+  static_assert(sizeof(kNames) / sizeof(kNames[0]) == std::variant_size_v<Body>, "a name per body type");
+  static_assert(static_cast<size_t>(fb::Body::MAX) == std::variant_size_v<Body>, "wire::Body mirrors fb::Body");
+  return kNames[body.index()];
+}
 
 const char* error_code_name(ErrorCode code) {
   switch (code) {

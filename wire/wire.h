@@ -71,6 +71,7 @@ struct ModelUpdate {
   uint64_t num_samples = 0;  // the client's FedAvg weight
   std::vector<NamedTensor> tensors;
   std::vector<std::pair<std::string, double>> metrics;  // keys non-empty and unique, values finite
+  std::vector<NamedTensor> control_delta;               // SCAFFOLD only; names unique
 };
 
 struct ErrorBody {
@@ -79,10 +80,95 @@ struct ErrorBody {
   std::optional<uint64_t> round;  // absent when unknown or not about a round
 };
 
+// The session messages (docs/protocol.md, "A round"). Field meanings are the
+// schema's (wire/sparrow.fbs); parse() enforces what the comments say.
+constexpr size_t kMaxClientIdBytes = 256;  // Hello.client_id: 1..256 bytes of UTF-8
+constexpr size_t kMaxTextBytes = 4096;     // every other string field
+
+struct Hello {
+  std::string client_id;  // non-empty, <= kMaxClientIdBytes
+  uint64_t num_samples = 0;
+  std::string model;
+  uint64_t model_digest = 0;
+  std::optional<uint64_t> last_round;
+  std::string software;
+};
+
+struct Welcome {
+  std::string run_id;
+  uint32_t heartbeat_ms = 0;
+  uint64_t round = 0;
+  uint64_t max_message_bytes = 0;
+};
+
+enum class ModelEncoding : uint8_t { kFull = 0, kDelta = 1 };
+
+struct TrainSettings {  // client::TrainConfig on the wire; parse() checks ranges
+  std::string algorithm = "fedavg";
+  uint32_t local_epochs = 1, batch_size = 32;     // >= 1
+  double lr = 0.01;                               // finite, > 0
+  double momentum = 0, weight_decay = 0, mu = 0;  // finite; momentum in [0, 1), others >= 0
+};
+
+struct Task {
+  uint64_t round = 0;
+  ModelEncoding model_encoding = ModelEncoding::kFull;
+  uint64_t base_round = 0;
+  std::vector<NamedTensor> weights;  // names unique
+  TrainSettings train;
+  std::string compression;
+  uint64_t seed = 0;
+  std::vector<NamedTensor> shared;   // ACP shared factors; names unique
+  std::vector<NamedTensor> control;  // SCAFFOLD server control; names unique
+  uint64_t deadline_ms = 0;
+};
+
+struct Ack {
+  uint64_t round = 0;
+};
+
+struct Heartbeat {
+  uint64_t round = 0;
+};
+
+struct Bye {
+  std::string reason;
+};
+
+// Split fine-tuning (docs/split.md): a codec payload and its shape. parse()
+// checks the frame (text, shape rank 1..8, element budget, labels one per
+// batch row when present, finite loss); the codec named by `codec` checks the
+// payload itself when it decodes.
+struct SplitActivation {
+  std::string session;
+  uint64_t step = 0;
+  std::string codec;
+  std::vector<int64_t> shape;
+  std::vector<uint8_t> payload;
+  std::vector<int64_t> labels;  // empty, or shape[0] entries
+  bool train = true;
+};
+
+struct SplitGradient {
+  std::string session;
+  uint64_t step = 0;
+  std::string codec;
+  std::vector<int64_t> shape;  // empty when no gradient is sent
+  std::vector<uint8_t> payload;
+  double loss = 0;  // finite
+  uint64_t correct = 0;
+};
+
+using Body =
+    std::variant<ModelUpdate, ErrorBody, Hello, Welcome, Task, Ack, Heartbeat, Bye, SplitActivation, SplitGradient>;
+
 struct Message {
   uint16_t major = kProtocolMajor, minor = kProtocolMinor;
-  std::variant<ModelUpdate, ErrorBody> body;
+  Body body;
 };
+
+// The body type's name as in the schema ("ModelUpdate", "Hello", ...), for logs.
+const char* body_name(const Body& body);
 
 // Limits parse() enforces before it allocates anything proportional to them.
 struct ParseLimits {
