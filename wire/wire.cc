@@ -193,7 +193,8 @@ flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const He
 }
 
 flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const Welcome& w) {
-  return fb::CreateWelcome(b, string_or_absent(b, w.run_id), w.heartbeat_ms, w.round, w.max_message_bytes).Union();
+  return fb::CreateWelcome(b, string_or_absent(b, w.run_id), w.heartbeat_ms, w.round, w.max_message_bytes, w.model_seed)
+      .Union();
 }
 
 flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const Task& t) {
@@ -445,6 +446,7 @@ Welcome welcome_of(const fb::Welcome& w) {
   out.heartbeat_ms = w.heartbeat_ms();
   out.round = w.round();
   out.max_message_bytes = w.max_message_bytes();
+  out.model_seed = w.model_seed();
   return out;
 }
 

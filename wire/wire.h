@@ -99,6 +99,7 @@ struct Welcome {
   uint32_t heartbeat_ms = 0;
   uint64_t round = 0;
   uint64_t max_message_bytes = 0;
+  uint64_t model_seed = 0;
 };
 
 enum class ModelEncoding : uint8_t { kFull = 0, kDelta = 1 };

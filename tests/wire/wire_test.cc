@@ -316,7 +316,7 @@ std::vector<Message> session_messages() {
   h.last_round = 41;
   h.software = "sparrow-client 0.1.0";
   out[0].body = h;
-  out[1].body = Welcome{"run-1", 2500, 42, 1u << 20};
+  out[1].body = Welcome{"run-1", 2500, 42, 1u << 20, 77};
   Task t;
   t.round = 42;
   t.model_encoding = ModelEncoding::kDelta;
@@ -929,6 +929,7 @@ TEST_CASE("wire: session and split messages round trip field for field") {
   CHECK(w.heartbeat_ms == 2500);
   CHECK(w.round == 42);
   CHECK(w.max_message_bytes == (1u << 20));
+  CHECK(w.model_seed == 77);
 
   const auto t = std::get<Task>(parse(serialize(ms[2])).body);
   const auto& want = std::get<Task>(ms[2].body);
