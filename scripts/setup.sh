@@ -13,6 +13,9 @@ PACKAGES=(
   libsqlite3-dev          # state store (client state, runs)
   libtomlplusplus-dev     # simulator experiment configs (TOML)
   dataset-fashion-mnist   # the real data set (/usr/share/datasets/fashion-mnist)
+  libzmq3-dev cppzmq-dev  # server/client/edge transport (ZeroMQ, CurveZMQ)
+  libsodium-dev           # CurveZMQ's crypto (libzmq links it)
+  libspdlog-dev           # structured logs of the server and clients
 )
 
 missing=()
