@@ -1,0 +1,72 @@
+// sparrow-client: one federated-learning client (docs/client.md).
+//   sparrow-client --config client.toml [--set key=value ...] [--insecure]
+// Exit status: 0 when the server finished the run or the client was stopped
+// (SIGINT/SIGTERM), 1 for a configuration or data problem, 2 when the server
+// refused the client or the session failed.
+
+#include <spdlog/spdlog.h>
+
+#include <CLI/CLI.hpp>
+#include <atomic>
+#include <csignal>
+#include <iostream>
+#include <memory>
+
+#include "client/data_folder.h"
+#include "client/session.h"
+#include "core/error.h"
+
+namespace {
+
+std::atomic<sparrow::client::ClientSession*> g_session{nullptr};
+std::atomic<bool> g_stop_requested{false};
+
+extern "C" void on_signal(int) {
+  g_stop_requested.store(true);
+  if (auto* s = g_session.load()) s->stop();  // stop() only stores an atomic
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"sparrow-client: trains tasks from a Sparrow server and sends compressed updates"};
+  std::string config_path;
+  std::vector<std::string> overrides;
+  bool insecure = false;
+  std::string log_level = "info";
+  app.add_option("--config", config_path, "client TOML file")->required();
+  app.add_option("--set", overrides, "override a config key (key=value); repeatable");
+  app.add_flag("--insecure", insecure, "plain TCP without CURVE (testing only)");
+  app.add_option("--log-level", log_level, "trace|debug|info|warn|error|off");
+  CLI11_PARSE(app, argc, argv);
+  spdlog::set_level(spdlog::level::from_str(log_level));
+
+  std::signal(SIGINT, on_signal);
+  std::signal(SIGTERM, on_signal);
+
+  std::unique_ptr<sparrow::client::ClientSession> session;
+  try {
+    if (insecure) overrides.push_back("insecure=true");
+    sparrow::client::SessionConfig cfg = sparrow::client::load_session_config(config_path, overrides);
+    sparrow::core::Dataset data = sparrow::client::load_client_data(cfg.data, cfg.model);
+    spdlog::info("data: {} samples from '{}'", data.size(), cfg.data.data);
+    session = std::make_unique<sparrow::client::ClientSession>(cfg, std::move(data));
+  } catch (const sparrow::Error& e) {
+    std::cerr << "sparrow-client: " << e.what() << "\n";
+    return 1;
+  }
+  g_session.store(session.get());
+  if (g_stop_requested.load()) session->stop();  // a signal before the session existed
+  int status = 0;
+  try {
+    session->run();
+  } catch (const std::exception& e) {
+    std::cerr << "sparrow-client: " << e.what() << "\n";
+    status = 2;
+  }
+  g_session.store(nullptr);
+  const auto c = session->counters();
+  spdlog::info("tasks {} (refused {}), updates acked {} rejected {}, reconnects {}", c.tasks_done, c.tasks_refused,
+               c.updates_acked, c.updates_rejected, c.reconnects);
+  return status;
+}

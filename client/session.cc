@@ -1,0 +1,800 @@
+#include "client/session.h"
+
+#include <spdlog/spdlog.h>
+#include <toml++/toml.h>
+#include <torch/torch.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <thread>
+#include <variant>
+
+#include "client/data_folder.h"
+#include "client/trainer.h"
+#include "compression/compressor.h"
+#include "core/error.h"
+#include "core/model_digest.h"
+#include "core/models.h"
+#include "core/rng.h"
+#include "state/store.h"
+#include "wire/net.h"
+#include "wire/wire.h"
+
+namespace sparrow::client {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kSoftware = "sparrow-client 0.1.0";
+constexpr int64_t kStateKey = 0;              // one client per state database
+constexpr uint64_t kBackoffTag = 0x626b6f66;  // "bkof"
+constexpr int kPollSliceMs = 100;             // stop() is noticed within this
+
+// Meta keys of the state database (state/store.h set_meta).
+constexpr const char* kMetaClientId = "client.id";
+constexpr const char* kMetaDigest = "client.digest";
+constexpr const char* kMetaHeldRound = "held.round";
+constexpr const char* kMetaHeldRun = "held.run_id";
+constexpr const char* kMetaHeldWeights = "held.weights";
+
+// ---- config ------------------------------------------------------------------------
+
+using FieldPtr = std::variant<int*, uint32_t*, uint64_t*, bool*, std::string*>;
+struct Field {
+  const char* key;
+  FieldPtr ptr;
+};
+
+std::vector<Field> fields(SessionConfig& c) {
+  return {{"server", &c.server},
+          {"server_key", &c.server_key},
+          {"key", &c.key},
+          {"insecure", &c.insecure},
+          {"client_id", &c.client_id},
+          {"model", &c.model},
+          {"data", &c.data.data},
+          {"data_dir", &c.data.data_dir},
+          {"partition", &c.data.partition},
+          {"clients", &c.data.clients},
+          {"index", &c.data.index},
+          {"partition_seed", &c.data.partition_seed},
+          {"state_db", &c.state_db},
+          {"heartbeat_ms", &c.heartbeat_ms},
+          {"max_message_mb", &c.max_message_mb},
+          {"device", &c.device},
+          {"backoff_initial_ms", &c.backoff_initial_ms},
+          {"backoff_max_ms", &c.backoff_max_ms}};
+}
+
+template <class... F>
+struct Overloaded : F... {
+  using F::operator()...;
+};
+template <class... F>
+Overloaded(F...) -> Overloaded<F...>;
+
+class ConfigLoader {
+ public:
+  explicit ConfigLoader(std::string source) : source_(std::move(source)) {}
+
+  void read_toml(const std::string& text) {
+    toml::table root;
+    try {
+      root = toml::parse(text, source_);
+    } catch (const toml::parse_error& e) {
+      const auto& at = e.source().begin;
+      throw ConfigError(source_ + ":" + std::to_string(at.line) + ":" + std::to_string(at.column) +
+                        ": TOML syntax error: " + std::string(e.description()));
+    }
+    for (auto&& [k, node] : root) set_from_node(std::string(k.str()), node);
+  }
+
+  void apply_override(const std::string& kv) {
+    const auto eq = kv.find('=');
+    SPARROW_CHECK_T(ConfigError, eq != std::string::npos && eq > 0, "--set '" << kv << "': expected key=value");
+    std::string key = kv.substr(0, eq);
+    while (!key.empty() && key.back() == ' ') key.pop_back();
+    while (!key.empty() && key.front() == ' ') key.erase(key.begin());
+    const std::string text = kv.substr(eq + 1);
+    where_[key] = "--set";
+    std::visit(Overloaded{[&](int* v) { *v = static_cast<int>(parse_int(key, text, INT32_MIN, INT32_MAX)); },
+                          [&](uint32_t* v) { *v = static_cast<uint32_t>(parse_int(key, text, 0, UINT32_MAX)); },
+                          [&](uint64_t* v) { *v = static_cast<uint64_t>(parse_int(key, text, 0, INT64_MAX)); },
+                          [&](bool* v) {
+                            check(key, text == "true" || text == "false", "must be true or false (got '" + text + "')");
+                            *v = text == "true";
+                          },
+                          [&](std::string* v) { *v = text; }},
+               find(key));
+  }
+
+  SessionConfig finish() {
+    SessionConfig& c = config_;
+    check("server", !c.server.empty(), "must not be empty");
+    check("client_id", !c.client_id.empty() && c.client_id.size() <= wire::kMaxClientIdBytes,
+          "must be 1.." + std::to_string(wire::kMaxClientIdBytes) + " bytes");
+    check("model", !c.model.empty(), "must not be empty");
+    check("data", !c.data.data.empty(), "must not be empty");
+    check("clients", c.data.clients >= 1, "must be >= 1");
+    check("index", c.data.index >= 0 && c.data.index < c.data.clients,
+          "must be in [0, clients = " + std::to_string(c.data.clients) + ")");
+    check("state_db", !c.state_db.empty(), "must not be empty");
+    check("heartbeat_ms", c.heartbeat_ms >= 10, "must be >= 10");
+    check("max_message_mb", c.max_message_mb >= 1 && c.max_message_mb <= 2047, "must be in [1, 2047]");
+    check("backoff_initial_ms", c.backoff_initial_ms >= 1, "must be >= 1");
+    check("backoff_max_ms", c.backoff_max_ms >= c.backoff_initial_ms, "must be >= backoff_initial_ms");
+    if (!c.insecure) {
+      check("server_key", !c.server_key.empty(), "must name the server's public key file (or set insecure = true)");
+      check("key", !c.key.empty(), "must name this client's .key_secret file (or set insecure = true)");
+    }
+    return c;
+  }
+
+ private:
+  std::string where(const std::string& key) const {
+    auto it = where_.find(key);
+    return it == where_.end() ? source_ + " (default)" : it->second;
+  }
+  [[noreturn]] void fail(const std::string& key, const std::string& msg) const {
+    throw ConfigError(where(key) + ": config key '" + key + "' " + msg);
+  }
+  void check(const std::string& key, bool ok, const std::string& msg) const {
+    if (!ok) fail(key, msg);
+  }
+  FieldPtr find(const std::string& key) {
+    for (const Field& f : fields(config_))
+      if (key == f.key) return f.ptr;
+    std::string known;
+    for (const Field& f : fields(config_)) known += std::string(known.empty() ? "" : ", ") + f.key;
+    fail(key, "is unknown (known keys: " + known + ")");
+  }
+  int64_t parse_int(const std::string& key, const std::string& text, int64_t lo, int64_t hi) const {
+    char* end = nullptr;
+    errno = 0;
+    const long long v = std::strtoll(text.c_str(), &end, 10);
+    check(key, !text.empty() && *end == '\0' && errno == 0, "must be an integer (got '" + text + "')");
+    check(key, v >= lo && v <= hi, "is out of range (got " + text + ")");
+    return v;
+  }
+  void set_from_node(const std::string& key, const toml::node& n) {
+    where_[key] = source_ + ":" + std::to_string(n.source().begin.line);
+    std::ostringstream type;
+    type << n.type();
+    const std::string got = " (got " + type.str() + ")";
+    auto integer = [&](int64_t lo, int64_t hi) {
+      check(key, n.is_integer(), "must be an integer" + got);
+      const int64_t v = n.as_integer()->get();
+      check(key, v >= lo && v <= hi, "is out of range (got " + std::to_string(v) + ")");
+      return v;
+    };
+    std::visit(Overloaded{[&](int* v) { *v = static_cast<int>(integer(INT32_MIN, INT32_MAX)); },
+                          [&](uint32_t* v) { *v = static_cast<uint32_t>(integer(0, UINT32_MAX)); },
+                          [&](uint64_t* v) { *v = static_cast<uint64_t>(integer(0, INT64_MAX)); },
+                          [&](bool* v) {
+                            check(key, n.is_boolean(), "must be true or false" + got);
+                            *v = n.as_boolean()->get();
+                          },
+                          [&](std::string* v) {
+                            check(key, n.is_string(), "must be a string" + got);
+                            *v = n.as_string()->get();
+                          }},
+               find(key));
+  }
+
+  std::string source_;
+  SessionConfig config_;
+  std::map<std::string, std::string> where_;
+};
+
+// ---- helpers -----------------------------------------------------------------------
+
+std::string serialize_weights(const Weights& w) {
+  compression::State s;
+  for (const auto& [k, v] : w) s.tensors[k] = v.to(at::kCPU, at::kFloat).contiguous();
+  return s.serialize();
+}
+
+Weights deserialize_weights(const std::string& bytes) {
+  if (bytes.empty()) return {};
+  compression::State s = compression::State::deserialize(bytes);
+  return Weights(s.tensors.begin(), s.tensors.end());
+}
+
+Weights clone_weights(const Weights& w) {
+  Weights out;
+  for (const auto& [k, v] : w) out[k] = v.clone();
+  return out;
+}
+
+bool same_train_config(const TrainConfig& a, const TrainConfig& b) {
+  return a.algorithm == b.algorithm && a.local_epochs == b.local_epochs && a.batch_size == b.batch_size &&
+         a.lr == b.lr && a.momentum == b.momentum && a.weight_decay == b.weight_decay && a.mu == b.mu;
+}
+
+std::string shape_text(const std::vector<int64_t>& s) {
+  std::ostringstream os;
+  os << '[';
+  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
+  return os.str() + ']';
+}
+
+wire::Message message(wire::Body body) {
+  wire::Message m;
+  m.body = std::move(body);
+  return m;
+}
+
+}  // namespace
+
+SessionConfig parse_session_config(const std::string& toml_text, const std::vector<std::string>& overrides,
+                                   const std::string& source) {
+  ConfigLoader loader(source);
+  loader.read_toml(toml_text);
+  for (const auto& kv : overrides) loader.apply_override(kv);
+  return loader.finish();
+}
+
+SessionConfig load_session_config(const std::string& path, const std::vector<std::string>& overrides) {
+  std::ifstream in(path, std::ios::binary);
+  SPARROW_CHECK_T(ConfigError, in, "cannot read config file '" << path << "'");
+  std::ostringstream text;
+  text << in.rdbuf();
+  return parse_session_config(text.str(), overrides, path);
+}
+
+// ---- the session ---------------------------------------------------------------------
+
+struct ClientSession::Impl {
+  enum class Outcome { kContinue, kFinished, kReconnect };
+
+  ClientSession& self;
+  SessionConfig cfg;
+  core::Dataset data;
+  at::Device device{at::kCPU};
+  std::shared_ptr<core::Model> replica;
+  std::vector<std::string> names;  // model order
+  std::map<std::string, std::vector<int64_t>> shapes;
+  int64_t total_numel = 0;
+  uint64_t digest = 0;
+  net::KeyPair own_keys;
+  std::string server_key;
+  uint64_t max_bytes = 0;
+
+  std::unique_ptr<state::ClientStateStore> store;
+  state::ClientState st;  // the persisted state, key kStateKey
+  Weights held;           // B_{held_round} on the CPU; empty: the seed-built model (held_round 0)
+  std::string held_run_id;
+  Weights initial;  // W_0 from initial_seed (built on first need)
+  std::optional<uint64_t> initial_seed;
+
+  std::unique_ptr<LocalTrainer> trainer;
+  std::unique_ptr<compression::Compressor> dense;  // "none": control deltas
+
+  zmq::context_t ctx;
+  std::unique_ptr<zmq::socket_t> sock;
+  bool welcomed = false;
+  wire::Welcome welcome;
+  uint32_t hb_ms = 1000;
+  uint64_t known_round = 0;
+  std::optional<uint64_t> pending_round;  // update sent, awaiting Ack/Error
+  std::optional<uint64_t> rehello_round;  // a Delta of this round was answered with a re-Hello
+  Clock::time_point last_rx, next_hb;
+  uint64_t backoff_attempt = 0;
+
+  struct AtomicCounters {
+    std::atomic<uint64_t> hellos{0}, welcomes{0}, tasks_done{0}, tasks_refused{0}, updates_acked{0},
+        updates_rejected{0}, reconnects{0}, heartbeats{0}, errors_received{0};
+  } n;
+
+  Impl(ClientSession& s, SessionConfig c, core::Dataset d) : self(s), cfg(std::move(c)) {
+    // Validate the config as the loader would (a SessionConfig built in code skips it).
+    SPARROW_CHECK_T(ConfigError, !cfg.client_id.empty() && cfg.client_id.size() <= wire::kMaxClientIdBytes,
+                    "client_id: must be 1.." << wire::kMaxClientIdBytes << " bytes");
+    SPARROW_CHECK_T(ConfigError, cfg.heartbeat_ms >= 10, "heartbeat_ms: must be >= 10");
+    SPARROW_CHECK_T(ConfigError, cfg.max_message_mb >= 1 && cfg.max_message_mb <= 2047,
+                    "max_message_mb: must be in [1, 2047]");
+    SPARROW_CHECK_T(ConfigError, cfg.backoff_initial_ms >= 1 && cfg.backoff_max_ms >= cfg.backoff_initial_ms,
+                    "backoff_initial_ms/backoff_max_ms: need 1 <= initial <= max");
+    try {
+      device = at::Device(cfg.device);
+    } catch (const std::exception&) {
+      throw ConfigError("device: '" + cfg.device + "' is not a device (cpu, cuda, cuda:N)");
+    }
+    SPARROW_CHECK_T(ConfigError, device.is_cpu() || (device.is_cuda() && torch::cuda::is_available()),
+                    "device: '" << cfg.device << "' is not available (cpu, or cuda when a GPU is present)");
+    max_bytes = cfg.max_message_mb << 20;
+    hb_ms = cfg.heartbeat_ms;
+
+    compression::register_builtins();
+    dense = compression::make_compressor("none");
+    // The replica's initial weights do not matter (every train() loads the
+    // global model); the digest depends on names and shapes only.
+    replica = core::make_model(cfg.model, 0);
+    if (!device.is_cpu()) replica->to(device);
+    for (const auto& p : replica->named_parameters()) {
+      names.push_back(p.key());
+      shapes[p.key()] = p.value().sizes().vec();
+      total_numel += p.value().numel();
+    }
+    digest = core::model_digest(*replica);
+    data = check_data_for_model(std::move(d), cfg.model);
+    if (!device.is_cpu()) {
+      data.x = data.x.to(device);
+      data.y = data.y.to(device);
+    }
+
+    if (cfg.insecure) {
+      spdlog::warn("insecure = true: plain TCP, no authentication or encryption");
+    } else {
+      own_keys = net::load_keypair(cfg.key);
+      server_key = net::load_public_key(cfg.server_key);
+    }
+    open_state();
+  }
+
+  // ---- local state ----
+
+  void open_state() {
+    store = state::ClientStateStore::open(cfg.state_db);
+    const auto id = store->get_meta(kMetaClientId);
+    SPARROW_CHECK_T(
+        ConfigError, !id || *id == cfg.client_id,
+        "state_db: '" << cfg.state_db << "' belongs to client '" << *id << "', not '" << cfg.client_id << "'");
+    const auto dg = store->get_meta(kMetaDigest);
+    SPARROW_CHECK_T(ConfigError, !dg || *dg == std::to_string(digest),
+                    "state_db: '" << cfg.state_db << "' was written for another model than '" << cfg.model << "'");
+    if (auto s = store->get(kStateKey)) st = std::move(*s);
+    uint64_t round = 0;
+    if (auto r = store->get_meta(kMetaHeldRound); r && !r->empty()) {
+      try {
+        round = std::stoull(*r);
+      } catch (const std::exception&) {
+        throw FormatError("state_db: bad held round '" + *r + "' in " + cfg.state_db);
+      }
+    }
+    held_run_id = store->get_meta(kMetaHeldRun).value_or("");
+    if (round > 0) {
+      held = deserialize_weights(store->get_meta(kMetaHeldWeights).value_or(""));
+      bool ok = held.size() == shapes.size();
+      for (const auto& [k, v] : held) ok = ok && shapes.count(k) && shapes.at(k) == v.sizes().vec();
+      if (!ok) {
+        spdlog::warn("state_db: the held model of round {} does not match the model; reporting round 0", round);
+        held.clear();
+        round = 0;
+      }
+    }
+    self.held_round_.store(round);
+    store->set_meta(kMetaClientId, cfg.client_id);
+    store->set_meta(kMetaDigest, std::to_string(digest));
+    store->flush();
+    if (round > 0) spdlog::info("state: holding the broadcast model of round {} (run '{}')", round, held_run_id);
+  }
+
+  // Forgets everything that belongs to another run.
+  void reset_state() {
+    st = state::ClientState{};
+    held.clear();
+    self.held_round_.store(0);
+    store->put(kStateKey, st);
+    store->set_meta(kMetaHeldRound, "0");
+    store->set_meta(kMetaHeldWeights, "");
+    store->set_meta(kMetaHeldRun, "");
+    store->flush();
+  }
+
+  void persist_held(uint64_t round, const Weights& w) {
+    held = w;
+    self.held_round_.store(round);
+    held_run_id = welcome.run_id;
+    store->set_meta(kMetaHeldRound, std::to_string(round));
+    store->set_meta(kMetaHeldRun, held_run_id);
+    store->set_meta(kMetaHeldWeights, serialize_weights(w));
+    store->flush();
+  }
+
+  const Weights& initial_model(uint64_t seed) {
+    if (!initial_seed || *initial_seed != seed) {
+      initial = get_weights(*core::make_model(cfg.model, seed));
+      for (auto& [k, v] : initial) v = v.to(at::kCPU, at::kFloat).contiguous();
+      initial_seed = seed;
+    }
+    return initial;
+  }
+
+  // ---- transport ----
+
+  void open_socket() {
+    sock = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::dealer);
+    if (!cfg.insecure) net::make_curve_client(*sock, own_keys, server_key);
+    net::set_limits(*sock, max_bytes, static_cast<int>(cfg.heartbeat_ms));
+    sock->connect(cfg.server);
+    welcomed = false;
+    pending_round.reset();
+  }
+
+  void close_socket() {
+    if (sock) sock->close();
+    sock.reset();
+  }
+
+  // Never blocks: a full queue (or no peer) counts as a failed send.
+  bool send(const wire::Message& m) {
+    try {
+      return net::send(*sock, m, /*dont_wait=*/true);
+    } catch (const zmq::error_t& e) {
+      spdlog::warn("send failed: {}", e.what());
+      return false;
+    }
+  }
+
+  bool send_hello() {
+    wire::Hello h;
+    h.client_id = cfg.client_id;
+    h.num_samples = static_cast<uint64_t>(data.size());
+    h.model = cfg.model;
+    h.model_digest = digest;
+    h.last_round = self.held_round_.load();
+    h.software = kSoftware;
+    welcomed = false;
+    ++n.hellos;
+    spdlog::info("hello: client '{}' at {}, {} samples, last_round {}", cfg.client_id, cfg.server, h.num_samples,
+                 *h.last_round);
+    return send(message(h));
+  }
+
+  wire::ParseLimits limits() const {
+    wire::ParseLimits l;
+    l.max_bytes = max_bytes;
+    l.max_elements = 3 * static_cast<uint64_t>(total_numel) + (uint64_t{1} << 20);
+    return l;
+  }
+
+  // Backoff before reconnect attempt `attempt` (0-based): min(max, initial * 2^attempt),
+  // times a jitter in [0.5, 1) drawn per client and attempt.
+  void backoff() {
+    const double base = std::min<double>(
+        cfg.backoff_max_ms, cfg.backoff_initial_ms * std::pow(2.0, std::min<uint64_t>(backoff_attempt, 30)));
+    const uint64_t key = rng::derive(rng::hash_name(cfg.client_id), kBackoffTag);
+    const double ms = base * (0.5 + 0.5 * rng::uniform01(key, n.reconnects.load()));
+    ++backoff_attempt;
+    spdlog::info("reconnecting in {:.0f} ms", ms);
+    const auto until = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(ms * 1000));
+    while (!self.stop_.load() && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+
+  // ---- the loop ----
+
+  bool run() {
+    while (!self.stop_.load()) {
+      open_socket();
+      const Outcome o = serve();
+      if (o == Outcome::kFinished) {
+        close_socket();
+        store->flush();
+        spdlog::info("the server finished the run");
+        return true;
+      }
+      if (self.stop_.load()) break;
+      close_socket();
+      ++n.reconnects;
+      backoff();
+    }
+    if (sock) {
+      send(message(wire::Bye{"client stopping"}));
+      close_socket();
+    }
+    store->flush();
+    spdlog::info("stopped");
+    return false;
+  }
+
+  Outcome serve() {
+    last_rx = Clock::now();
+    if (!send_hello()) return Outcome::kReconnect;
+    while (!self.stop_.load()) {
+      const auto now = Clock::now();
+      const auto silence = last_rx + std::chrono::milliseconds(3 * static_cast<int64_t>(hb_ms));
+      if (now >= silence) {
+        spdlog::warn("server silent for {} ms", 3 * hb_ms);
+        return Outcome::kReconnect;
+      }
+      if (welcomed && now >= next_hb) {
+        ++n.heartbeats;
+        if (!send(message(wire::Heartbeat{known_round}))) return Outcome::kReconnect;
+        next_hb = now + std::chrono::milliseconds(hb_ms);
+      }
+      auto wake = std::min(silence, now + std::chrono::milliseconds(kPollSliceMs));
+      if (welcomed) wake = std::min(wake, next_hb);
+      const int timeout = static_cast<int>(
+          std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::milliseconds>(wake - now).count()));
+      std::optional<wire::Message> msg;
+      try {
+        msg = net::receive(*sock, timeout, limits());
+      } catch (const wire::ProtocolError& e) {
+        last_rx = Clock::now();
+        spdlog::warn("bad frame from the server: {}", e.what());
+        wire::Message reply;
+        reply.body = wire::error_for(e);
+        send(reply);
+        continue;
+      } catch (const zmq::error_t& e) {
+        if (e.num() == EINTR) continue;
+        throw;
+      }
+      if (!msg) continue;
+      last_rx = Clock::now();
+      const Outcome o = handle(*msg);
+      if (o != Outcome::kContinue) return o;
+    }
+    return Outcome::kContinue;
+  }
+
+  Outcome handle(wire::Message& m) {
+    if (auto* w = std::get_if<wire::Welcome>(&m.body)) return on_welcome(*w);
+    if (auto* e = std::get_if<wire::ErrorBody>(&m.body)) return on_error(*e);
+    if (auto* t = std::get_if<wire::Task>(&m.body)) {
+      if (!welcomed) {
+        spdlog::warn("task for round {} before Welcome: ignored", t->round);
+        return Outcome::kContinue;
+      }
+      on_task(*t);
+      // Training took a while without listening: the silence clock restarts.
+      last_rx = Clock::now();
+      next_hb = last_rx + std::chrono::milliseconds(hb_ms);
+      return Outcome::kContinue;
+    }
+    if (auto* h = std::get_if<wire::Heartbeat>(&m.body)) {
+      known_round = std::max(known_round, h->round);
+      return Outcome::kContinue;
+    }
+    if (auto* a = std::get_if<wire::Ack>(&m.body)) {
+      if (pending_round && *pending_round == a->round) {
+        ++n.updates_acked;
+        pending_round.reset();
+        spdlog::info("round {}: update acknowledged", a->round);
+      }
+      return Outcome::kContinue;
+    }
+    if (auto* b = std::get_if<wire::Bye>(&m.body)) {
+      if (b->reason == "run finished") return Outcome::kFinished;
+      spdlog::info("server said bye ('{}'): reconnecting", b->reason);
+      return Outcome::kReconnect;
+    }
+    send(net::error_message(wire::ErrorCode::kRejected,
+                            std::string("unexpected ") + wire::body_name(m.body) + " from the server"));
+    return Outcome::kContinue;
+  }
+
+  Outcome on_welcome(const wire::Welcome& w) {
+    ++n.welcomes;
+    welcome = w;
+    welcomed = true;
+    backoff_attempt = 0;
+    if (w.heartbeat_ms > 0) hb_ms = std::max<uint32_t>(10, w.heartbeat_ms);
+    known_round = w.round;
+    next_hb = Clock::now() + std::chrono::milliseconds(hb_ms);
+    spdlog::info("welcome: run '{}', round {}, heartbeat {} ms", w.run_id, w.round, hb_ms);
+    if (!held_run_id.empty() && held_run_id != w.run_id) {
+      // Our state (held model, residuals, c_i) belongs to another run: drop it
+      // and tell the server what we now hold (only the seed-built model).
+      spdlog::warn("state: held state is from run '{}', the server runs '{}': starting afresh", held_run_id, w.run_id);
+      reset_state();
+      held_run_id = w.run_id;
+      store->set_meta(kMetaHeldRun, held_run_id);
+      store->flush();
+      if (!send_hello()) return Outcome::kReconnect;
+      return Outcome::kContinue;
+    }
+    if (held_run_id.empty()) {
+      held_run_id = w.run_id;
+      store->set_meta(kMetaHeldRun, held_run_id);
+      store->flush();
+    }
+    return Outcome::kContinue;
+  }
+
+  Outcome on_error(const wire::ErrorBody& e) {
+    ++n.errors_received;
+    if (e.message.rfind("unknown client", 0) == 0) {
+      // The server forgot our session (it restarted): Hello again, once per
+      // forgetting (several queued answers to heartbeats say the same).
+      if (welcomed) {
+        spdlog::info("server: '{}': sending Hello again", e.message);
+        pending_round.reset();
+        if (!send_hello()) return Outcome::kReconnect;
+      }
+      return Outcome::kContinue;
+    }
+    if (!welcomed)
+      throw Error(std::string("the server refused the Hello (") + wire::error_code_name(e.code) + "): " + e.message);
+    if (pending_round && (!e.round || *e.round == *pending_round)) {
+      ++n.updates_rejected;
+      spdlog::warn("round {}: update rejected ({}): {}", *pending_round, wire::error_code_name(e.code), e.message);
+      pending_round.reset();
+    } else {
+      spdlog::warn("server error ({}): {}", wire::error_code_name(e.code), e.message);
+    }
+    return Outcome::kContinue;
+  }
+
+  // Checks a tensor list against the model: known names, unique, the
+  // parameters' shapes (unless !same_shape: ACP's shared factors), and when
+  // `exact`, every parameter exactly once.
+  void check_tensors(const std::vector<wire::NamedTensor>& ts, const char* what, bool exact,
+                     bool same_shape = true) const {
+    std::map<std::string, int> seen;
+    for (const auto& t : ts) {
+      SPARROW_CHECK_T(Error, shapes.count(t.name), what << ": '" << t.name << "' is not a parameter of " << cfg.model);
+      SPARROW_CHECK_T(Error, ++seen[t.name] == 1, what << ": '" << t.name << "' appears twice");
+      SPARROW_CHECK_T(Error, !same_shape || t.tensor.shape == shapes.at(t.name),
+                      what << ": '" << t.name << "' has shape " << shape_text(t.tensor.shape) << ", the model "
+                           << shape_text(shapes.at(t.name)));
+    }
+    SPARROW_CHECK_T(Error, !exact || seen.size() == shapes.size(),
+                    what << ": " << seen.size() << " of the model's " << shapes.size() << " parameters");
+  }
+
+  Weights decode_all(const std::vector<wire::NamedTensor>& ts) const {
+    Weights w;
+    for (const auto& t : ts) w[t.name] = compression::decode(t.tensor).contiguous();
+    return w;
+  }
+
+  void on_task(const wire::Task& task) {
+    const uint64_t r = task.round;
+    try {
+      std::optional<Weights> base = broadcast_model(task);
+      if (!base) return;  // answered with a re-Hello
+      train_and_send(task, *base);
+    } catch (const std::exception& e) {
+      ++n.tasks_refused;
+      spdlog::warn("round {}: task refused: {}", r, e.what());
+      wire::Message reply;
+      reply.body = wire::error_for(e, r);
+      send(reply);
+    }
+  }
+
+  // B_{r-1} from the Task (Full, or Delta against what we hold), or nullopt
+  // when a Delta's base is not ours (then Hello reports what we hold, once per
+  // round; a second such Delta of the same round is an Error).
+  std::optional<Weights> broadcast_model(const wire::Task& task) {
+    const uint64_t r = task.round;
+    SPARROW_CHECK_T(Error, r >= 1, "task: round must be >= 1");
+    if (task.model_encoding == wire::ModelEncoding::kFull) {
+      check_tensors(task.weights, "task weights", /*exact=*/true);
+      return decode_all(task.weights);
+    }
+    check_tensors(task.weights, "task delta", /*exact=*/false);
+    const uint64_t b = task.base_round;
+    if (task.weights.empty())
+      SPARROW_CHECK_T(Error, b + 1 == r, "task: an empty Delta of round " << r << " needs base_round " << r - 1);
+    else
+      SPARROW_CHECK_T(Error, b + 2 == r, "task: a Delta with tensors in round " << r << " needs base_round " << r - 2);
+    const Weights* from = nullptr;
+    if (b == 0)
+      from = &initial_model(welcome.model_seed);
+    else if (self.held_round_.load() == b && !held.empty())
+      from = &held;
+    if (!from) {
+      const uint64_t h = self.held_round_.load();
+      SPARROW_CHECK_T(Error, rehello_round != r,
+                      "task: cannot apply a Delta against round " << b << ": this client holds round " << h);
+      rehello_round = r;
+      ++n.tasks_refused;
+      spdlog::warn("round {}: Delta against round {} but holding round {}: sending Hello again", r, b, h);
+      send_hello();
+      return std::nullopt;
+    }
+    Weights w = clone_weights(*from);
+    for (const auto& t : task.weights) compression::decode_add(t.tensor, w.at(t.name), 1.0f);
+    return w;
+  }
+
+  void train_and_send(const wire::Task& task, const Weights& base) {
+    const uint64_t r = task.round;
+    TrainConfig tc;
+    tc.algorithm = task.train.algorithm;
+    tc.local_epochs = static_cast<int>(task.train.local_epochs);
+    tc.batch_size = static_cast<int>(task.train.batch_size);
+    tc.lr = task.train.lr;
+    tc.momentum = task.train.momentum;
+    tc.weight_decay = task.train.weight_decay;
+    tc.mu = task.train.mu;
+    validate(tc);
+    const bool scaffold = tc.algorithm == "scaffold";
+    auto comp = compression::make_compressor(task.compression);
+    check_tensors(task.shared, "task shared", /*exact=*/false, /*same_shape=*/false);
+    const Weights shared = decode_all(task.shared);
+    SPARROW_CHECK_T(Error, task.control.empty() || scaffold,
+                    "task: control variates with algorithm '" << tc.algorithm << "'");
+    check_tensors(task.control, "task control", /*exact=*/!task.control.empty());
+    Weights server_control = decode_all(task.control);
+
+    // The Task is acceptable: we now hold B_{r-1}.
+    persist_held(r - 1, base);
+    rehello_round.reset();
+
+    if (!trainer || !same_train_config(trainer->config(), tc)) trainer = std::make_unique<LocalTrainer>(replica, tc);
+    // Work on a copy: a failure below leaves the persisted state as it was.
+    state::ClientState next = st.deep_copy();
+    const auto t0 = Clock::now();
+    TrainResult tr = trainer->train(base, data.x, data.y, task.seed, scaffold ? &next.control : nullptr,
+                                    scaffold ? &server_control : nullptr);
+    const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+
+    wire::ModelUpdate u;
+    u.round = r;
+    u.client_id = cfg.client_id;
+    u.num_samples = static_cast<uint64_t>(tr.num_samples);
+    u.metrics = {{"train_loss", tr.mean_loss}, {"train_seconds", secs}};
+    for (const auto& name : names) {
+      compression::Context c;
+      c.name = name;
+      c.seed = task.seed;
+      c.num_workers = 1;  // the Task does not say how many clients take part
+      c.round = static_cast<int64_t>(r);
+      if (auto it = shared.find(name); it != shared.end()) c.shared_factor = it->second;
+      const at::Tensor d = tr.delta.at(name).to(at::kCPU, at::kFloat).contiguous();
+      u.tensors.push_back({name, comp->encode(d, next.compressor[name], c)});
+    }
+    for (const auto& [name, dc] : tr.control_delta) {
+      compression::State scratch;
+      u.control_delta.push_back({name, dense->encode(dc.to(at::kCPU, at::kFloat).contiguous(), scratch, {})});
+    }
+    next.rounds += 1;
+    const std::string bytes = wire::serialize(message(u));
+    const uint64_t limit = welcome.max_message_bytes > 0 ? std::min(welcome.max_message_bytes, max_bytes) : max_bytes;
+    SPARROW_CHECK_T(Error, bytes.size() <= limit,
+                    "update of " << bytes.size() << " bytes exceeds max_message_bytes " << limit);
+    // Error feedback is committed with the update it produced, before sending:
+    // a lost update loses its information either way, a crash after this
+    // point does not replay the residual.
+    st = std::move(next);
+    store->put(kStateKey, st);
+    store->flush();
+    ++n.tasks_done;
+    pending_round = r;
+    spdlog::info("round {}: trained {} samples in {:.2f} s (loss {:.4f}), sending {} bytes", r, tr.num_samples, secs,
+                 tr.mean_loss, bytes.size());
+    bool sent = false;
+    try {
+      sent = sock->send(zmq::buffer(bytes), zmq::send_flags::dontwait).has_value();
+    } catch (const zmq::error_t& e) {
+      spdlog::warn("send failed: {}", e.what());
+    }
+    if (!sent) spdlog::warn("round {}: the update could not be queued", r);
+  }
+};
+
+ClientSession::ClientSession(SessionConfig cfg, core::Dataset data)
+    : impl_(std::make_unique<Impl>(*this, std::move(cfg), std::move(data))) {}
+
+ClientSession::~ClientSession() = default;
+
+bool ClientSession::run() { return impl_->run(); }
+
+ClientSession::Counters ClientSession::counters() const {
+  const auto& n = impl_->n;
+  Counters c;
+  c.hellos = n.hellos.load();
+  c.welcomes = n.welcomes.load();
+  c.tasks_done = n.tasks_done.load();
+  c.tasks_refused = n.tasks_refused.load();
+  c.updates_acked = n.updates_acked.load();
+  c.updates_rejected = n.updates_rejected.load();
+  c.reconnects = n.reconnects.load();
+  c.heartbeats = n.heartbeats.load();
+  c.errors_received = n.errors_received.load();
+  return c;
+}
+
+uint64_t ClientSession::digest() const { return impl_->digest; }
+uint64_t ClientSession::num_samples() const { return static_cast<uint64_t>(impl_->data.size()); }
+
+}  // namespace sparrow::client
