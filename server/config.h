@@ -1,0 +1,84 @@
+#pragma once
+// sparrow-server configuration: a TOML file (toml++) read strictly. Every key
+// must be known (an unknown key is a ConfigError naming it); values are
+// type-checked and range-checked; `--set key=value` overrides apply on top.
+// docs/server.md has the table of keys.
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace sparrow::server {
+
+struct ServerConfig {
+  // Network and security.
+  std::string listen = "tcp://*:7070";  // ZeroMQ endpoint the ROUTER binds
+  std::string server_key;               // NAME.key_secret of the server (CURVE); required unless insecure
+  std::string allow;                    // allow-list: a file of keys/paths or a directory of *.key files
+  bool insecure = false;                // plain TCP (no CURVE); CLI --insecure only, never from TOML
+  double max_message_mb = 256;          // largest frame accepted (MiB)
+  int heartbeat_ms = 1000;              // clients heartbeat this often; gone after 3x silence
+
+  // Model and training.
+  std::string model = "mlp";         // model spec for core::make_model
+  uint64_t model_seed = 1;           // the initial model is make_model(model, model_seed)
+  uint64_t seed = 1;                 // run seed: selection ties, task seeds, ACP initial factors
+  std::string algorithm = "fedavg";  // fedavg | fedprox | scaffold
+  double mu = 0;                     // FedProx proximal weight
+  int local_epochs = 1;
+  int batch_size = 32;
+  double lr = 0.01;
+  double momentum = 0;
+  double weight_decay = 0;
+  std::string compression = "none";  // uplink compressor spec (clients encode with it)
+  std::string downlink = "none";     // "none" or a compressor spec for the broadcast model delta
+  std::string server_optimizer = "fedavg";
+
+  // Rounds.
+  int rounds = 10;
+  int clients_per_round = 2;
+  int min_clients = 0;           // live clients needed to start a round; 0 = clients_per_round
+  int quorum = 1;                // updates needed to close a round at its deadline
+  double round_deadline_s = 60;  // seconds a round waits for its updates
+  double max_round_wait_s = 0;   // a round without quorum after this long is restarted; 0 = 4 x deadline
+  int workers = 2;               // decode/aggregate pool threads
+
+  // Persistence.
+  std::string db = "sparrow-server.db";
+  int keep_checkpoints = 2;  // checkpoint rows kept (the newest ones); >= 1
+
+  // Optional server-side evaluation (forward passes on the Fashion-MNIST test split).
+  int eval_every = 0;  // 0 = off (no dataset needed)
+  std::string data_dir = "/usr/share/datasets/fashion-mnist";
+  int eval_batch = 1000;
+
+  // Derived.
+  int effective_min_clients() const { return min_clients > 0 ? min_clients : clients_per_round; }
+  double effective_max_round_wait_s() const { return max_round_wait_s > 0 ? max_round_wait_s : 4 * round_deadline_s; }
+  uint64_t max_message_bytes() const { return static_cast<uint64_t>(max_message_mb * 1024.0 * 1024.0); }
+};
+
+// Parses TOML text (source names it in errors) and applies "key=value"
+// overrides: ConfigError naming the key (and file:line or --set) for an unknown
+// key or a value of the wrong type. Ranges are checked by validate(), which the
+// Server constructor calls (after the CLI has set `insecure`).
+ServerConfig parse_server_config(const std::string& toml_text, const std::vector<std::string>& overrides = {},
+                                 const std::string& source = "<string>");
+// Reads and parses a file; ConfigError when unreadable.
+ServerConfig load_server_config(const std::string& path, const std::vector<std::string>& overrides = {});
+// Checks ranges and spec strings (compressors, server optimiser) and that
+// server_key/allow are set unless insecure. ConfigError naming the key.
+void validate(const ServerConfig& c);
+
+// The keys that define a run's identity (the model, the training settings,
+// the algorithm): a database holding a run with another identity is refused
+// on start. rounds, deadlines, network, keys, workers and evaluation may change
+// across restarts.
+std::string identity_text(const ServerConfig& c);
+// FNV-1a 64 of identity_text, as 16 hex digits.
+std::string config_hash(const ServerConfig& c);
+
+// The effective configuration as TOML (every key; `insecure` omitted).
+std::string to_toml(const ServerConfig& c);
+
+}  // namespace sparrow::server

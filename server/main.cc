@@ -1,0 +1,197 @@
+// sparrow-server: the aggregator daemon (docs/server.md).
+//   sparrow-server --config server.toml [--insecure] [--set key=value]...
+//   sparrow-server keygen --out DIR [--name NAME] [--clients N]
+//   sparrow-server status --db FILE [--json]
+#include <CLI/CLI.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include "core/error.h"
+#include "server/config.h"
+#include "server/server.h"
+#include "server/store.h"
+#include "wire/net.h"
+
+namespace {
+
+std::atomic<sparrow::server::Server*> g_server{nullptr};
+
+extern "C" void on_signal(int) {
+  sparrow::server::Server* s = g_server.load();
+  if (s) s->stop();  // stores to an atomic flag only: async-signal-safe
+}
+
+std::string num(double v) {
+  if (!std::isfinite(v)) return "null";
+  std::ostringstream os;
+  os.precision(10);
+  os << v;
+  return os.str();
+}
+
+std::string json_string(const std::string& s) {
+  std::string out = "\"";
+  for (unsigned char c : s) {
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c < 0x20) {
+      char buf[8];
+      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
+      out += buf;
+    } else {
+      out += static_cast<char>(c);
+    }
+  }
+  return out + "\"";
+}
+
+int status(const std::string& db, bool json) {
+  auto store = sparrow::server::ServerStore::open_readonly(db);
+  auto run = store->run();
+  auto rounds = store->rounds();
+  auto clients = store->clients();
+  const int64_t last = rounds.empty() ? 0 : rounds.back().round;
+  auto metrics = store->metrics(last);
+  if (json) {
+    std::ostringstream os;
+    os << "{\"run_id\":" << json_string(run ? run->run_id : "")
+       << ",\"config_hash\":" << json_string(run ? run->config_hash : "") << ",\"completed_rounds\":" << last
+       << ",\"rounds\":[";
+    for (size_t i = 0; i < rounds.size(); ++i) {
+      const auto& r = rounds[i];
+      os << (i ? "," : "") << "{\"round\":" << r.round << ",\"selected\":" << r.selected << ",\"updates\":" << r.updates
+         << ",\"rejected\":" << r.rejected << ",\"stale\":" << r.stale << ",\"bytes_in\":" << r.bytes_in
+         << ",\"bytes_out\":" << r.bytes_out << ",\"train_loss\":" << num(r.train_loss)
+         << ",\"eval_loss\":" << num(r.eval_loss) << ",\"eval_accuracy\":" << num(r.eval_accuracy)
+         << ",\"seconds\":" << num(r.finished - r.started) << "}";
+    }
+    os << "],\"clients\":[";
+    for (size_t i = 0; i < clients.size(); ++i) {
+      const auto& c = clients[i];
+      os << (i ? "," : "") << "{\"client_id\":" << json_string(c.client_id)
+         << ",\"public_key\":" << json_string(c.public_key) << ",\"last_seen\":" << c.last_seen
+         << ",\"last_selected\":" << c.last_selected << ",\"selected\":" << c.selected << ",\"updates\":" << c.updates
+         << ",\"rejects\":" << c.rejects << ",\"num_samples\":" << c.num_samples
+         << ",\"software\":" << json_string(c.software) << "}";
+    }
+    os << "],\"latest_metrics\":{";
+    bool first = true;
+    for (const auto& [k, v] : metrics) {
+      os << (first ? "" : ",") << json_string(k) << ":" << num(v);
+      first = false;
+    }
+    os << "}}";
+    std::cout << os.str() << "\n";
+    return 0;
+  }
+  std::cout << "run " << (run ? run->run_id : "(none)") << "  config_hash " << (run ? run->config_hash : "-")
+            << "\ncompleted rounds: " << last << "\n\nrounds:\n";
+  std::printf("%6s %8s %8s %8s %6s %12s %12s %10s %10s %9s\n", "round", "selected", "updates", "rejected", "stale",
+              "bytes_in", "bytes_out", "train_loss", "eval_loss", "eval_acc");
+  for (const auto& r : rounds)
+    std::printf("%6lld %8lld %8lld %8lld %6lld %12llu %12llu %10.4f %10.4f %9.4f\n", static_cast<long long>(r.round),
+                static_cast<long long>(r.selected), static_cast<long long>(r.updates),
+                static_cast<long long>(r.rejected), static_cast<long long>(r.stale),
+                static_cast<unsigned long long>(r.bytes_in), static_cast<unsigned long long>(r.bytes_out), r.train_loss,
+                r.eval_loss, r.eval_accuracy);
+  std::cout << "\nclients (" << clients.size() << "):\n";
+  std::printf("%-24s %8s %8s %8s %8s %10s  %s\n", "client_id", "selected", "updates", "rejects", "last_sel", "samples",
+              "public_key");
+  for (const auto& c : clients)
+    std::printf("%-24s %8lld %8lld %8lld %8lld %10llu  %s\n", c.client_id.c_str(), static_cast<long long>(c.selected),
+                static_cast<long long>(c.updates), static_cast<long long>(c.rejects),
+                static_cast<long long>(c.last_selected), static_cast<unsigned long long>(c.num_samples),
+                c.public_key.empty() ? "-" : c.public_key.c_str());
+  std::cout << "\nlatest metrics (round " << last << "):\n";
+  for (const auto& [k, v] : metrics) std::cout << "  " << k << " = " << num(v) << "\n";
+  return 0;
+}
+
+int keygen(const std::string& out, const std::string& name, int clients) {
+  namespace net = sparrow::net;
+  net::KeyPair server = net::generate_keypair();
+  net::write_keypair(out, name, server);
+  std::cout << out << "/" << name << ".key_secret  (server; keep private)\n"
+            << out << "/" << name << ".key         (server public key; give to clients)\n";
+  if (clients <= 0) return 0;
+  // The allow-list names the clients' public key files (relative to its own directory).
+  const std::string allow = out + "/allow.txt";
+  SPARROW_CHECK_T(sparrow::ConfigError, !std::ifstream(allow).good(),
+                  "keygen: '" << allow << "' exists; not overwritten");
+  std::ofstream list(allow);
+  list << "# sparrow-server allow-list: one client public key (Z85) or .key file per line\n";
+  for (int i = 1; i <= clients; ++i) {
+    const std::string cname = "client" + std::to_string(i);
+    net::write_keypair(out, cname, net::generate_keypair());
+    list << cname << ".key\n";
+    std::cout << out << "/" << cname << ".key_secret  (client " << i << "; give it to that client only)\n";
+  }
+  std::cout << allow << "  (allow-list: set allow = \"" << allow << "\" and server_key = \"" << out << "/" << name
+            << ".key_secret\")\n";
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"sparrow-server: federated-learning aggregator (docs/server.md)"};
+  std::string config_path;
+  bool insecure = false;
+  std::vector<std::string> overrides;
+  std::string log_level = "info";
+  app.add_option("--config,-c", config_path, "server TOML config");
+  app.add_flag("--insecure", insecure, "plain TCP without CurveZMQ (logs a warning)");
+  app.add_option("--set", overrides, "override a config key: key=value (repeatable)");
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
+
+  auto* kg = app.add_subcommand("keygen", "write CurveZMQ key pairs for the server and N clients");
+  std::string kg_out, kg_name = "server";
+  int kg_clients = 0;
+  kg->add_option("--out", kg_out, "directory")->required();
+  kg->add_option("--name", kg_name, "server key name")->capture_default_str();
+  kg->add_option("--clients", kg_clients, "client key pairs to write")->check(CLI::Range(0, 100000));
+
+  auto* st = app.add_subcommand("status", "print rounds, clients and the latest metrics of a server database");
+  std::string st_db;
+  bool st_json = false;
+  st->add_option("--db", st_db, "database file")->required();
+  st->add_flag("--json", st_json, "one JSON object");
+  CLI11_PARSE(app, argc, argv);
+
+  auto logger = spdlog::stderr_color_mt("sparrow-server");
+  spdlog::set_default_logger(logger);
+  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e level=%l %v");
+  spdlog::set_level(spdlog::level::from_str(log_level));
+  try {
+    if (*kg) return keygen(kg_out, kg_name, kg_clients);
+    if (*st) return status(st_db, st_json);
+    if (config_path.empty()) {
+      std::cerr << "sparrow-server: --config FILE is required (or a subcommand: keygen, status)\n";
+      return 2;
+    }
+    sparrow::server::ServerConfig cfg = sparrow::server::load_server_config(config_path, overrides);
+    cfg.insecure = insecure;
+    sparrow::server::Server server(cfg);
+    g_server.store(&server);
+    std::signal(SIGINT, on_signal);
+    std::signal(SIGTERM, on_signal);
+    server.run();
+    g_server.store(nullptr);
+    return 0;
+  } catch (const sparrow::ConfigError& e) {
+    spdlog::error("event=config_error msg=\"{}\"", e.what());
+    return 2;
+  } catch (const std::exception& e) {
+    spdlog::error("event=fatal msg=\"{}\"", e.what());
+    return 1;
+  }
+}

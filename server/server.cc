@@ -1,0 +1,1200 @@
+#include "server/server.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/GradMode.h>
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <sstream>
+#include <thread>
+#include <zmq.hpp>
+
+#include "aggregation/aggregator.h"
+#include "aggregation/server_optimizer.h"
+#include "compression/compressor.h"
+#include "compression/lowrank.h"
+#include "compression/state.h"
+#include "core/datasets.h"
+#include "core/error.h"
+#include "core/model_digest.h"
+#include "core/models.h"
+#include "core/rng.h"
+#include "core/spec.h"
+#include "server/store.h"
+#include "wire/net.h"
+#include "wire/wire.h"
+
+namespace sparrow::server {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using wire::ErrorCode;
+
+constexpr uint64_t kSelectTag = 0x73656c65;  // "sele"
+constexpr uint64_t kTaskTag = 0x7461736b;    // "task"
+constexpr uint64_t kDownTag = 0x646f776e;    // "down"
+// Frames up to this size are parsed on the I/O thread (control messages);
+// larger ones are parsed by the pool so the I/O thread keeps serving.
+constexpr size_t kInlineParseBytes = size_t{64} << 10;
+constexpr auto kPollInterval = std::chrono::milliseconds(2);
+constexpr auto kRoundTick = std::chrono::milliseconds(20);
+
+const double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+double unix_now() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
+
+compression::Encoded dense_encoded(const at::Tensor& t) {
+  at::Tensor c = t.to(at::kCPU, at::kFloat).contiguous();
+  compression::Encoded e;
+  e.format = compression::Format::kDense;
+  e.shape = c.sizes().vec();
+  e.value_type = compression::ValueType::kF32;
+  const size_t bytes = static_cast<size_t>(c.numel()) * sizeof(float);
+  e.values.resize(bytes);
+  if (bytes) std::memcpy(e.values.data(), c.data_ptr<float>(), bytes);
+  return e;
+}
+
+// (name, bytes) pairs as one blob: u32 count, then per entry u32 name length,
+// name, u64 blob length, blob (little-endian, as on every supported host).
+std::string pack_blobs(const std::map<std::string, std::string>& m) {
+  std::string out;
+  auto put = [&](const void* p, size_t n) { out.append(static_cast<const char*>(p), n); };
+  const uint32_t n = static_cast<uint32_t>(m.size());
+  put(&n, 4);
+  for (const auto& [k, v] : m) {
+    const uint32_t kl = static_cast<uint32_t>(k.size());
+    const uint64_t vl = v.size();
+    put(&kl, 4);
+    out += k;
+    put(&vl, 8);
+    out += v;
+  }
+  return out;
+}
+
+std::map<std::string, std::string> unpack_blobs(const std::string& s) {
+  std::map<std::string, std::string> m;
+  if (s.empty()) return m;
+  size_t pos = 0;
+  auto get = [&](void* p, size_t n) {
+    SPARROW_CHECK_T(FormatError, n <= s.size() - pos, "checkpoint blob truncated");
+    std::memcpy(p, s.data() + pos, n);
+    pos += n;
+  };
+  uint32_t n = 0;
+  get(&n, 4);
+  for (uint32_t i = 0; i < n; ++i) {
+    uint32_t kl = 0;
+    uint64_t vl = 0;
+    get(&kl, 4);
+    SPARROW_CHECK_T(FormatError, kl <= s.size() - pos, "checkpoint blob truncated");
+    std::string k = s.substr(pos, kl);
+    pos += kl;
+    get(&vl, 8);
+    SPARROW_CHECK_T(FormatError, vl <= s.size() - pos, "checkpoint blob truncated");
+    m[k] = s.substr(pos, vl);
+    pos += vl;
+  }
+  SPARROW_CHECK_T(FormatError, pos == s.size(), "checkpoint blob has trailing bytes");
+  return m;
+}
+
+wire::Message msg(wire::Body body) {
+  wire::Message m;
+  m.body = std::move(body);
+  return m;
+}
+
+enum class Status { kWaiting, kInFlight, kDone };
+
+struct Session {
+  std::string client_id;
+  std::string key;
+  Clock::time_point last_seen;
+  std::optional<uint64_t> last_round;  // the broadcast model round the client holds
+  uint64_t num_samples = 0;
+};
+
+struct Job {
+  std::string routing_id;
+  std::string key;
+  zmq::message_t frame;                 // unparsed (large) frame, or empty
+  std::optional<wire::Message> parsed;  // parsed on the I/O thread
+  size_t size = 0;
+};
+
+// What every task and every update of a round shares; immutable while the
+// round is open (workers hold a shared_ptr taken under the state mutex).
+struct RoundContext {
+  uint64_t round = 0;
+  aggregation::ContextMap contexts;
+  std::vector<wire::NamedTensor> full;     // B_{r-1} in full (Dense F32)
+  std::vector<wire::NamedTensor> delta;    // downlink: C_{r-1}; empty otherwise
+  std::vector<wire::NamedTensor> shared;   // ACP shared factors
+  std::vector<wire::NamedTensor> control;  // SCAFFOLD server control
+};
+
+// One worker's share of the open round.
+struct Partial {
+  std::unique_ptr<aggregation::StreamingAggregator> agg;
+  Weights control_sum;
+  std::map<std::string, double> metric_sum;  // Σ w·metric
+  double metric_weight = 0;
+  void reset() {
+    agg->reset();
+    control_sum.clear();
+    metric_sum.clear();
+    metric_weight = 0;
+  }
+};
+
+struct AtomicCounters {
+  std::atomic<uint64_t> accepted{0}, stale{0}, unknown{0}, bytes_in{0}, bytes_out{0}, messages_in{0}, messages_out{0},
+      send_failures{0}, rounds{0}, abandoned{0};
+  std::array<std::atomic<uint64_t>, 8> rejected{};
+};
+
+}  // namespace
+
+std::string serialize_weights(const Weights& w) {
+  compression::State s;
+  for (const auto& [k, v] : w) s.tensors[k] = v.to(at::kCPU, at::kFloat).contiguous();
+  return s.serialize();
+}
+
+Weights deserialize_weights(const std::string& bytes) {
+  if (bytes.empty()) return {};
+  compression::State s = compression::State::deserialize(bytes);
+  return Weights(s.tensors.begin(), s.tensors.end());
+}
+
+std::vector<std::string> select_clients(std::vector<Candidate> candidates, size_t k, uint64_t key) {
+  std::vector<std::pair<std::pair<int64_t, uint64_t>, std::string>> order;
+  order.reserve(candidates.size());
+  for (auto& c : candidates)
+    order.push_back({{c.last_selected, rng::at(key, rng::hash_name(c.client_id))}, std::move(c.client_id)});
+  std::sort(order.begin(), order.end());
+  std::vector<std::string> out;
+  for (size_t i = 0; i < order.size() && i < k; ++i) out.push_back(order[i].second);
+  return out;
+}
+
+struct Server::Impl {
+  ServerConfig cfg;
+  // Model.
+  std::vector<std::string> names;  // model order
+  aggregation::TensorShapes shapes;
+  uint64_t digest = 0;
+  int64_t numel = 0;
+  std::shared_ptr<core::Model> eval_model;
+  core::Dataset test;
+
+  // Global state (round thread; weights_mu guards `global` for readers).
+  mutable std::mutex weights_mu;
+  Weights global;
+  Weights broadcast;  // downlink: B_r (else unused: B_r = W_r)
+  std::unique_ptr<compression::Compressor> down;
+  std::map<std::string, compression::State> down_state;
+  std::vector<wire::NamedTensor> down_last;  // C_r
+  std::unique_ptr<aggregation::ServerOptimizer> opt;
+  Weights control;                               // SCAFFOLD c (empty = zeros)
+  std::map<std::string, at::Tensor> acp_shared;  // for round completed + 1
+  int64_t acp_rank = 0;                          // > 0 when the uplink is ACP
+  std::atomic<int64_t> completed{0};
+
+  // Persistence.
+  std::unique_ptr<ServerStore> store;
+  std::string run_id;
+
+  // Transport.
+  zmq::context_t ctx{1};
+  std::unique_ptr<net::ZapHandler> zap;
+  zmq::socket_t router;
+  std::string endpoint;
+  std::string public_key;
+  wire::ParseLimits limits;
+
+  // Session state (mu).
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<std::string, Session> sessions;       // routing id -> session
+  std::map<std::string, std::string> by_client;  // client id -> routing id
+  std::map<std::string, ClientRow> clients;      // every client ever seen
+  std::set<std::string> dirty_clients;
+  uint64_t round = 0;  // the round in progress (0 before the first)
+  bool round_open = false;
+  std::map<std::string, Status> selected;
+  int in_flight = 0;
+  int64_t round_accepted = 0, round_rejected = 0, round_stale = 0;
+  std::shared_ptr<const RoundContext> round_ctx;
+
+  // Outbox (any thread -> I/O thread).
+  std::mutex out_mu;
+  std::deque<std::pair<std::string, std::string>> outbox;
+
+  // Worker pool.
+  std::mutex job_mu;
+  std::condition_variable job_cv;
+  std::deque<Job> jobs;
+  bool jobs_stop = false;
+  std::vector<Partial> partials;
+  std::vector<std::thread> workers;
+  std::thread io;
+  std::atomic<bool> io_stop{false};
+  std::atomic<bool> stop{false};
+  bool ran = false;
+
+  AtomicCounters n;
+
+  // ---- set-up ---------------------------------------------------------------
+
+  void init(Weights initial) {
+    validate(cfg);
+    compression::register_builtins();
+    if (initial.empty()) {
+      std::shared_ptr<core::Model> m = core::make_model(cfg.model, cfg.model_seed);
+      for (const auto& p : m->named_parameters(/*recurse=*/true)) {
+        names.push_back(p.key());
+        global[p.key()] = p.value().detach().to(at::kCPU, at::kFloat).contiguous().clone();
+      }
+      if (cfg.eval_every > 0) eval_model = m;
+    } else {
+      for (auto& [k, v] : initial) {
+        SPARROW_CHECK_T(ConfigError, v.defined() && v.dim() >= 1, "initial weights: tensor '" << k << "' is empty");
+        names.push_back(k);
+        global[k] = v.detach().to(at::kCPU, at::kFloat).contiguous().clone();
+      }
+      if (cfg.eval_every > 0) eval_model = core::make_model(cfg.model, cfg.model_seed);
+    }
+    SPARROW_CHECK_T(ConfigError, !names.empty(), "model '" << cfg.model << "' has no parameters");
+    for (const auto& nm : names) {
+      shapes.emplace_back(nm, global.at(nm).sizes().vec());
+      numel += global.at(nm).numel();
+    }
+    digest = core::model_digest(global);
+    if (eval_model) test = core::load_fashion_mnist(cfg.data_dir, "test");
+
+    opt = std::make_unique<aggregation::ServerOptimizer>(cfg.server_optimizer);
+    Spec up = Spec::parse(cfg.compression);
+    if (up.method() == "acp") acp_rank = up.get_int("rank", 0);
+    if (cfg.downlink != "none") {
+      down = compression::make_compressor(cfg.downlink);
+      for (const auto& nm : names) broadcast[nm] = global.at(nm).clone();
+    }
+    limits.max_bytes = cfg.max_message_bytes();
+    limits.max_elements = static_cast<uint64_t>(numel) * 2 + (uint64_t{1} << 20);
+    partials.resize(static_cast<size_t>(cfg.workers));
+    for (auto& p : partials) p.agg = std::make_unique<aggregation::StreamingAggregator>(shapes);
+
+    open_store();
+    bind();
+  }
+
+  void open_store() {
+    store = ServerStore::open(cfg.db);
+    const std::string hash = config_hash(cfg);
+    std::optional<RunRow> run = store->run();
+    if (!run) {
+      RunRow r;
+      std::ostringstream id;
+      id << "run-" << hash.substr(0, 8) << "-" << std::hex << static_cast<uint64_t>(unix_now() * 1000);
+      r.run_id = id.str();
+      r.config_hash = hash;
+      r.config = identity_text(cfg);
+      r.created = static_cast<int64_t>(unix_now());
+      store->create_run(r);
+      run = r;
+      spdlog::info("event=run_created run_id={} db={} config_hash={}", r.run_id, cfg.db, hash);
+    } else {
+      SPARROW_CHECK_T(ConfigError, run->config_hash == hash,
+                      "database '" << cfg.db << "' holds run " << run->run_id
+                                   << " with another configuration; use another db or the same settings. Stored:\n"
+                                   << run->config << "This config:\n"
+                                   << identity_text(cfg));
+    }
+    run_id = run->run_id;
+    for (ClientRow& c : store->clients()) clients[c.client_id] = c;
+    std::optional<Checkpoint> ck = store->latest_checkpoint();
+    if (ck) resume(*ck);
+  }
+
+  Weights check_weights(const std::string& blob, const char* what) {
+    Weights w = deserialize_weights(blob);
+    SPARROW_CHECK_T(FormatError, w.size() == global.size(),
+                    "checkpoint " << what << " has " << w.size() << " tensors, the model " << global.size());
+    for (const auto& [k, v] : global)
+      SPARROW_CHECK_T(FormatError, w.count(k) && w.at(k).sizes() == v.sizes(),
+                      "checkpoint " << what << " does not match the model at '" << k << "'");
+    return w;
+  }
+
+  void resume(const Checkpoint& ck) {
+    global = check_weights(ck.weights, "weights");
+    if (!ck.server_opt.empty()) opt->deserialize_state(ck.server_opt);
+    if (!ck.control.empty()) control = check_weights(ck.control, "control");
+    if (down) {
+      if (!ck.broadcast.empty()) broadcast = check_weights(ck.broadcast, "broadcast");
+      for (auto& [k, v] : unpack_blobs(ck.downlink_state)) down_state[k] = compression::State::deserialize(v);
+      if (!ck.downlink_last.empty()) {
+        wire::Message m = wire::parse(ck.downlink_last);
+        down_last = std::move(std::get<wire::ModelUpdate>(m.body).tensors);
+      }
+    }
+    acp_shared = deserialize_weights(ck.acp);
+    completed = ck.round;
+    round = static_cast<uint64_t>(ck.round);
+    n.rounds = static_cast<uint64_t>(ck.round);
+    spdlog::info("event=resumed run_id={} round={} db={}", run_id, ck.round, cfg.db);
+  }
+
+  void bind() {
+    router = zmq::socket_t(ctx, zmq::socket_type::router);
+    if (cfg.insecure) {
+      spdlog::warn("event=insecure msg=\"plain TCP without CurveZMQ: traffic is neither encrypted nor authenticated\"");
+    } else {
+      net::KeyPair keys = net::load_keypair(cfg.server_key);
+      public_key = keys.public_key;
+      std::set<std::string> allowed = net::load_allow_list(cfg.allow);
+      spdlog::info("event=allow_list path={} keys={}", cfg.allow, allowed.size());
+      zap = std::make_unique<net::ZapHandler>(ctx, std::move(allowed),
+                                              [](const std::string& key, const std::string& addr, bool ok) {
+                                                if (ok)
+                                                  spdlog::debug("event=zap key={} address={} admitted=1", key, addr);
+                                                else
+                                                  spdlog::warn("event=zap key={} address={} admitted=0", key, addr);
+                                              });
+      net::make_curve_server(router, keys);
+    }
+    net::set_limits(router, cfg.max_message_bytes(), cfg.heartbeat_ms);
+    router.set(zmq::sockopt::router_mandatory, 1);
+    try {
+      router.bind(cfg.listen);
+    } catch (const zmq::error_t& e) {
+      throw ConfigError("listen: cannot bind '" + cfg.listen + "': " + e.what());
+    }
+    endpoint = router.get(zmq::sockopt::last_endpoint);
+    spdlog::info("event=listening endpoint={} curve={} run_id={} model={} digest={} round={}", endpoint,
+                 cfg.insecure ? 0 : 1, run_id, cfg.model, digest, completed.load());
+  }
+
+  // ---- replies ----------------------------------------------------------------
+
+  void send_bytes(const std::string& routing_id, std::string bytes) {
+    std::lock_guard<std::mutex> g(out_mu);
+    outbox.emplace_back(routing_id, std::move(bytes));
+  }
+  void reply(const std::string& routing_id, const wire::Message& m) { send_bytes(routing_id, wire::serialize(m)); }
+  void reply_error(const std::string& routing_id, ErrorCode code, const std::string& text,
+                   std::optional<uint64_t> r = std::nullopt) {
+    n.rejected[static_cast<size_t>(code) & 7]++;
+    reply(routing_id, net::error_message(code, text, r));
+  }
+
+  // ---- I/O thread --------------------------------------------------------------
+
+  void flush_outbox() {
+    std::deque<std::pair<std::string, std::string>> out;
+    {
+      std::lock_guard<std::mutex> g(out_mu);
+      out.swap(outbox);
+    }
+    for (auto& [id, bytes] : out) {
+      bool ok = false;
+      try {
+        ok = net::send_bytes_to(router, id, bytes, /*dont_wait=*/true);
+      } catch (const zmq::error_t& e) {
+        spdlog::warn("event=send_failed error=\"{}\"", e.what());
+      }
+      if (ok) {
+        n.messages_out++;
+        n.bytes_out += bytes.size();
+      } else {
+        n.send_failures++;
+      }
+    }
+  }
+
+  void io_loop() {
+    const size_t max_jobs = static_cast<size_t>(cfg.workers) * 4;
+    while (!io_stop.load()) {
+      size_t queued;
+      {
+        std::lock_guard<std::mutex> g(job_mu);
+        queued = jobs.size();
+      }
+      // Back-pressure: a full job queue stops reading (libzmq buffers, then
+      // TCP flow control), never drops or rejects updates.
+      const bool can_read = queued < max_jobs;
+      zmq::pollitem_t item{static_cast<void*>(router), 0, static_cast<short>(can_read ? ZMQ_POLLIN : 0), 0};
+      try {
+        zmq::poll(&item, 1, kPollInterval);
+        if (can_read && (item.revents & ZMQ_POLLIN))
+          for (int i = 0; i < 256; ++i)
+            if (!receive_one()) break;
+      } catch (const zmq::error_t& e) {
+        if (e.num() == ETERM) break;
+        spdlog::error("event=io_error error=\"{}\"", e.what());
+      }
+      flush_outbox();
+    }
+    flush_outbox();
+  }
+
+  bool receive_one() {
+    zmq::message_t id;
+    if (!router.recv(id, zmq::recv_flags::dontwait)) return false;
+    std::string routing_id(static_cast<const char*>(id.data()), id.size());
+    if (!id.more()) return true;  // no payload frame (cannot happen with ROUTER)
+    zmq::message_t frame;
+    if (!router.recv(frame, zmq::recv_flags::none)) return false;
+    bool extra = false;
+    while (frame.more()) {
+      zmq::message_t drop;
+      (void)router.recv(drop, zmq::recv_flags::none);
+      extra = true;
+      if (!drop.more()) break;
+    }
+    n.messages_in++;
+    n.bytes_in += frame.size();
+    if (extra) {
+      reply_error(routing_id, ErrorCode::kMalformed, "one frame per message expected");
+      return true;
+    }
+    Job job;
+    job.routing_id = std::move(routing_id);
+    job.key = net::peer_key(frame);
+    job.size = frame.size();
+    if (frame.size() <= kInlineParseBytes) {
+      try {
+        job.parsed = wire::parse(frame.data(), frame.size(), limits);
+      } catch (const wire::ProtocolError& e) {
+        reply_error(job.routing_id, e.code(), e.what());
+        return true;
+      }
+      if (!std::holds_alternative<wire::ModelUpdate>(job.parsed->body)) {
+        try {
+          handle_control(job.routing_id, job.key, *job.parsed);
+        } catch (const std::exception& e) {  // never fatal for the I/O thread
+          spdlog::error("event=control_error error=\"{}\"", e.what());
+          reply_error(job.routing_id, ErrorCode::kInternal, "internal error");
+        }
+        return true;
+      }
+    } else {
+      job.frame = std::move(frame);
+    }
+    {
+      std::lock_guard<std::mutex> g(job_mu);
+      jobs.push_back(std::move(job));
+    }
+    job_cv.notify_one();
+    return true;
+  }
+
+  // ---- worker pool -------------------------------------------------------------
+
+  void worker_loop(size_t w) {
+    for (;;) {
+      Job job;
+      {
+        std::unique_lock<std::mutex> g(job_mu);
+        job_cv.wait(g, [&] { return jobs_stop || !jobs.empty(); });
+        if (jobs.empty()) return;  // stopping
+        job = std::move(jobs.front());
+        jobs.pop_front();
+      }
+      try {
+        if (!job.parsed) {
+          try {
+            job.parsed = wire::parse(job.frame.data(), job.frame.size(), limits);
+          } catch (const wire::ProtocolError& e) {
+            reply_error(job.routing_id, e.code(), e.what());
+            continue;
+          }
+          job.frame = zmq::message_t();
+        }
+        if (auto* u = std::get_if<wire::ModelUpdate>(&job.parsed->body))
+          handle_update(w, job.routing_id, std::move(*u));
+        else
+          handle_control(job.routing_id, job.key, *job.parsed);
+      } catch (const std::exception& e) {
+        // Never fatal: a peer's message cannot take the server down.
+        spdlog::error("event=worker_error error=\"{}\"", e.what());
+        reply_error(job.routing_id, ErrorCode::kInternal, "internal error");
+      }
+    }
+  }
+
+  // ---- control messages (any thread) -------------------------------------------
+
+  void handle_control(const std::string& rid, const std::string& key, const wire::Message& m) {
+    if (const auto* h = std::get_if<wire::Hello>(&m.body)) return handle_hello(rid, key, *h);
+    std::unique_lock<std::mutex> g(mu);
+    auto it = sessions.find(rid);
+    if (std::holds_alternative<wire::ErrorBody>(m.body)) {
+      const auto& e = std::get<wire::ErrorBody>(m.body);
+      spdlog::warn("event=client_error client={} code={} msg=\"{}\"", it == sessions.end() ? "?" : it->second.client_id,
+                   wire::error_code_name(e.code), e.message);
+      return;  // never answer an Error with an Error
+    }
+    if (it == sessions.end()) {
+      n.unknown++;
+      g.unlock();
+      reply_error(rid, ErrorCode::kRejected, "unknown client: send Hello");
+      return;
+    }
+    Session& s = it->second;
+    s.last_seen = Clock::now();
+    touch(s.client_id);
+    if (std::holds_alternative<wire::Heartbeat>(m.body)) {
+      const uint64_t r = round;
+      g.unlock();
+      reply(rid, msg(wire::Heartbeat{r}));
+    } else if (const auto* b = std::get_if<wire::Bye>(&m.body)) {
+      spdlog::info("event=client_bye client={} reason=\"{}\"", s.client_id, b->reason);
+      by_client.erase(s.client_id);
+      sessions.erase(it);
+      n_connected_changed();
+    } else {
+      g.unlock();
+      reply_error(rid, ErrorCode::kUnsupported, std::string("unexpected message ") + wire::body_name(m.body));
+    }
+  }
+
+  void n_connected_changed() { cv.notify_all(); }
+
+  void touch(const std::string& client_id) {
+    auto it = clients.find(client_id);
+    if (it == clients.end()) return;
+    it->second.last_seen = static_cast<int64_t>(unix_now());
+    dirty_clients.insert(client_id);
+  }
+
+  void handle_hello(const std::string& rid, const std::string& key, const wire::Hello& h) {
+    auto refuse = [&](const std::string& why) {
+      spdlog::warn("event=hello_refused client={} key={} reason=\"{}\"", h.client_id, key, why);
+      reply_error(rid, ErrorCode::kRejected, why);
+    };
+    if (h.num_samples == 0) return refuse("num_samples must be > 0");
+    if (h.model != cfg.model)
+      return refuse("model mismatch: server runs '" + cfg.model + "', client has '" + h.model + "'");
+    if (h.model_digest != digest) return refuse("model digest mismatch (different parameter names or shapes)");
+    std::unique_lock<std::mutex> g(mu);
+    auto cit = clients.find(h.client_id);
+    if (cit != clients.end() && !cit->second.public_key.empty() && cit->second.public_key != key) {
+      g.unlock();
+      return refuse("client id '" + h.client_id + "' is bound to another key");
+    }
+    const int64_t now = static_cast<int64_t>(unix_now());
+    if (cit == clients.end()) {
+      ClientRow row;
+      row.client_id = h.client_id;
+      row.public_key = key;
+      row.first_seen = now;
+      cit = clients.emplace(h.client_id, row).first;
+    }
+    ClientRow& row = cit->second;
+    if (row.public_key.empty()) row.public_key = key;
+    row.last_seen = now;
+    row.num_samples = h.num_samples;
+    row.software = h.software;
+    dirty_clients.insert(h.client_id);
+    // The same client on a new connection replaces its old session.
+    auto bit = by_client.find(h.client_id);
+    if (bit != by_client.end() && bit->second != rid) sessions.erase(bit->second);
+    // A connection that changes identity drops its old binding.
+    auto sit = sessions.find(rid);
+    if (sit != sessions.end() && sit->second.client_id != h.client_id) by_client.erase(sit->second.client_id);
+    Session& s = sessions[rid];
+    s.client_id = h.client_id;
+    s.key = key;
+    s.last_seen = Clock::now();
+    s.last_round = h.last_round;
+    s.num_samples = h.num_samples;
+    by_client[h.client_id] = rid;
+    wire::Welcome w;
+    w.run_id = run_id;
+    w.heartbeat_ms = static_cast<uint32_t>(cfg.heartbeat_ms);
+    w.round = round;
+    w.max_message_bytes = cfg.max_message_bytes();
+    w.model_seed = cfg.model_seed;
+    reply(rid, msg(w));
+    spdlog::info("event=hello client={} samples={} last_round={} software=\"{}\" sessions={}", h.client_id,
+                 h.num_samples, h.last_round ? std::to_string(*h.last_round) : "none", h.software, sessions.size());
+    // Selected in the open round and still owing its update: (re)send the task.
+    if (round_open) {
+      auto sel = selected.find(h.client_id);
+      if (sel != selected.end() && sel->second == Status::kWaiting) send_task(rid, s, *round_ctx);
+    }
+    cv.notify_all();
+  }
+
+  // ---- tasks ---------------------------------------------------------------------
+
+  // Under mu. Picks Full or Delta by what the client holds (docs/server.md).
+  void send_task(const std::string& rid, Session& s, const RoundContext& rc) {
+    const uint64_t r = rc.round;
+    wire::Task t;
+    t.round = r;
+    t.train.algorithm = cfg.algorithm;
+    t.train.local_epochs = static_cast<uint32_t>(cfg.local_epochs);
+    t.train.batch_size = static_cast<uint32_t>(cfg.batch_size);
+    t.train.lr = cfg.lr;
+    t.train.momentum = cfg.momentum;
+    t.train.weight_decay = cfg.weight_decay;
+    t.train.mu = cfg.algorithm == "fedprox" ? cfg.mu : 0.0;
+    t.compression = cfg.compression;
+    t.seed = rng::derive(rng::derive(rng::derive(cfg.seed, kTaskTag), r), rng::hash_name(s.client_id));
+    t.shared = rc.shared;
+    t.control = rc.control;
+    t.deadline_ms = static_cast<uint64_t>(cfg.round_deadline_s * 1000.0);
+    if (s.last_round && *s.last_round == r - 1) {
+      t.model_encoding = wire::ModelEncoding::kDelta;
+      t.base_round = r - 1;
+    } else if (down && r >= 2 && s.last_round && *s.last_round == r - 2 && !rc.delta.empty()) {
+      t.model_encoding = wire::ModelEncoding::kDelta;
+      t.base_round = r - 2;
+      t.weights = rc.delta;
+    } else {
+      t.model_encoding = wire::ModelEncoding::kFull;
+      t.weights = rc.full;
+    }
+    s.last_round = r - 1;  // what the client holds once it applied this task
+    reply(rid, msg(std::move(t)));
+  }
+
+  // ---- updates (workers) -----------------------------------------------------------
+
+  void handle_update(size_t w, const std::string& rid, wire::ModelUpdate u) {
+    std::shared_ptr<const RoundContext> rc;
+    {
+      std::unique_lock<std::mutex> g(mu);
+      auto it = sessions.find(rid);
+      if (it == sessions.end()) {
+        n.unknown++;
+        g.unlock();
+        reply_error(rid, ErrorCode::kRejected, "unknown client: send Hello", u.round);
+        return;
+      }
+      Session& s = it->second;
+      s.last_seen = Clock::now();
+      if (u.client_id != s.client_id) {
+        g.unlock();
+        reply_error(rid, ErrorCode::kRejected, "client_id '" + u.client_id + "' is not this connection's", u.round);
+        return;
+      }
+      std::string why;
+      auto sel = selected.find(s.client_id);
+      if (!round_open || u.round != round)
+        why = "stale update: round " + std::to_string(u.round) + ", server is in round " + std::to_string(round) +
+              (round_open ? "" : " (closed)");
+      else if (sel == selected.end())
+        why = "not selected for round " + std::to_string(round);
+      else if (sel->second != Status::kWaiting)
+        why = "update for round " + std::to_string(round) + " already received";
+      if (!why.empty()) {
+        n.stale++;
+        round_stale++;
+        clients[s.client_id].rejects++;
+        dirty_clients.insert(s.client_id);
+        g.unlock();
+        spdlog::info("event=update_stale client={} round={} reason=\"{}\"", u.client_id, u.round, why);
+        reply(rid, net::error_message(ErrorCode::kRejected, why, u.round));
+        return;
+      }
+      sel->second = Status::kInFlight;
+      ++in_flight;
+      rc = round_ctx;
+    }
+    std::string error;
+    try {
+      fold(partials[w], u, *rc);
+    } catch (const std::bad_alloc&) {
+      error = "out of memory";
+    } catch (const std::exception& e) {  // sparrow::Error, and anything LibTorch throws on odd input
+      error = e.what();
+    }
+    {
+      std::lock_guard<std::mutex> g(mu);
+      auto sel = selected.find(u.client_id);
+      ClientRow& row = clients[u.client_id];
+      if (error.empty()) {
+        if (sel != selected.end()) sel->second = Status::kDone;
+        ++round_accepted;
+        row.updates++;
+        n.accepted++;
+      } else {
+        if (sel != selected.end()) sel->second = Status::kWaiting;  // it may send a good one
+        ++round_rejected;
+        row.rejects++;
+      }
+      dirty_clients.insert(u.client_id);
+      --in_flight;
+    }
+    cv.notify_all();
+    if (error.empty()) {
+      reply(rid, msg(wire::Ack{u.round}));
+      spdlog::debug("event=update_accepted client={} round={}", u.client_id, u.round);
+    } else {
+      spdlog::warn("event=update_rejected client={} round={} error=\"{}\"", u.client_id, u.round, error);
+      reply_error(rid, ErrorCode::kRejected, "update rejected: " + error, u.round);
+    }
+  }
+
+  // Verifies and adds one update to a worker's partial; all-or-nothing.
+  void fold(Partial& p, wire::ModelUpdate& u, const RoundContext& rc) {
+    SPARROW_CHECK_T(FormatError, u.num_samples > 0, "num_samples must be > 0");
+    // SCAFFOLD control deltas: decoded and checked before anything is added.
+    Weights cdelta;
+    if (cfg.algorithm == "scaffold") {
+      for (auto& nt : u.control_delta) {
+        auto sh = global.find(nt.name);
+        SPARROW_CHECK_T(FormatError, sh != global.end(), "control_delta: unknown tensor '" << nt.name << "'");
+        at::Tensor d = compression::decode(nt.tensor);
+        SPARROW_CHECK_T(FormatError, d.sizes() == sh->second.sizes(), "control_delta: shape of '" << nt.name << "'");
+        SPARROW_CHECK_T(FormatError, at::isfinite(d).all().item<bool>(),
+                        "control_delta: '" << nt.name << "' is not finite");
+        cdelta[nt.name] = d;
+      }
+    }
+    aggregation::EncodedUpdate eu;
+    eu.reserve(u.tensors.size());
+    for (auto& nt : u.tensors) eu.emplace_back(std::move(nt.name), std::move(nt.tensor));
+    const double weight = static_cast<double>(u.num_samples);
+    p.agg->add(eu, weight, rc.contexts);
+    for (auto& [k, d] : cdelta) {
+      auto it = p.control_sum.find(k);
+      if (it == p.control_sum.end())
+        p.control_sum[k] = d.clone();
+      else
+        it->second.add_(d);
+    }
+    for (const auto& [k, v] : u.metrics) p.metric_sum[k] += weight * v;
+    p.metric_weight += weight;
+  }
+
+  // ---- round thread ------------------------------------------------------------------
+
+  // Under mu: drops sessions silent for 3 heartbeats, unless they owe an update
+  // in the open round (the deadline governs those).
+  void sweep() {
+    const auto now = Clock::now();
+    const auto limit = std::chrono::milliseconds(3 * cfg.heartbeat_ms);
+    for (auto it = sessions.begin(); it != sessions.end();) {
+      const Session& s = it->second;
+      bool owes = false;
+      if (round_open) {
+        auto sel = selected.find(s.client_id);
+        owes = sel != selected.end() && sel->second != Status::kDone;
+      }
+      if (!owes && now - s.last_seen > limit) {
+        spdlog::info("event=client_gone client={} silent_ms={}", s.client_id,
+                     std::chrono::duration_cast<std::chrono::milliseconds>(now - s.last_seen).count());
+        by_client.erase(s.client_id);
+        it = sessions.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    n_connected = sessions.size();
+  }
+  std::atomic<uint64_t> n_connected{0};
+
+  std::shared_ptr<RoundContext> make_round_context(uint64_t r, int num_selected) {
+    auto rc = std::make_shared<RoundContext>();
+    rc->round = r;
+    const Weights& b = down ? broadcast : global;
+    for (const auto& nm : names) {
+      compression::Context c;
+      c.name = nm;
+      c.seed = cfg.seed;
+      c.num_workers = num_selected;
+      c.round = static_cast<int64_t>(r);
+      if (acp_rank > 0 && compression::lowrank_compressible(global.at(nm).sizes().vec(), acp_rank)) {
+        auto it = acp_shared.find(nm);
+        const auto d = compression::lowrank_dims(global.at(nm).sizes().vec(), acp_rank);
+        at::Tensor sh;
+        if (it != acp_shared.end() &&
+            it->second.sizes().vec() == compression::acp_shared_shape(d, static_cast<int64_t>(r)))
+          sh = it->second;
+        else
+          sh = compression::acp_initial_shared(c, d, static_cast<int64_t>(r));
+        acp_shared[nm] = sh;
+        c.shared_factor = sh;
+        // Labelled as the factor kind it is (the one sent in round r + 1).
+        rc->shared.push_back(
+            {nm, compression::acp_factor_encoded(sh, global.at(nm).sizes().vec(), static_cast<int64_t>(r) + 1)});
+      }
+      rc->contexts[nm] = c;
+      rc->full.push_back({nm, dense_encoded(b.at(nm))});
+      if (cfg.algorithm == "scaffold" && !control.empty()) rc->control.push_back({nm, dense_encoded(control.at(nm))});
+    }
+    rc->delta = down_last;
+    return rc;
+  }
+
+  // Runs round completed + 1. Returns false when stopped.
+  bool run_round() {
+    const uint64_t r = static_cast<uint64_t>(completed.load()) + 1;
+    const size_t need = static_cast<size_t>(cfg.effective_min_clients());
+    // 1. Wait for enough live clients.
+    {
+      std::unique_lock<std::mutex> g(mu);
+      bool logged = false;
+      for (;;) {
+        if (stop.load()) return false;
+        sweep();
+        if (sessions.size() >= need) break;
+        if (!logged) spdlog::info("event=waiting_for_clients round={} live={} need={}", r, sessions.size(), need);
+        logged = true;
+        cv.wait_for(g, kRoundTick);
+      }
+    }
+    // 2. Select and send tasks.
+    const double started = unix_now();
+    const auto t0 = Clock::now();
+    std::vector<std::string> chosen;
+    uint64_t bytes_in0 = n.bytes_in.load(), bytes_out0 = n.bytes_out.load();
+    {
+      std::unique_lock<std::mutex> g(mu);
+      std::vector<Candidate> cand;
+      for (const auto& [cid, rid] : by_client) cand.push_back({cid, clients[cid].last_selected});
+      chosen = select_clients(std::move(cand), static_cast<size_t>(cfg.clients_per_round),
+                              rng::derive(rng::derive(cfg.seed, kSelectTag), r));
+      g.unlock();
+      std::shared_ptr<RoundContext> rc = make_round_context(r, static_cast<int>(chosen.size()));
+      g.lock();
+      for (auto& p : partials) p.reset();
+      round = r;
+      selected.clear();
+      round_accepted = round_rejected = round_stale = 0;
+      round_ctx = rc;
+      round_open = true;
+      for (const auto& cid : chosen) {
+        selected[cid] = Status::kWaiting;
+        ClientRow& row = clients[cid];
+        row.last_selected = static_cast<int64_t>(r);
+        row.selected++;
+        dirty_clients.insert(cid);
+        auto bit = by_client.find(cid);
+        if (bit != by_client.end()) send_task(bit->second, sessions.at(bit->second), *rc);
+      }
+    }
+    spdlog::info("event=round_started round={} selected={} clients=[{}]", r, chosen.size(), join(chosen));
+    // 3. Collect until all arrived, or the deadline passed with quorum.
+    const auto period =
+        std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg.round_deadline_s));
+    const auto hard = t0 + std::chrono::duration_cast<Clock::duration>(
+                               std::chrono::duration<double>(cfg.effective_max_round_wait_s()));
+    auto deadline = t0 + period;
+    bool abandon = false, stopped = false;
+    {
+      std::unique_lock<std::mutex> g(mu);
+      for (;;) {
+        cv.wait_for(g, kRoundTick);
+        sweep();
+        if (stop.load()) {
+          stopped = true;
+          break;
+        }
+        size_t done = 0;
+        for (const auto& [cid, st] : selected) done += st == Status::kDone;
+        if (done == selected.size()) break;
+        const auto now = Clock::now();
+        if (now < deadline) continue;
+        if (round_accepted >= cfg.quorum) {
+          spdlog::info("event=deadline round={} updates={} selected={} msg=\"closing with quorum\"", r, round_accepted,
+                       selected.size());
+          break;
+        }
+        if (now >= hard) {
+          spdlog::warn(
+              "event=round_abandoned round={} updates={} quorum={} msg=\"no quorum; restarting the round "
+              "with a fresh selection\"",
+              r, round_accepted, cfg.quorum);
+          abandon = true;
+          break;
+        }
+        deadline += period;
+        spdlog::warn("event=deadline_extended round={} updates={} quorum={}", r, round_accepted, cfg.quorum);
+      }
+      // 4. Close admissions; wait for updates being folded in.
+      round_open = false;
+      cv.wait(g, [&] { return in_flight == 0; });
+    }
+    if (stopped) return false;
+    if (abandon) {
+      n.abandoned++;
+      return true;
+    }
+    // 5. Aggregate.
+    aggregation::StreamingAggregator agg(shapes);
+    Weights control_sum;
+    std::map<std::string, double> metric_sum;
+    double metric_weight = 0;
+    for (auto& p : partials) {
+      agg.merge(*p.agg);
+      for (const auto& [k, v] : p.control_sum) {
+        auto it = control_sum.find(k);
+        if (it == control_sum.end())
+          control_sum[k] = v.clone();
+        else
+          it->second.add_(v);
+      }
+      for (const auto& [k, v] : p.metric_sum) metric_sum[k] += v;
+      metric_weight += p.metric_weight;
+    }
+    if (agg.total_weight() <= 0) {
+      n.abandoned++;
+      return true;
+    }
+    Weights delta = agg.mean();
+    {
+      std::lock_guard<std::mutex> g(weights_mu);
+      try {
+        opt->step(global, delta);  // throws, changing nothing, on a non-finite delta
+      } catch (const Error& e) {
+        spdlog::error("event=round_abandoned round={} error=\"{}\"", r, e.what());
+        n.abandoned++;
+        return true;
+      }
+    }
+    if (cfg.algorithm == "scaffold" && !control_sum.empty()) {
+      if (control.empty())
+        for (const auto& [k, v] : global) control[k] = at::zeros_like(v);
+      double population;
+      {
+        std::lock_guard<std::mutex> g(mu);
+        population = static_cast<double>(std::max<size_t>(clients.size(), 1));
+      }
+      for (const auto& [k, v] : control_sum) control.at(k).add_(v, 1.0 / population);
+    }
+    if (acp_rank > 0) {
+      std::map<std::string, at::Tensor> next;
+      for (const auto& nm : names) {
+        at::Tensor f = agg.factor_mean(nm);
+        if (f.defined()) next[nm] = compression::acp_next_shared(f);
+      }
+      acp_shared = std::move(next);  // tensors without a factor get their seeded initial one next round
+    }
+    if (down) {
+      down_last.clear();
+      const uint64_t dkey = rng::derive(cfg.seed, kDownTag);
+      for (const auto& nm : names) {
+        at::Tensor diff = (global.at(nm) - broadcast.at(nm)).contiguous();
+        compression::Context c;
+        c.name = nm;
+        c.seed = dkey;
+        c.round = static_cast<int64_t>(r);
+        compression::Encoded e = down->encode(diff, down_state[nm], c);
+        compression::decode_add(e, broadcast.at(nm), 1.0f, c);
+        down_last.push_back({nm, std::move(e)});
+      }
+    }
+    // 6. Evaluate (optional), then checkpoint and record in one transaction.
+    RoundRow row;
+    row.round = static_cast<int64_t>(r);
+    row.started = started;
+    row.selected = static_cast<int64_t>(chosen.size());
+    std::map<std::string, double> metrics;
+    if (metric_weight > 0)
+      for (const auto& [k, v] : metric_sum) metrics["client." + k] = v / metric_weight;
+    row.train_loss = metrics.count("client.train_loss") ? metrics["client.train_loss"] : kNaN;
+    row.eval_loss = row.eval_accuracy = kNaN;
+    if (eval_model && (r % static_cast<uint64_t>(cfg.eval_every) == 0 || r == static_cast<uint64_t>(cfg.rounds))) {
+      auto [loss, acc] = evaluate();
+      row.eval_loss = loss;
+      row.eval_accuracy = acc;
+      metrics["eval.loss"] = loss;
+      metrics["eval.accuracy"] = acc;
+    }
+    std::vector<ClientRow> dirty;
+    {
+      std::lock_guard<std::mutex> g(mu);
+      row.updates = round_accepted;
+      row.rejected = round_rejected;
+      row.stale = round_stale;
+      for (const auto& cid : dirty_clients) dirty.push_back(clients[cid]);
+      dirty_clients.clear();
+    }
+    row.bytes_in = n.bytes_in.load() - bytes_in0;
+    row.bytes_out = n.bytes_out.load() - bytes_out0;
+    row.finished = unix_now();
+    metrics["round.seconds"] = std::chrono::duration<double>(Clock::now() - t0).count();
+    metrics["round.weight"] = agg.total_weight();
+    store->commit_round(row, metrics, checkpoint(static_cast<int64_t>(r)), dirty, cfg.keep_checkpoints);
+    completed = static_cast<int64_t>(r);
+    n.rounds = r;
+    spdlog::info(
+        "event=round_completed round={} updates={} selected={} rejected={} stale={} train_loss={} eval_loss={} "
+        "eval_accuracy={} seconds={:.3f} bytes_in={} bytes_out={}",
+        r, row.updates, row.selected, row.rejected, row.stale, row.train_loss, row.eval_loss, row.eval_accuracy,
+        metrics["round.seconds"], row.bytes_in, row.bytes_out);
+    return true;
+  }
+
+  static std::string join(const std::vector<std::string>& v) {
+    std::string s;
+    for (const auto& x : v) s += (s.empty() ? "" : ",") + x;
+    return s;
+  }
+
+  Checkpoint checkpoint(int64_t r) {
+    Checkpoint c;
+    c.round = r;
+    {
+      std::lock_guard<std::mutex> g(weights_mu);
+      c.weights = serialize_weights(global);
+    }
+    c.server_opt = opt->serialize_state();
+    if (!control.empty()) c.control = serialize_weights(control);
+    if (down) {
+      c.broadcast = serialize_weights(broadcast);
+      std::map<std::string, std::string> st;
+      for (const auto& [k, v] : down_state) st[k] = v.serialize();
+      c.downlink_state = pack_blobs(st);
+      wire::ModelUpdate u;
+      u.round = static_cast<uint64_t>(r);
+      u.client_id = "server";
+      u.num_samples = 1;
+      u.tensors = down_last;
+      c.downlink_last = wire::serialize(msg(std::move(u)));
+    }
+    if (!acp_shared.empty()) c.acp = serialize_weights(acp_shared);
+    c.rng = "seed=" + std::to_string(cfg.seed) + ";select_round=" + std::to_string(r + 1);
+    return c;
+  }
+
+  std::pair<double, double> evaluate() {
+    c10::NoGradGuard ng;
+    {
+      std::lock_guard<std::mutex> g(weights_mu);
+      for (auto& p : eval_model->named_parameters(/*recurse=*/true)) p.value().copy_(global.at(p.key()));
+    }
+    eval_model->eval();
+    const int64_t N = test.size();
+    double loss = 0;
+    int64_t correct = 0;
+    for (int64_t i = 0; i < N; i += cfg.eval_batch) {
+      const int64_t e = std::min<int64_t>(N, i + cfg.eval_batch);
+      at::Tensor x = test.x.slice(0, i, e), y = test.y.slice(0, i, e);
+      at::Tensor logits = eval_model->forward(x);
+      loss += at::nll_loss(at::log_softmax(logits, 1), y, {}, at::Reduction::Sum).item<double>();
+      correct += logits.argmax(1).eq(y).sum().item<int64_t>();
+    }
+    return {N ? loss / static_cast<double>(N) : kNaN, N ? static_cast<double>(correct) / static_cast<double>(N) : kNaN};
+  }
+
+  // ---- lifecycle -------------------------------------------------------------------
+
+  void start_threads() {
+    io = std::thread([this] { io_loop(); });
+    for (size_t w = 0; w < partials.size(); ++w) workers.emplace_back([this, w] { worker_loop(w); });
+  }
+
+  void stop_threads() {
+    {
+      std::lock_guard<std::mutex> g(mu);
+      for (const auto& [rid, s] : sessions) reply(rid, msg(wire::Bye{"server shutting down"}));
+      sessions.clear();
+      by_client.clear();
+    }
+    {
+      std::lock_guard<std::mutex> g(job_mu);
+      jobs_stop = true;
+      jobs.clear();
+    }
+    job_cv.notify_all();
+    for (auto& t : workers)
+      if (t.joinable()) t.join();
+    workers.clear();
+    io_stop = true;
+    if (io.joinable()) io.join();
+    std::vector<ClientRow> dirty;
+    {
+      std::lock_guard<std::mutex> g(mu);
+      for (const auto& cid : dirty_clients) dirty.push_back(clients[cid]);
+      dirty_clients.clear();
+    }
+    try {
+      if (!dirty.empty()) store->put_clients(dirty);
+    } catch (const std::exception& e) {
+      spdlog::error("event=client_rows_not_saved error=\"{}\"", e.what());
+    }
+  }
+};
+
+Server::Server(ServerConfig cfg) : Server(std::move(cfg), Weights{}) {}
+
+Server::Server(ServerConfig cfg, Weights initial_weights) : impl_(std::make_unique<Impl>()) {
+  impl_->cfg = std::move(cfg);
+  impl_->init(std::move(initial_weights));
+}
+
+Server::~Server() {
+  if (!impl_) return;
+  impl_->router.close();
+  impl_->zap.reset();
+}
+
+void Server::run() {
+  Impl& s = *impl_;
+  SPARROW_CHECK(!s.ran, "Server::run() may be called once");
+  s.ran = true;
+  s.start_threads();
+  try {
+    while (!s.stop.load() && s.completed.load() < s.cfg.rounds)
+      if (!s.run_round()) break;
+  } catch (...) {
+    s.stop_threads();
+    throw;
+  }
+  s.stop_threads();
+  spdlog::info("event=stopped round={} accepted={} stale={}", s.completed.load(), s.n.accepted.load(),
+               s.n.stale.load());
+}
+
+void Server::stop() noexcept { impl_->stop.store(true); }
+const std::string& Server::endpoint() const { return impl_->endpoint; }
+const std::string& Server::run_id() const { return impl_->run_id; }
+const std::string& Server::public_key() const { return impl_->public_key; }
+int64_t Server::completed_rounds() const { return impl_->completed.load(); }
+uint64_t Server::model_digest() const { return impl_->digest; }
+const ServerConfig& Server::config() const { return impl_->cfg; }
+
+Weights Server::global_weights() const {
+  std::lock_guard<std::mutex> g(impl_->weights_mu);
+  Weights out;
+  for (const auto& [k, v] : impl_->global) out[k] = v.clone();
+  return out;
+}
+
+Counters Server::counters() const {
+  const AtomicCounters& n = impl_->n;
+  Counters c;
+  c.updates_accepted = n.accepted.load();
+  for (size_t i = 0; i < c.rejected_by_code.size(); ++i) c.rejected_by_code[i] = n.rejected[i].load();
+  c.stale = n.stale.load();
+  c.unknown = n.unknown.load();
+  c.bytes_in = n.bytes_in.load();
+  c.bytes_out = n.bytes_out.load();
+  c.messages_in = n.messages_in.load();
+  c.messages_out = n.messages_out.load();
+  c.send_failures = n.send_failures.load();
+  c.rounds_completed = n.rounds.load();
+  c.rounds_abandoned = n.abandoned.load();
+  c.clients_connected = impl_->n_connected.load();
+  return c;
+}
+
+}  // namespace sparrow::server

@@ -1,0 +1,134 @@
+#pragma once
+// sparrow-server: the federated-learning aggregator as a service.
+//
+// A Server owns one ZeroMQ ROUTER socket (CurveZMQ unless config.insecure),
+// runs the round state machine of docs/protocol.md / docs/server.md and keeps
+// everything in SQLite (server/store.h) so that a restart with the same config
+// resumes after the last completed round with the same global model bytes.
+//
+// Threads (docs/server.md, "Threading"):
+//   - I/O thread: the only thread that touches the ROUTER. Receives frames,
+//     parses small ones itself (Hello, Heartbeat, Bye), hands ModelUpdates and
+//     large frames to the worker pool, and sends whatever the other threads
+//     queued in the outbox. It never blocks on aggregation or SQLite.
+//   - Worker pool (config.workers threads): parse + verify large frames, check
+//     the update against the open round, and decode_add it into the worker's
+//     own partial StreamingAggregator (all-or-nothing), then queue Ack/Error.
+//   - Round thread (the caller of run()): waits for clients, selects, sends
+//     tasks, watches deadlines and liveness, closes the round, merges the
+//     workers' partials, applies the server optimiser, checkpoints, evaluates.
+//
+// Usage:
+//   ServerConfig cfg = load_server_config("server.toml");
+//   Server server(cfg);            // opens the db (resumes), binds the socket
+//   std::string ep = server.endpoint();   // e.g. "tcp://127.0.0.1:41234"
+//   server.run();                  // blocks until cfg.rounds are done or stop()
+
+#include <ATen/core/Tensor.h>
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "server/config.h"
+
+namespace sparrow::server {
+
+using Weights = std::map<std::string, at::Tensor>;
+
+// A snapshot of the server's counters (monotonic since construction).
+struct Counters {
+  uint64_t updates_accepted = 0;  // ModelUpdates folded into a round's aggregate
+  // Messages answered with an Error, by wire::ErrorCode (index = code value):
+  // malformed/oversize frames, refused Hellos, updates rejected on verification.
+  std::array<uint64_t, 8> rejected_by_code{};
+  uint64_t stale = 0;      // updates for another round, from unselected clients or repeated (kRejected, never applied)
+  uint64_t unknown = 0;    // messages from connections without a session ("unknown client")
+  uint64_t bytes_in = 0;   // payload bytes of frames received
+  uint64_t bytes_out = 0;  // payload bytes of frames sent
+  uint64_t messages_in = 0, messages_out = 0;
+  uint64_t send_failures = 0;      // frames the ROUTER could not queue (peer gone or its queue full)
+  uint64_t rounds_completed = 0;   // completed rounds of this run, including those before a restart
+  uint64_t rounds_abandoned = 0;   // rounds restarted for lack of quorum (or a non-finite aggregate)
+  uint64_t clients_connected = 0;  // live sessions now
+  uint64_t rejected() const {
+    uint64_t s = 0;
+    for (uint64_t v : rejected_by_code) s += v;
+    return s;
+  }
+};
+
+class Server {
+ public:
+  // Validates cfg (ConfigError), builds the initial model with
+  // core::make_model(cfg.model, cfg.model_seed), opens cfg.db (resuming from
+  // its newest checkpoint when the run identity matches; ConfigError when the
+  // database belongs to a run with another identity), loads keys and the
+  // allow-list, binds cfg.listen. Throws on any failure; no thread runs yet.
+  explicit Server(ServerConfig cfg);
+  // Same, with the initial global model given (e.g. a benchmark's plain
+  // 1M-parameter weight map): no model builder is involved; clients must
+  // present cfg.model and the digest of these names and shapes. Evaluation
+  // (eval_every > 0) still needs cfg.model to be buildable.
+  Server(ServerConfig cfg, Weights initial_weights);
+  // Closes the socket and the database. A run() on another thread must have
+  // returned first (call stop() and join that thread).
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // Runs rounds until cfg.rounds are completed (counting those of earlier
+  // processes) or stop() is called. Starts the I/O thread and the pool, and
+  // stops them before returning (after sending Bye to connected clients). An
+  // unfinished round is dropped; the last checkpoint stands. Throws on fatal
+  // errors (database write failure); peers' misbehaviour is never fatal.
+  // Call at most once.
+  void run();
+
+  // Asks run() to return soon. Thread-safe and async-signal-safe (it only
+  // stores to a lock-free atomic flag), so a SIGINT/SIGTERM handler may call it.
+  void stop() noexcept;
+
+  // The bound endpoint with the port resolved (ZMQ_LAST_ENDPOINT), e.g.
+  // "tcp://127.0.0.1:41234" for listen = "tcp://127.0.0.1:*".
+  const std::string& endpoint() const;
+  // The run id clients see in Welcome.
+  const std::string& run_id() const;
+  // This server's CURVE public key (Z85); empty when insecure.
+  const std::string& public_key() const;
+
+  // Thread-safe snapshot.
+  Counters counters() const;
+  // Rounds completed (thread-safe).
+  int64_t completed_rounds() const;
+  // A deep copy of the global model W_r after the last completed round
+  // (thread-safe).
+  Weights global_weights() const;
+  // The model digest clients must present (core/model_digest.h).
+  uint64_t model_digest() const;
+  const ServerConfig& config() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Least recently selected first: candidates sorted by (last_selected,
+// rng::at(key, hash(client_id))) and the first k taken (all when fewer).
+// last_selected 0 = never. Deterministic for a given key; `key` is derived
+// from the run seed and the round.
+struct Candidate {
+  std::string client_id;
+  int64_t last_selected = 0;
+};
+std::vector<std::string> select_clients(std::vector<Candidate> candidates, size_t k, uint64_t key);
+
+// Serialisation of a weight map (compression::State bytes: bit-exact fp32),
+// the format of checkpoint blobs. FormatError on malformed bytes.
+std::string serialize_weights(const Weights& w);
+Weights deserialize_weights(const std::string& bytes);
+
+}  // namespace sparrow::server

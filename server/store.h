@@ -1,0 +1,108 @@
+#pragma once
+// ServerStore: sparrow-server's SQLite database (one file, WAL journal).
+//
+// Tables (docs/server.md, "Persistence"):
+//   runs(run_id, config_hash, config, created)           one row: the run this database belongs to
+//   rounds(round, started, finished, selected, updates, rejected, stale, bytes_in, bytes_out,
+//          train_loss, eval_loss, eval_accuracy)          one row per completed round
+//   metrics(round, name, value)                           per-round named figures
+//   clients(client_id, public_key, first_seen, last_seen, last_selected, selected, updates,
+//           rejects, num_samples, software)               one row per client ever seen
+//   checkpoints(round, weights, server_opt, control, broadcast, downlink_state, downlink_last,
+//               acp, rng)                                 the newest keep_checkpoints rounds
+//
+// commit_round() writes the round row, its metrics, the checkpoint and the
+// changed client rows in ONE transaction: after a crash at any moment the
+// database holds either all of round r or none of it, and the newest
+// checkpoint is the state after the last completed round.
+//
+// Not thread-safe: one thread (the server's round thread) uses a store.
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace sparrow::server {
+
+struct RunRow {
+  std::string run_id;
+  std::string config_hash;
+  std::string config;   // the identity text (config.h identity_text)
+  int64_t created = 0;  // unix seconds
+};
+
+struct RoundRow {
+  int64_t round = 0;
+  double started = 0, finished = 0;  // unix seconds
+  int64_t selected = 0, updates = 0, rejected = 0, stale = 0;
+  uint64_t bytes_in = 0, bytes_out = 0;
+  double train_loss = 0;                    // NaN = none (stored as NULL)
+  double eval_loss = 0, eval_accuracy = 0;  // NaN = not evaluated
+};
+
+struct ClientRow {
+  std::string client_id;
+  std::string public_key;                 // Z85; empty on plain TCP
+  int64_t first_seen = 0, last_seen = 0;  // unix seconds
+  int64_t last_selected = 0;              // round; 0 = never
+  int64_t selected = 0, updates = 0, rejects = 0;
+  uint64_t num_samples = 0;
+  std::string software;
+};
+
+// Everything needed to continue after round `round` with identical results.
+// Blobs are self-describing bytes (compression::State, ServerOptimizer state,
+// serialized wire messages); empty = absent.
+struct Checkpoint {
+  int64_t round = 0;
+  std::string weights;         // global model W_r (compression::State bytes)
+  std::string server_opt;      // ServerOptimizer::serialize_state()
+  std::string control;         // SCAFFOLD server control c (State bytes)
+  std::string broadcast;       // downlink: broadcast model B_r (State bytes)
+  std::string downlink_state;  // downlink: per-tensor compressor states
+  std::string downlink_last;   // downlink: C_r, the last encoded delta (a wire ModelUpdate)
+  std::string acp;             // ACP shared factors for round r + 1 (State bytes)
+  std::string rng;             // RNG counters ("key=value;..." text)
+};
+
+class ServerStore {
+ public:
+  // Opens or creates the database. FormatError when the file is not an SQLite
+  // database, Error for other SQLite failures.
+  static std::unique_ptr<ServerStore> open(const std::string& path);
+  // Read-only open (status): FormatError / Error as above; ConfigError when missing.
+  static std::unique_ptr<ServerStore> open_readonly(const std::string& path);
+  ~ServerStore();
+  ServerStore(const ServerStore&) = delete;
+  ServerStore& operator=(const ServerStore&) = delete;
+
+  std::optional<RunRow> run();
+  void create_run(const RunRow& run);
+
+  // Round row + metrics + checkpoint + client rows, one transaction. Deletes
+  // checkpoints older than the newest `keep` (>= 1). On failure rolls back and
+  // throws sparrow::Error: nothing of the round is in the database.
+  void commit_round(const RoundRow& round, const std::map<std::string, double>& metrics, const Checkpoint& ckpt,
+                    const std::vector<ClientRow>& clients, int keep);
+  // Client rows outside a round (shutdown; new clients' key bindings).
+  void put_clients(const std::vector<ClientRow>& clients);
+
+  std::optional<Checkpoint> latest_checkpoint();
+  int64_t completed_rounds();  // newest round row, 0 when none
+  std::vector<RoundRow> rounds();
+  std::vector<ClientRow> clients();
+  std::map<std::string, double> metrics(int64_t round);
+
+  const std::string& path() const;
+
+ private:
+  struct Impl;
+  void write_clients(const std::vector<ClientRow>& clients);  // inside a transaction
+  explicit ServerStore(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace sparrow::server

@@ -1,0 +1,105 @@
+#pragma once
+// Child processes for the integration tests: real sparrow-server / sparrow-client
+// binaries on loopback, started with fork/exec, output to a log file, stopped with
+// a signal (SIGTERM for a clean stop, SIGKILL for a crash).
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/types.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace sparrow::testing {
+
+class Process {
+ public:
+  // Starts `argv[0]` with the given arguments; stdout and stderr go to `log_path`.
+  Process(std::vector<std::string> argv, std::string log_path) : log_path_(std::move(log_path)) {
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      const int fd = ::open(log_path_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      if (fd >= 0) {
+        ::dup2(fd, 1);
+        ::dup2(fd, 2);
+        ::close(fd);
+      }
+      std::vector<char*> args;
+      for (std::string& a : argv) args.push_back(a.data());
+      args.push_back(nullptr);
+      ::execv(args[0], args.data());
+      ::_exit(127);
+    }
+  }
+  ~Process() {
+    if (running()) {
+      signal(SIGKILL);
+      wait(std::chrono::seconds(10));
+    }
+  }
+  Process(const Process&) = delete;
+  Process& operator=(const Process&) = delete;
+
+  bool started() const { return pid_ > 0; }
+  pid_t pid() const { return pid_; }
+
+  bool running() {
+    if (pid_ <= 0 || status_) return false;
+    int st = 0;
+    const pid_t r = ::waitpid(pid_, &st, WNOHANG);
+    if (r == pid_) {
+      status_ = st;
+      return false;
+    }
+    return true;
+  }
+
+  void signal(int sig) {
+    if (running()) ::kill(pid_, sig);
+  }
+
+  // Waits for the process to exit; its exit code (128 + signal when killed), or
+  // nullopt on timeout.
+  std::optional<int> wait(std::chrono::milliseconds timeout) {
+    const auto until = std::chrono::steady_clock::now() + timeout;
+    while (running()) {
+      if (std::chrono::steady_clock::now() > until) return std::nullopt;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    if (!status_) return std::nullopt;
+    if (WIFEXITED(*status_)) return WEXITSTATUS(*status_);
+    if (WIFSIGNALED(*status_)) return 128 + WTERMSIG(*status_);
+    return -1;
+  }
+
+  std::string log() const {
+    std::ifstream in(log_path_);
+    std::ostringstream os;
+    os << in.rdbuf();
+    return os.str();
+  }
+
+  // Polls the log until it contains `text`.
+  bool wait_for_log(const std::string& text, std::chrono::milliseconds timeout) {
+    const auto until = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < until) {
+      if (log().find(text) != std::string::npos) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return log().find(text) != std::string::npos;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  std::optional<int> status_;
+  std::string log_path_;
+};
+
+}  // namespace sparrow::testing

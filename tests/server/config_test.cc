@@ -1,0 +1,86 @@
+#include "tests/sparrow_test.h"
+
+#include <string>
+
+#include "core/error.h"
+#include "server/config.h"
+
+using namespace sparrow;
+using namespace sparrow::server;
+
+namespace {
+std::string what_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST_CASE("server config parses known keys and applies overrides") {
+  const ServerConfig c = parse_server_config(
+      "listen = \"tcp://127.0.0.1:*\"\nmodel = \"cnn\"\nrounds = 7\nclients_per_round = 3\nquorum = 2\n"
+      "lr = 0.1\ncompression = \"topk:ratio=0.1\"\ndownlink = \"none\"\nround_deadline_s = 5\n",
+      {"rounds=9", "server_optimizer=fedavgm:lr=1,momentum=0.9"});
+  CHECK(c.listen == "tcp://127.0.0.1:*");
+  CHECK(c.model == "cnn");
+  CHECK(c.rounds == 9);
+  CHECK(c.clients_per_round == 3);
+  CHECK(c.quorum == 2);
+  CHECK(c.lr == doctest::Approx(0.1));
+  CHECK(c.server_optimizer == "fedavgm:lr=1,momentum=0.9");
+  CHECK(c.effective_min_clients() == 3);
+  ServerConfig v = c;
+  v.insecure = true;
+  CHECK_NOTHROW(validate(v));
+}
+
+TEST_CASE("server config rejects unknown keys naming them") {
+  const std::string w = what_of([] { parse_server_config("rounds = 3\nroundz = 4\n"); });
+  CHECK(w.find("roundz") != std::string::npos);
+  CHECK(w.find("unknown") != std::string::npos);
+  CHECK(what_of([] { parse_server_config("", {"nope=1"}); }).find("nope") != std::string::npos);
+  CHECK(what_of([] { parse_server_config("[table]\nx = 1\n"); }).find("table") != std::string::npos);
+}
+
+TEST_CASE("server config rejects wrong types and bad values") {
+  CHECK(what_of([] { parse_server_config("rounds = \"ten\"\n"); }).find("rounds") != std::string::npos);
+  CHECK(what_of([] { parse_server_config("lr = \"x\"\n"); }).find("lr") != std::string::npos);
+  CHECK(what_of([] { parse_server_config("rounds = ", {}); }).find("TOML") != std::string::npos);
+  auto bad = [](const std::string& toml) {
+    ServerConfig c = parse_server_config(toml);
+    c.insecure = true;
+    return what_of([&] { validate(c); });
+  };
+  CHECK(bad("rounds = 0\n").find("rounds") != std::string::npos);
+  CHECK(bad("clients_per_round = 2\nquorum = 3\n").find("quorum") != std::string::npos);
+  CHECK(bad("compression = \"dgc:nonsense=1\"\n").find("compression") != std::string::npos);
+  CHECK(bad("downlink = \"acp:rank=2\"\n").find("downlink") != std::string::npos);
+  CHECK(bad("server_optimizer = \"sgd\"\n").find("server_optimizer") != std::string::npos);
+  CHECK(bad("algorithm = \"fedsgd\"\n").find("algorithm") != std::string::npos);
+  CHECK(bad("momentum = 1.5\n").find("momentum") != std::string::npos);
+  CHECK(bad("round_deadline_s = 0\n").find("round_deadline_s") != std::string::npos);
+  CHECK(bad("workers = 0\n").find("workers") != std::string::npos);
+  CHECK(bad("").empty());
+}
+
+TEST_CASE("server config needs keys unless insecure") {
+  ServerConfig c = parse_server_config("");
+  CHECK(what_of([&] { validate(c); }).find("server_key") != std::string::npos);
+  c.server_key = "k.key_secret";
+  CHECK(what_of([&] { validate(c); }).find("allow") != std::string::npos);
+}
+
+TEST_CASE("server config identity ignores operational keys") {
+  ServerConfig a = parse_server_config("");
+  ServerConfig b = parse_server_config("rounds = 100\nround_deadline_s = 3\nworkers = 5\nlisten = \"tcp://*:1\"\n");
+  CHECK(config_hash(a) == config_hash(b));
+  ServerConfig c = parse_server_config("lr = 0.5\n");
+  CHECK(config_hash(a) != config_hash(c));
+  // to_toml round-trips.
+  ServerConfig d = parse_server_config(to_toml(c));
+  CHECK(config_hash(d) == config_hash(c));
+  CHECK(to_toml(d) == to_toml(c));
+}

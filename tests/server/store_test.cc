@@ -1,0 +1,130 @@
+#include "tests/sparrow_test.h"
+
+#include <cmath>
+#include <filesystem>
+
+#include "core/error.h"
+#include "server/server.h"
+#include "server/store.h"
+
+using namespace sparrow;
+using namespace sparrow::server;
+namespace fs = std::filesystem;
+
+namespace {
+std::string fresh_db(const std::string& name) {
+  const std::string p = "server_store_test_" + name + ".db";
+  for (const char* s : {"", "-wal", "-shm"}) fs::remove(p + s);
+  return p;
+}
+Checkpoint ck(int64_t r, const std::string& w) {
+  Checkpoint c;
+  c.round = r;
+  c.weights = w;
+  c.server_opt = "opt" + std::to_string(r);
+  c.acp = "acp";
+  c.rng = "seed=1";
+  return c;
+}
+}  // namespace
+
+TEST_CASE("server store round trip") {
+  const std::string path = fresh_db("roundtrip");
+  {
+    auto s = ServerStore::open(path);
+    CHECK_FALSE(s->run().has_value());
+    s->create_run({"run-x", "abc", "model = 1\n", 17});
+    RoundRow r;
+    r.round = 1;
+    r.selected = 3;
+    r.updates = 2;
+    r.stale = 1;
+    r.bytes_in = 100;
+    r.train_loss = 0.5;
+    r.eval_loss = std::nan("");
+    r.eval_accuracy = std::nan("");
+    ClientRow c;
+    c.client_id = "alice";
+    c.public_key = "KEY";
+    c.updates = 1;
+    c.last_selected = 1;
+    s->commit_round(r, {{"client.train_loss", 0.5}}, ck(1, "weights-1"), {c}, 2);
+  }
+  auto s = ServerStore::open(path);
+  REQUIRE(s->run().has_value());
+  CHECK(s->run()->run_id == "run-x");
+  CHECK(s->run()->config_hash == "abc");
+  CHECK(s->completed_rounds() == 1);
+  auto rounds = s->rounds();
+  REQUIRE(rounds.size() == 1);
+  CHECK(rounds[0].updates == 2);
+  CHECK(rounds[0].stale == 1);
+  CHECK(rounds[0].train_loss == doctest::Approx(0.5));
+  CHECK(std::isnan(rounds[0].eval_loss));
+  auto cl = s->clients();
+  REQUIRE(cl.size() == 1);
+  CHECK(cl[0].public_key == "KEY");
+  CHECK(s->metrics(1).at("client.train_loss") == doctest::Approx(0.5));
+  auto c = s->latest_checkpoint();
+  REQUIRE(c.has_value());
+  CHECK(c->weights == "weights-1");
+  CHECK(c->server_opt == "opt1");
+  CHECK(c->rng == "seed=1");
+}
+
+TEST_CASE("server store keeps the newest checkpoints only") {
+  const std::string path = fresh_db("keep");
+  auto s = ServerStore::open(path);
+  for (int r = 1; r <= 4; ++r) {
+    RoundRow row;
+    row.round = r;
+    s->commit_round(row, {}, ck(r, "w" + std::to_string(r)), {}, 2);
+  }
+  CHECK(s->completed_rounds() == 4);
+  CHECK(s->latest_checkpoint()->weights == "w4");
+  CHECK(s->rounds().size() == 4);
+}
+
+TEST_CASE("server store commit is all or nothing") {
+  const std::string path = fresh_db("atomic");
+  auto s = ServerStore::open(path);
+  RoundRow row;
+  row.round = 1;
+  s->commit_round(row, {}, ck(1, "w1"), {}, 3);
+  // A checkpoint for another round than the row is refused before any write.
+  RoundRow bad;
+  bad.round = 2;
+  CHECK_THROWS(s->commit_round(bad, {{"m", 1}}, ck(3, "w3"), {}, 3));
+  CHECK(s->completed_rounds() == 1);
+  CHECK(s->latest_checkpoint()->weights == "w1");
+  CHECK(s->metrics(2).empty());
+  // A failure inside the transaction (a reopened read-only handle cannot write) rolls back.
+  auto ro = ServerStore::open_readonly(path);
+  RoundRow two;
+  two.round = 2;
+  CHECK_THROWS(ro->commit_round(two, {{"m", 1}}, ck(2, "w2"), {}, 3));
+  CHECK(s->completed_rounds() == 1);
+}
+
+TEST_CASE("server store refuses files that are not databases") {
+  const std::string path = fresh_db("garbage");
+  {
+    FILE* f = std::fopen(path.c_str(), "wb");
+    std::fputs("this is not sqlite, not at all, definitely not a database file...........", f);
+    std::fclose(f);
+  }
+  CHECK_THROWS_AS(ServerStore::open(path), FormatError);
+  CHECK_THROWS_AS(ServerStore::open_readonly("server_store_test_missing.db"), ConfigError);
+}
+
+TEST_CASE("weights serialisation is bit exact") {
+  Weights w{{"a", at::randn({3, 4})}, {"b", at::randn({5})}};
+  w["a"][0][0] = -0.0f;
+  const std::string bytes = serialize_weights(w);
+  Weights back = deserialize_weights(bytes);
+  REQUIRE(back.size() == 2);
+  CHECK(at::equal(back["a"], w["a"]));
+  CHECK(std::signbit(back["a"][0][0].item<float>()));
+  CHECK(serialize_weights(back) == bytes);
+  CHECK_THROWS_AS(deserialize_weights("junk"), FormatError);
+}
