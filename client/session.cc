@@ -647,6 +647,7 @@ struct ClientSession::Impl {
 
   void on_task(const wire::Task& task) {
     const uint64_t r = task.round;
+    spdlog::info("round {}: task received", r);
     try {
       std::optional<Weights> base = broadcast_model(task);
       if (!base) return;  // answered with a re-Hello

@@ -1105,7 +1105,10 @@ struct Server::Impl {
   void stop_threads() {
     {
       std::lock_guard<std::mutex> g(mu);
-      for (const auto& [rid, s] : sessions) reply(rid, msg(wire::Bye{"server shutting down"}));
+      // "run finished" tells clients to exit (docs/protocol.md, Bye); any other
+      // reason makes them reconnect to a restarted server.
+      const std::string reason = completed.load() >= cfg.rounds ? "run finished" : "server shutting down";
+      for (const auto& [rid, s] : sessions) reply(rid, msg(wire::Bye{reason}));
       sessions.clear();
       by_client.clear();
     }
@@ -1143,6 +1146,12 @@ Server::Server(ServerConfig cfg, Weights initial_weights) : impl_(std::make_uniq
 
 Server::~Server() {
   if (!impl_) return;
+  // set_limits() made linger 0; give the final Byes (queued by run() on its way
+  // out) a bounded chance to leave, or clients never learn the run finished.
+  try {
+    impl_->router.set(zmq::sockopt::linger, 1000);
+  } catch (const zmq::error_t&) {
+  }
   impl_->router.close();
   impl_->zap.reset();
 }

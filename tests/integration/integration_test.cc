@@ -1,0 +1,573 @@
+// Multi-process integration tests: the real sparrow-server and sparrow-client
+// binaries on loopback under CurveZMQ (ports from tcp://127.0.0.1:*), plus a raw
+// DEALER in this process for the malformed-message attacks.
+#include "tests/sparrow_test.h"
+// (sparrow_test.h first: glog/doctest CHECK clash.)
+
+#include <sqlite3.h>
+#include <stdlib.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <iterator>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <memory>
+#include <regex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+#include <zmq.hpp>
+
+#include "core/model_digest.h"
+#include "core/models.h"
+#include "server/server.h"
+#include "tests/integration/process.h"
+#include "wire/net.h"
+#include "wire/wire.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using sparrow::testing::Process;
+using namespace std::chrono_literals;
+using Weights = std::map<std::string, at::Tensor>;
+
+const std::string kBin = SPARROW_BIN_DIR;
+const std::string kServerBin = kBin + "/sparrow-server";
+const std::string kClientBin = kBin + "/sparrow-client";
+
+// A fresh directory unique to one test case (tests run in parallel).
+std::string fresh_dir(const std::string& name) {
+  const fs::path d = fs::temp_directory_path() / ("sparrow_integ_" + name + "_" + std::to_string(::getpid()));
+  fs::remove_all(d);
+  fs::create_directories(d);
+  // One intra-op thread per child: 10 clients share two cores.
+  ::setenv("OMP_NUM_THREADS", "1", 1);
+  return d.string();
+}
+
+// Runs a short command to completion; its exit code (-1 on timeout).
+int run_tool(const std::vector<std::string>& argv, const std::string& log) {
+  Process p(argv, log);
+  auto rc = p.wait(60s);
+  return rc ? *rc : -1;
+}
+
+// Keys: DIR/keys/server.key(_secret), client1..N, allow.txt listing them.
+void keygen(const std::string& dir, int clients) {
+  REQUIRE(run_tool({kServerBin, "keygen", "--out", dir + "/keys", "--clients", std::to_string(clients)},
+                   dir + "/keygen.log") == 0);
+}
+
+void write_file(const std::string& path, const std::string& text) {
+  std::ofstream out(path);
+  out << text;
+}
+
+// Server TOML: CURVE keys from DIR/keys, database DIR/server.db, plus `extra`.
+std::string server_toml(const std::string& dir, const std::string& extra) {
+  const std::string path = dir + "/server.toml";
+  write_file(path,
+             "listen = \"tcp://127.0.0.1:*\"\n"
+             "server_key = \"" +
+                 dir + "/keys/server.key_secret\"\nallow = \"" + dir + "/keys/allow.txt\"\ndb = \"" + dir +
+                 "/server.db\"\nmodel = \"mlp\"\n" + extra);
+  return path;
+}
+
+std::unique_ptr<Process> start_server(const std::string& dir, const std::string& log,
+                                      const std::vector<std::string>& sets = {}) {
+  std::vector<std::string> argv = {kServerBin, "--config", dir + "/server.toml"};
+  for (const auto& s : sets) {
+    argv.push_back("--set");
+    argv.push_back(s);
+  }
+  return std::make_unique<Process>(argv, log);
+}
+
+// The resolved endpoint from the server's "event=listening endpoint=..." line.
+std::string server_endpoint(Process& server) {
+  REQUIRE(server.wait_for_log("event=listening", 60s));
+  std::smatch m;
+  const std::string log = server.log();
+  REQUIRE(std::regex_search(log, m, std::regex("event=listening endpoint=(\\S+)")));
+  return m[1];
+}
+
+// Client i (1-based) with key clientI, Fashion-MNIST shard `index` of `shards`.
+std::unique_ptr<Process> start_client(const std::string& dir, int i, const std::string& endpoint, int shards, int index,
+                                      const std::string& key_file = "") {
+  const std::string path = dir + "/client" + std::to_string(i) + ".toml";
+  write_file(path, "server = \"" + endpoint + "\"\nserver_key = \"" + dir + "/keys/server.key\"\nkey = \"" +
+                       (key_file.empty() ? dir + "/keys/client" + std::to_string(i) + ".key_secret" : key_file) +
+                       "\"\nclient_id = \"c" + std::to_string(i) + "\"\nmodel = \"mlp\"\ndata = \"fashion-mnist\"\n" +
+                       "partition = \"iid\"\nclients = " + std::to_string(shards) +
+                       "\nindex = " + std::to_string(index) + "\nstate_db = \"" + dir + "/client" + std::to_string(i) +
+                       ".db\"\nbackoff_initial_ms = 100\nbackoff_max_ms = 1000\n");
+  return std::make_unique<Process>(std::vector<std::string>{kClientBin, "--config", path},
+                                   dir + "/client" + std::to_string(i) + ".log");
+}
+
+// ---- the server's database (schema: server/store.cc) --------------------------
+
+struct RoundInfo {
+  int64_t round = 0, selected = 0, updates = 0, rejected = 0;
+  double eval_loss = std::numeric_limits<double>::quiet_NaN();
+  double eval_accuracy = std::numeric_limits<double>::quiet_NaN();
+};
+
+class Db {
+ public:
+  explicit Db(const std::string& path) {
+    REQUIRE(sqlite3_open_v2(path.c_str(), &db_, SQLITE_OPEN_READONLY, nullptr) == SQLITE_OK);
+    sqlite3_busy_timeout(db_, 5000);
+  }
+  ~Db() { sqlite3_close(db_); }
+  Db(const Db&) = delete;
+  Db& operator=(const Db&) = delete;
+
+  std::vector<RoundInfo> rounds() {
+    std::vector<RoundInfo> out;
+    sqlite3_stmt* st = nullptr;
+    REQUIRE(sqlite3_prepare_v2(db_,
+                               "SELECT round, selected, updates, rejected, eval_loss, eval_accuracy FROM rounds "
+                               "ORDER BY round",
+                               -1, &st, nullptr) == SQLITE_OK);
+    while (sqlite3_step(st) == SQLITE_ROW) {
+      RoundInfo r;
+      r.round = sqlite3_column_int64(st, 0);
+      r.selected = sqlite3_column_int64(st, 1);
+      r.updates = sqlite3_column_int64(st, 2);
+      r.rejected = sqlite3_column_int64(st, 3);
+      if (sqlite3_column_type(st, 4) != SQLITE_NULL) r.eval_loss = sqlite3_column_double(st, 4);
+      if (sqlite3_column_type(st, 5) != SQLITE_NULL) r.eval_accuracy = sqlite3_column_double(st, 5);
+      out.push_back(r);
+    }
+    sqlite3_finalize(st);
+    return out;
+  }
+
+  // The checkpointed global model bytes after `round` ("" when not stored).
+  std::string checkpoint(int64_t round) {
+    sqlite3_stmt* st = nullptr;
+    REQUIRE(sqlite3_prepare_v2(db_, "SELECT weights FROM checkpoints WHERE round = ?", -1, &st, nullptr) == SQLITE_OK);
+    sqlite3_bind_int64(st, 1, round);
+    std::string out;
+    if (sqlite3_step(st) == SQLITE_ROW)
+      out.assign(static_cast<const char*>(sqlite3_column_blob(st, 0)),
+                 static_cast<size_t>(sqlite3_column_bytes(st, 0)));
+    sqlite3_finalize(st);
+    return out;
+  }
+
+ private:
+  sqlite3* db_ = nullptr;
+};
+
+// ---- raw protocol peer for the attacks ------------------------------------------
+
+Weights initial_weights(uint64_t seed) {
+  auto m = sparrow::core::make_model("mlp", seed);
+  Weights w;
+  for (const auto& p : m->named_parameters(/*recurse=*/true)) w[p.key()] = p.value().detach().clone();
+  return w;
+}
+
+sparrow::compression::Encoded dense_f32(const at::Tensor& t) {
+  sparrow::compression::Encoded e;
+  e.format = sparrow::compression::Format::kDense;
+  e.shape = t.sizes().vec();
+  e.value_type = sparrow::compression::ValueType::kF32;
+  const at::Tensor c = t.to(at::kFloat).contiguous();
+  e.values.resize(static_cast<size_t>(c.numel()) * 4);
+  std::memcpy(e.values.data(), c.data_ptr<float>(), e.values.size());
+  return e;
+}
+
+sparrow::wire::Message as_message(sparrow::wire::Body body) {
+  sparrow::wire::Message m;
+  m.body = std::move(body);
+  return m;
+}
+
+class RawPeer {
+ public:
+  RawPeer(const std::string& endpoint, const std::string& dir) : endpoint_(endpoint), dir_(dir) { connect(); }
+
+  void connect() {
+    sock_ = zmq::socket_t(ctx_, zmq::socket_type::dealer);
+    sparrow::net::make_curve_client(sock_, sparrow::net::load_keypair(dir_ + "/keys/client1.key_secret"),
+                                    sparrow::net::load_public_key(dir_ + "/keys/server.key"));
+    sock_.set(zmq::sockopt::linger, 0);
+    sock_.connect(endpoint_);
+  }
+
+  void send_bytes(const std::string& bytes) { REQUIRE(sock_.send(zmq::buffer(bytes), zmq::send_flags::none)); }
+  void send(const sparrow::wire::Message& m) { send_bytes(sparrow::wire::serialize(m)); }
+
+  std::optional<sparrow::wire::Message> receive(int timeout_ms) { return sparrow::net::receive(sock_, timeout_ms); }
+
+  // Hello, then waits for Welcome and the Task of the open round.
+  sparrow::wire::Task hello_until_task(uint64_t digest) {
+    sparrow::wire::Hello h;
+    h.client_id = "attacker";
+    h.num_samples = 600;
+    h.model = "mlp";
+    h.model_digest = digest;
+    h.software = "integration-test";
+    send(as_message(h));
+    bool welcomed = false;
+    const auto until = std::chrono::steady_clock::now() + 60s;
+    while (std::chrono::steady_clock::now() < until) {
+      auto m = receive(1000);
+      if (!m) continue;
+      if (std::holds_alternative<sparrow::wire::Welcome>(m->body)) welcomed = true;
+      if (auto* t = std::get_if<sparrow::wire::Task>(&m->body)) {
+        CHECK(welcomed);
+        return *t;
+      }
+    }
+    FAIL("no Task within 60 s");
+    return {};
+  }
+
+  // Sends `bytes` and returns the Error code of the reply (kUnknown + FAIL on
+  // anything else). Heartbeats are skipped.
+  std::optional<sparrow::wire::ErrorCode> error_for(const std::string& bytes, int timeout_ms = 10000) {
+    send_bytes(bytes);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+    while (std::chrono::steady_clock::now() < until) {
+      auto m = receive(200);
+      if (!m) continue;
+      if (auto* e = std::get_if<sparrow::wire::ErrorBody>(&m->body)) return e->code;
+      if (std::holds_alternative<sparrow::wire::Heartbeat>(m->body)) continue;
+      FAIL_CHECK("expected an Error, got " << sparrow::wire::body_name(m->body));
+      return sparrow::wire::ErrorCode::kUnknown;
+    }
+    return std::nullopt;
+  }
+
+ private:
+  zmq::context_t ctx_;
+  zmq::socket_t sock_;
+  std::string endpoint_, dir_;
+};
+
+std::string log_tail(Process& p) {
+  const std::string s = p.log();
+  return s.size() > 3000 ? s.substr(s.size() - 3000) : s;
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------
+
+TEST_SUITE("slow") {
+  TEST_CASE("integration: server and 10 clients complete 3 rounds under CurveZMQ and the model improves") {
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string dir = fresh_dir("ten");
+    keygen(dir, 10);
+    server_toml(dir,
+                "rounds = 3\nclients_per_round = 10\nquorum = 10\nround_deadline_s = 60\nlr = 0.05\n"
+                "eval_every = 1\nheartbeat_ms = 500\n");
+    auto server = start_server(dir, dir + "/server.log");
+    const std::string ep = server_endpoint(*server);
+    CHECK(ep.rfind("tcp://127.0.0.1:", 0) == 0);
+    CHECK(server->log().find("curve=1") != std::string::npos);
+    std::vector<std::unique_ptr<Process>> clients;
+    for (int i = 1; i <= 10; ++i) clients.push_back(start_client(dir, i, ep, 100, i - 1));
+    const auto rc = server->wait(120s);
+    {
+      INFO(log_tail(*server));
+      REQUIRE(rc.has_value());
+      CHECK(*rc == 0);
+    }
+    // Every client is told "run finished" and exits 0.
+    for (int i = 0; i < 10; ++i) {
+      INFO("client " << i + 1 << ": " << log_tail(*clients[static_cast<size_t>(i)]));
+      const auto crc = clients[static_cast<size_t>(i)]->wait(15s);
+      CHECK(crc.has_value());
+      if (crc) CHECK(*crc == 0);
+    }
+    Db db(dir + "/server.db");
+    const auto rounds = db.rounds();
+    REQUIRE(rounds.size() == 3);
+    for (size_t i = 0; i < 3; ++i) {
+      CHECK(rounds[i].round == static_cast<int64_t>(i + 1));
+      CHECK(rounds[i].selected == 10);
+      CHECK(rounds[i].updates == 10);
+      CHECK(rounds[i].rejected == 0);
+    }
+    INFO("round 1: loss " << rounds[0].eval_loss << " acc " << rounds[0].eval_accuracy << "; round 3: loss "
+                          << rounds[2].eval_loss << " acc " << rounds[2].eval_accuracy);
+    CHECK(std::isfinite(rounds[0].eval_loss));
+    CHECK(rounds[2].eval_loss < rounds[0].eval_loss);
+    CHECK(rounds[2].eval_accuracy > rounds[0].eval_accuracy);
+    CHECK(rounds[2].eval_accuracy > 0.5);  // ten classes: chance is 0.1
+    // The operator's view agrees: sparrow-server status --json.
+    REQUIRE(run_tool({kServerBin, "status", "--db", dir + "/server.db", "--json"}, dir + "/status.json") == 0);
+    {
+      std::ifstream in(dir + "/status.json");
+      const std::string js((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      CHECK(js.find("\"completed_rounds\":3") != std::string::npos);
+      CHECK(js.find("\"client_id\":\"c10\"") != std::string::npos);
+    }
+    MESSAGE("10 clients x 3 rounds: " << std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count()
+                                      << " s; accuracy " << rounds[0].eval_accuracy << " -> "
+                                      << rounds[2].eval_accuracy);
+    fs::remove_all(dir);
+  }
+
+  TEST_CASE("integration: kill -9 of the server mid-round then restart resumes with no lost round") {
+    const std::string dir = fresh_dir("kill_server");
+    keygen(dir, 3);
+    server_toml(dir,
+                "rounds = 4\nclients_per_round = 3\nquorum = 3\nround_deadline_s = 20\nheartbeat_ms = 300\n"
+                "keep_checkpoints = 10\n");
+    auto server = start_server(dir, dir + "/server1.log");
+    const std::string ep = server_endpoint(*server);
+    std::vector<std::unique_ptr<Process>> clients;
+    // 3000 samples each: a round's training takes long enough to kill inside it.
+    for (int i = 1; i <= 3; ++i) clients.push_back(start_client(dir, i, ep, 20, i - 1));
+    REQUIRE(server->wait_for_log("event=round_started round=3", 90s));
+    server->signal(SIGKILL);
+    REQUIRE(server->wait(10s) == 128 + SIGKILL);
+    const std::string log1 = server->log();
+    INFO(log1.substr(log1.size() > 3000 ? log1.size() - 3000 : 0));
+    CHECK(log1.find("event=round_completed round=3") == std::string::npos);  // killed inside round 3
+    std::string ck2_before;
+    {
+      Db db(dir + "/server.db");
+      const auto rounds = db.rounds();
+      REQUIRE(rounds.size() == 2);
+      CHECK(rounds[1].round == 2);
+      ck2_before = db.checkpoint(2);
+      REQUIRE(!ck2_before.empty());
+    }
+    // Restart on the same port with the same config and database; the clients
+    // notice the silence and reconnect on their own.
+    const std::string port = ep.substr(ep.rfind(':') + 1);
+    auto server2 = start_server(dir, dir + "/server2.log", {"listen=tcp://127.0.0.1:" + port});
+    const auto rc = server2->wait(120s);
+    INFO(log_tail(*server2));
+    REQUIRE(rc.has_value());
+    CHECK(*rc == 0);
+    const std::string log2 = server2->log();
+    CHECK(log2.find("event=resumed") != std::string::npos);
+    CHECK(log2.find("round=2 db=") != std::string::npos);
+    CHECK(log2.find("event=round_started round=3") != std::string::npos);
+    CHECK(log2.find("event=round_started round=1 ") == std::string::npos);
+    Db db(dir + "/server.db");
+    const auto rounds = db.rounds();
+    REQUIRE(rounds.size() == 4);
+    for (size_t i = 0; i < 4; ++i) {
+      CHECK(rounds[i].round == static_cast<int64_t>(i + 1));
+      CHECK(rounds[i].updates == 3);
+    }
+    CHECK(db.checkpoint(2) == ck2_before);  // W_2 bit for bit
+    CHECK(!db.checkpoint(4).empty());
+    for (size_t i = 0; i < clients.size(); ++i) {
+      INFO("client " << i + 1 << ": " << log_tail(*clients[i]));
+      const auto crc = clients[i]->wait(15s);
+      CHECK(crc.has_value());
+      if (crc) CHECK(*crc == 0);
+    }
+    fs::remove_all(dir);
+  }
+}
+
+TEST_CASE("integration: a client with an unlisted key is refused") {
+  const std::string dir = fresh_dir("unlisted");
+  keygen(dir, 1);
+  // A key pair the allow-list does not name.
+  REQUIRE(run_tool({kServerBin, "keygen", "--out", dir + "/rogue", "--name", "rogue"}, dir + "/keygen2.log") == 0);
+  server_toml(dir, "rounds = 1\nclients_per_round = 1\nround_deadline_s = 30\nheartbeat_ms = 300\n");
+  auto server = start_server(dir, dir + "/server.log");
+  const std::string ep = server_endpoint(*server);
+  const std::string rogue_pub = sparrow::net::load_public_key(dir + "/rogue/rogue.key");
+  auto rogue = start_client(dir, 2, ep, 100, 1, dir + "/rogue/rogue.key_secret");
+  INFO(log_tail(*server));
+  REQUIRE(server->wait_for_log("admitted=0", 60s));
+  CHECK(server->log().find("key=" + rogue_pub + " address=") != std::string::npos);
+  // The listed client alone runs the round.
+  auto good = start_client(dir, 1, ep, 100, 0);
+  const auto rc = server->wait(90s);
+  REQUIRE(rc.has_value());
+  CHECK(*rc == 0);
+  const std::string slog = server->log();
+  CHECK(slog.find("event=hello client=c1 ") != std::string::npos);
+  CHECK(slog.find("event=hello client=c2 ") == std::string::npos);
+  CHECK(slog.find("event=round_completed round=1 updates=1") != std::string::npos);
+  // The rogue never got past the handshake: no Welcome, no task.
+  const std::string rlog = rogue->log();
+  CHECK(rlog.find("welcome:") == std::string::npos);
+  CHECK(rlog.find("task received") == std::string::npos);
+  rogue->signal(SIGTERM);
+  CHECK(rogue->wait(15s).has_value());
+  CHECK(good->wait(15s) == 0);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("integration: malformed messages get errors and leave the model unchanged") {
+  using sparrow::wire::ErrorCode;
+  const std::string dir = fresh_dir("attack");
+  keygen(dir, 1);
+  server_toml(dir,
+              "rounds = 1\nclients_per_round = 1\nquorum = 1\nround_deadline_s = 60\nmax_message_mb = 2\n"
+              "heartbeat_ms = 1000\n");
+  auto server = start_server(dir, dir + "/server.log");
+  const std::string ep = server_endpoint(*server);
+  INFO(log_tail(*server));
+  const Weights w0 = initial_weights(1);
+  const uint64_t digest = sparrow::core::model_digest(w0);
+
+  RawPeer peer(ep, dir);
+  const sparrow::wire::Task task = peer.hello_until_task(digest);
+  REQUIRE(task.round == 1);
+
+  // A good update: delta 0.001 everywhere (applied only at the end).
+  sparrow::wire::ModelUpdate good;
+  good.round = 1;
+  good.client_id = "attacker";
+  good.num_samples = 600;
+  for (const auto& [name, t] : w0) good.tensors.push_back({name, dense_f32(at::full_like(t, 0.001f))});
+  const std::string good_bytes = sparrow::wire::serialize(as_message(good));
+  REQUIRE(good_bytes.size() > (64u << 10));  // goes through the worker pool
+
+  const std::set<ErrorCode> protocol_codes = {ErrorCode::kMalformed, ErrorCode::kVersionMismatch, ErrorCode::kOversize,
+                                              ErrorCode::kUnsupported};
+  // Truncated: half a message, and a few bytes.
+  CHECK(peer.error_for(good_bytes.substr(0, good_bytes.size() / 2)) == ErrorCode::kMalformed);
+  CHECK(peer.error_for(good_bytes.substr(0, 3)) == ErrorCode::kMalformed);
+  CHECK(peer.error_for(std::string()) == ErrorCode::kMalformed);
+  // Mutated: size prefix, root offset, file identifier, and a byte inside the
+  // FlatBuffer tables (vtable region near the root).
+  for (size_t pos : {size_t{0}, size_t{4}, size_t{8}, size_t{9}}) {
+    std::string bad = good_bytes;
+    bad[pos] = static_cast<char>(bad[pos] ^ 0x5a);
+    const auto code = peer.error_for(bad);
+    INFO("mutated byte " << pos);
+    REQUIRE(code.has_value());
+    CHECK(protocol_codes.count(*code) == 1);
+  }
+  // Wrong protocol major.
+  {
+    sparrow::wire::Message m = as_message(good);
+    m.major = sparrow::wire::kProtocolMajor + 1;
+    CHECK(peer.error_for(sparrow::wire::serialize(m)) == ErrorCode::kVersionMismatch);
+  }
+  // Out-of-range sparse index (index == numel of fc3.bias).
+  {
+    sparrow::wire::ModelUpdate u = good;
+    for (auto& nt : u.tensors) {
+      if (nt.name != "fc3.bias") continue;
+      sparrow::compression::Encoded e;
+      e.format = sparrow::compression::Format::kSparse;
+      e.shape = {10};
+      e.value_type = sparrow::compression::ValueType::kF32;
+      e.index_coding = sparrow::compression::IndexCoding::kDeltaVarint;
+      e.count = 1;
+      e.indices = {10};  // LEB128 10: one past the end
+      const float v = 1.0f;
+      e.values.resize(4);
+      std::memcpy(e.values.data(), &v, 4);
+      nt.tensor = e;
+    }
+    CHECK(peer.error_for(sparrow::wire::serialize(as_message(u))) == ErrorCode::kMalformed);
+  }
+  // NaN and infinity in a dense tensor.
+  for (float bad_value : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+    sparrow::wire::ModelUpdate u = good;
+    std::memcpy(u.tensors[0].tensor.values.data() + 8, &bad_value, 4);
+    const auto code = peer.error_for(sparrow::wire::serialize(as_message(u)));
+    REQUIRE(code.has_value());
+    CHECK((*code == ErrorCode::kMalformed || *code == ErrorCode::kRejected));
+  }
+  // A wrong shape (well formed, refused on verification).
+  {
+    sparrow::wire::ModelUpdate u = good;
+    u.tensors[0].tensor = dense_f32(at::zeros({3}));
+    CHECK(peer.error_for(sparrow::wire::serialize(as_message(u))) == ErrorCode::kRejected);
+  }
+  CHECK(server->running());
+  // Oversized (3 MiB > max_message_mb = 2): libzmq drops the connection before
+  // the server sees it (or the server answers kOversize).
+  {
+    const std::string big(3u << 20, 'x');
+    const auto code = peer.error_for(big, 2000);
+    if (code) CHECK(*code == ErrorCode::kOversize);
+  }
+  CHECK(server->running());
+  // A new connection: Hello again, the task is sent again, the good update is acked.
+  RawPeer peer2(ep, dir);
+  const sparrow::wire::Task task2 = peer2.hello_until_task(digest);
+  CHECK(task2.round == 1);
+  peer2.send_bytes(good_bytes);
+  bool acked = false;
+  for (int i = 0; i < 50 && !acked; ++i) {
+    auto m = peer2.receive(200);
+    if (!m) continue;
+    if (auto* a = std::get_if<sparrow::wire::Ack>(&m->body)) acked = a->round == 1;
+    if (auto* e = std::get_if<sparrow::wire::ErrorBody>(&m->body)) FAIL_CHECK("good update refused: " << e->message);
+  }
+  CHECK(acked);
+  const auto rc = server->wait(60s);
+  REQUIRE(rc.has_value());
+  CHECK(*rc == 0);
+  const std::string slog = server->log();
+  CHECK(slog.find("event=round_completed round=1 updates=1") != std::string::npos);
+  // W_1 = W_0 + 0.001: none of the bad messages reached the aggregate.
+  Db db(dir + "/server.db");
+  const auto rounds = db.rounds();
+  REQUIRE(rounds.size() == 1);
+  CHECK(rounds[0].updates == 1);
+  const Weights w1 = sparrow::server::deserialize_weights(db.checkpoint(1));
+  REQUIRE(w1.size() == w0.size());
+  for (const auto& [name, t] : w0) {
+    INFO(name);
+    const double err = (w1.at(name) - (t + 0.001f)).abs().max().item<double>();
+    CHECK(err < 1e-6);
+  }
+  fs::remove_all(dir);
+}
+
+TEST_CASE("integration: a client killed mid-round does not stall the round") {
+  const std::string dir = fresh_dir("kill_client");
+  keygen(dir, 3);
+  server_toml(dir,
+              "rounds = 1\nclients_per_round = 3\nquorum = 2\nround_deadline_s = 3\nmax_round_wait_s = 30\n"
+              "heartbeat_ms = 300\n");
+  auto server = start_server(dir, dir + "/server.log");
+  const std::string ep = server_endpoint(*server);
+  auto c1 = start_client(dir, 1, ep, 100, 0);
+  auto c2 = start_client(dir, 2, ep, 100, 1);
+  // The victim trains on the whole train split: it is still training when killed.
+  auto victim = start_client(dir, 3, ep, 1, 0);
+  INFO(log_tail(*server));
+  REQUIRE(victim->wait_for_log("round 1: task received", 90s));
+  const auto t_kill = std::chrono::steady_clock::now();
+  victim->signal(SIGKILL);
+  CHECK(victim->wait(10s) == 128 + SIGKILL);
+  CHECK(victim->log().find("round 1: trained") == std::string::npos);  // killed before its update
+  const auto rc = server->wait(60s);
+  REQUIRE(rc.has_value());
+  CHECK(*rc == 0);
+  const double after_kill = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_kill).count();
+  CHECK(after_kill < 15.0);  // the deadline (3 s) closed the round, not a stall
+  const std::string slog = server->log();
+  CHECK(slog.find("event=deadline round=1 updates=2 selected=3") != std::string::npos);
+  CHECK(slog.find("event=round_completed round=1 updates=2 selected=3") != std::string::npos);
+  Db db(dir + "/server.db");
+  const auto rounds = db.rounds();
+  REQUIRE(rounds.size() == 1);
+  CHECK(rounds[0].updates == 2);
+  CHECK(rounds[0].selected == 3);
+  CHECK(c1->wait(15s) == 0);
+  CHECK(c2->wait(15s) == 0);
+  fs::remove_all(dir);
+}
