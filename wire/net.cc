@@ -146,9 +146,14 @@ std::set<std::string> load_allow_list(const std::string& path) {
   int lineno = 0;
   while (std::getline(in, line)) {
     ++lineno;
-    const size_t hash = line.find('#');
-    const std::string entry = trim(hash == std::string::npos ? line : line.substr(0, hash));
-    if (entry.empty()) continue;
+    // '#' is in the Z85 alphabet, so a comment is a '#' that starts the line
+    // or follows whitespace; the entry is the line's first word.
+    const std::string t = trim(line);
+    if (t.empty() || t[0] == '#') continue;
+    const std::string entry = t.substr(0, t.find_first_of(" \t"));
+    const std::string rest = trim(t.substr(entry.size()));
+    SPARROW_CHECK_T(ConfigError, rest.empty() || rest[0] == '#',
+                    "allow-list '" << path << "' line " << lineno << ": unexpected text after the entry");
     if (is_z85_key(entry)) {
       out.insert(entry);
       continue;

@@ -56,8 +56,9 @@ std::string load_public_key(const std::string& path);
 
 // The allow-list: a directory (every *.key certificate in it), or a file with
 // one entry per line, each either a Z85 public key or the path of a .key file
-// (relative to the list's directory); '#' starts a comment. ConfigError for an
-// entry that is neither.
+// (relative to the list's directory). A comment starts with a '#' at the start
+// of a line or after whitespace ('#' is a Z85 character, so a key may hold one).
+// ConfigError for an entry that is neither.
 std::set<std::string> load_allow_list(const std::string& path);
 
 // The ZAP authenticator for one context. Construct it before binding a CURVE

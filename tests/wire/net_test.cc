@@ -76,6 +76,13 @@ TEST_CASE("net: allow lists from a directory or a file") {
   CHECK(net::load_allow_list(dir + "/allow.txt") == std::set<std::string>{a.public_key, c.public_key});
   std::ofstream(dir + "/bad.txt") << c.public_key << "\nnot-a-key-nor-a-file\n";
   CHECK_THROWS_WITH_AS(net::load_allow_list(dir + "/bad.txt"), doctest::Contains("line 2"), ConfigError);
+
+  // '#' is a Z85 character: a key holding one is still a key, not a comment.
+  net::KeyPair hashed;
+  for (int i = 0; i < 1000 && hashed.public_key.find('#') == std::string::npos; ++i) hashed = net::generate_keypair();
+  REQUIRE(hashed.public_key.find('#') != std::string::npos);
+  std::ofstream(dir + "/hash.txt") << hashed.public_key << "\n" << hashed.public_key << "\t# again\n";
+  CHECK(net::load_allow_list(dir + "/hash.txt") == std::set<std::string>{hashed.public_key});
   fs::remove_all(dir);
 }
 

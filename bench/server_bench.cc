@@ -1,0 +1,528 @@
+// sparrow-bench server: sparrow-server's ingest rate under many CurveZMQ
+// connections, and its dense-update throughput (docs/performance.md, "Server").
+//
+// The real server::Server runs in this process on a thread, bound to
+// tcp://127.0.0.1:*; a load generator on the calling thread drives it over
+// ZeroMQ exactly as sparrow-client would (Hello, Task, ModelUpdate, Ack), so
+// every figure includes the transport, CURVE, parsing, verification,
+// aggregation and the server's threads. Keys, allow-list and SQLite databases
+// live in a temporary folder removed at the end.
+//
+// "ingest": C DEALER connections (CURVE), each selected every round. A client
+// answers its Task at once with the same pre-encoded DGC update (ratio 0.001 of
+// a 1M-parameter model), so a round measures how fast the server takes C
+// updates in: updates_per_s = acked updates / (last Ack - first update sent)
+// of the round, the median over rounds. The per-update server cost is measured
+// in the same run on the same update: parse (wire::parse, what the I/O thread
+// does) + StreamingAggregator::add (what a worker does), next to a bare
+// compression::decode.
+//
+// "dense": one client sends one dense fp32 update of 25M parameters (100 MB);
+// mb_per_s = update bytes / (send -> Ack), median of `repeat` rounds, over
+// plain TCP and over CURVE.
+
+#include "bench/server_bench.h"
+
+#include <ATen/ATen.h>
+#include <spdlog/spdlog.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+#include <zmq.hpp>
+
+#include "aggregation/aggregator.h"
+#include "compression/compressor.h"
+#include "compression/state.h"
+#include "core/error.h"
+#include "core/json.h"
+#include "core/model_digest.h"
+#include "server/server.h"
+#include "wire/net.h"
+#include "wire/wire.h"
+
+namespace sparrow::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
+
+constexpr const char* kUplink = "dgc:ratio=0.001";
+// Rounds >= 2 send the model change; compressed so tasks stay small (a Full
+// 4 MB task to each of 1,000 clients would be 4 GB per round).
+constexpr const char* kDownlink = "topk:ratio=0.001";
+constexpr const char* kModel = "bench-plain";
+
+double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// 1,000 CURVE connections need several thousand descriptors (TCP sockets on
+// both ends, ZeroMQ mailboxes).
+void raise_nofile() {
+  rlimit r{};
+  if (getrlimit(RLIMIT_NOFILE, &r) == 0 && r.rlim_cur < r.rlim_max) {
+    r.rlim_cur = r.rlim_max;
+    setrlimit(RLIMIT_NOFILE, &r);
+  }
+}
+
+struct TempDir {
+  fs::path path;
+  explicit TempDir(const std::string& parent) {
+    fs::path base = parent.empty() ? fs::temp_directory_path() : fs::path(parent);
+    fs::create_directories(base);
+    std::string tmpl = (base / "sparrow-bench-server-XXXXXX").string();
+    SPARROW_CHECK(mkdtemp(tmpl.data()) != nullptr, "cannot create a temporary folder under " << base);
+    path = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
+
+wire::Message message(wire::Body body) {
+  wire::Message m;
+  m.body = std::move(body);
+  return m;
+}
+
+server::ServerConfig base_config(const fs::path& dir, const std::string& name, bool curve) {
+  server::ServerConfig c;
+  c.listen = "tcp://127.0.0.1:*";
+  c.insecure = !curve;
+  c.model = kModel;
+  c.db = (dir / (name + ".db")).string();
+  c.heartbeat_ms = 60000;  // the load generator does not heartbeat
+  c.round_deadline_s = 120;
+  return c;
+}
+
+// The server on a thread; stop() and join on destruction.
+class RunningServer {
+ public:
+  RunningServer(server::ServerConfig cfg, server::Weights w) : server_(std::move(cfg), std::move(w)) {
+    thread_ = std::thread([this] {
+      try {
+        server_.run();
+      } catch (const std::exception& e) {
+        error_ = e.what();
+      }
+      done_ = true;
+    });
+  }
+  ~RunningServer() {
+    server_.stop();
+    if (thread_.joinable()) thread_.join();
+  }
+  server::Server& get() { return server_; }
+  bool done() const { return done_.load(); }
+  const std::string& error() const { return error_; }
+
+ private:
+  server::Server server_;
+  std::thread thread_;
+  std::atomic<bool> done_{false};
+  std::string error_;
+};
+
+void send_bytes(zmq::socket_t& s, const std::string& bytes) {
+  // Zero-copy: the buffer outlives the send (the caller keeps it until the
+  // reply), so the figure is the transport's and the server's, not a memcpy.
+  zmq::message_t m(const_cast<char*>(bytes.data()), bytes.size(), nullptr, nullptr);
+  s.send(m, zmq::send_flags::none);
+}
+
+// ---- ingest ------------------------------------------------------------------
+
+struct RoundStats {
+  std::optional<Clock::time_point> first_sent;
+  Clock::time_point last_ack;
+  uint64_t sent = 0, acked = 0;
+};
+
+// Median of per-batch means (batches of `per` calls), in milliseconds per call.
+template <class F>
+double time_per_call_ms(F&& f, int batches, int per) {
+  std::vector<double> t;
+  f();  // warm-up
+  for (int b = 0; b < batches; ++b) {
+    auto t0 = Clock::now();
+    for (int i = 0; i < per; ++i) f();
+    t.push_back(seconds(t0, Clock::now()) * 1e3 / per);
+  }
+  return median(t);
+}
+
+int bench_ingest(const ServerBenchOptions& o, const fs::path& dir) {
+  const int C = o.clients;
+  // The model: one 1000 x 1000 matrix (2-D, so DGC sparsifies it).
+  at::manual_seed(3);
+  server::Weights weights{{"w", at::randn({1000, 1000}) * 0.01}};
+  std::map<std::string, std::vector<int64_t>> shapes_map{{"w", {1000, 1000}}};
+
+  // The update every client sends: DGC of a random gradient.
+  compression::register_builtins();
+  auto dgc = compression::make_compressor(kUplink);
+  compression::State st;
+  compression::Context ctx;
+  ctx.name = "w";
+  ctx.seed = 1;
+  ctx.num_workers = C;
+  std::vector<wire::NamedTensor> tensors{{"w", dgc->encode(at::randn({1000, 1000}), st, ctx)}};
+
+  // Keys: the server's and one per client, the allow-list as a file of keys.
+  net::KeyPair server_keys = net::generate_keypair();
+  net::write_keypair(dir.string(), "server", server_keys);
+  // (A directory of certificates: a Z85 key may contain '#', which a list file
+  // reads as a comment.)
+  std::vector<net::KeyPair> keys(static_cast<size_t>(C));
+  for (size_t i = 0; i < keys.size(); ++i) {
+    keys[i] = net::generate_keypair();
+    net::write_keypair((dir / "allow").string(), "client-" + std::to_string(i), keys[i]);
+  }
+  server::ServerConfig cfg = base_config(dir, "ingest", /*curve=*/true);
+  cfg.server_key = (dir / "server.key_secret").string();
+  cfg.allow = (dir / "allow").string();
+  cfg.compression = kUplink;
+  cfg.downlink = kDownlink;
+  cfg.rounds = o.rounds;
+  cfg.clients_per_round = C;
+  cfg.quorum = C;
+  cfg.workers = o.workers;
+  cfg.max_message_mb = 64;
+
+  RunningServer srv(cfg, weights);
+  const uint64_t digest = core::model_digest(shapes_map);
+  SPARROW_CHECK(digest == srv.get().model_digest(), "model digest differs from the server's");
+
+  zmq::context_t cctx(1);
+  cctx.set(zmq::ctxopt::max_sockets, C + 64);
+  std::vector<zmq::socket_t> socks;
+  socks.reserve(static_cast<size_t>(C));
+  std::vector<std::string> ids(static_cast<size_t>(C));
+  const auto t_connect = Clock::now();
+  for (int i = 0; i < C; ++i) {
+    socks.emplace_back(cctx, zmq::socket_type::dealer);
+    zmq::socket_t& s = socks.back();
+    net::make_curve_client(s, keys[static_cast<size_t>(i)], srv.get().public_key());
+    net::set_limits(s, cfg.max_message_bytes());
+    s.connect(srv.get().endpoint());
+    char id[32];
+    std::snprintf(id, sizeof(id), "bench-%05d", i);
+    ids[static_cast<size_t>(i)] = id;
+    wire::Hello h;
+    h.client_id = id;
+    h.num_samples = 100;
+    h.model = kModel;
+    h.model_digest = digest;
+    h.last_round = 0;  // holds W_0: round 1's Task is an empty Delta
+    h.software = "sparrow-bench";
+    net::send(s, message(h));
+  }
+
+  std::vector<zmq::pollitem_t> items(static_cast<size_t>(C));
+  for (int i = 0; i < C; ++i)
+    items[static_cast<size_t>(i)] = {static_cast<void*>(socks[static_cast<size_t>(i)]), 0, ZMQ_POLLIN, 0};
+  std::map<uint64_t, RoundStats> rounds;
+  uint64_t welcomed = 0, errors = 0, sent = 0, acked = 0;
+  size_t update_bytes = 0;
+  double connect_s = 0;
+  wire::ParseLimits limits;
+  limits.max_bytes = cfg.max_message_bytes();
+  const uint64_t want = static_cast<uint64_t>(C) * static_cast<uint64_t>(o.rounds);
+  const auto give_up = Clock::now() + std::chrono::seconds(120 + C * o.rounds / 20);
+  while (acked + errors < want && !srv.done() && Clock::now() < give_up) {
+    zmq::poll(items.data(), items.size(), std::chrono::milliseconds(100));
+    for (int i = 0; i < C; ++i) {
+      if (!(items[static_cast<size_t>(i)].revents & ZMQ_POLLIN)) continue;
+      zmq::socket_t& s = socks[static_cast<size_t>(i)];
+      for (;;) {
+        std::optional<wire::Message> m = net::receive(s, 0, limits);
+        if (!m) break;
+        const auto now = Clock::now();
+        if (std::holds_alternative<wire::Welcome>(m->body)) {
+          if (++welcomed == static_cast<uint64_t>(C)) connect_s = seconds(t_connect, now);
+        } else if (const auto* t = std::get_if<wire::Task>(&m->body)) {
+          wire::ModelUpdate u;
+          u.round = t->round;
+          u.client_id = ids[static_cast<size_t>(i)];
+          u.num_samples = 100;
+          u.tensors = tensors;
+          const std::string bytes = wire::serialize(message(std::move(u)));
+          update_bytes = bytes.size();
+          RoundStats& rs = rounds[t->round];
+          if (!rs.first_sent) rs.first_sent = Clock::now();
+          s.send(zmq::buffer(bytes), zmq::send_flags::none);
+          rs.sent++;
+          sent++;
+        } else if (const auto* a = std::get_if<wire::Ack>(&m->body)) {
+          RoundStats& rs = rounds[a->round];
+          rs.acked++;
+          rs.last_ack = now;
+          acked++;
+        } else if (const auto* e = std::get_if<wire::ErrorBody>(&m->body)) {
+          if (errors++ < 5)
+            std::cerr << "sparrow-bench: server error to " << ids[static_cast<size_t>(i)] << ": "
+                      << wire::error_code_name(e->code) << ": " << e->message << "\n";
+        }
+      }
+    }
+  }
+  const server::Counters counters = srv.get().counters();
+  if (!srv.error().empty()) std::cerr << "sparrow-bench: server failed: " << srv.error() << "\n";
+
+  std::vector<double> rate, round_s;
+  uint64_t acked_timed = 0;
+  double total_s = 0;
+  for (const auto& [r, rs] : rounds) {
+    if (!rs.first_sent || rs.acked == 0) continue;
+    const double d = seconds(*rs.first_sent, rs.last_ack);
+    round_s.push_back(d);
+    rate.push_back(static_cast<double>(rs.acked) / d);
+    acked_timed += rs.acked;
+    total_s += d;
+  }
+  const double ups = median(rate);
+
+  // Same update, same run: the server's per-update work against a bare decode.
+  const std::string bytes = [&] {
+    wire::ModelUpdate u;
+    u.round = 1;
+    u.client_id = ids[0];
+    u.num_samples = 100;
+    u.tensors = tensors;
+    return wire::serialize(message(std::move(u)));
+  }();
+  aggregation::StreamingAggregator agg({{"w", {1000, 1000}}});
+  aggregation::ContextMap contexts;
+  contexts["w"] = ctx;
+  contexts["w"].round = 1;
+  aggregation::EncodedUpdate eu{{"w", tensors[0].tensor}};
+  wire::ParseLimits plimits;
+  plimits.max_elements = 3u << 20;
+  const int per = 200, batches = 15;
+  const double parse_ms = time_per_call_ms(
+      [&] {
+        volatile size_t n = wire::parse(bytes, plimits).minor;
+        (void)n;
+      },
+      batches, per);
+  const double add_ms = time_per_call_ms([&] { agg.add(eu, 100.0, contexts); }, batches, per);
+  const double decode_ms = time_per_call_ms(
+      [&] {
+        at::Tensor d = compression::decode(tensors[0].tensor, contexts["w"]);
+        (void)d;
+      },
+      batches, per);
+
+  std::ostringstream rs;
+  for (size_t i = 0; i < round_s.size(); ++i) rs << (i ? "," : "") << json_number(round_s[i]);
+  std::cout << "{\"bench\":\"server\",\"case\":\"ingest\",\"curve\":true,\"clients\":" << C
+            << ",\"rounds\":" << o.rounds << ",\"params\":1000000,\"uplink\":\"" << kUplink << "\",\"downlink\":\""
+            << kDownlink << "\",\"workers\":" << o.workers << ",\"update_bytes\":" << update_bytes
+            << ",\"connect_s\":" << json_number(connect_s) << ",\"round_ingest_s\":[" << rs.str() << "]"
+            << ",\"updates_per_s\":" << json_number(ups)
+            << ",\"updates_per_s_all\":" << json_number(total_s > 0 ? static_cast<double>(acked_timed) / total_s : 0.0)
+            << ",\"mb_per_s\":" << json_number(ups * static_cast<double>(update_bytes) / 1e6) << ",\"sent\":" << sent
+            << ",\"acked\":" << acked << ",\"lost_updates\":" << (sent - acked) << ",\"errors\":" << errors
+            << ",\"server_accepted\":" << counters.updates_accepted << ",\"server_rejected\":" << counters.rejected()
+            << ",\"server_stale\":" << counters.stale << ",\"send_failures\":" << counters.send_failures
+            << ",\"parse_ms\":" << json_number(parse_ms) << ",\"aggregate_ms\":" << json_number(add_ms)
+            << ",\"decode_aggregate_ms\":" << json_number(parse_ms + add_ms)
+            << ",\"bare_decode_ms\":" << json_number(decode_ms) << "}" << std::endl;
+  const bool ok = srv.error().empty() && sent == want && acked == want;
+  return ok ? 0 : 1;
+}
+
+// ---- dense -------------------------------------------------------------------
+
+// Median seconds from send to Ack of `repeat` dense updates over one transport.
+std::pair<double, size_t> dense_once(const ServerBenchOptions& o, const fs::path& dir, bool curve,
+                                     const server::Weights& weights, const wire::NamedTensor& update) {
+  const std::string name = curve ? "dense-curve" : "dense-plain";
+  server::ServerConfig cfg = base_config(dir, name, curve);
+  net::KeyPair ck;
+  if (curve) {
+    net::KeyPair sk = net::generate_keypair();
+    ck = net::generate_keypair();
+    net::write_keypair(dir.string(), name + "-server", sk);
+    net::write_keypair((dir / (name + "-allow")).string(), "client", ck);
+    cfg.server_key = (dir / (name + "-server.key_secret")).string();
+    cfg.allow = (dir / (name + "-allow")).string();
+  }
+  cfg.rounds = o.repeat;
+  cfg.clients_per_round = 1;
+  cfg.quorum = 1;
+  cfg.workers = o.workers;
+  cfg.max_message_mb = 512;
+  RunningServer srv(cfg, weights);
+
+  zmq::context_t cctx(1);
+  zmq::socket_t s(cctx, zmq::socket_type::dealer);
+  if (curve) net::make_curve_client(s, ck, srv.get().public_key());
+  net::set_limits(s, cfg.max_message_bytes());
+  s.connect(srv.get().endpoint());
+  wire::Hello h;
+  h.client_id = "bench-dense";
+  h.num_samples = 100;
+  h.model = kModel;
+  h.model_digest = srv.get().model_digest();
+  h.last_round = 0;
+  h.software = "sparrow-bench";
+  net::send(s, message(h));
+
+  wire::ParseLimits limits;
+  limits.max_bytes = cfg.max_message_bytes();
+  limits.max_elements = uint64_t{1} << 28;
+  std::vector<double> t;
+  size_t bytes_sent = 0;
+  std::string bytes;
+  Clock::time_point t0;
+  const auto give_up = Clock::now() + std::chrono::seconds(60 + 30 * o.repeat);
+  while (static_cast<int>(t.size()) < o.repeat && !srv.done() && Clock::now() < give_up) {
+    std::optional<wire::Message> m = net::receive(s, 200, limits);
+    if (!m) continue;
+    if (const auto* task = std::get_if<wire::Task>(&m->body)) {
+      wire::ModelUpdate u;
+      u.round = task->round;
+      u.client_id = h.client_id;
+      u.num_samples = 100;
+      u.tensors = {update};
+      bytes = wire::serialize(message(std::move(u)));
+      bytes_sent = bytes.size();
+      t0 = Clock::now();
+      send_bytes(s, bytes);
+    } else if (const auto* a = std::get_if<wire::Ack>(&m->body)) {
+      t.push_back(seconds(t0, Clock::now()));
+      // Hold W_r from now on, so the next Task is an empty Delta (as a
+      // client that follows the model would) instead of a Full 100 MB model.
+      h.last_round = a->round;
+      net::send(s, message(h));
+    } else if (const auto* e = std::get_if<wire::ErrorBody>(&m->body)) {
+      std::cerr << "sparrow-bench: dense: server error: " << wire::error_code_name(e->code) << ": " << e->message
+                << "\n";
+    }
+  }
+  if (!srv.error().empty()) std::cerr << "sparrow-bench: server failed: " << srv.error() << "\n";
+  SPARROW_CHECK(static_cast<int>(t.size()) == o.repeat,
+                "dense (" << name << "): " << t.size() << " of " << o.repeat << " updates acknowledged");
+  return {median(t), bytes_sent};
+}
+
+// Baseline: the same bytes DEALER -> ROUTER over bare ZeroMQ (same socket
+// options, no server), median seconds per message.
+double bare_transfer_s(const std::string& bytes, bool curve, int repeat) {
+  zmq::context_t sctx(1), cctx(1);
+  zmq::socket_t r(sctx, zmq::socket_type::router), d(cctx, zmq::socket_type::dealer);
+  if (curve) {
+    // No ZAP handler on sctx: libzmq admits every client key.
+    const net::KeyPair sk = net::generate_keypair(), ck = net::generate_keypair();
+    net::make_curve_server(r, sk);
+    net::make_curve_client(d, ck, sk.public_key);
+  }
+  net::set_limits(r, bytes.size() + 1024);
+  net::set_limits(d, bytes.size() + 1024);
+  r.bind("tcp://127.0.0.1:*");
+  d.connect(r.get(zmq::sockopt::last_endpoint));
+  std::vector<double> t;
+  for (int i = 0; i < repeat; ++i) {
+    const auto t0 = Clock::now();
+    send_bytes(d, bytes);
+    zmq::message_t id, m;
+    SPARROW_CHECK(r.recv(id) && r.recv(m) && m.size() == bytes.size(), "bare transfer failed");
+    t.push_back(seconds(t0, Clock::now()));
+  }
+  return median(t);
+}
+
+int bench_dense(const ServerBenchOptions& o, const fs::path& dir) {
+  const int64_t n = 25000000;  // 100 MB of fp32
+  at::manual_seed(4);
+  server::Weights weights{{"w", at::zeros({5000, 5000})}};
+  compression::register_builtins();
+  auto none = compression::make_compressor("none");
+  compression::State st;
+  compression::Context ctx;
+  ctx.name = "w";
+  wire::NamedTensor update{"w", none->encode(at::randn({5000, 5000}) * 0.01, st, ctx)};
+  auto [plain_s, bytes] = dense_once(o, dir, false, weights, update);
+  auto [curve_s, bytes2] = dense_once(o, dir, true, weights, update);
+  (void)bytes2;
+  // The server's own work on the same update in this process (no transport):
+  // wire::parse (verification + copy out of the frame) and the aggregation.
+  double parse_s = 0, add_s = 0, bare_s = 0, bare_curve_s = 0;
+  {
+    wire::ModelUpdate u;
+    u.round = 1;
+    u.client_id = "bench-dense";
+    u.num_samples = 100;
+    u.tensors = {update};
+    const std::string b = wire::serialize(message(std::move(u)));
+    wire::ParseLimits limits;
+    limits.max_bytes = b.size() + 1;
+    aggregation::StreamingAggregator agg({{"w", {5000, 5000}}});
+    std::vector<double> tp, ta;
+    for (int r = 0; r < o.repeat; ++r) {
+      auto t0 = Clock::now();
+      wire::Message m = wire::parse(b, limits);
+      tp.push_back(seconds(t0, Clock::now()));
+      auto& mu = std::get<wire::ModelUpdate>(m.body);
+      aggregation::EncodedUpdate eu{{"w", std::move(mu.tensors[0].tensor)}};
+      t0 = Clock::now();
+      agg.add(eu, 100.0);
+      ta.push_back(seconds(t0, Clock::now()));
+    }
+    parse_s = median(tp);
+    add_s = median(ta);
+    bare_s = bare_transfer_s(b, false, o.repeat);
+    bare_curve_s = bare_transfer_s(b, true, o.repeat);
+  }
+  const double mb = static_cast<double>(bytes) / 1e6;
+  std::cout << "{\"bench\":\"server\",\"case\":\"dense\",\"params\":" << n << ",\"update_bytes\":" << bytes
+            << ",\"repeat\":" << o.repeat << ",\"workers\":" << o.workers << ",\"seconds\":" << json_number(plain_s)
+            << ",\"mb_per_s\":" << json_number(mb / plain_s) << ",\"curve_seconds\":" << json_number(curve_s)
+            << ",\"curve_mb_per_s\":" << json_number(mb / curve_s) << ",\"parse_s\":" << json_number(parse_s)
+            << ",\"aggregate_s\":" << json_number(add_s) << ",\"bare_zmq_mb_per_s\":" << json_number(mb / bare_s)
+            << ",\"bare_curve_mb_per_s\":" << json_number(mb / bare_curve_s) << "}" << std::endl;
+  return 0;
+}
+
+}  // namespace
+
+int bench_server(const ServerBenchOptions& o) {
+  {
+    std::stringstream ss(o.cases);
+    for (std::string c; std::getline(ss, c, ',');)
+      SPARROW_CHECK_T(ConfigError, c == "ingest" || c == "dense",
+                      "--cases: unknown case '" << c << "' (ingest, dense)");
+  }
+  raise_nofile();
+  spdlog::set_level(spdlog::level::warn);  // 1,000 Hellos would log 1,000 lines
+  TempDir dir(o.tmp);
+  int rc = 0;
+  const std::string cases = "," + o.cases + ",";
+  if (cases.find(",ingest,") != std::string::npos) rc |= bench_ingest(o, dir.path);
+  if (cases.find(",dense,") != std::string::npos) rc |= bench_dense(o, dir.path);
+  return rc;
+}
+
+}  // namespace sparrow::bench
