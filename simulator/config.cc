@@ -50,6 +50,7 @@ std::vector<Field> fields(SimConfig& c) {
           {"server_optimizer", &c.server_optimizer},
           {"workers", &c.workers},
           {"eval_every", &c.eval_every},
+          {"checkpoint_every", &c.checkpoint_every},
           {"out", &c.out},
           {"deadline_s", &c.deadline_s},
           {"profiles.compute_speed", &c.profiles.compute_speed},
@@ -159,6 +160,7 @@ class Loader {
     spec_method("server_optimizer", c.server_optimizer, {});
     check("workers", c.workers >= 1, "must be >= 1");
     check("eval_every", c.eval_every >= 1, "must be >= 1");
+    check("checkpoint_every", c.checkpoint_every >= 1, "must be >= 1 (1 = every round)");
     check("out", !c.out.empty(), "must not be empty");
     check("deadline_s", c.deadline_s >= 0, "must be >= 0 (0 = no deadline)");
     check("profiles.compute_speed", c.profiles.compute_speed >= 0, "must be >= 0 (a lognormal sigma)");

@@ -59,6 +59,7 @@ struct SimConfig {
   std::string server_optimizer = "fedavg";  // server optimiser spec string
   int workers = 1;                          // >= 1
   int eval_every = 1;                       // evaluate every N rounds, >= 1
+  int checkpoint_every = 10;                // checkpoint (client states + run state) every N rounds, >= 1
   std::string out = "runs/default";         // load_config: "runs/<file stem>" unless set
   double deadline_s = 0;                    // round deadline in seconds, 0 = none
   DeviceProfiles profiles;

@@ -122,7 +122,7 @@ struct ClientResult {
   double train_loss = 0;
   uint64_t bytes_up = 0;
   bool kept = false;
-  state::ClientState state;
+  state::ClientState state;  // moved into the store once encoded
 };
 
 struct Worker {
@@ -184,6 +184,9 @@ struct Simulator::Impl {
   std::map<std::string, at::Tensor> acp_shared;  // ACP: next round's shared factor per tensor
 
   std::unique_ptr<state::ClientStateStore> store;
+  // Client states put since the last checkpoint stay in memory (the store
+  // serves them until the checkpoint commits): checkpoint early beyond this.
+  static constexpr size_t kUnflushedBudget = size_t{512} << 20;
   Db db;
   int round = 0;  // completed rounds
   std::vector<RoundMetrics> history;
@@ -295,11 +298,13 @@ struct Simulator::Impl {
     db.exec("PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;");
     db.exec(
         "CREATE TABLE IF NOT EXISTS rounds(round INTEGER PRIMARY KEY, accuracy REAL, loss REAL, train_loss REAL, "
-        "bytes_up INTEGER, bytes_down INTEGER, sim_round_s REAL, real_s REAL, clients INTEGER, dropped INTEGER);"
-        "CREATE TABLE IF NOT EXISTS checkpoint(round INTEGER PRIMARY KEY, global BLOB, server_opt BLOB, "
-        "scaffold BLOB, acp BLOB);");
+        "bytes_up INTEGER, bytes_down INTEGER, sim_round_s REAL, real_s REAL, clients INTEGER, dropped INTEGER);");
+    // Checkpoint mode: client states reach client_state.db only with a
+    // checkpoint, in the same transaction as the run state (set_meta), on the
+    // store's background thread; see checkpoint().
     state::ClientStateStore::Options o;
-    o.write_batch = 256;
+    o.background = true;
+    o.explicit_flush = true;
     store = state::ClientStateStore::open(cs.string(), o);
     if (!resume) {
       std::ofstream(csv) << kCsvHeader;
@@ -307,26 +312,50 @@ struct Simulator::Impl {
     }
   }
 
+  // The run state after the round just completed, committed with every
+  // client state changed since the last checkpoint in one transaction of
+  // client_state.db (written on the store's background thread; `wait` blocks
+  // until it is durable). Client states on disk therefore always match the
+  // checkpoint: between checkpoints nothing reaches the database.
+  void checkpoint(int completed, bool wait) {
+    store->set_meta("checkpoint.round", std::to_string(completed));
+    store->set_meta("checkpoint.global", serialize_weights(global));
+    store->set_meta("checkpoint.server_opt", server_opt->serialize_state());
+    store->set_meta("checkpoint.scaffold", server_control.empty() ? std::string() : serialize_weights(server_control));
+    store->set_meta("checkpoint.acp", acp_shared.empty() ? std::string() : serialize_weights(acp_shared));
+    if (wait)
+      store->flush();
+    else
+      store->flush_async();
+  }
+
   void load_checkpoint() {
-    Stmt q{db.prepare("SELECT round, global, server_opt, scaffold, acp FROM checkpoint ORDER BY round DESC LIMIT 1")};
-    SPARROW_CHECK_T(ConfigError, sqlite3_step(q.st) == SQLITE_ROW,
-                    "resume: no checkpoint in " << (dir / "run.db").string());
-    auto blob = [&](int col) {
-      const void* p = sqlite3_column_blob(q.st, col);
-      return std::string(static_cast<const char*>(p), p ? sqlite3_column_bytes(q.st, col) : 0);
+    const std::optional<std::string> saved = store->get_meta("checkpoint.round");
+    SPARROW_CHECK_T(ConfigError, saved.has_value(),
+                    "resume: no checkpoint in " << store->path() << " (none written yet, or a run folder of an older "
+                                                << "sparrow)");
+    auto blob = [&](const char* key) {
+      std::optional<std::string> v = store->get_meta(std::string("checkpoint.") + key);
+      SPARROW_CHECK_T(FormatError, v.has_value(),
+                      "resume: checkpoint in " << store->path() << " lacks '" << key << "'");
+      return *v;
     };
-    round = sqlite3_column_int(q.st, 0);
-    client::Weights g = deserialize_weights(blob(1));
+    try {
+      round = std::stoi(*saved);
+    } catch (const std::exception&) {
+      throw FormatError("resume: bad checkpoint round '" + *saved + "' in " + store->path());
+    }
+    client::Weights g = deserialize_weights(blob("global"));
     SPARROW_CHECK_T(FormatError, g.size() == global.size(), "resume: checkpoint does not match the model");
     for (auto& [k, v] : global) {
       SPARROW_CHECK_T(FormatError, g.count(k) && g.at(k).sizes() == v.sizes(),
                       "resume: checkpoint does not match the model at '" << k << "'");
       v.copy_(g.at(k));
     }
-    const std::string so = blob(2);
+    const std::string so = blob("server_opt");
     if (!so.empty()) server_opt->deserialize_state(so);
-    server_control = deserialize_weights(blob(3));
-    acp_shared = deserialize_weights(blob(4));
+    server_control = deserialize_weights(blob("scaffold"));
+    acp_shared = deserialize_weights(blob("acp"));
     SPARROW_CHECK_T(ConfigError, round <= cfg.rounds,
                     "resume: the run already has " << round << " rounds, more than rounds = " << cfg.rounds);
     // Rounds after the checkpoint (a crash mid-commit) are forgotten.
@@ -412,6 +441,9 @@ struct Simulator::Impl {
         u.tensors.push_back({n, compressor->encode(d, r.state.compressor[n], ctxs[n])});
       }
       r.state.rounds += 1;
+      // To the store now: its writer streams it into the open checkpoint
+      // transaction while the next clients train.
+      store->put(c, std::move(r.state));
       const std::string bytes = wire::serialize(wire::Message{wire::kProtocolMajor, wire::kProtocolMinor, u});
       r.bytes_up = bytes.size();
       const Profile& p = profiles[c];
@@ -442,6 +474,7 @@ struct Simulator::Impl {
     const int t = round;
     const auto t0 = Clock::now();
     const std::vector<int64_t> ids = select_clients(t);
+    store->prefetch(ids);  // loaded on the store's thread while the first clients train
     std::vector<ClientResult> results(ids.size());
     std::vector<double> jobs;
     for (int64_t c : ids) jobs.push_back(static_cast<double>(client_idx[c].numel()));
@@ -532,11 +565,14 @@ struct Simulator::Impl {
       m.loss = loss;
       m.accuracy = acc;
     }
-    // Client states in id order, flushed before the checkpoint that depends on them.
-    for (auto& r : results) store->put(r.client, r.state);
-    store->flush();
+    // Client states were put by the workers; they become durable with the
+    // next checkpoint (see checkpoint()).
+    const bool last = t + 1 == cfg.rounds;
+    const bool ckpt = last || (t + 1) % cfg.checkpoint_every == 0 || store->dirty_bytes() > kUnflushedBudget;
     m.real_s = seconds_since(t0);
+    // The metrics row first: a checkpoint of round t+1 never exists without it.
     commit(m);
+    if (ckpt) checkpoint(t + 1, /*wait=*/last);
     round = t + 1;
     history.push_back(m);
     return m;
@@ -563,18 +599,6 @@ struct Simulator::Impl {
       sqlite3_bind_int(r.st, 9, m.clients);
       sqlite3_bind_int(r.st, 10, m.dropped);
       SPARROW_CHECK(sqlite3_step(r.st) == SQLITE_DONE, "run.db: " << sqlite3_errmsg(db.db));
-      Stmt c{db.prepare("INSERT OR REPLACE INTO checkpoint VALUES(?,?,?,?,?)")};
-      const std::string g = serialize_weights(global), so = server_opt->serialize_state(),
-                        sc = server_control.empty() ? std::string() : serialize_weights(server_control),
-                        ac = acp_shared.empty() ? std::string() : serialize_weights(acp_shared);
-      sqlite3_bind_int(c.st, 1, m.round);
-      sqlite3_bind_blob(c.st, 2, g.data(), static_cast<int>(g.size()), SQLITE_STATIC);
-      sqlite3_bind_blob(c.st, 3, so.data(), static_cast<int>(so.size()), SQLITE_STATIC);
-      sqlite3_bind_blob(c.st, 4, sc.data(), static_cast<int>(sc.size()), SQLITE_STATIC);
-      sqlite3_bind_blob(c.st, 5, ac.data(), static_cast<int>(ac.size()), SQLITE_STATIC);
-      SPARROW_CHECK(sqlite3_step(c.st) == SQLITE_DONE, "run.db: " << sqlite3_errmsg(db.db));
-      // Only the latest checkpoint is needed to resume.
-      db.exec("DELETE FROM checkpoint WHERE round < " + std::to_string(m.round) + ";");
       db.exec("COMMIT;");
     } catch (...) {
       sqlite3_exec(db.db, "ROLLBACK;", nullptr, nullptr, nullptr);
@@ -595,6 +619,7 @@ Simulator::Simulator(SimConfig cfg, bool resume) : impl_(std::make_unique<Impl>(
     SimConfig old = load_config(prev.string());
     old.rounds = s.cfg.rounds;
     old.out = s.cfg.out;
+    old.checkpoint_every = s.cfg.checkpoint_every;  // only changes when state is written
     SPARROW_CHECK_T(ConfigError, old == s.cfg,
                     "resume: the config differs from " << prev.string() << " in more than rounds");
   }
@@ -621,6 +646,8 @@ void Simulator::run(const std::function<void(const RoundMetrics&)>& progress) {
     if (progress) progress(m);
   }
 }
+
+void Simulator::wait_for_checkpoint() { impl_->store->wait_written(); }
 
 bool Simulator::done() const { return impl_->round >= impl_->cfg.rounds; }
 int Simulator::completed_rounds() const { return impl_->round; }

@@ -24,8 +24,11 @@
 //     with the mean delta; SCAFFOLD's server control c += (1/N)·Σ Δc_i over the
 //     kept clients (Karimireddy et al. Alg. 1, |S|/N · mean); ACP's next shared
 //     factor per low-rank tensor = acp_next_shared(factor_mean).
-//  6. Client states are written to the store and flushed, then metrics and the
-//     checkpoint are committed to run.db in one transaction, then metrics.csv.
+//  6. Each client's state is put into the store right after it is encoded (the
+//     store's writer thread streams it into an open transaction). The metrics
+//     row goes to run.db, then metrics.csv; every checkpoint_every rounds (and
+//     after the last) the checkpoint is set as store meta and commits that
+//     transaction: client states and checkpoint are one atomic commit.
 //
 // Determinism: with workers = 1 a run is bit-reproducible from its config (and
 // resume reproduces the uninterrupted run). With more workers the LPT
@@ -34,8 +37,8 @@
 // measured train seconds and so is only reproducible when the deadline is far
 // from the clients' times.
 //
-// Run folder (cfg.out): config.toml, metrics.csv, run.db (tables rounds and
-// checkpoint), client_state.db. See docs/simulator.md.
+// Run folder (cfg.out): config.toml, metrics.csv, run.db (table rounds),
+// client_state.db (client states and the checkpoint). See docs/simulator.md.
 
 #include <cstdint>
 #include <functional>
@@ -109,6 +112,10 @@ class Simulator {
   // Runs the remaining rounds; `progress` (may be empty) after each.
   void run(const std::function<void(const RoundMetrics&)>& progress = {});
   bool done() const;
+  // Blocks until the checkpoints run_round() handed to the client-state
+  // store's background writer are durable (run_round() does not wait, except
+  // after the last round). Benchmarks use it to charge that work to the round.
+  void wait_for_checkpoint();
   int completed_rounds() const;
 
   Summary summary() const;

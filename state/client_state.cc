@@ -91,7 +91,9 @@ class Reader {
 
 std::string ClientState::serialize() const {
   for (const auto& [name, t] : control) check_storable(name, t);
-  std::string out(kMagic, 4);
+  std::string out;
+  out.reserve(approx_bytes() + 4096);  // tensor bytes plus headers: one allocation, no regrowth
+  out.append(kMagic, 4);
   put<uint32_t>(out, kVersion);
   put<uint64_t>(out, rng);
   put<uint64_t>(out, rounds);
@@ -185,6 +187,31 @@ ClientState ClientState::deep_copy() const {
     check_storable(name, t);
     c.control.emplace(name, owned_copy(t));
   }
+  return c;
+}
+
+namespace {
+// True when nothing else can reach t's memory: the tensor object and its
+// storage have one owner each, and it is a contiguous CPU view of the whole
+// storage.
+bool sole_owner(const at::Tensor& t) {
+  return t.device().is_cpu() && !t.requires_grad() && t.is_contiguous() && t.storage_offset() == 0 &&
+         t.use_count() == 1 && t.storage().use_count() == 1 &&
+         t.storage().nbytes() == static_cast<size_t>(t.numel()) * t.element_size();
+}
+}  // namespace
+
+ClientState ClientState::into_owned(ClientState&& s) {
+  // Check everything first, so an error leaves `s` as it was.
+  for (const auto& [name, cs] : s.compressor)
+    for (const auto& [slot, t] : cs.tensors) check_compressor_tensor(name, slot, t);
+  for (const auto& [name, t] : s.control) check_storable(name, t);
+  ClientState c = std::move(s);
+  for (auto& [name, cs] : c.compressor)
+    for (auto& [slot, t] : cs.tensors)
+      if (!sole_owner(t)) t = owned_copy(t);
+  for (auto& [name, t] : c.control)
+    if (!sole_owner(t)) t = owned_copy(t);
   return c;
 }
 

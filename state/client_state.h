@@ -35,6 +35,11 @@ struct ClientState {
   // A copy that shares no tensor storage with this one (CPU, contiguous,
   // detached). Throws sparrow::Error for a tensor serialize() would refuse.
   ClientState deep_copy() const;
+  // The same guarantee for a state the caller gives up: a tensor that is
+  // already a dense CPU tensor sole owner of exactly its storage is kept as is
+  // (no copy), any other is copied. Same checks and errors as deep_copy();
+  // on error the state is left unchanged.
+  static ClientState into_owned(ClientState&& s);
   // Approximate memory footprint: tensor bytes plus a small per-entry overhead.
   size_t approx_bytes() const;
 };

@@ -3,6 +3,11 @@
 #include <sqlite3.h>
 
 #include <algorithm>
+#include <condition_variable>
+#include <deque>
+#include <exception>
+#include <map>
+#include <thread>
 #include <ctime>
 #include <iostream>
 #include <list>
@@ -19,7 +24,8 @@ namespace {
 
 // PRAGMA user_version of a database this build writes. Bump it (and migrate in
 // open()) when the table changes; an older build then refuses the file.
-constexpr int kSchemaVersion = 1;
+// 2: table meta(key, value) for set_meta().
+constexpr int kSchemaVersion = 2;
 
 [[noreturn]] void throw_sqlite(sqlite3* db, const std::string& path, const std::string& what, int rc) {
   const std::string msg = "client state store '" + path + "': " + what + ": " +
@@ -74,32 +80,19 @@ struct ResetGuard {
   ~ResetGuard() { s.reset(); }
 };
 
-}  // namespace
-
-struct ClientStateStore::Impl {
-  struct Entry {
-    int64_t client;
-    ClientState state;
-    size_t bytes;
-    bool dirty;
-  };
-
+// One SQLite connection with its prepared statements. The caller threads use
+// one (under the store's mutex), the background thread its own: a connection
+// opened NOMUTEX must not be used by two threads at once.
+struct Conn {
   std::string path;
-  Options options;
   sqlite3* db = nullptr;
-  // Declared after db so they are finalized before ~Impl closes it.
-  Statement select, upsert, begin, commit, rollback;
+  Statement select, upsert, meta_select, meta_upsert, begin, commit, rollback;
 
-  mutable std::mutex mu;
-  std::list<Entry> lru;  // front = most recently used
-  std::unordered_map<int64_t, std::list<Entry>::iterator> index;
-  std::unordered_set<int64_t> dirty;
-  size_t bytes = 0;
-  Stats stats;
-
-  ~Impl() {
+  ~Conn() {
     select = Statement();
     upsert = Statement();
+    meta_select = Statement();
+    meta_upsert = Statement();
     begin = Statement();
     commit = Statement();
     rollback = Statement();
@@ -119,109 +112,455 @@ struct ClientStateStore::Impl {
     return sqlite3_column_int(s.get(), 0);
   }
 
-  void open_db() {
+  // Opens the file; `create` also checks, creates and migrates the schema.
+  void open(const std::string& p, bool create) {
+    path = p;
     int rc =
         sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX, nullptr);
     if (rc != SQLITE_OK) throw_sqlite(db, path, "open", rc);
     sqlite3_extended_result_codes(db, 1);
     sqlite3_busy_timeout(db, 5000);
-    // The first statement reads the header: a file that is not SQLite fails here.
-    const int version = user_version();
-    SPARROW_CHECK_T(FormatError, version <= kSchemaVersion,
-                    "client state store '" << path << "': schema version " << version
-                                           << " is newer than this build supports (" << kSchemaVersion
-                                           << "); use a newer sparrow");
-    // Client states are blobs of hundreds of KB to MB (DGC keeps u and v per
-    // parameter): 64 KiB pages cut the overflow-page chains of each blob 16x.
-    // Only takes effect on a new database (before WAL is switched on).
-    if (version == 0) exec("PRAGMA page_size=65536");
-    exec("PRAGMA journal_mode=WAL");
-    exec("PRAGMA synchronous=NORMAL");
-    if (version < kSchemaVersion) {
-      exec("BEGIN IMMEDIATE");
-      try {
-        exec(
-            "CREATE TABLE IF NOT EXISTS client_state("
-            "client_id INTEGER PRIMARY KEY, blob BLOB NOT NULL, updated INTEGER)");
-        exec("PRAGMA user_version=1");
-        exec("COMMIT");
-      } catch (...) {
-        sqlite3_exec(db, "ROLLBACK", nullptr, nullptr, nullptr);
-        throw;
+    if (create) {
+      // The first statement reads the header: a file that is not SQLite fails here.
+      const int version = user_version();
+      SPARROW_CHECK_T(FormatError, version <= kSchemaVersion,
+                      "client state store '" << path << "': schema version " << version
+                                             << " is newer than this build supports (" << kSchemaVersion
+                                             << "); use a newer sparrow");
+      // Client states are blobs of hundreds of KB to MB (DGC keeps u and v per
+      // parameter): 64 KiB pages cut the overflow-page chains of each blob 16x.
+      // Only takes effect on a new database (before WAL is switched on).
+      if (version == 0) exec("PRAGMA page_size=65536");
+      exec("PRAGMA journal_mode=WAL");
+      if (version < kSchemaVersion) {
+        exec("BEGIN IMMEDIATE");
+        try {
+          exec(
+              "CREATE TABLE IF NOT EXISTS client_state("
+              "client_id INTEGER PRIMARY KEY, blob BLOB NOT NULL, updated INTEGER)");
+          exec("CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value BLOB NOT NULL)");
+          exec("PRAGMA user_version=2");
+          exec("COMMIT");
+        } catch (...) {
+          sqlite3_exec(db, "ROLLBACK", nullptr, nullptr, nullptr);
+          throw;
+        }
       }
     }
+    exec("PRAGMA synchronous=NORMAL");
     select = Statement(db, path, "SELECT blob FROM client_state WHERE client_id = ?1");
     upsert = Statement(db, path, "INSERT OR REPLACE INTO client_state(client_id, blob, updated) VALUES(?1, ?2, ?3)");
+    meta_select = Statement(db, path, "SELECT value FROM meta WHERE key = ?1");
+    meta_upsert = Statement(db, path, "INSERT OR REPLACE INTO meta(key, value) VALUES(?1, ?2)");
     begin = Statement(db, path, "BEGIN IMMEDIATE");
     commit = Statement(db, path, "COMMIT");
     rollback = Statement(db, path, "ROLLBACK");
   }
 
-  // Writes every dirty entry in one transaction. On failure rolls back, keeps
-  // them dirty and throws.
-  void write_dirty() {
-    if (dirty.empty()) return;
-    std::vector<int64_t> ids(dirty.begin(), dirty.end());
-    std::sort(ids.begin(), ids.end());  // B-tree friendly order
-    const int64_t now = static_cast<int64_t>(std::time(nullptr));
-    {
-      ResetGuard g{begin};
-      begin.step("begin write-back");
+  // The row's bytes, or nullopt.
+  std::optional<std::string> read(int64_t client) {
+    ResetGuard g{select};
+    sqlite3_bind_int64(select.get(), 1, client);
+    if (!select.step("read client state")) return std::nullopt;
+    const void* p = sqlite3_column_blob(select.get(), 0);
+    const int n = sqlite3_column_bytes(select.get(), 0);
+    return std::string(static_cast<const char*>(p), static_cast<size_t>(n));
+  }
+
+  std::optional<std::string> read_meta(const std::string& key) {
+    ResetGuard g{meta_select};
+    sqlite3_bind_text(meta_select.get(), 1, key.data(), static_cast<int>(key.size()), SQLITE_STATIC);
+    if (!meta_select.step("read meta")) return std::nullopt;
+    const void* p = sqlite3_column_blob(meta_select.get(), 0);
+    const int n = sqlite3_column_bytes(meta_select.get(), 0);
+    return std::string(static_cast<const char*>(p), static_cast<size_t>(n));
+  }
+};
+
+using Snapshot = std::shared_ptr<const ClientState>;
+
+// One hand-off: written in one transaction.
+struct Batch {
+  std::map<int64_t, Snapshot> rows;  // sorted: B-tree friendly order
+  std::map<std::string, std::string> meta;
+  size_t bytes = 0;
+  // Streaming (background + explicit_flush): the batch is open while put()
+  // adds rows; the writer writes `todo` inside a transaction it began and
+  // commits once the batch is closed by a flush. Otherwise closed at birth.
+  bool closed = true;
+  bool begun = false;
+  std::deque<int64_t> todo;
+};
+
+void begin_tx(Conn& c) {
+  ResetGuard g{c.begin};
+  c.begin.step("begin write-back");
+}
+
+void write_row(Conn& c, int64_t id, const ClientState& state) {
+  const std::string blob = state.serialize();
+  ResetGuard g{c.upsert};
+  sqlite3_bind_int64(c.upsert.get(), 1, id);
+  sqlite3_bind_blob64(c.upsert.get(), 2, blob.data(), blob.size(), SQLITE_STATIC);
+  sqlite3_bind_int64(c.upsert.get(), 3, static_cast<int64_t>(std::time(nullptr)));
+  c.upsert.step("write client state");
+}
+
+void write_meta_and_commit(Conn& c, const std::map<std::string, std::string>& meta) {
+  for (const auto& [key, value] : meta) {
+    ResetGuard g{c.meta_upsert};
+    sqlite3_bind_text(c.meta_upsert.get(), 1, key.data(), static_cast<int>(key.size()), SQLITE_STATIC);
+    sqlite3_bind_blob64(c.meta_upsert.get(), 2, value.data(), value.size(), SQLITE_STATIC);
+    c.meta_upsert.step("write meta");
+  }
+  ResetGuard g{c.commit};
+  c.commit.step("commit write-back");
+}
+
+void rollback_if_open(Conn& c) {
+  if (sqlite3_get_autocommit(c.db) == 0) {
+    ResetGuard g{c.rollback};
+    sqlite3_step(c.rollback.get());
+  }
+}
+
+// Writes a batch in one transaction; on failure rolls back and throws.
+void write_batch(Conn& c, const Batch& b) {
+  begin_tx(c);
+  try {
+    for (const auto& [id, state] : b.rows) write_row(c, id, *state);
+    write_meta_and_commit(c, b.meta);
+  } catch (...) {
+    rollback_if_open(c);
+    throw;
+  }
+}
+
+ClientState decode(const std::string& path, int64_t client, const std::string& blob) {
+  try {
+    return ClientState::deserialize(blob);
+  } catch (const FormatError& e) {
+    throw FormatError("client state store '" + path + "': client " + std::to_string(client) + ": " + e.what());
+  }
+}
+
+}  // namespace
+
+struct ClientStateStore::Impl {
+  struct Entry {
+    int64_t client;
+    Snapshot state;
+    size_t bytes;
+    bool dirty;
+  };
+
+  std::string path;
+  Options options;
+  Conn fg;  // caller threads, under mu
+  Conn bg;  // the background thread only
+
+  mutable std::mutex mu;
+  std::condition_variable cv;  // any change to queue, writing, prefetch_ids, error, stop
+  std::list<Entry> lru;        // front = most recently used
+  std::unordered_map<int64_t, std::list<Entry>::iterator> index;
+  std::unordered_set<int64_t> dirty;
+  size_t bytes = 0, dirty_bytes = 0;
+  std::map<std::string, std::string> staged_meta;  // set_meta() not yet handed off
+  // Handed off, oldest first; the background thread writes the front. A batch
+  // stays at the front while it is written (`writing`) and after a failure.
+  std::deque<Batch> queue;
+  size_t queued_bytes = 0;
+  bool writing = false;
+  std::exception_ptr error;  // a failed background write, not yet reported
+  std::deque<int64_t> prefetch_ids;
+  std::vector<Snapshot> graveyard;  // evicted states for the background thread to free
+  bool stop = false;
+  Stats stats;
+  std::thread thread;  // declared last: started after the rest exists
+
+  // The newest handed-off value of `client`, or null.
+  Snapshot unwritten(int64_t client) const {
+    for (auto b = queue.rbegin(); b != queue.rend(); ++b) {
+      auto it = b->rows.find(client);
+      if (it != b->rows.end()) return it->second;
     }
-    try {
-      for (int64_t id : ids) {
-        const std::string blob = index.at(id)->state.serialize();
-        ResetGuard g{upsert};
-        sqlite3_bind_int64(upsert.get(), 1, id);
-        sqlite3_bind_blob64(upsert.get(), 2, blob.data(), blob.size(), SQLITE_STATIC);
-        sqlite3_bind_int64(upsert.get(), 3, now);
-        upsert.step("write client state");
-      }
-      ResetGuard g{commit};
-      commit.step("commit write-back");
-    } catch (...) {
-      if (sqlite3_get_autocommit(db) == 0) {
-        ResetGuard g{rollback};
-        sqlite3_step(rollback.get());
-      }
-      throw;
-    }
-    for (int64_t id : ids) index.at(id)->dirty = false;
-    dirty.clear();
-    stats.writes += ids.size();
-    stats.transactions += 1;
+    return nullptr;
   }
 
   void touch(std::list<Entry>::iterator it) { lru.splice(lru.begin(), lru, it); }
 
-  // Drops least recently used entries until the cache fits; a dirty victim
-  // first triggers a write-back of all dirty entries (one transaction).
-  void evict() {
-    while (bytes > options.cache_bytes && !lru.empty()) {
-      auto victim = std::prev(lru.end());
-      if (victim->dirty) write_dirty();
+  void mark_clean(Entry& e) {
+    if (!e.dirty) return;
+    e.dirty = false;
+    dirty.erase(e.client);
+    dirty_bytes -= e.bytes;
+  }
+
+  // Moves every dirty entry and the staged meta into a new batch. Waits (in
+  // background mode) while too much is handed off but unwritten.
+  bool streaming() const { return options.background && options.explicit_flush; }
+  bool front_open() const { return !queue.empty() && !queue.front().closed; }
+  // Nothing handed off and closed is left to write (an open batch may be).
+  bool closed_written() const { return queue.empty() || front_open(); }
+
+  // Streaming: the open batch, last in the queue (created when needed).
+  Batch& open_batch() {
+    if (queue.empty() || queue.back().closed) {
+      queue.emplace_back();
+      queue.back().closed = false;
+    }
+    return queue.back();
+  }
+
+  void hand_off(std::unique_lock<std::mutex>& lock) {
+    if (streaming()) {
+      if (staged_meta.empty() && (queue.empty() || queue.back().closed)) return;
+      // At most one closed batch in flight: wait for the previous one.
+      if (std::this_thread::get_id() != thread.get_id())
+        cv.wait(lock, [&] { return closed_written() || error != nullptr; });
+      Batch& b = open_batch();
+      for (auto& [k, v] : staged_meta) b.meta[k] = std::move(v);
+      staged_meta.clear();
+      b.closed = true;
+      cv.notify_all();
+      return;
+    }
+    if (dirty.empty() && staged_meta.empty()) return;
+    // Never on the background thread itself (its prefetch may evict): it is
+    // the one that drains the queue.
+    if (options.background && std::this_thread::get_id() != thread.get_id()) {
+      cv.wait(lock, [&] { return queued_bytes <= options.cache_bytes || queue.empty() || error != nullptr; });
+    }
+    Batch b;
+    for (int64_t id : dirty) {
+      Entry& e = *index.at(id);
+      b.rows.emplace(id, e.state);
+      b.bytes += e.bytes;
+      e.dirty = false;
+    }
+    dirty.clear();
+    dirty_bytes = 0;
+    b.meta = std::move(staged_meta);
+    staged_meta.clear();
+    queued_bytes += b.bytes;
+    queue.push_back(std::move(b));
+    if (options.background)
+      cv.notify_all();
+    else
+      drain_here();
+  }
+
+  // Without a background thread: writes the queue on the caller's thread; a
+  // failure leaves the batch at the front (retried next time) and throws.
+  void drain_here() {
+    while (!queue.empty()) {
+      write_batch(fg, queue.front());
+      finish_front();
+    }
+  }
+
+  void finish_front() {
+    Batch& b = queue.front();
+    stats.writes += b.rows.size();
+    stats.transactions += 1;
+    queued_bytes -= b.bytes;
+    queue.pop_front();
+  }
+
+  void rethrow_error() {
+    if (!error) return;
+    std::exception_ptr e = error;
+    error = nullptr;  // the writer retries the failed batch
+    cv.notify_all();
+    std::rethrow_exception(e);
+  }
+
+  // Drops least recently used clean entries until the cache fits. A dirty
+  // victim first triggers a hand-off of all dirty entries, except with
+  // explicit_flush, where dirty entries are skipped.
+  void evict(std::unique_lock<std::mutex>& lock) {
+    auto it = lru.end();
+    while (bytes > options.cache_bytes && it != lru.begin()) {
+      auto victim = std::prev(it);
+      if (victim->dirty) {
+        if (options.explicit_flush) {
+          it = victim;
+          continue;
+        }
+        hand_off(lock);
+        it = lru.end();  // hand_off may have waited: start again from the tail
+        continue;
+      }
       bytes -= victim->bytes;
+      // Background mode: the writer thread frees it (unmapping megabytes of
+      // tensor memory costs the worker time otherwise).
+      if (options.background) graveyard.push_back(std::move(victim->state));
       index.erase(victim->client);
       lru.erase(victim);
       stats.evictions += 1;
     }
+    if (!graveyard.empty()) cv.notify_all();
   }
 
-  void insert(int64_t client, ClientState state, bool is_dirty) {
-    const size_t n = state.approx_bytes();
+  void insert(int64_t client, Snapshot state, bool is_dirty) {
+    const size_t n = state->approx_bytes();
     auto found = index.find(client);
     if (found != index.end()) {
-      bytes -= found->second->bytes;
-      found->second->state = std::move(state);
-      found->second->bytes = n;
-      found->second->dirty = found->second->dirty || is_dirty;
+      Entry& e = *found->second;
+      const bool was_dirty = e.dirty;
+      mark_clean(e);
+      bytes -= e.bytes;
+      e.state = std::move(state);
+      e.bytes = n;
+      e.dirty = was_dirty || is_dirty;
       touch(found->second);
     } else {
       lru.push_front(Entry{client, std::move(state), n, is_dirty});
       index.emplace(client, lru.begin());
     }
     bytes += n;
-    if (is_dirty) dirty.insert(client);
+    if (index.at(client)->dirty) {
+      dirty.insert(client);
+      dirty_bytes += n;
+    }
+  }
+
+  // The background thread: prefetches first (a worker waits for those), then
+  // writes the oldest batch. Stops once asked to and nothing is left to write
+  // (or the write failed: the destructor reports it).
+  void run() {
+    std::unique_lock<std::mutex> lock(mu);
+    for (;;) {
+      cv.wait(lock, [&] {
+        return stop || !prefetch_ids.empty() || !graveyard.empty() ||
+               (!queue.empty() && !error && (queue.front().closed || !queue.front().todo.empty()));
+      });
+      if (!graveyard.empty()) {
+        std::vector<Snapshot> dead;
+        dead.swap(graveyard);
+        lock.unlock();
+        dead.clear();  // outside the lock
+        lock.lock();
+        continue;
+      }
+      if (stop && front_open()) {
+        // Checkpoint mode, closing: states never flushed are dropped.
+        if (queue.front().begun) rollback_if_open(bg);
+        queued_bytes -= queue.front().bytes;
+        queue.pop_front();
+        cv.notify_all();
+        continue;
+      }
+      if (!prefetch_ids.empty() && !stop) {
+        const int64_t id = prefetch_ids.front();
+        prefetch_ids.pop_front();
+        if (index.count(id) || unwritten(id) || options.cache_bytes == 0) continue;
+        lock.unlock();
+        // Only this thread writes, so the row cannot change under this read;
+        // a put() meanwhile makes the entry present, and the result is dropped.
+        std::optional<ClientState> s;
+        try {
+          if (auto blob = bg.read(id)) s = ClientState::deserialize(*blob);
+        } catch (...) {
+          s.reset();  // a hint only: get() reads and reports it
+        }
+        lock.lock();
+        if (s && !index.count(id) && !unwritten(id) && s->approx_bytes() <= options.cache_bytes) {
+          insert(id, std::make_shared<const ClientState>(std::move(*s)), /*is_dirty=*/false);
+          stats.prefetched += 1;
+          evict(lock);
+        }
+        continue;
+      }
+      if (streaming() && !queue.empty() && !error) {
+        if (stream_step(lock)) continue;
+      }
+      if (!streaming() && !queue.empty() && !error) {
+        writing = true;
+        Batch& b = queue.front();  // stays in place: only this thread pops it
+        lock.unlock();
+        std::exception_ptr failed;
+        try {
+          write_batch(bg, b);
+        } catch (...) {
+          failed = std::current_exception();
+        }
+        lock.lock();
+        writing = false;
+        if (failed)
+          error = failed;
+        else
+          finish_front();
+        cv.notify_all();
+        continue;
+      }
+      if (stop) return;
+    }
+  }
+
+  // Streaming: one step on the front batch (begin, one row, or meta and
+  // commit) with the lock released around the database work. False when
+  // there is nothing to do now.
+  bool stream_step(std::unique_lock<std::mutex>& lock) {
+    Batch& b = queue.front();  // stays in place (deque): only this thread pops it
+    if (!b.closed && b.todo.empty()) return false;
+    std::exception_ptr failed;
+    if (!b.begun) {
+      lock.unlock();
+      try {
+        begin_tx(bg);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      lock.lock();
+      if (!failed) b.begun = true;
+    } else if (!b.todo.empty()) {
+      const int64_t id = b.todo.front();
+      b.todo.pop_front();
+      Snapshot state = b.rows.at(id);  // the newest put of this client
+      lock.unlock();
+      try {
+        write_row(bg, id, *state);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      lock.lock();
+    } else {
+      // Closed: nobody changes it any more.
+      lock.unlock();
+      try {
+        write_meta_and_commit(bg, b.meta);
+      } catch (...) {
+        failed = std::current_exception();
+      }
+      lock.lock();
+      if (!failed) {
+        finish_front();
+        cv.notify_all();
+        return true;
+      }
+    }
+    if (failed) {
+      // Start the batch over (all of it) once the error has been reported.
+      rollback_if_open(bg);
+      b.begun = false;
+      b.todo.clear();
+      for (const auto& [id, st] : b.rows) b.todo.push_back(id);
+      error = failed;
+      cv.notify_all();
+    }
+    return true;
+  }
+
+  // Waits until everything handed off is written; throws a write failure.
+  void wait_written(std::unique_lock<std::mutex>& lock) {
+    if (!options.background) {
+      drain_here();
+      return;
+    }
+    rethrow_error();
+    cv.wait(lock, [&] { return closed_written() || error != nullptr; });
+    rethrow_error();
   }
 };
 
@@ -233,65 +572,145 @@ std::unique_ptr<ClientStateStore> ClientStateStore::open(const std::string& path
   auto impl = std::make_unique<Impl>();
   impl->path = path;
   impl->options = options;
-  impl->open_db();
+  impl->fg.open(path, /*create=*/true);
+  if (options.background) {
+    impl->bg.open(path, /*create=*/false);
+    Impl* m = impl.get();
+    impl->thread = std::thread([m] { m->run(); });
+  }
   return std::unique_ptr<ClientStateStore>(new ClientStateStore(std::move(impl)));
 }
 
 ClientStateStore::~ClientStateStore() {
+  Impl& m = *impl_;
+  size_t lost = 0;
   try {
-    flush();
+    std::unique_lock<std::mutex> lock(m.mu);
+    m.prefetch_ids.clear();
+    if (!m.options.explicit_flush) m.hand_off(lock);
+    m.wait_written(lock);
   } catch (const std::exception& e) {
-    std::cerr << "sparrow: client state store '" << impl_->path << "': write-back on close failed, "
-              << impl_->dirty.size() << " client state(s) lost: " << e.what() << "\n";
+    std::unique_lock<std::mutex> lock(m.mu);
+    for (const auto& b : m.queue) lost += b.rows.size();
+    std::cerr << "sparrow: client state store '" << m.path << "': write-back on close failed, " << lost
+              << " client state(s) lost: " << e.what() << "\n";
   } catch (...) {
-    std::cerr << "sparrow: client state store '" << impl_->path << "': write-back on close failed\n";
+    std::cerr << "sparrow: client state store '" << m.path << "': write-back on close failed\n";
+  }
+  if (m.thread.joinable()) {
+    {
+      std::lock_guard<std::mutex> lock(m.mu);
+      m.stop = true;
+      // A failed batch must not be retried forever: give up on it.
+      if (m.error) m.queue.clear();
+    }
+    m.cv.notify_all();
+    m.thread.join();
   }
 }
 
 std::optional<ClientState> ClientStateStore::get(int64_t client) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  std::unique_lock<std::mutex> lock(impl_->mu);
   Impl& m = *impl_;
   auto found = m.index.find(client);
   if (found != m.index.end()) {
     m.stats.hits += 1;
     m.touch(found->second);
-    return found->second->state.deep_copy();
+    return found->second->state->deep_copy();
+  }
+  if (Snapshot s = m.unwritten(client)) {
+    m.stats.hits += 1;
+    return s->deep_copy();
   }
   m.stats.misses += 1;
-  std::string blob;
-  {
-    ResetGuard g{m.select};
-    sqlite3_bind_int64(m.select.get(), 1, client);
-    if (!m.select.step("read client state")) return std::nullopt;
-    const void* p = sqlite3_column_blob(m.select.get(), 0);
-    const int n = sqlite3_column_bytes(m.select.get(), 0);
-    blob.assign(static_cast<const char*>(p), static_cast<size_t>(n));
-  }
-  ClientState state;
-  try {
-    state = ClientState::deserialize(blob);
-  } catch (const FormatError& e) {
-    throw FormatError("client state store '" + m.path + "': client " + std::to_string(client) + ": " + e.what());
-  }
+  std::optional<std::string> blob = m.fg.read(client);
+  if (!blob) return std::nullopt;
+  ClientState state = decode(m.path, client, *blob);
+  blob.reset();
   if (state.approx_bytes() > m.options.cache_bytes) return state;  // would be evicted at once
   ClientState copy = state.deep_copy();
-  m.insert(client, std::move(state), /*is_dirty=*/false);
-  m.evict();
+  m.insert(client, std::make_shared<const ClientState>(std::move(state)), /*is_dirty=*/false);
+  m.evict(lock);
   return copy;
 }
 
 void ClientStateStore::put(int64_t client, const ClientState& state) {
-  ClientState copy = state.deep_copy();  // validates before anything changes
-  std::lock_guard<std::mutex> lock(impl_->mu);
+  put_owned(client, std::make_shared<const ClientState>(state.deep_copy()));  // validates before anything changes
+}
+
+void ClientStateStore::put(int64_t client, ClientState&& state) {
+  put_owned(client, std::make_shared<const ClientState>(ClientState::into_owned(std::move(state))));
+}
+
+void ClientStateStore::put_owned(int64_t client, std::shared_ptr<const ClientState> copy) {
+  std::unique_lock<std::mutex> lock(impl_->mu);
   Impl& m = *impl_;
+  m.rethrow_error();
+  if (m.streaming()) {
+    // Straight to the writer (into the open transaction), clean in the cache.
+    Batch& b = m.open_batch();
+    const size_t n = copy->approx_bytes();
+    auto [it, fresh] = b.rows.emplace(client, copy);
+    if (!fresh) {
+      b.bytes -= it->second->approx_bytes();
+      m.queued_bytes -= it->second->approx_bytes();
+      it->second = copy;
+    }
+    b.bytes += n;
+    m.queued_bytes += n;
+    b.todo.push_back(client);
+    m.insert(client, std::move(copy), /*is_dirty=*/false);
+    m.cv.notify_all();
+    m.evict(lock);
+    return;
+  }
   m.insert(client, std::move(copy), /*is_dirty=*/true);
-  if (m.dirty.size() >= m.options.write_batch) m.write_dirty();
-  m.evict();
+  if (!m.options.explicit_flush && m.dirty.size() >= m.options.write_batch) m.hand_off(lock);
+  m.evict(lock);
 }
 
 void ClientStateStore::flush() {
+  std::unique_lock<std::mutex> lock(impl_->mu);
+  impl_->rethrow_error();
+  impl_->hand_off(lock);
+  impl_->wait_written(lock);
+}
+
+void ClientStateStore::flush_async() {
+  std::unique_lock<std::mutex> lock(impl_->mu);
+  impl_->rethrow_error();
+  impl_->hand_off(lock);
+}
+
+void ClientStateStore::wait_written() {
+  std::unique_lock<std::mutex> lock(impl_->mu);
+  impl_->wait_written(lock);
+}
+
+void ClientStateStore::prefetch(const std::vector<int64_t>& clients) {
+  if (!impl_->options.background) return;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    impl_->prefetch_ids.insert(impl_->prefetch_ids.end(), clients.begin(), clients.end());
+  }
+  impl_->cv.notify_all();
+}
+
+void ClientStateStore::set_meta(const std::string& key, const std::string& value) {
   std::lock_guard<std::mutex> lock(impl_->mu);
-  impl_->write_dirty();
+  impl_->staged_meta[key] = value;
+}
+
+std::optional<std::string> ClientStateStore::get_meta(const std::string& key) {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& m = *impl_;
+  auto staged = m.staged_meta.find(key);
+  if (staged != m.staged_meta.end()) return staged->second;
+  for (auto b = m.queue.rbegin(); b != m.queue.rend(); ++b) {
+    auto it = b->meta.find(key);
+    if (it != b->meta.end()) return it->second;
+  }
+  return m.fg.read_meta(key);
 }
 
 size_t ClientStateStore::cached_bytes() const {
@@ -302,6 +721,14 @@ size_t ClientStateStore::cached_bytes() const {
 size_t ClientStateStore::cached_entries() const {
   std::lock_guard<std::mutex> lock(impl_->mu);
   return impl_->lru.size();
+}
+
+size_t ClientStateStore::dirty_bytes() const {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  const Impl& m = *impl_;
+  size_t open = 0;
+  if (!m.queue.empty() && !m.queue.back().closed) open = m.queue.back().bytes;
+  return m.dirty_bytes + open;
 }
 
 ClientStateStore::Stats ClientStateStore::stats() const {

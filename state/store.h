@@ -4,10 +4,27 @@
 // when a client is scheduled (get) and written back after (put).
 //
 // Write-back: put() only updates the cache and marks the entry dirty. Dirty
-// entries reach the database, all of them in one transaction, when
+// entries are handed off for writing, all of them together, when
 // Options::write_batch of them are pending, when a dirty entry is about to be
-// evicted, on flush() and in the destructor. Until then a crash loses them.
-// See docs/state.md for the schema and the durability story.
+// evicted, on flush()/flush_async() and in the destructor. One hand-off is one
+// SQLite transaction. Until it commits a crash loses them. See docs/state.md
+// for the schema and the durability story.
+//
+// Options::background: the hand-off goes to a writer thread (serialise, write,
+// commit) and put()/flush_async() return at once, so training overlaps the
+// database work; the same thread loads prefetch()ed clients. Handed-off states
+// stay readable (get() after put() always sees the put value) until they are
+// in the database. Handed-off but unwritten bytes are bounded by cache_bytes:
+// a hand-off waits for the writer beyond that. A failed background write keeps
+// its states (still readable, retried later) and is thrown, once, by the next
+// put()/flush()/flush_async(); flush() after that retries it.
+//
+// Options::explicit_flush (checkpoint mode): dirty entries reach the database
+// only through flush()/flush_async(), never by write_batch or eviction (dirty
+// entries are not evicted, so the cache may exceed cache_bytes by them), and
+// the destructor drops the ones not handed off. The database then only ever
+// holds what a flush wrote: with set_meta() (written in the same transaction)
+// a caller can keep a checkpoint consistent with its client states.
 //
 // Values, not references: get() returns a deep copy and put() stores a deep
 // copy, so callers may mutate what they hold (compressors update residuals in
@@ -23,6 +40,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "state/client_state.h"
 
@@ -33,13 +51,16 @@ class ClientStateStore {
   struct Options {
     size_t cache_bytes = size_t{256} << 20;  // LRU limit on ClientState::approx_bytes(); 0 = no caching
     size_t write_batch = 64;                 // dirty entries that trigger a write-back transaction; >= 1
+    bool background = false;                 // write back and prefetch on a background thread
+    bool explicit_flush = false;             // dirty entries reach the database only via flush()/flush_async()
   };
   struct Stats {
-    uint64_t hits = 0;          // get() answered from the cache
+    uint64_t hits = 0;          // get() answered from memory (cache or not yet written hand-off)
     uint64_t misses = 0;        // get() that went to the database (found or not)
     uint64_t writes = 0;        // rows written to the database
     uint64_t transactions = 0;  // write-back transactions committed
     uint64_t evictions = 0;     // entries dropped from the cache
+    uint64_t prefetched = 0;    // clients loaded into the cache by prefetch()
   };
 
   // Creates or opens the database at `path` (WAL journal, synchronous=NORMAL).
@@ -49,7 +70,8 @@ class ClientStateStore {
   static std::unique_ptr<ClientStateStore> open(const std::string& path, Options options);
   static std::unique_ptr<ClientStateStore> open(const std::string& path) { return open(path, Options{}); }
 
-  // Flushes dirty entries; failures are logged to stderr, never thrown.
+  // Writes back what is handed off and (unless explicit_flush) every dirty
+  // entry; failures are logged to stderr, never thrown.
   ~ClientStateStore();
   ClientStateStore(const ClientStateStore&) = delete;
   ClientStateStore& operator=(const ClientStateStore&) = delete;
@@ -60,19 +82,40 @@ class ClientStateStore {
   // Replaces the client's state (in the cache; see write-back above). Throws
   // sparrow::Error, changing nothing, for a state serialize() would refuse.
   void put(int64_t client, const ClientState& state);
-  // Writes every dirty entry in one transaction; on return they are in the
-  // WAL (durable against a process crash; against power loss after the next
+  // The same, taking the caller's state without a copy where it can
+  // (ClientState::into_owned): the caller must not keep tensors of it.
+  void put(int64_t client, ClientState&& state);
+  // Writes every dirty entry (and the staged meta values) in one transaction
+  // and waits for everything handed off before; on return they are in the WAL
+  // (durable against a process crash; against power loss after the next
   // checkpoint, see docs/state.md).
   void flush();
+  // The same hand-off as flush() without waiting for it (background mode;
+  // without a background thread it is flush()).
+  void flush_async();
+  // Waits until everything handed off so far is in the database (hands off
+  // nothing itself); throws a background write failure like flush().
+  void wait_written();
+  // Background mode: loads these clients into the cache ahead of get(), as
+  // far as the cache has room. A hint: errors are ignored (get() reports them).
+  void prefetch(const std::vector<int64_t>& clients);
+
+  // A small named value committed in the same transaction as the next
+  // flush()/flush_async() (or write-back) hand-off.
+  void set_meta(const std::string& key, const std::string& value);
+  // The value last set for `key` (committed or not), or nullopt.
+  std::optional<std::string> get_meta(const std::string& key);
 
   size_t cached_bytes() const;
   size_t cached_entries() const;
+  size_t dirty_bytes() const;  // approx_bytes() of the dirty (not yet handed off) entries
   Stats stats() const;
   const std::string& path() const;
 
  private:
   struct Impl;
   explicit ClientStateStore(std::unique_ptr<Impl> impl);
+  void put_owned(int64_t client, std::shared_ptr<const ClientState> state);
   std::unique_ptr<Impl> impl_;
 };
 

@@ -231,3 +231,11 @@ TEST_CASE("config round trips through to_toml") {
     CHECK(load_config(g.path) == c);
   }
 }
+
+TEST_CASE("config checkpoint_every defaults to 10 and must be at least 1") {
+  CHECK(parse_config_string("").checkpoint_every == 10);
+  CHECK(parse_config_string("checkpoint_every = 3").checkpoint_every == 3);
+  CHECK(contains(error_of([] { parse_config_string("", {"checkpoint_every=0"}); }), "checkpoint_every"));
+  SimConfig c = parse_config_string("", {"checkpoint_every=4"});
+  CHECK(parse_config_string(to_toml(c)) == c);
+}

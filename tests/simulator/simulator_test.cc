@@ -154,6 +154,41 @@ TEST_CASE("simulator resume reproduces the uninterrupted run") {
   }
 }
 
+TEST_CASE("simulator resume restarts from the last checkpoint not the last round") {
+  // checkpoint_every = 2: a run stopped after round 3 of 5 has its checkpoint
+  // at round 2; round 3's client states must not be on disk (they were never
+  // checkpointed), or the resumed round 3 would start from states one round
+  // ahead and the results would differ.
+  TempDir full("ckpt_full"), part("ckpt_part");
+  SimConfig c = tiny(full.path);
+  c.rounds = 5;
+  c.compression = "dgc:ratio=0.1,momentum=0.9";
+  c.checkpoint_every = 2;
+  Simulator a(c);
+  a.run();
+
+  SimConfig h = c;
+  h.out = part.path;
+  {
+    Simulator b(h);
+    for (int r = 0; r < 3; ++r) b.run_round();
+    CHECK(b.completed_rounds() == 3);
+  }  // "crash": destroyed without a checkpoint of round 3
+  Simulator r(h, /*resume=*/true);
+  CHECK(r.completed_rounds() == 2);
+  REQUIRE(r.history().size() == 2);
+  r.run();
+  REQUIRE(r.history().size() == 5);
+  for (size_t i = 0; i < 5; ++i) check_same_metrics(a.history()[i], r.history()[i]);
+  check_same_weights(a.global(), r.global());
+  const std::string csv = read_file(part.path + "/metrics.csv");
+  CHECK(std::count(csv.begin(), csv.end(), '\n') == 6);
+  // A changed checkpoint_every is allowed on resume (it changes no result).
+  SimConfig k = h;
+  k.checkpoint_every = 1;
+  CHECK_NOTHROW(Simulator(k, true));
+}
+
 TEST_CASE("simulator resume refuses a changed config or a missing run") {
   TempDir d("resume_bad");
   SimConfig c = tiny(d.path);

@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -393,4 +394,114 @@ TEST_CASE("store refuses files that are not its database") {
     CHECK_THROWS_AS(ClientStateStore::open(db.path(), opt), sparrow::ConfigError);
     CHECK_THROWS_AS(ClientStateStore::open("", {}), sparrow::ConfigError);
   }
+}
+
+TEST_CASE("store background write-back keeps get consistent and flush waits") {
+  TempDb db("bg");
+  ClientStateStore::Options opt;
+  opt.background = true;
+  opt.write_batch = 2;  // hand-offs while the test keeps putting
+  opt.cache_bytes = 2 * small_state(0).approx_bytes();
+  auto store = ClientStateStore::open(db.path(), opt);
+  for (int64_t c = 0; c < 40; ++c) {
+    store->put(c, small_state(c));
+    // Whether still cached, handed off or written: the put value.
+    check_small(store->get(c), c);
+  }
+  for (int64_t c = 0; c < 40; ++c) check_small(store->get(c), c);
+  store->flush();
+  CHECK(store->stats().writes >= 40);
+  // flush() returned: every row is in the database for another reader.
+  ClientStateStore::Options ropt;
+  ropt.cache_bytes = 0;
+  auto reader = ClientStateStore::open(db.path(), ropt);
+  for (int64_t c = 0; c < 40; ++c) check_small(reader->get(c), c);
+}
+
+TEST_CASE("store background prefetch loads clients into the cache") {
+  TempDb db("prefetch");
+  {
+    auto w = ClientStateStore::open(db.path(), {});
+    for (int64_t c = 0; c < 5; ++c) w->put(c, small_state(c));
+  }
+  ClientStateStore::Options opt;
+  opt.background = true;
+  auto store = ClientStateStore::open(db.path(), opt);
+  store->prefetch({0, 1, 2, 3, 4, 99});
+  for (int i = 0; i < 2000 && store->stats().prefetched < 5; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  CHECK(store->stats().prefetched == 5);  // 99 has no row
+  for (int64_t c = 0; c < 5; ++c) check_small(store->get(c), c);
+  CHECK(store->stats().misses == 0);
+  // A put after the prefetch wins.
+  store->put(2, small_state(20));
+  store->prefetch({2});
+  store->flush();
+  check_small(store->get(2), 20);
+}
+
+TEST_CASE("store checkpoint mode writes only what flush hands off with its meta") {
+  for (const bool background : {false, true}) {
+    CAPTURE(background);
+    TempDb db(background ? "ckpt_bg" : "ckpt_fg");
+    ClientStateStore::Options opt;
+    opt.background = background;
+    opt.explicit_flush = true;
+    opt.write_batch = 1;                              // ignored in checkpoint mode
+    opt.cache_bytes = small_state(0).approx_bytes();  // eviction would write, if allowed
+    {
+      auto store = ClientStateStore::open(db.path(), opt);
+      for (int64_t c = 0; c < 3; ++c) store->put(c, small_state(c));
+      store->set_meta("round", "1");
+      CHECK(store->get_meta("round") == std::optional<std::string>("1"));
+      store->flush();
+      CHECK(store->stats().transactions == 1);
+      // After the checkpoint: new values and a new client, never flushed.
+      store->put(0, small_state(10));
+      store->put(7, small_state(7));
+      store->set_meta("round", "2");
+      check_small(store->get(0), 10);
+      check_small(store->get(7), 7);
+      CHECK(store->dirty_bytes() > 0);
+      CHECK(store->stats().transactions == 1);
+    }  // closing drops what was not flushed
+    auto store = ClientStateStore::open(db.path(), {});
+    check_small(store->get(0), 0);
+    check_small(store->get(1), 1);
+    check_small(store->get(2), 2);
+    CHECK_FALSE(store->get(7).has_value());
+    CHECK(store->get_meta("round") == std::optional<std::string>("1"));
+    CHECK_FALSE(store->get_meta("nothing").has_value());
+  }
+}
+
+TEST_CASE("store flush_async then flush makes the state durable") {
+  TempDb db("async");
+  ClientStateStore::Options opt;
+  opt.background = true;
+  opt.explicit_flush = true;
+  auto store = ClientStateStore::open(db.path(), opt);
+  store->put(1, rich_state(3));
+  store->set_meta("k", "v");
+  store->flush_async();
+  store->put(2, small_state(2));  // after the hand-off: not part of it
+  store->wait_written();
+  ClientStateStore::Options ropt;
+  ropt.cache_bytes = 0;
+  auto reader = ClientStateStore::open(db.path(), ropt);
+  auto got = reader->get(1);
+  REQUIRE(got.has_value());
+  check_equal(*got, rich_state(3));
+  CHECK_FALSE(reader->get(2).has_value());
+  CHECK(reader->get_meta("k") == std::optional<std::string>("v"));
+}
+
+TEST_CASE("into_owned keeps sole owners and copies shared tensors") {
+  ClientState s = rich_state(6);
+  void* own = s.compressor["fc1.weight"].tensors["u"].data_ptr();
+  at::Tensor shared = s.control["fc1.weight"];  // the caller keeps a handle
+  ClientState o = ClientState::into_owned(std::move(s));
+  CHECK(o.compressor["fc1.weight"].tensors["u"].data_ptr() == own);
+  CHECK(o.control["fc1.weight"].data_ptr() != shared.data_ptr());
+  check_equal(o, rich_state(6));
 }
