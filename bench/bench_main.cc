@@ -3,6 +3,7 @@
 // stable).
 //
 //   sparrow-bench compress [--elements N] [--repeat R] [--methods a,b,...]
+//   sparrow-bench server [--clients C] [--rounds R] [--repeat N] [--cases ingest,dense]
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -17,7 +18,9 @@
 #include <sstream>
 
 #include "bench/resnet50.h"
+#include "bench/server_bench.h"
 #include "bench/sim_bench.h"
+#include "bench/split_bench.h"
 #include "compression/compressor.h"
 #include "core/json.h"
 #include "core/error.h"
@@ -174,6 +177,33 @@ int main(int argc, char** argv) {
   child->add_option("--rounds", sim_rounds);
   child->add_option("--workers", sim_workers);
   child->add_option("--tmp", sim_tmp);
+  sparrow::bench::SplitBenchOptions split_opts;
+  std::string split_cases;
+  auto* split = app.add_subcommand(
+      "split", "split fine-tuning (CNN on Fashion-MNIST, cut after conv2): each activation codec vs uncompressed");
+  split->add_option("--steps", split_opts.steps, "fine-tuning steps per case")->check(CLI::Range(1, 1000000));
+  split->add_option("--pretrain-steps", split_opts.pretrain_steps, "pre-training steps on classes 0-4")
+      ->check(CLI::Range(0, 1000000));
+  split->add_option("--batch", split_opts.batch, "batch size")->check(CLI::Range(2, 65536));
+  split->add_option("--eval-samples", split_opts.eval_samples, "test images to evaluate (first N)")
+      ->check(CLI::Range(1, 10000));
+  split->add_option("--lr", split_opts.lr, "SGD learning rate (momentum 0.9)")->check(CLI::Range(1e-6, 10.0));
+  split->add_flag("--freeze-bottom", split_opts.freeze_bottom, "freeze the device's bottom (no gradient goes back)");
+  split->add_option("--cases", split_cases,
+                    "';'-separated activation codec specs (default: lowrank r32 streaming, lowrank r4, q8, q4, topk)");
+  split->add_option("--data", split_opts.data_dir, "Fashion-MNIST folder");
+  sparrow::bench::ServerBenchOptions server_opts;
+  auto* server = app.add_subcommand(
+      "server", "sparrow-server in-process: ingest of DGC updates from many CURVE clients; dense update throughput");
+  server->add_option("--clients", server_opts.clients, "concurrent client connections (ingest)")
+      ->check(CLI::Range(1, 20000));
+  server->add_option("--rounds", server_opts.rounds, "ingest rounds (median reported)")->check(CLI::Range(1, 1000));
+  server->add_option("--repeat", server_opts.repeat, "dense updates per transport (median reported)")
+      ->check(CLI::Range(1, 100));
+  server->add_option("--workers", server_opts.workers, "the server's decode/aggregate threads")
+      ->check(CLI::Range(1, 256));
+  server->add_option("--cases", server_opts.cases, "comma-separated subset of ingest,dense");
+  server->add_option("--tmp", server_opts.tmp, "parent folder of the temporary keys and databases");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -182,7 +212,18 @@ int main(int argc, char** argv) {
   if (threads > 0) at::set_num_threads(threads);
   try {
     if (*compress) return bench_compress(elements, repeat, methods);
+    if (*server) return sparrow::bench::bench_server(server_opts);
     if (*sim) return sparrow::bench::bench_sim(sim_rounds, sim_workers, sim_tmp);
+    if (*split) {
+      split_opts.cases = sparrow::bench::split_bench_default_cases();
+      if (!split_cases.empty()) {
+        split_opts.cases.clear();
+        std::stringstream ss(split_cases);
+        for (std::string c; std::getline(ss, c, ';');)
+          if (!c.empty() && c != "none") split_opts.cases.push_back(c);
+      }
+      return sparrow::bench::bench_split(split_opts);
+    }
     if (*child) return sparrow::bench::bench_sim_scale_child(child_clients, sim_rounds, sim_workers, sim_tmp);
   } catch (const std::exception& e) {
     std::cerr << "sparrow-bench: error: " << e.what() << "\n";

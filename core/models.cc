@@ -18,6 +18,21 @@ constexpr const char* kTorchScriptPrefix = "torchscript:";
 // Accepts [N, 1, 28, 28], [N, 28, 28] and [N, 784] for the 28x28 grey-scale models.
 at::Tensor as_image28(const at::Tensor& x) { return x.reshape({x.size(0), 1, 28, 28}); }
 
+void check_stage_range(size_t begin, size_t end, size_t n) {
+  SPARROW_CHECK_T(ConfigError, begin <= end && end <= n,
+                  "model stages [" << begin << ", " << end << ") are not within [0, " << n << ")");
+}
+
+// The stage `name` made of the built-in submodules `modules` (parameter names
+// "<module>.<...>").
+ModelStage stage_of(const torch::nn::Module& m, const std::string& name, const std::vector<std::string>& modules) {
+  ModelStage s{name, {}};
+  for (const auto& p : m.named_parameters(/*recurse=*/true))
+    for (const std::string& mod : modules)
+      if (p.key().rfind(mod + ".", 0) == 0) s.params.push_back(p.key());
+  return s;
+}
+
 class Mlp final : public Model {
  public:
   Mlp() {
@@ -30,6 +45,22 @@ class Mlp final : public Model {
     h = torch::relu(fc1_->forward(h));
     h = torch::relu(fc2_->forward(h));
     return fc3_->forward(h);
+  }
+  std::vector<ModelStage> stages() const override {
+    return {stage_of(*this, "fc1", {"fc1"}), stage_of(*this, "fc2", {"fc2"}), stage_of(*this, "fc3", {"fc3"})};
+  }
+  at::Tensor forward_stages(const at::Tensor& x, size_t begin, size_t end) override {
+    check_stage_range(begin, end, 3);
+    at::Tensor h = x;
+    for (size_t i = begin; i < end; ++i) {
+      if (i == 0)
+        h = torch::relu(fc1_->forward(h.reshape({h.size(0), -1})));
+      else if (i == 1)
+        h = torch::relu(fc2_->forward(h));
+      else
+        h = fc3_->forward(h);
+    }
+    return h;
   }
 
  private:
@@ -49,6 +80,25 @@ class Cnn final : public Model {
     h = torch::max_pool2d(torch::relu(conv2_->forward(h)), 2);
     h = torch::relu(fc1_->forward(h.flatten(1)));
     return fc2_->forward(h);
+  }
+  std::vector<ModelStage> stages() const override {
+    return {stage_of(*this, "conv1", {"conv1"}), stage_of(*this, "conv2", {"conv2"}), stage_of(*this, "fc1", {"fc1"}),
+            stage_of(*this, "fc2", {"fc2"})};
+  }
+  at::Tensor forward_stages(const at::Tensor& x, size_t begin, size_t end) override {
+    check_stage_range(begin, end, 4);
+    at::Tensor h = x;
+    for (size_t i = begin; i < end; ++i) {
+      if (i == 0)
+        h = torch::max_pool2d(torch::relu(conv1_->forward(as_image28(h))), 2);
+      else if (i == 1)
+        h = torch::max_pool2d(torch::relu(conv2_->forward(h)), 2);
+      else if (i == 2)
+        h = torch::relu(fc1_->forward(h.flatten(1)));
+      else
+        h = fc2_->forward(h);
+    }
+    return h;
   }
 
  private:
@@ -103,6 +153,30 @@ class ResNet8 final : public Model {
     h = layer3_->forward(layer2_->forward(layer1_->forward(h)));
     return fc_->forward(torch::adaptive_avg_pool2d(h, {1, 1}).flatten(1));
   }
+  std::vector<ModelStage> stages() const override {
+    return {stage_of(*this, "stem", {"conv1", "bn1"}), stage_of(*this, "layer1", {"layer1"}),
+            stage_of(*this, "layer2", {"layer2"}), stage_of(*this, "layer3", {"layer3"}),
+            stage_of(*this, "head", {"fc"})};
+  }
+  at::Tensor forward_stages(const at::Tensor& x, size_t begin, size_t end) override {
+    check_stage_range(begin, end, 5);
+    at::Tensor h = x;
+    for (size_t i = begin; i < end; ++i) {
+      if (i == 0) {
+        h = (in_channels_ == 1 && h.dim() == 2) ? as_image28(h) : h;
+        h = torch::relu(bn1_->forward(conv1_->forward(h)));
+      } else if (i == 1) {
+        h = layer1_->forward(h);
+      } else if (i == 2) {
+        h = layer2_->forward(h);
+      } else if (i == 3) {
+        h = layer3_->forward(h);
+      } else {
+        h = fc_->forward(torch::adaptive_avg_pool2d(h, {1, 1}).flatten(1));
+      }
+    }
+    return h;
+  }
 
  private:
   int64_t in_channels_;
@@ -143,6 +217,31 @@ class ScriptedModel final : public Model {
     torch::nn::Module::train(on);
     module_.train(on);
   }
+  // One stage per direct child, parameters mapped to the Model's flat names.
+  std::vector<ModelStage> stages() const override {
+    std::vector<ModelStage> out;
+    for (const auto& child : module_.named_children()) {
+      ModelStage s{child.name, {}};
+      for (const auto& p : child.value.named_parameters(/*recurse=*/true))
+        s.params.push_back(flat_name(child.name + "." + p.name));
+      out.push_back(std::move(s));
+    }
+    return out;
+  }
+  at::Tensor forward_stages(const at::Tensor& x, size_t begin, size_t end) override {
+    std::vector<torch::jit::Module> children;
+    for (const auto& child : module_.named_children()) children.push_back(child.value);
+    check_stage_range(begin, end, children.size());
+    at::Tensor h = x;
+    for (size_t i = begin; i < end; ++i) {
+      SPARROW_CHECK_T(ConfigError, children[i].find_method("forward").has_value(),
+                      "TorchScript model: child module " << i << " has no forward method");
+      c10::IValue out = children[i].forward({h});
+      SPARROW_CHECK_T(ConfigError, out.isTensor(), "TorchScript model: child module " << i << " must return a tensor");
+      h = out.toTensor();
+    }
+    return h;
+  }
 
  private:
   torch::jit::Module module_;
@@ -179,6 +278,10 @@ Spec parse_builtin(const std::string& name, int64_t* in_channels) {
 }
 
 }  // namespace
+
+at::Tensor Model::forward_stages(const at::Tensor&, size_t, size_t) {
+  throw ConfigError("this model does not list stages, so it cannot be cut");
+}
 
 std::shared_ptr<Model> make_model(const std::string& name, uint64_t seed) {
   if (name.rfind(kTorchScriptPrefix, 0) == 0)

@@ -12,9 +12,26 @@
 
 namespace sparrow::core {
 
+// One stage of a model that can be cut (split learning, edge/split.h): a named
+// step of forward() and the names (as in named_parameters()) of the parameters
+// it uses.
+struct ModelStage {
+  std::string name;
+  std::vector<std::string> params;
+};
+
 class Model : public torch::nn::Module {
  public:
   virtual at::Tensor forward(const at::Tensor& x) = 0;
+
+  // Split hook. A model that can be cut lists its stages in order; then
+  // forward(x) == forward_stages(forward_stages(x, 0, k), k, n) for every k, and
+  // every parameter belongs to at most one stage. The default (empty list, and
+  // forward_stages throwing ConfigError) means "cannot be cut".
+  virtual std::vector<ModelStage> stages() const { return {}; }
+  // Runs stages [begin, end) on x (the output of stage begin - 1, or the model's
+  // input when begin == 0). ConfigError for a bad range or an uncuttable model.
+  virtual at::Tensor forward_stages(const at::Tensor& x, size_t begin, size_t end);
 };
 
 // Builds a model from its name. Built-ins are initialised deterministically from
@@ -44,6 +61,13 @@ class Model : public torch::nn::Module {
 //             after the mapping are a ConfigError. train()/eval() propagate to the
 //             scripted module.
 // "mlp", "cnn" and 1-channel "resnet" also accept flattened [N, 784] input.
+// Stages (Model::stages()): "mlp" fc1, fc2, fc3 (each Linear + ReLU, fc3 without);
+// "cnn" conv1, conv2 (conv + ReLU + maxpool each), fc1 (flatten + Linear + ReLU),
+// fc2; "resnet" stem (conv1 + bn1 + ReLU), layer1, layer2, layer3, head (pool +
+// fc); "torchscript:FILE" one stage per direct child module of the scripted
+// module, in registration order, applied one after another. That matches forward
+// only when forward is exactly that composition (e.g. an nn.Sequential);
+// edge::check_stages() tests it on a sample input.
 // ConfigError for an unknown name or key, or a missing or unreadable TorchScript
 // file (the message names the path).
 std::shared_ptr<Model> make_model(const std::string& name, uint64_t seed);

@@ -1,0 +1,29 @@
+#pragma once
+// sparrow-bench split (see split_bench.cc).
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace sparrow::bench {
+
+struct SplitBenchOptions {
+  int64_t pretrain_steps = 150;  // full CNN on classes 0-4
+  int64_t steps = 150;           // split fine-tuning steps per case, all classes
+  int64_t batch = 64;
+  int64_t eval_samples = 10000;  // test images (all 10,000 by default)
+  double lr = 0.02;
+  bool freeze_bottom = false;
+  std::string data_dir;  // empty: core's default Fashion-MNIST folder
+  // Activation codec specs to compare (the uncompressed "none" always runs first).
+  std::vector<std::string> cases;
+};
+
+// The default cases: streaming lowrank (rank 32, cached basis), per-batch
+// lowrank rank 4, q8, q4, topk 2%.
+std::vector<std::string> split_bench_default_cases();
+
+// Prints one "pretrain" line, then one "split" line per case (JSON lines).
+int bench_split(const SplitBenchOptions& options);
+
+}  // namespace sparrow::bench
