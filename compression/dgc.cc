@@ -1,18 +1,24 @@
 // Deep Gradient Compression (Lin, Han, Mao, Wang, Dally, ICLR 2018), as in the
 // paper and its reference code (synxlin/deep-gradient-compression: DGCCompressor
 // and DGCSGDMemory):
-//   dgc:ratio=0.001,momentum=0.9,clip=0,warmup=0,sample=0.01[,values=fp32|fp16|bf16]
-// Per step on a tensor with dim() > 1 (state slots "u" = momentum, "v" = velocity):
+//   dgc:ratio=0.001,momentum=0.9,clip=0,warmup=0,sample=0.01,dense1d=1[,values=fp32|fp16|bf16]
+// Per step on a tensor with dim() > 1, or dim() == 1 when dense1d=0 (state slots
+// "u" = momentum, "v" = velocity):
 //   g *= min(1, C·N^-1/2 / (||g||2 + 1e-6))      local gradient clipping, clip = C > 0
 //   u = m·u + g;  v += u                          momentum correction
 //   thr from a strided sample of |v|, the reference's 1.3/0.8 adaptation loop
 //   send (idx, v[idx]) for the first k indices;  u[idx] = v[idx] = 0 (momentum factor masking)
 // with the density warmed up over the first `warmup` steps (dgc_density): global
 // rounds when Context::round >= 0, else the tensor's own State::step.
-// Tensors with dim() <= 1 (biases, norms) go dense fp32, untouched, as in the reference.
+// Tensors with dim() <= 1 (biases, norms) go dense fp32, untouched, as in the reference
+// (dense1d=1, the default). With dense1d=0 the 1-D tensors are compressed like the
+// others: on a small model their dense bytes dominate the message (on the 199,210-
+// parameter MLP the 410 bias floats cost more than the 199 sparse values), which
+// caps the compression ratio. 0-d scalars always go dense.
 //
 // Parameters: ratio in (0, 1] (density after warm-up), momentum in [0, 1),
 // clip >= 0 (0 = off; the bound is clip·ctx.num_workers^-1/2 per tensor),
+// dense1d 0|1 (1 = 1-D tensors dense, the default),
 // warmup >= 0 steps of State::step, sample in (0, 1] (the reference clamps it to
 // >= 0.01; here any value is honoured, the plan still takes >= ceil(2/density)
 // samples). Wire: kSparse, ascending indices (delta varint or bitmap), fp32 values
@@ -127,14 +133,14 @@ at::Tensor& state_slot(State& state, const char* name, const at::Tensor& like) {
 
 class DgcCompressor final : public Compressor {
  public:
-  DgcCompressor(double ratio, double momentum, double clip, int64_t warmup, double sample, ValueType vt)
-      : ratio_(ratio), momentum_(momentum), clip_(clip), warmup_(warmup), sample_(sample), vt_(vt) {}
+  DgcCompressor(double ratio, double momentum, double clip, int64_t warmup, double sample, bool dense1d, ValueType vt)
+      : ratio_(ratio), momentum_(momentum), clip_(clip), warmup_(warmup), sample_(sample), dense1d_(dense1d), vt_(vt) {}
   std::string method() const override { return "dgc"; }
 
   Encoded encode(const at::Tensor& x_in, State& state, const Context& ctx) const override {
     const at::Tensor x = as_input(x_in, "dgc");
     const uint64_t step = state.step;
-    if (x.dim() <= 1) {
+    if (x.dim() == 0 || (x.dim() == 1 && dense1d_)) {
       Encoded e;
       e.format = Format::kDense;
       e.shape = shape_of(x);
@@ -306,6 +312,7 @@ class DgcCompressor final : public Compressor {
   double ratio_, momentum_, clip_;
   int64_t warmup_;
   double sample_;
+  bool dense1d_;
   ValueType vt_;
 };
 
@@ -324,8 +331,9 @@ void register_dgc() {
     SPARROW_CHECK_T(ConfigError, warmup >= 0, "dgc: warmup=" << warmup << " must be >= 0 steps");
     const double sample = spec.get_double("sample", 0.01);
     SPARROW_CHECK_T(ConfigError, sample > 0.0 && sample <= 1.0, "dgc: sample=" << sample << " must be in (0, 1]");
+    const bool dense1d = spec.get_bool("dense1d", true);
     const ValueType vt = parse_value_type(spec.get_string("values", "fp32"));
-    return std::make_unique<DgcCompressor>(ratio, momentum, clip, warmup, sample, vt);
+    return std::make_unique<DgcCompressor>(ratio, momentum, clip, warmup, sample, dense1d, vt);
   });
 }
 

@@ -335,6 +335,39 @@ TEST_CASE("dgc: 1-D tensors go dense and untouched") {
   CHECK(empty.count == 0);
 }
 
+TEST_CASE("dgc: dense1d=0 compresses 1-D tensors like the others") {
+  at::manual_seed(2019);
+  Context ctx;
+  ctx.seed = 3;
+  ctx.name = "fc1.bias";
+  {
+    ReferenceDgc ref;  // small 1-D tensors: the exact path (n <= ceil(2/density))
+    ref.momentum = 0.5;
+    check_side_by_side("dgc:momentum=0.5,dense1d=0", ref, {200}, 6, ctx);
+  }
+  {
+    ReferenceDgc ref;  // a long 1-D tensor: sampled threshold and adaptation loop
+    ref.ratio = 0.01;
+    ref.warmup = 4;
+    check_side_by_side("dgc:ratio=0.01,warmup=4,dense1d=0", ref, {50000}, 6, ctx);
+  }
+  // k = ceil(ratio·n) = 1 on a 10-element bias: the largest |g| is sent.
+  auto dgc = make_compressor("dgc:momentum=0,dense1d=0");
+  State s;
+  const at::Tensor b = at::arange(10, at::kFloat) - 6.5f;  // |b| largest at index 0
+  const Encoded e = dgc->encode(b, s, ctx);
+  CHECK(e.format == Format::kSparse);
+  CHECK(e.count == 1);
+  CHECK(cd::decode_indices(e) == std::vector<int64_t>{0});
+  CHECK(at::equal(decode(e) + s.tensors.at("v"), b));
+  // A 0-d scalar still goes dense, and dense1d=1 is the default.
+  const at::Tensor scalar = at::scalar_tensor(2.5);
+  CHECK(dgc->encode(scalar, s, ctx).format == Format::kDense);
+  State s2;
+  CHECK(make_compressor("dgc")->encode(b, s2, ctx).format == Format::kDense);
+  CHECK(make_compressor("dgc:dense1d=1")->encode(b, s2, ctx).format == Format::kDense);
+}
+
 TEST_CASE("dgc: local gradient clipping bounds the norm at clip / sqrt(N)") {
   at::manual_seed(4);
   // momentum 0: after one step decode + v == the clipped gradient.
@@ -421,8 +454,10 @@ TEST_CASE("dgc: configuration errors") {
   CHECK_THROWS_AS(make_compressor("dgc:sample=0"), ConfigError);
   CHECK_THROWS_AS(make_compressor("dgc:sample=2"), ConfigError);
   CHECK_THROWS_AS(make_compressor("dgc:values=int4"), ConfigError);
+  CHECK_THROWS_AS(make_compressor("dgc:dense1d=2"), ConfigError);
+  CHECK_THROWS_AS(make_compressor("dgc:dense1d=yes please"), ConfigError);
   CHECK_NOTHROW(make_compressor("dgc"));
-  CHECK_NOTHROW(make_compressor("dgc:ratio=1,momentum=0,clip=0.5,warmup=10,sample=1,values=fp16"));
+  CHECK_NOTHROW(make_compressor("dgc:ratio=1,momentum=0,clip=0.5,warmup=10,sample=1,dense1d=0,values=fp16"));
 }
 
 TEST_SUITE("slow") {
