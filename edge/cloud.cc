@@ -1,0 +1,622 @@
+#include "edge/cloud.h"
+
+#include <spdlog/spdlog.h>
+#include <toml++/toml.h>
+#include <torch/torch.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include "aggregation/aggregator.h"
+#include "compression/compressor.h"
+#include "compression/state.h"
+#include "core/error.h"
+#include "core/model_digest.h"
+#include "edge/act_codec.h"
+#include "edge/split.h"
+#include "wire/net.h"
+#include "wire/wire.h"
+
+namespace sparrow::edge {
+
+// ---- shared helpers ------------------------------------------------------------
+
+namespace {
+
+template <class... F>
+struct Overloaded : F... {
+  using F::operator()...;
+};
+template <class... F>
+Overloaded(F...) -> Overloaded<F...>;
+
+const ConfigField& find_field(const std::vector<ConfigField>& fields, const std::string& key,
+                              const std::string& where) {
+  for (const auto& f : fields)
+    if (key == f.key) return f;
+  std::string known;
+  for (const auto& f : fields) known += std::string(known.empty() ? "" : ", ") + f.key;
+  throw ConfigError(where + ": config key '" + key + "' is unknown (known keys: " + known + ")");
+}
+
+}  // namespace
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  SPARROW_CHECK_T(ConfigError, in, "cannot read file '" << path << "'");
+  std::ostringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+void read_flat_config(const std::string& toml_text, const std::string& source, const std::vector<ConfigField>& fields,
+                      const std::vector<std::string>& overrides) {
+  toml::table root;
+  try {
+    root = toml::parse(toml_text, source);
+  } catch (const toml::parse_error& e) {
+    const auto& at = e.source().begin;
+    throw ConfigError(source + ":" + std::to_string(at.line) + ":" + std::to_string(at.column) +
+                      ": TOML syntax error: " + std::string(e.description()));
+  }
+  for (auto&& [k, node] : root) {
+    const std::string key(k.str());
+    const std::string where = source + ":" + std::to_string(node.source().begin.line);
+    const ConfigField& f = find_field(fields, key, where);
+    std::ostringstream type;
+    type << node.type();
+    auto fail = [&](const std::string& msg) {
+      throw ConfigError(where + ": config key '" + key + "' " + msg + " (got " + type.str() + ")");
+    };
+    std::visit(Overloaded{[&](int64_t* v) {
+                            if (!node.is_integer()) fail("must be an integer");
+                            *v = node.as_integer()->get();
+                          },
+                          [&](uint64_t* v) {
+                            if (!node.is_integer() || node.as_integer()->get() < 0) fail("must be an integer >= 0");
+                            *v = static_cast<uint64_t>(node.as_integer()->get());
+                          },
+                          [&](double* v) {
+                            if (node.is_integer())
+                              *v = static_cast<double>(node.as_integer()->get());
+                            else if (node.is_floating_point())
+                              *v = node.as_floating_point()->get();
+                            else
+                              fail("must be a number");
+                          },
+                          [&](bool* v) {
+                            if (!node.is_boolean()) fail("must be true or false");
+                            *v = node.as_boolean()->get();
+                          },
+                          [&](std::string* v) {
+                            if (!node.is_string()) fail("must be a string");
+                            *v = node.as_string()->get();
+                          }},
+               f.slot);
+  }
+  for (const std::string& kv : overrides) {
+    const auto eq = kv.find('=');
+    SPARROW_CHECK_T(ConfigError, eq != std::string::npos && eq > 0, "--set '" << kv << "': expected key=value");
+    const std::string key = kv.substr(0, eq), text = kv.substr(eq + 1);
+    const ConfigField& f = find_field(fields, key, "--set");
+    auto bad = [&](const char* what) {
+      throw ConfigError("--set: config key '" + key + "' must be " + what + " (got '" + text + "')");
+    };
+    char* end = nullptr;
+    errno = 0;
+    std::visit(Overloaded{[&](int64_t* v) {
+                            *v = std::strtoll(text.c_str(), &end, 10);
+                            if (text.empty() || *end || errno) bad("an integer");
+                          },
+                          [&](uint64_t* v) {
+                            const long long x = std::strtoll(text.c_str(), &end, 10);
+                            if (text.empty() || *end || errno || x < 0) bad("an integer >= 0");
+                            *v = static_cast<uint64_t>(x);
+                          },
+                          [&](double* v) {
+                            *v = std::strtod(text.c_str(), &end);
+                            if (text.empty() || *end || errno) bad("a number");
+                          },
+                          [&](bool* v) {
+                            if (text != "true" && text != "false") bad("true or false");
+                            *v = text == "true";
+                          },
+                          [&](std::string* v) { *v = text; }},
+               f.slot);
+  }
+}
+
+Sgd::Sgd(std::vector<at::Tensor> params, double lr, double momentum)
+    : params_(std::move(params)), lr_(lr), momentum_(momentum) {
+  SPARROW_CHECK_T(ConfigError, std::isfinite(lr) && lr > 0, "lr: must be > 0 (got " << lr << ")");
+  SPARROW_CHECK_T(ConfigError, momentum >= 0 && momentum < 1, "momentum: must be in [0, 1) (got " << momentum << ")");
+  for (const auto& p : params_) buffers_.push_back(torch::zeros_like(p));
+}
+
+void Sgd::zero_grad() {
+  for (auto& p : params_)
+    if (p.grad().defined()) p.mutable_grad() = at::Tensor();
+}
+
+void Sgd::step() {
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& g = params_[i].grad();
+    if (!g.defined()) continue;
+    buffers_[i].mul_(momentum_).add_(g);
+    params_[i].add_(buffers_[i], -lr_);
+  }
+}
+
+void save_weights(const std::map<std::string, at::Tensor>& weights, const std::string& path) {
+  compression::State s;
+  for (const auto& [k, v] : weights) s.tensors[k] = v.detach().to(at::kCPU, at::kFloat).contiguous();
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    SPARROW_CHECK_T(Error, out, "cannot write '" << tmp << "'");
+    const std::string bytes = s.serialize();
+    out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    SPARROW_CHECK_T(Error, out.good(), "cannot write '" << tmp << "'");
+  }
+  SPARROW_CHECK_T(Error, std::rename(tmp.c_str(), path.c_str()) == 0,
+                  "cannot rename '" << tmp << "' to '" << path << "'");
+}
+
+void load_weights(core::Model& model, const std::string& path) {
+  const compression::State s = compression::State::deserialize(read_text_file(path));
+  auto params = model.named_parameters();
+  for (const auto& [k, v] : s.tensors) {
+    const at::Tensor* p = params.find(k);
+    SPARROW_CHECK_T(FormatError, p, "weights '" << path << "': '" << k << "' is not a parameter of the model");
+    SPARROW_CHECK_T(FormatError, p->sizes() == v.sizes(),
+                    "weights '" << path << "': '" << k << "' has the wrong shape");
+  }
+  torch::NoGradGuard no_grad;
+  for (const auto& [k, v] : s.tensors) params[k].copy_(v);
+}
+
+std::map<std::string, at::Tensor> copy_weights(const std::vector<std::string>& names,
+                                               const std::vector<at::Tensor>& params) {
+  std::map<std::string, at::Tensor> out;
+  for (size_t i = 0; i < names.size(); ++i)
+    out[names[i]] = params[i].detach().to(at::kCPU, at::kFloat).clone().contiguous();
+  return out;
+}
+
+uint64_t bottom_digest(const std::vector<std::string>& names, const std::vector<at::Tensor>& params) {
+  std::map<std::string, std::vector<int64_t>> shapes;
+  for (size_t i = 0; i < names.size(); ++i) shapes[names[i]] = params[i].sizes().vec();
+  return core::model_digest(shapes);
+}
+
+std::string split_model_label(const std::string& model, const std::string& cut) { return model + ";cut=" + cut; }
+
+// ---- config ------------------------------------------------------------------------
+
+CloudConfig parse_cloud_config(const std::string& toml_text, const std::vector<std::string>& overrides,
+                               const std::string& source) {
+  CloudConfig c;
+  read_flat_config(toml_text, source,
+                   {{"listen", &c.listen},
+                    {"key", &c.key},
+                    {"allow", &c.allow},
+                    {"insecure", &c.insecure},
+                    {"model", &c.model},
+                    {"cut", &c.cut},
+                    {"weights", &c.weights},
+                    {"seed", &c.seed},
+                    {"grad_codec", &c.grad_codec},
+                    {"lr", &c.lr},
+                    {"momentum", &c.momentum},
+                    {"fedavg_devices", &c.fedavg_devices},
+                    {"heartbeat_ms", &c.heartbeat_ms},
+                    {"max_message_mb", &c.max_message_mb}},
+                   overrides);
+  SPARROW_CHECK_T(ConfigError, !c.listen.empty(), source << ": listen: must not be empty");
+  SPARROW_CHECK_T(ConfigError, c.insecure || (!c.key.empty() && !c.allow.empty()),
+                  source << ": key and allow must be set (or insecure = true)");
+  SPARROW_CHECK_T(ConfigError, c.max_message_mb >= 1 && c.max_message_mb <= 2047,
+                  source << ": max_message_mb: must be in [1, 2047]");
+  SPARROW_CHECK_T(ConfigError, c.heartbeat_ms >= 10 && c.heartbeat_ms <= 3600000,
+                  source << ": heartbeat_ms: must be in [10, 3600000]");
+  return c;
+}
+
+CloudConfig load_cloud_config(const std::string& path, const std::vector<std::string>& overrides) {
+  return parse_cloud_config(read_text_file(path), overrides, path);
+}
+
+// ---- the server ----------------------------------------------------------------------
+
+namespace {
+
+using wire::ErrorCode;
+
+struct Session {
+  std::string key;         // the CURVE key the client_id is bound to ("" when insecure)
+  std::string routing_id;  // the connection that said Hello last
+  std::unique_ptr<CloudHalf> half;
+  uint64_t last_step = 0;  // last applied training step
+  std::string last_reply;  // serialized SplitGradient of last_step ("" before any step in this process)
+};
+
+wire::Message message(wire::Body body) {
+  wire::Message m;
+  m.body = std::move(body);
+  return m;
+}
+
+std::string random_run_id() {
+  std::random_device rd;
+  std::ostringstream os;
+  os << std::hex << rd() << rd();
+  return "edge-" + os.str();
+}
+
+}  // namespace
+
+struct CloudServer::Impl {
+  CloudServer& self;
+  CloudConfig cfg;
+  std::shared_ptr<core::Model> model;
+  std::unique_ptr<Split> split;
+  std::unique_ptr<Sgd> sgd;
+  uint64_t digest = 0;
+  std::string label, run_id;
+  wire::ParseLimits limits;
+  std::vector<int64_t> act_sample_shape;  // per-sample activation shape; empty when unknown (TorchScript)
+
+  zmq::context_t ctx{1};
+  std::unique_ptr<net::ZapHandler> zap;
+  zmq::socket_t router;
+  std::string endpoint;
+
+  std::map<std::string, Session> sessions;      // client id -> session
+  std::map<std::string, std::string> by_route;  // routing id -> client id
+
+  // SplitFed: the round being collected is fed_round + 1.
+  uint64_t fed_round = 0;
+  std::unique_ptr<aggregation::StreamingAggregator> agg;
+  std::set<std::string> fed_members;  // sessions whose update of fed_round + 1 is in agg
+  std::string fed_task;               // serialized Task of fed_round
+  std::unique_ptr<compression::Compressor> dense;
+
+  struct {
+    std::atomic<uint64_t> hellos{0}, steps_applied{0}, duplicates{0}, evals{0}, errors_sent{0}, out_of_order{0},
+        bytes_in{0}, bytes_out{0}, fed_rounds{0};
+  } n;
+
+  Impl(CloudServer& s, CloudConfig c) : self(s), cfg(std::move(c)) {
+    model = core::make_model(cfg.model, cfg.seed);
+    if (!cfg.weights.empty()) load_weights(*model, cfg.weights);
+    split = std::make_unique<Split>(split_model(model, cfg.cut));
+    CloudHalf probe(split->top, cfg.grad_codec);  // ConfigError for a bad codec, before binding
+    sgd = std::make_unique<Sgd>(split->top.parameters(), cfg.lr, cfg.momentum);
+    digest = bottom_digest(split->bottom.parameter_names(), split->bottom.parameters());
+    label = split_model_label(cfg.model, cfg.cut);
+    if (cfg.model.rfind("torchscript:", 0) != 0) {
+      std::vector<int64_t> in{1};
+      for (int64_t d : core::model_input_shape(cfg.model)) in.push_back(d);
+      torch::NoGradGuard no_grad;
+      split->bottom.train(false);
+      act_sample_shape = split->bottom.forward(torch::zeros(in)).sizes().slice(1).vec();
+      split->bottom.train(true);
+    }
+    run_id = random_run_id();
+    if (cfg.fedavg_devices > 0) {
+      aggregation::TensorShapes shapes;
+      const auto names = split->bottom.parameter_names();
+      const auto params = split->bottom.parameters();
+      for (size_t i = 0; i < names.size(); ++i) shapes.emplace_back(names[i], params[i].sizes().vec());
+      agg = std::make_unique<aggregation::StreamingAggregator>(shapes);
+      compression::register_builtins();
+      dense = compression::make_compressor("none");
+    }
+    limits.max_bytes = cfg.max_message_mb << 20;
+
+    router = zmq::socket_t(ctx, zmq::socket_type::router);
+    if (cfg.insecure) {
+      spdlog::warn("event=insecure msg=\"plain TCP without CurveZMQ: traffic is neither encrypted nor authenticated\"");
+    } else {
+      net::KeyPair keys = net::load_keypair(cfg.key);
+      std::set<std::string> allowed = net::load_allow_list(cfg.allow);
+      spdlog::info("event=allow_list path={} keys={}", cfg.allow, allowed.size());
+      zap = std::make_unique<net::ZapHandler>(ctx, std::move(allowed),
+                                              [](const std::string& key, const std::string& addr, bool ok) {
+                                                if (!ok)
+                                                  spdlog::warn("event=zap key={} address={} admitted=0", key, addr);
+                                              });
+      net::make_curve_server(router, keys);
+    }
+    net::set_limits(router, limits.max_bytes, static_cast<int>(cfg.heartbeat_ms));
+    try {
+      router.bind(cfg.listen);
+    } catch (const zmq::error_t& e) {
+      throw ConfigError("listen: cannot bind '" + cfg.listen + "': " + e.what());
+    }
+    endpoint = router.get(zmq::sockopt::last_endpoint);
+    spdlog::info("event=listening endpoint={} curve={} model={} digest={} run_id={}", endpoint, cfg.insecure ? 0 : 1,
+                 label, digest, run_id);
+  }
+
+  ~Impl() {
+    router.close();
+    zap.reset();
+  }
+
+  void send(const std::string& rid, const std::string& bytes) {
+    n.bytes_out += bytes.size();
+    try {
+      if (!net::send_bytes_to(router, rid, bytes, /*dont_wait=*/true))
+        spdlog::debug("event=send_dropped reason=peer_gone_or_full");
+    } catch (const zmq::error_t& e) {
+      spdlog::warn("event=send_failed error=\"{}\"", e.what());
+    }
+  }
+  void reply_error(const std::string& rid, ErrorCode code, const std::string& text) {
+    ++n.errors_sent;
+    spdlog::info("event=error_reply code={} msg=\"{}\"", wire::error_code_name(code), text);
+    send(rid, wire::serialize(net::error_message(code, text)));
+  }
+
+  void run() {
+    while (!self.stop_.load()) {
+      zmq::pollitem_t item{static_cast<void*>(router), 0, ZMQ_POLLIN, 0};
+      try {
+        zmq::poll(&item, 1, std::chrono::milliseconds(100));
+        if (!(item.revents & ZMQ_POLLIN)) continue;
+        for (int i = 0; i < 64 && receive_one(); ++i) {
+        }
+      } catch (const zmq::error_t& e) {
+        if (e.num() == ETERM) break;
+        if (e.num() != EINTR) spdlog::error("event=io_error error=\"{}\"", e.what());
+      }
+    }
+  }
+
+  bool receive_one() {
+    zmq::message_t id;
+    if (!router.recv(id, zmq::recv_flags::dontwait)) return false;
+    const std::string rid(static_cast<const char*>(id.data()), id.size());
+    if (!id.more()) return true;
+    zmq::message_t frame;
+    if (!router.recv(frame, zmq::recv_flags::none)) return false;
+    bool extra = false;
+    while (frame.more()) {
+      zmq::message_t drop;
+      (void)router.recv(drop, zmq::recv_flags::none);
+      extra = true;
+      if (!drop.more()) break;
+    }
+    n.bytes_in += frame.size();
+    if (extra) {
+      reply_error(rid, ErrorCode::kMalformed, "one frame per message expected");
+      return true;
+    }
+    const std::string key = net::peer_key(frame);
+    try {
+      wire::Message m = wire::parse(frame.data(), frame.size(), limits);
+      handle(rid, key, m);
+    } catch (const std::exception& e) {
+      // Every check runs before any change, so the state is as it was.
+      const wire::ErrorBody eb = wire::error_for(e);
+      reply_error(rid, eb.code, eb.message);
+    }
+    return true;
+  }
+
+  void handle(const std::string& rid, const std::string& key, wire::Message& m) {
+    if (auto* h = std::get_if<wire::Hello>(&m.body)) return on_hello(rid, key, *h);
+    if (auto* a = std::get_if<wire::SplitActivation>(&m.body)) return on_activation(rid, *a);
+    if (auto* hb = std::get_if<wire::Heartbeat>(&m.body)) {
+      send(rid, wire::serialize(message(*hb)));
+      return;
+    }
+    if (std::get_if<wire::Bye>(&m.body)) {
+      by_route.erase(rid);
+      return;
+    }
+    if (auto* u = std::get_if<wire::ModelUpdate>(&m.body)) return on_update(rid, *u);
+    if (std::get_if<wire::ErrorBody>(&m.body)) return;  // never answer an Error with an Error
+    reply_error(rid, ErrorCode::kUnsupported, std::string("unexpected ") + wire::body_name(m.body));
+  }
+
+  void on_hello(const std::string& rid, const std::string& key, const wire::Hello& h) {
+    ++n.hellos;
+    if (h.model != label || h.model_digest != digest) {
+      reply_error(rid, ErrorCode::kRejected,
+                  "model mismatch: this cloud serves '" + label + "' (bottom digest " + std::to_string(digest) + ")");
+      return;
+    }
+    auto it = sessions.find(h.client_id);
+    if (it != sessions.end() && it->second.key != key) {
+      reply_error(rid, ErrorCode::kRejected, "client_id '" + h.client_id + "' is bound to another key");
+      return;
+    }
+    if (it == sessions.end()) {
+      Session s;
+      s.key = key;
+      s.half = std::make_unique<CloudHalf>(split->top, cfg.grad_codec);
+      // A session this process has not seen (new device, or the cloud
+      // restarted): the device's completed step is where the sequence goes on.
+      s.last_step = h.last_round.value_or(0);
+      it = sessions.emplace(h.client_id, std::move(s)).first;
+    }
+    Session& s = it->second;
+    if (!s.routing_id.empty() && s.routing_id != rid) by_route.erase(s.routing_id);
+    s.routing_id = rid;
+    by_route[rid] = h.client_id;
+    wire::Welcome w;
+    w.run_id = run_id;
+    w.heartbeat_ms = static_cast<uint32_t>(cfg.heartbeat_ms);
+    w.round = s.last_step;
+    w.max_message_bytes = limits.max_bytes;
+    w.model_seed = cfg.seed;
+    spdlog::info("event=hello client={} last_step={} device_step={}", h.client_id, s.last_step,
+                 h.last_round.value_or(0));
+    send(rid, wire::serialize(message(w)));
+  }
+
+  // Labels as a tensor, checked against the activation's batch.
+  at::Tensor labels_tensor(const wire::SplitActivation& a, const ActPacket& p) const {
+    SPARROW_CHECK_T(FormatError, a.shape == p.shape, "activation: frame shape and payload shape differ");
+    SPARROW_CHECK_T(
+        FormatError,
+        act_sample_shape.empty() || std::vector<int64_t>(p.shape.begin() + 1, p.shape.end()) == act_sample_shape,
+        "activation: shape does not match the cut of '" << label << "'");
+    SPARROW_CHECK_T(FormatError, static_cast<int64_t>(a.labels.size()) == p.shape.at(0),
+                    "activation: " << a.labels.size() << " labels for a batch of " << p.shape.at(0));
+    return torch::tensor(a.labels, torch::kLong);
+  }
+
+  void on_activation(const std::string& rid, const wire::SplitActivation& a) {
+    auto r = by_route.find(rid);
+    if (r == by_route.end() || r->second != a.session) {
+      reply_error(rid, ErrorCode::kRejected, "unknown session '" + a.session + "': Hello first");
+      return;
+    }
+    Session& s = sessions.at(a.session);
+    if (!a.train) return on_eval(rid, s, a);
+    if (a.step == s.last_step && !s.last_reply.empty()) {
+      ++n.duplicates;
+      spdlog::info("event=duplicate client={} step={}", a.session, a.step);
+      send(rid, s.last_reply);
+      return;
+    }
+    if (a.step != s.last_step + 1) {
+      ++n.out_of_order;
+      reply_error(rid, ErrorCode::kRejected, "expected step " + std::to_string(s.last_step + 1));
+      return;
+    }
+    const ActPacket p = ActPacket::deserialize(a.payload.data(), a.payload.size());
+    const at::Tensor y = labels_tensor(a, p);
+    split->top.train(true);
+    sgd->zero_grad();
+    CloudHalf::Result res = s.half->step(p, y);  // FormatError before any change
+    SPARROW_CHECK_T(Error, std::isfinite(res.loss), "activation: the loss is not finite");
+    sgd->step();
+    sgd->zero_grad();
+    wire::SplitGradient g;
+    g.session = a.session;
+    g.step = a.step;
+    g.loss = res.loss;
+    g.correct = static_cast<uint64_t>(res.correct);
+    if (res.gradient) {
+      g.codec = act_format_name(res.gradient->format);
+      g.shape = res.gradient->shape;
+      g.payload = res.gradient->serialize();
+    }
+    s.last_step = a.step;
+    s.last_reply = wire::serialize(message(g));
+    ++n.steps_applied;
+    spdlog::debug("event=step client={} step={} loss={:.4f}", a.session, a.step, res.loss);
+    send(rid, s.last_reply);
+  }
+
+  void on_update(const std::string& rid, const wire::ModelUpdate& u) {
+    if (!agg) {
+      reply_error(rid, ErrorCode::kUnsupported, "SplitFed is off on this cloud (fedavg_devices = 0)");
+      return;
+    }
+    auto r = by_route.find(rid);
+    if (r == by_route.end() || r->second != u.client_id) {
+      reply_error(rid, ErrorCode::kRejected, "unknown session '" + u.client_id + "': Hello first");
+      return;
+    }
+    wire::Message ack = message(wire::Ack{u.round});
+    if (u.round == fed_round && !fed_task.empty()) {  // the Task of a completed round was lost
+      send(rid, fed_task);
+      return;
+    }
+    if (u.round != fed_round + 1) {
+      reply_error(rid, ErrorCode::kRejected, "expected averaging round " + std::to_string(fed_round + 1));
+      return;
+    }
+    if (fed_members.count(u.client_id)) {  // a retry while the round is still open
+      send(rid, wire::serialize(ack));
+      return;
+    }
+    aggregation::EncodedUpdate update;
+    for (const auto& t : u.tensors) update.emplace_back(t.name, t.tensor);
+    agg->add(update, static_cast<double>(std::max<uint64_t>(1, u.num_samples)));  // FormatError: nothing changed
+    fed_members.insert(u.client_id);
+    spdlog::info("event=fedavg_update client={} round={} have={} of={}", u.client_id, u.round, fed_members.size(),
+                 cfg.fedavg_devices);
+    send(rid, wire::serialize(ack));
+    if (fed_members.size() < cfg.fedavg_devices) return;
+    wire::Task task;
+    task.round = u.round;
+    task.model_encoding = wire::ModelEncoding::kFull;
+    for (const auto& [name, mean] : agg->mean()) {
+      compression::State scratch;
+      task.weights.push_back({name, dense->encode(mean.contiguous(), scratch, {})});
+    }
+    fed_task = wire::serialize(message(task));
+    fed_round = u.round;
+    ++n.fed_rounds;
+    for (const auto& member : fed_members) send(sessions.at(member).routing_id, fed_task);
+    fed_members.clear();
+    agg->reset();
+    spdlog::info("event=fedavg_round round={} devices={}", fed_round, cfg.fedavg_devices);
+  }
+
+  void on_eval(const std::string& rid, Session& s, const wire::SplitActivation& a) {
+    const ActPacket p = ActPacket::deserialize(a.payload.data(), a.payload.size());
+    const at::Tensor y = labels_tensor(a, p);
+    torch::NoGradGuard no_grad;
+    split->top.train(false);
+    at::Tensor logits;
+    try {
+      logits = s.half->predict(p);
+    } catch (...) {
+      split->top.train(true);
+      throw;
+    }
+    split->top.train(true);
+    SPARROW_CHECK_T(FormatError,
+                    y.numel() == 0 || (y.min().item<int64_t>() >= 0 && y.max().item<int64_t>() < logits.size(1)),
+                    "activation: labels out of range [0, " << logits.size(1) << ")");
+    wire::SplitGradient g;
+    g.session = a.session;
+    g.step = a.step;
+    g.loss = torch::nn::functional::cross_entropy(logits, y).item<double>();
+    g.correct = static_cast<uint64_t>(logits.argmax(1).eq(y).sum().item<int64_t>());
+    SPARROW_CHECK_T(FormatError, std::isfinite(g.loss), "activation: the loss is not finite");
+    ++n.evals;
+    send(rid, wire::serialize(message(g)));
+  }
+};
+
+CloudServer::CloudServer(CloudConfig cfg) : impl_(std::make_unique<Impl>(*this, std::move(cfg))) {}
+CloudServer::~CloudServer() = default;
+
+std::string CloudServer::endpoint() const { return impl_->endpoint; }
+void CloudServer::run() { impl_->run(); }
+uint64_t CloudServer::refused() const { return impl_->zap ? impl_->zap->refused() : 0; }
+
+CloudServer::Counters CloudServer::counters() const {
+  const auto& n = impl_->n;
+  Counters c;
+  c.hellos = n.hellos.load();
+  c.steps_applied = n.steps_applied.load();
+  c.duplicates = n.duplicates.load();
+  c.evals = n.evals.load();
+  c.errors_sent = n.errors_sent.load();
+  c.out_of_order = n.out_of_order.load();
+  c.bytes_in = n.bytes_in.load();
+  c.bytes_out = n.bytes_out.load();
+  c.fed_rounds = n.fed_rounds.load();
+  return c;
+}
+
+std::map<std::string, at::Tensor> CloudServer::top_weights() const {
+  return copy_weights(impl_->split->top.parameter_names(), impl_->split->top.parameters());
+}
+
+}  // namespace sparrow::edge

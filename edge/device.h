@@ -1,0 +1,142 @@
+#pragma once
+// The device side of networked split fine-tuning (docs/split.md, "Networked
+// device and cloud"): `sparrow-edge --config edge.toml`.
+//
+// One DEALER socket (CURVE unless insecure). run():
+//   connect -> Hello{client_id = device_id, model = "MODEL;cut=CUT", digest of
+//   the bottom, last_round = last completed step} -> Welcome{round = the cloud's
+//   last applied step for this device} -> for each step n: bottom forward on
+//   minibatch n (batch_indices), SplitActivation{step n} -> SplitGradient ->
+//   EdgeHalf::backward, bottom Sgd step -> ... -> evaluation (train = false
+//   steps on the test split) -> summary.
+// Resume: no reply within reply_timeout_ms -> the socket is closed and reopened
+// after an exponential, capped backoff, Hello again, and the SAME bytes are sent
+// again (the cloud applies a step once and answers a repeat from its cache).
+// Progress (last completed step, bottom weights, bottom momentum) goes to
+// `progress` every save_every steps and at the end; a restarted device loads it,
+// asks for a fresh lowrank basis and continues after its last completed step.
+// If the cloud has applied steps the device's file does not hold (the device
+// died between a save and the next), the device continues after the cloud's
+// step: the top keeps those steps, the bottom loses their updates (logged).
+// SplitFed (fedavg_every = K): after every K-th step the bottom goes up as a
+// ModelUpdate{round = step / K} and the averaged bottom comes back as a Task
+// (the device waits, sending Heartbeats, until all the cloud's devices sent
+// theirs); the round is saved with the progress and redone after a restart.
+//
+// Threads: run() on one thread; stop() from any thread or a signal handler.
+
+#include <ATen/core/Tensor.h>
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/datasets.h"
+#include "core/error.h"
+
+namespace sparrow::edge {
+
+struct DeviceConfig {
+  std::string cloud = "tcp://127.0.0.1:7080";  // the cloud's ROUTER endpoint
+  std::string cloud_key;                       // cloud public key file (.key or .key_secret)
+  std::string key;                             // own key pair (.key_secret)
+  bool insecure = false;                       // plain TCP (logs a warning)
+  std::string device_id = "device1";           // Hello.client_id: 1..256 bytes, bound to `key` by the cloud
+  std::string model = "mlp";                   // must equal the cloud's model and cut
+  std::string cut = "fc1";
+  std::string weights;         // optional weights file (cloud.h save_weights) for the whole model
+  uint64_t seed = 0;           // model initialisation and batch order
+  std::string codec = "none";  // ActCodec spec of the activation
+  bool freeze = false;         // frozen bottom: no gradient comes back
+  double lr = 0.05;            // bottom optimiser (Sgd)
+  double momentum = 0.0;
+  uint64_t batch_size = 32;
+  uint64_t steps = 100;  // total training steps of the run (a resumed device does the rest)
+  // Data (client/data_folder.h): "fashion-mnist", "synthetic[:alpha=A,beta=B]", "folder:PATH".
+  std::string data = "fashion-mnist";
+  std::string data_dir = "/usr/share/datasets/fashion-mnist";
+  std::string partition = "iid";
+  int64_t clients = 1;
+  int64_t index = 0;
+  uint64_t partition_seed = 0;
+  uint64_t eval_samples = 1000;                // test samples evaluated at the end (0: none)
+  std::string progress = "edge_progress.bin";  // local progress file ("" = none)
+  uint64_t save_every = 10;                    // steps between progress saves (>= 1)
+  uint64_t reply_timeout_ms = 10000;           // no reply within this: reconnect and resend
+  uint64_t backoff_initial_ms = 200;
+  uint64_t backoff_max_ms = 10000;
+  uint64_t max_reconnects = 20;  // consecutive failed attempts before giving up (Error)
+  uint64_t max_message_mb = 64;
+  // SplitFed: every fedavg_every steps the bottom is sent (dense ModelUpdate,
+  // weight = training samples) and replaced by the cloud's average over its
+  // fedavg_devices devices. 0: off. The cloud must have SplitFed on.
+  uint64_t fedavg_every = 0;
+};
+
+DeviceConfig load_device_config(const std::string& path, const std::vector<std::string>& overrides = {});
+DeviceConfig parse_device_config(const std::string& toml_text, const std::vector<std::string>& overrides = {},
+                                 const std::string& source = "<string>");
+
+// The train and test data the config names (test: the first eval_samples of the
+// dataset's test split; empty for "folder:" data). ConfigError/FormatError.
+struct DeviceData {
+  core::Dataset train, test;
+};
+DeviceData load_device_data(const DeviceConfig& cfg);
+
+// Rows of minibatch `step` (1-based): epochs of floor(n / batch) batches (at
+// least one), each epoch a permutation drawn from (seed, epoch) with core/rng.
+// A pure function, so a resumed device and a test replay the same batches.
+std::vector<int64_t> batch_indices(int64_t n, int64_t batch, uint64_t seed, uint64_t step);
+
+class EdgeDevice {
+ public:
+  struct Summary {
+    uint64_t steps = 0;                     // completed training steps (total, including before a restart)
+    uint64_t bytes_up = 0, bytes_down = 0;  // every frame this process sent / received
+    double accuracy = -1;                   // on the evaluated test samples; -1 when none
+    uint64_t eval_samples = 0;
+    uint64_t reconnects = 0, resent = 0, skipped = 0;  // skipped: steps the cloud had, the bottom lost
+    uint64_t fed_rounds = 0;                           // SplitFed averages applied by this process
+    std::string json() const;                          // one line: {"steps":..,"bytes_up":..,...}
+  };
+
+  // Validates the config, builds the model and the split, loads keys
+  // (ConfigError) and the progress file when present (FormatError when it does
+  // not fit the bottom). Connects nothing yet.
+  EdgeDevice(DeviceConfig cfg, DeviceData data);
+  ~EdgeDevice();
+  EdgeDevice(const EdgeDevice&) = delete;
+  EdgeDevice& operator=(const EdgeDevice&) = delete;
+
+  // Trains to cfg.steps, evaluates, saves progress. Throws sparrow::Error when
+  // the cloud refuses the device (Hello refused, step sequence broken) or stays
+  // unreachable for max_reconnects attempts; Stopped when stop() was called.
+  Summary run();
+  void stop() { stop_.store(true); }
+
+  // Test hook: called after each training activation is sent; returning true
+  // drops the connection before the reply is read (a link failure mid-step).
+  void set_drop_hook(std::function<bool(uint64_t step)> hook);
+
+  uint64_t completed_steps() const;
+  // The bottom's parameters (fp32 CPU copies).
+  std::map<std::string, at::Tensor> bottom_weights() const;
+
+ private:
+  struct Impl;
+  std::atomic<bool> stop_{false};
+  std::unique_ptr<Impl> impl_;
+};
+
+// run() after stop().
+class Stopped : public Error {
+ public:
+  using Error::Error;
+};
+
+}  // namespace sparrow::edge

@@ -1,0 +1,92 @@
+// sparrow-edge: networked split fine-tuning (docs/split.md, "Networked device and cloud").
+//   sparrow-edge --config edge.toml [--insecure] [--set key=value]...        the device
+//   sparrow-edge serve --config cloud.toml [--insecure] [--set key=value]... the cloud
+// Keys: `sparrow-server keygen --out keys --name cloud --clients N` writes the
+// cloud's key pair, N device key pairs and an allow-list.
+#include <CLI/CLI.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+#include <csignal>
+#include <iostream>
+
+#include "core/error.h"
+#include "edge/cloud.h"
+#include "edge/device.h"
+
+namespace {
+
+std::atomic<sparrow::edge::CloudServer*> g_cloud{nullptr};
+std::atomic<sparrow::edge::EdgeDevice*> g_device{nullptr};
+
+extern "C" void on_signal(int) {
+  // Both only store to an atomic flag: async-signal-safe.
+  if (auto* c = g_cloud.load()) c->stop();
+  if (auto* d = g_device.load()) d->stop();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"sparrow-edge: split fine-tuning between an edge device and the cloud (docs/split.md)"};
+  std::string config_path, log_level = "info";
+  bool insecure = false;
+  std::vector<std::string> overrides;
+  app.add_option("--config,-c", config_path, "device TOML config");
+  app.add_flag("--insecure", insecure, "plain TCP without CurveZMQ (logs a warning)");
+  app.add_option("--set", overrides, "override a config key: key=value (repeatable)");
+  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
+
+  auto* serve = app.add_subcommand("serve", "run the cloud half (one ROUTER socket, the top model)");
+  std::string serve_config;
+  std::vector<std::string> serve_overrides;
+  bool serve_insecure = false;
+  serve->add_option("--config,-c", serve_config, "cloud TOML config")->required();
+  serve->add_flag("--insecure", serve_insecure, "plain TCP without CurveZMQ (logs a warning)");
+  serve->add_option("--set", serve_overrides, "override a config key: key=value (repeatable)");
+  CLI11_PARSE(app, argc, argv);
+
+  auto logger = spdlog::stderr_color_mt("sparrow-edge");
+  spdlog::set_default_logger(logger);
+  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e level=%l %v");
+  spdlog::set_level(spdlog::level::from_str(log_level));
+  std::signal(SIGINT, on_signal);
+  std::signal(SIGTERM, on_signal);
+  try {
+    if (*serve) {
+      sparrow::edge::CloudConfig cfg = sparrow::edge::load_cloud_config(serve_config, serve_overrides);
+      if (serve_insecure) cfg.insecure = true;
+      sparrow::edge::CloudServer cloud(cfg);
+      g_cloud.store(&cloud);
+      cloud.run();
+      g_cloud.store(nullptr);
+      const auto c = cloud.counters();
+      spdlog::info("event=stopped steps_applied={} duplicates={} evals={} errors_sent={}", c.steps_applied,
+                   c.duplicates, c.evals, c.errors_sent);
+      return 0;
+    }
+    if (config_path.empty()) {
+      std::cerr << "sparrow-edge: --config FILE is required (or: sparrow-edge serve --config FILE)\n";
+      return 2;
+    }
+    sparrow::edge::DeviceConfig cfg = sparrow::edge::load_device_config(config_path, overrides);
+    if (insecure) cfg.insecure = true;
+    sparrow::edge::DeviceData data = sparrow::edge::load_device_data(cfg);
+    sparrow::edge::EdgeDevice device(cfg, std::move(data));
+    g_device.store(&device);
+    const auto summary = device.run();
+    g_device.store(nullptr);
+    std::cout << summary.json() << std::endl;
+    return 0;
+  } catch (const sparrow::ConfigError& e) {
+    spdlog::error("event=config_error msg=\"{}\"", e.what());
+    return 2;
+  } catch (const sparrow::edge::Stopped&) {
+    spdlog::info("event=stopped msg=\"progress saved\"");
+    return 130;
+  } catch (const std::exception& e) {
+    spdlog::error("event=fatal msg=\"{}\"", e.what());
+    return 1;
+  }
+}
