@@ -1,23 +1,20 @@
 #include "client/session.h"
 
 #include <spdlog/spdlog.h>
-#include <toml++/toml.h>
 #include <torch/torch.h>
 
-#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
-#include <fstream>
 #include <map>
 #include <sstream>
 #include <thread>
-#include <variant>
 
 #include "client/data_folder.h"
 #include "client/trainer.h"
 #include "compression/compressor.h"
 #include "core/error.h"
+#include "core/flat_config.h"
 #include "core/model_digest.h"
 #include "core/models.h"
 #include "core/rng.h"
@@ -44,152 +41,47 @@ constexpr const char* kMetaHeldWeights = "held.weights";
 
 // ---- config ------------------------------------------------------------------------
 
-using FieldPtr = std::variant<int*, uint32_t*, uint64_t*, bool*, std::string*>;
-struct Field {
-  const char* key;
-  FieldPtr ptr;
-};
-
-std::vector<Field> fields(SessionConfig& c) {
-  return {{"server", &c.server},
-          {"server_key", &c.server_key},
-          {"key", &c.key},
-          {"insecure", &c.insecure},
-          {"client_id", &c.client_id},
-          {"model", &c.model},
-          {"data", &c.data.data},
-          {"data_dir", &c.data.data_dir},
-          {"partition", &c.data.partition},
-          {"clients", &c.data.clients},
-          {"index", &c.data.index},
-          {"partition_seed", &c.data.partition_seed},
-          {"state_db", &c.state_db},
-          {"heartbeat_ms", &c.heartbeat_ms},
-          {"max_message_mb", &c.max_message_mb},
-          {"device", &c.device},
-          {"backoff_initial_ms", &c.backoff_initial_ms},
-          {"backoff_max_ms", &c.backoff_max_ms}};
+void bind_all(core::FlatConfig& f, SessionConfig& c) {
+  f.bind("server", &c.server);
+  f.bind("server_key", &c.server_key);
+  f.bind("key", &c.key);
+  f.bind("insecure", &c.insecure);
+  f.bind("client_id", &c.client_id);
+  f.bind("model", &c.model);
+  f.bind("data", &c.data.data);
+  f.bind("data_dir", &c.data.data_dir);
+  f.bind("partition", &c.data.partition);
+  f.bind("clients", &c.data.clients);
+  f.bind("index", &c.data.index);
+  f.bind("partition_seed", &c.data.partition_seed);
+  f.bind("state_db", &c.state_db);
+  f.bind("heartbeat_ms", &c.heartbeat_ms);
+  f.bind("max_message_mb", &c.max_message_mb);
+  f.bind("device", &c.device);
+  f.bind("backoff_initial_ms", &c.backoff_initial_ms);
+  f.bind("backoff_max_ms", &c.backoff_max_ms);
 }
 
-template <class... F>
-struct Overloaded : F... {
-  using F::operator()...;
-};
-template <class... F>
-Overloaded(F...) -> Overloaded<F...>;
-
-class ConfigLoader {
- public:
-  explicit ConfigLoader(std::string source) : source_(std::move(source)) {}
-
-  void read_toml(const std::string& text) {
-    toml::table root;
-    try {
-      root = toml::parse(text, source_);
-    } catch (const toml::parse_error& e) {
-      const auto& at = e.source().begin;
-      throw ConfigError(source_ + ":" + std::to_string(at.line) + ":" + std::to_string(at.column) +
-                        ": TOML syntax error: " + std::string(e.description()));
-    }
-    for (auto&& [k, node] : root) set_from_node(std::string(k.str()), node);
-  }
-
-  void apply_override(const std::string& kv) {
-    const auto eq = kv.find('=');
-    SPARROW_CHECK_T(ConfigError, eq != std::string::npos && eq > 0, "--set '" << kv << "': expected key=value");
-    std::string key = kv.substr(0, eq);
-    while (!key.empty() && key.back() == ' ') key.pop_back();
-    while (!key.empty() && key.front() == ' ') key.erase(key.begin());
-    const std::string text = kv.substr(eq + 1);
-    where_[key] = "--set";
-    std::visit(Overloaded{[&](int* v) { *v = static_cast<int>(parse_int(key, text, INT32_MIN, INT32_MAX)); },
-                          [&](uint32_t* v) { *v = static_cast<uint32_t>(parse_int(key, text, 0, UINT32_MAX)); },
-                          [&](uint64_t* v) { *v = static_cast<uint64_t>(parse_int(key, text, 0, INT64_MAX)); },
-                          [&](bool* v) {
-                            check(key, text == "true" || text == "false", "must be true or false (got '" + text + "')");
-                            *v = text == "true";
-                          },
-                          [&](std::string* v) { *v = text; }},
-               find(key));
-  }
-
-  SessionConfig finish() {
-    SessionConfig& c = config_;
-    check("server", !c.server.empty(), "must not be empty");
-    check("client_id", !c.client_id.empty() && c.client_id.size() <= wire::kMaxClientIdBytes,
+// Cross-key checks, after the file and the overrides; errors name where the key was set.
+void check_session_config(const core::FlatConfig& f, const SessionConfig& c) {
+  f.check("server", !c.server.empty(), "must not be empty");
+  f.check("client_id", !c.client_id.empty() && c.client_id.size() <= wire::kMaxClientIdBytes,
           "must be 1.." + std::to_string(wire::kMaxClientIdBytes) + " bytes");
-    check("model", !c.model.empty(), "must not be empty");
-    check("data", !c.data.data.empty(), "must not be empty");
-    check("clients", c.data.clients >= 1, "must be >= 1");
-    check("index", c.data.index >= 0 && c.data.index < c.data.clients,
+  f.check("model", !c.model.empty(), "must not be empty");
+  f.check("data", !c.data.data.empty(), "must not be empty");
+  f.check("clients", c.data.clients >= 1, "must be >= 1");
+  f.check("index", c.data.index >= 0 && c.data.index < c.data.clients,
           "must be in [0, clients = " + std::to_string(c.data.clients) + ")");
-    check("state_db", !c.state_db.empty(), "must not be empty");
-    check("heartbeat_ms", c.heartbeat_ms >= 10, "must be >= 10");
-    check("max_message_mb", c.max_message_mb >= 1 && c.max_message_mb <= 2047, "must be in [1, 2047]");
-    check("backoff_initial_ms", c.backoff_initial_ms >= 1, "must be >= 1");
-    check("backoff_max_ms", c.backoff_max_ms >= c.backoff_initial_ms, "must be >= backoff_initial_ms");
-    if (!c.insecure) {
-      check("server_key", !c.server_key.empty(), "must name the server's public key file (or set insecure = true)");
-      check("key", !c.key.empty(), "must name this client's .key_secret file (or set insecure = true)");
-    }
-    return c;
+  f.check("state_db", !c.state_db.empty(), "must not be empty");
+  f.check("heartbeat_ms", c.heartbeat_ms >= 10, "must be >= 10");
+  f.check("max_message_mb", c.max_message_mb >= 1 && c.max_message_mb <= 2047, "must be in [1, 2047]");
+  f.check("backoff_initial_ms", c.backoff_initial_ms >= 1, "must be >= 1");
+  f.check("backoff_max_ms", c.backoff_max_ms >= c.backoff_initial_ms, "must be >= backoff_initial_ms");
+  if (!c.insecure) {
+    f.check("server_key", !c.server_key.empty(), "must name the server's public key file (or set insecure = true)");
+    f.check("key", !c.key.empty(), "must name this client's .key_secret file (or set insecure = true)");
   }
-
- private:
-  std::string where(const std::string& key) const {
-    auto it = where_.find(key);
-    return it == where_.end() ? source_ + " (default)" : it->second;
-  }
-  [[noreturn]] void fail(const std::string& key, const std::string& msg) const {
-    throw ConfigError(where(key) + ": config key '" + key + "' " + msg);
-  }
-  void check(const std::string& key, bool ok, const std::string& msg) const {
-    if (!ok) fail(key, msg);
-  }
-  FieldPtr find(const std::string& key) {
-    for (const Field& f : fields(config_))
-      if (key == f.key) return f.ptr;
-    std::string known;
-    for (const Field& f : fields(config_)) known += std::string(known.empty() ? "" : ", ") + f.key;
-    fail(key, "is unknown (known keys: " + known + ")");
-  }
-  int64_t parse_int(const std::string& key, const std::string& text, int64_t lo, int64_t hi) const {
-    char* end = nullptr;
-    errno = 0;
-    const long long v = std::strtoll(text.c_str(), &end, 10);
-    check(key, !text.empty() && *end == '\0' && errno == 0, "must be an integer (got '" + text + "')");
-    check(key, v >= lo && v <= hi, "is out of range (got " + text + ")");
-    return v;
-  }
-  void set_from_node(const std::string& key, const toml::node& n) {
-    where_[key] = source_ + ":" + std::to_string(n.source().begin.line);
-    std::ostringstream type;
-    type << n.type();
-    const std::string got = " (got " + type.str() + ")";
-    auto integer = [&](int64_t lo, int64_t hi) {
-      check(key, n.is_integer(), "must be an integer" + got);
-      const int64_t v = n.as_integer()->get();
-      check(key, v >= lo && v <= hi, "is out of range (got " + std::to_string(v) + ")");
-      return v;
-    };
-    std::visit(Overloaded{[&](int* v) { *v = static_cast<int>(integer(INT32_MIN, INT32_MAX)); },
-                          [&](uint32_t* v) { *v = static_cast<uint32_t>(integer(0, UINT32_MAX)); },
-                          [&](uint64_t* v) { *v = static_cast<uint64_t>(integer(0, INT64_MAX)); },
-                          [&](bool* v) {
-                            check(key, n.is_boolean(), "must be true or false" + got);
-                            *v = n.as_boolean()->get();
-                          },
-                          [&](std::string* v) {
-                            check(key, n.is_string(), "must be a string" + got);
-                            *v = n.as_string()->get();
-                          }},
-               find(key));
-  }
-
-  std::string source_;
-  SessionConfig config_;
-  std::map<std::string, std::string> where_;
-};
+}
 
 // ---- helpers -----------------------------------------------------------------------
 
@@ -233,18 +125,16 @@ wire::Message message(wire::Body body) {
 
 SessionConfig parse_session_config(const std::string& toml_text, const std::vector<std::string>& overrides,
                                    const std::string& source) {
-  ConfigLoader loader(source);
-  loader.read_toml(toml_text);
-  for (const auto& kv : overrides) loader.apply_override(kv);
-  return loader.finish();
+  SessionConfig c;
+  core::FlatConfig f(source);
+  bind_all(f, c);
+  f.read(toml_text, overrides);
+  check_session_config(f, c);
+  return c;
 }
 
 SessionConfig load_session_config(const std::string& path, const std::vector<std::string>& overrides) {
-  std::ifstream in(path, std::ios::binary);
-  SPARROW_CHECK_T(ConfigError, in, "cannot read config file '" << path << "'");
-  std::ostringstream text;
-  text << in.rdbuf();
-  return parse_session_config(text.str(), overrides, path);
+  return parse_session_config(core::read_config_file(path), overrides, path);
 }
 
 // ---- the session ---------------------------------------------------------------------

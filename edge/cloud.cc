@@ -1,10 +1,8 @@
 #include "edge/cloud.h"
 
 #include <spdlog/spdlog.h>
-#include <toml++/toml.h>
 #include <torch/torch.h>
 
-#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -16,6 +14,7 @@
 #include "compression/compressor.h"
 #include "compression/state.h"
 #include "core/error.h"
+#include "core/flat_config.h"
 #include "core/model_digest.h"
 #include "edge/act_codec.h"
 #include "edge/split.h"
@@ -25,26 +24,6 @@
 namespace sparrow::edge {
 
 // ---- shared helpers ------------------------------------------------------------
-
-namespace {
-
-template <class... F>
-struct Overloaded : F... {
-  using F::operator()...;
-};
-template <class... F>
-Overloaded(F...) -> Overloaded<F...>;
-
-const ConfigField& find_field(const std::vector<ConfigField>& fields, const std::string& key,
-                              const std::string& where) {
-  for (const auto& f : fields)
-    if (key == f.key) return f;
-  std::string known;
-  for (const auto& f : fields) known += std::string(known.empty() ? "" : ", ") + f.key;
-  throw ConfigError(where + ": config key '" + key + "' is unknown (known keys: " + known + ")");
-}
-
-}  // namespace
 
 std::string read_text_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -56,79 +35,9 @@ std::string read_text_file(const std::string& path) {
 
 void read_flat_config(const std::string& toml_text, const std::string& source, const std::vector<ConfigField>& fields,
                       const std::vector<std::string>& overrides) {
-  toml::table root;
-  try {
-    root = toml::parse(toml_text, source);
-  } catch (const toml::parse_error& e) {
-    const auto& at = e.source().begin;
-    throw ConfigError(source + ":" + std::to_string(at.line) + ":" + std::to_string(at.column) +
-                      ": TOML syntax error: " + std::string(e.description()));
-  }
-  for (auto&& [k, node] : root) {
-    const std::string key(k.str());
-    const std::string where = source + ":" + std::to_string(node.source().begin.line);
-    const ConfigField& f = find_field(fields, key, where);
-    std::ostringstream type;
-    type << node.type();
-    auto fail = [&](const std::string& msg) {
-      throw ConfigError(where + ": config key '" + key + "' " + msg + " (got " + type.str() + ")");
-    };
-    std::visit(Overloaded{[&](int64_t* v) {
-                            if (!node.is_integer()) fail("must be an integer");
-                            *v = node.as_integer()->get();
-                          },
-                          [&](uint64_t* v) {
-                            if (!node.is_integer() || node.as_integer()->get() < 0) fail("must be an integer >= 0");
-                            *v = static_cast<uint64_t>(node.as_integer()->get());
-                          },
-                          [&](double* v) {
-                            if (node.is_integer())
-                              *v = static_cast<double>(node.as_integer()->get());
-                            else if (node.is_floating_point())
-                              *v = node.as_floating_point()->get();
-                            else
-                              fail("must be a number");
-                          },
-                          [&](bool* v) {
-                            if (!node.is_boolean()) fail("must be true or false");
-                            *v = node.as_boolean()->get();
-                          },
-                          [&](std::string* v) {
-                            if (!node.is_string()) fail("must be a string");
-                            *v = node.as_string()->get();
-                          }},
-               f.slot);
-  }
-  for (const std::string& kv : overrides) {
-    const auto eq = kv.find('=');
-    SPARROW_CHECK_T(ConfigError, eq != std::string::npos && eq > 0, "--set '" << kv << "': expected key=value");
-    const std::string key = kv.substr(0, eq), text = kv.substr(eq + 1);
-    const ConfigField& f = find_field(fields, key, "--set");
-    auto bad = [&](const char* what) {
-      throw ConfigError("--set: config key '" + key + "' must be " + what + " (got '" + text + "')");
-    };
-    char* end = nullptr;
-    errno = 0;
-    std::visit(Overloaded{[&](int64_t* v) {
-                            *v = std::strtoll(text.c_str(), &end, 10);
-                            if (text.empty() || *end || errno) bad("an integer");
-                          },
-                          [&](uint64_t* v) {
-                            const long long x = std::strtoll(text.c_str(), &end, 10);
-                            if (text.empty() || *end || errno || x < 0) bad("an integer >= 0");
-                            *v = static_cast<uint64_t>(x);
-                          },
-                          [&](double* v) {
-                            *v = std::strtod(text.c_str(), &end);
-                            if (text.empty() || *end || errno) bad("a number");
-                          },
-                          [&](bool* v) {
-                            if (text != "true" && text != "false") bad("true or false");
-                            *v = text == "true";
-                          },
-                          [&](std::string* v) { *v = text; }},
-               f.slot);
-  }
+  core::FlatConfig f(source);
+  for (const ConfigField& field : fields) std::visit([&](auto* slot) { f.bind(field.key, slot); }, field.slot);
+  f.read(toml_text, overrides);
 }
 
 Sgd::Sgd(std::vector<at::Tensor> params, double lr, double momentum)
