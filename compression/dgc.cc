@@ -52,6 +52,11 @@
 #include "core/rng.h"
 #include "core/spec.h"
 
+#if SPARROW_WITH_CUDA
+#include "compression/cuda/kernels.h"
+#include "compression/cuda/torch_glue.h"
+#endif
+
 namespace sparrow::compression::detail {
 
 double dgc_density(uint64_t step, int64_t warmup, double ratio) {
@@ -138,6 +143,9 @@ class DgcCompressor final : public Compressor {
   std::string method() const override { return "dgc"; }
 
   Encoded encode(const at::Tensor& x_in, State& state, const Context& ctx) const override {
+#if SPARROW_WITH_CUDA
+    if (x_in.defined() && x_in.is_cuda()) return encode_cuda(x_in, state, ctx);
+#endif
     const at::Tensor x = as_input(x_in, "dgc");
     const uint64_t step = state.step;
     if (x.dim() == 0 || (x.dim() == 1 && dense1d_)) {
@@ -308,6 +316,113 @@ class DgcCompressor final : public Compressor {
       out.mag.insert(out.mag.end(), p.mag.begin(), p.mag.end());
     }
   }
+
+#if SPARROW_WITH_CUDA
+  // CUDA tensors: the same selection as select() with u, v on the device
+  // (compression/cuda/kernels.h): the fused update, the strided sample copied to
+  // the host for kth_largest, then {|v| >= thr} by count/scan/scatter (ascending),
+  // the adaptation loop and keep_topk on the host over the selected values. The
+  // provisional-threshold shortcut of the CPU pass is not needed: it only
+  // speeds up computing the same set. Indices and values equal the CPU path's
+  // for the same inputs and state, except with clip > 0, where ||g||2 is an ATen
+  // device reduction whose last bits may differ from l2_norm.
+  Encoded encode_cuda(const at::Tensor& x_in, State& state, const Context& ctx) const {
+    const at::Tensor x = cuda::as_cuda_input(x_in, "dgc");
+    const uint64_t step = state.step;
+    if (x.dim() == 0 || (x.dim() == 1 && dense1d_)) {
+      const at::Tensor h = x.cpu();
+      Encoded e;
+      e.format = Format::kDense;
+      e.shape = shape_of(h);
+      e.value_type = ValueType::kF32;
+      pack_values(h.data_ptr<float>(), static_cast<uint64_t>(h.numel()), ValueType::kF32, e.values);
+      ++state.step;
+      return e;
+    }
+    const int64_t n = x.numel();
+    at::Tensor& ut = cuda::device_slot(state, "u", x, "dgc");
+    at::Tensor& vt = cuda::device_slot(state, "v", x, "dgc");
+    void* stream = cuda::current_stream();
+    std::vector<int64_t> idx;
+    std::vector<float> vals;
+    if (n > 0) select_cuda(x, ut, vt, step, ctx, stream, idx, vals);
+    if (!idx.empty()) {
+      const at::Tensor di = at::from_blob(idx.data(), {static_cast<int64_t>(idx.size())}, at::kLong)
+                                .to(x.device(), /*non_blocking=*/false);
+      cuda::zero_at(ut.data_ptr<float>(), vt.data_ptr<float>(), di.data_ptr<int64_t>(), di.numel(), stream);
+    }
+    Encoded e = make_sparse(shape_of(x), idx.data(), vals.data(), idx.size(), vt_);
+    ++state.step;
+    return e;
+  }
+
+  void select_cuda(const at::Tensor& x, at::Tensor& ut, at::Tensor& vt, uint64_t step, const Context& ctx, void* stream,
+                   std::vector<int64_t>& idx, std::vector<float>& vals) const {
+    const int64_t n = x.numel();
+    const double density = dgc_density(ctx.round >= 0 ? static_cast<uint64_t>(ctx.round) : step, warmup_, ratio_);
+    const DgcSamplePlan plan = dgc_sample_plan(n, density, sample_);
+    const float m = static_cast<float>(momentum_);
+    float coef = 1.0f;
+    if (clip_ > 0.0) {
+      SPARROW_CHECK(ctx.num_workers >= 1, "dgc: Context::num_workers must be >= 1, got " << ctx.num_workers);
+      const double max_norm = clip_ / std::sqrt(static_cast<double>(ctx.num_workers));
+      const double c = max_norm / (x.to(at::kDouble).norm().item<double>() + 1e-6);
+      if (c < 1.0) coef = static_cast<float>(c);
+    }
+    float* v = vt.data_ptr<float>();
+    cuda::dgc_update(x.data_ptr<float>(), ut.data_ptr<float>(), v, n, m, coef, stream);
+
+    const at::Tensor flat = vt.view({-1});
+    const int64_t offset = plan.exact() ? 0 : dgc_sample_offset(step_key(ctx, step), plan.stride);
+    const at::Tensor sampled = flat.slice(0, offset, n, plan.stride).abs().cpu();
+    std::vector<float> samples(sampled.data_ptr<float>(), sampled.data_ptr<float>() + sampled.numel());
+    float thr = kth_largest(samples, plan.top_k_samples);
+
+    at::Tensor ws = cuda::scratch_bytes(cuda::select_workspace_bytes(n), x);
+    auto collect = [&](float t) {
+      const int64_t c = cuda::select_abs_ge_count(v, n, t, ws.data_ptr(), stream);
+      idx.assign(static_cast<size_t>(c), 0);
+      vals.assign(static_cast<size_t>(c), 0.0f);
+      if (c == 0) return;
+      at::Tensor di = at::empty({c}, x.options().dtype(at::kLong));
+      at::Tensor dv = at::empty({c}, x.options());
+      cuda::select_abs_ge_scatter(v, n, t, ws.data_ptr(), di.data_ptr<int64_t>(), dv.data_ptr<float>(), stream);
+      const at::Tensor hi = di.cpu(), hv = dv.cpu();
+      std::copy(hi.data_ptr<int64_t>(), hi.data_ptr<int64_t>() + c, idx.begin());
+      std::copy(hv.data_ptr<float>(), hv.data_ptr<float>() + c, vals.begin());
+    };
+    collect(thr);
+    if (!plan.exact()) {
+      const double k = static_cast<double>(plan.k);
+      for (int it = 0; it < kMaxAdaptationIters; ++it) {
+        const double found = static_cast<double>(idx.size());
+        if (found > k) {
+          if (found > k * kUpperBound) {
+            // keep_topk over the selected values: local positions are ascending
+            // exactly when the indices are, so ties resolve as on the CPU.
+            std::vector<int64_t> local(idx.size());
+            for (size_t j = 0; j < local.size(); ++j) local[j] = static_cast<int64_t>(j);
+            keep_topk(vals.data(), local, static_cast<uint64_t>(plan.k));
+            for (size_t j = 0; j < local.size(); ++j) {
+              idx[j] = idx[static_cast<size_t>(local[j])];
+              vals[j] = vals[static_cast<size_t>(local[j])];
+            }
+            idx.resize(local.size());
+            vals.resize(local.size());
+          }
+          break;
+        }
+        if (!(found < kLowerBound * k)) break;
+        thr = thr * kLowerBoundF;
+        collect(thr);
+      }
+    }
+    if (static_cast<int64_t>(idx.size()) > plan.k) {
+      idx.resize(static_cast<size_t>(plan.k));
+      vals.resize(static_cast<size_t>(plan.k));
+    }
+  }
+#endif
 
   double ratio_, momentum_, clip_;
   int64_t warmup_;
