@@ -10,7 +10,8 @@
 // Accuracy is measured through the same compressed path the model was trained
 // with (a deployed split model infers that way). Bytes are ActPacket::wire_bytes()
 // (payload + header) of the activation and the gradient of every step; labels
-// (one byte per sample at most) are not counted, in any case.
+// (one byte per sample at most) are not counted, in any case. The uncompressed
+// line also reports the fraction of exact zeros in the activation (ReLU + pool).
 #include "bench/split_bench.h"
 
 #include <torch/torch.h>
@@ -63,6 +64,7 @@ struct CaseResult {
   double accuracy = 0;
   double seconds = 0;
   double final_loss = 0;
+  double zero_fraction = 0;  // of the activation values as the bottom produced them (dense packets only)
 };
 
 // Accuracy of a split model through its codec path, in batches of `batch`.
@@ -100,6 +102,8 @@ CaseResult run_case(const std::string& act_spec, const std::string& grad_spec, c
     cloud_opt.zero_grad();
     const edge::ActPacket act = device.forward(b.x);
     bytes += static_cast<double>(act.wire_bytes());
+    if (act.format == edge::ActFormat::kDense)
+      r.zero_fraction += edge::decode(act).eq(0).to(at::kDouble).mean().item<double>() / static_cast<double>(o.steps);
     edge::CloudHalf::Result res = cloud.step(act, b.y);
     cloud_opt.step();
     if (res.gradient) {
@@ -124,7 +128,12 @@ std::string grad_spec_for(const std::string& act_spec) {
 }  // namespace
 
 std::vector<std::string> split_bench_default_cases() {
-  return {"lowrank:rank=32,beta=0.9,refresh=20", "lowrank:rank=4,iters=1", "q8", "q4", "topk:ratio=0.02"};
+  return {"lowrank:rank=256,beta=0.9,refresh=75,bits=8",
+          "lowrank:rank=256,beta=0.9,refresh=50,bits=8",
+          "lowrank:rank=384,beta=0.9,refresh=100,bits=4",
+          "lowrank:rank=64,beta=0.9,refresh=50",
+          "q8",
+          "q4"};
 }
 
 int bench_split(const SplitBenchOptions& o) {
@@ -183,8 +192,9 @@ int bench_split(const SplitBenchOptions& o) {
               << ",\"accuracy\":" << json_number(r.accuracy)
               << ",\"accuracy_uncompressed\":" << json_number(base.accuracy)
               << ",\"accuracy_drop_points\":" << json_number(100.0 * (base.accuracy - r.accuracy))
-              << ",\"final_loss\":" << json_number(r.final_loss) << ",\"seconds\":" << json_number(r.seconds) << "}"
-              << std::endl;
+              << ",\"final_loss\":" << json_number(r.final_loss) << ",\"seconds\":" << json_number(r.seconds);
+    if (act == "none") std::cout << ",\"activation_zero_fraction\":" << json_number(r.zero_fraction);
+    std::cout << "}" << std::endl;
   };
   line("none", o.freeze_bottom ? "none (frozen bottom)" : "none", base);
   for (const std::string& act : o.cases) {

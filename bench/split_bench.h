@@ -19,8 +19,9 @@ struct SplitBenchOptions {
   std::vector<std::string> cases;
 };
 
-// The default cases: streaming lowrank (rank 32, cached basis), per-batch
-// lowrank rank 4, q8, q4, topk 2%.
+// The default cases: streaming lowrank with 8-bit factors (rank 256, basis
+// every 75 or 50 steps) and 4-bit factors (rank 384), streaming lowrank rank 64
+// with fp32 factors, q8, q4.
 std::vector<std::string> split_bench_default_cases();
 
 // Prints one "pretrain" line, then one "split" line per case (JSON lines).

@@ -88,6 +88,63 @@ at::Tensor gaussian(int64_t rows, int64_t cols, uint64_t key) {
 
 at::Tensor orthonormal(const at::Tensor& x) { return std::get<0>(at::linalg_qr(x, "reduced")); }
 
+uint64_t code_bytes(uint64_t n, uint32_t bits) { return bits == 8 ? n : (n + 1) / 2; }
+
+// Affine quantisation of each row of t [rows, cols] to `bits` (8 or 4), round to
+// nearest: appends (min, step) per row to `scales` and the codes (4-bit: two per
+// byte, low nibble first, padded to a byte) to `data`.
+void quantize_rows(const at::Tensor& t, int bits, std::vector<float>& scales, std::vector<uint8_t>& data) {
+  const at::Tensor a = t.to(at::kFloat).contiguous();
+  const at::Tensor lo = std::get<0>(a.min(1, true)), hi = std::get<0>(a.max(1, true));
+  const double levels = (1 << bits) - 1;
+  const at::Tensor step = (hi - lo) / levels;
+  const at::Tensor safe = at::where(step > 0, step, at::ones_like(step));
+  const at::Tensor codes = ((a - lo) / safe).round().clamp(0, levels).to(at::kByte).contiguous();
+  const at::Tensor sc = at::cat({lo, step}, 1).contiguous();
+  scales.insert(scales.end(), sc.data_ptr<float>(), sc.data_ptr<float>() + sc.numel());
+  const uint8_t* c = codes.data_ptr<uint8_t>();
+  const int64_t n = codes.numel();
+  if (bits == 8) {
+    data.insert(data.end(), c, c + n);
+  } else {
+    const size_t at = data.size();
+    data.resize(at + static_cast<size_t>((n + 1) / 2), 0);
+    for (int64_t i = 0; i < n; ++i)
+      data[at + static_cast<size_t>(i / 2)] |= static_cast<uint8_t>(c[i] << (4 * (i & 1)));
+  }
+}
+
+// The inverse of quantize_rows: min + code * step, [rows, cols]. Device and
+// cloud both call it on the same bytes, so they get bit-identical values.
+at::Tensor dequantize_rows(const float* scales, const uint8_t* codes, int64_t rows, int64_t cols, uint32_t bits) {
+  at::Tensor out = at::empty({rows, cols}, at::kFloat);
+  float* o = out.data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float lo = scales[2 * r], step = scales[2 * r + 1];
+    for (int64_t j = 0; j < cols; ++j) {
+      const int64_t i = r * cols + j;
+      const uint32_t c = bits == 8 ? codes[i] : (codes[i / 2] >> (4 * (i & 1))) & 0xF;
+      o[i] = lo + static_cast<float>(c) * step;
+    }
+  }
+  return out;
+}
+
+bool lowrank_q(ActFormat f) { return f == ActFormat::kLowRankQ || f == ActFormat::kLowRankCachedQ; }
+
+// P (N x R) of a kLowRank(Cached)Q packet, dequantised.
+at::Tensor quantized_p(const ActPacket& p) {
+  const int64_t rows = p.params[0], r = p.params[2];
+  return dequantize_rows(p.scales.data(), p.data.data(), r, rows, p.params[4]).t();
+}
+
+// Q (M x R) of a kLowRankQ packet, dequantised.
+at::Tensor quantized_q(const ActPacket& p) {
+  const int64_t rows = p.params[0], cols = p.params[1], r = p.params[2];
+  const size_t offset = static_cast<size_t>(code_bytes(static_cast<uint64_t>(r * rows), p.params[4]));
+  return dequantize_rows(p.scales.data() + 2 * r, p.data.data() + offset, r, cols, p.params[6]).t().contiguous();
+}
+
 }  // namespace
 
 const char* act_format_name(ActFormat f) {
@@ -104,6 +161,12 @@ const char* act_format_name(ActFormat f) {
       return "topk";
     case ActFormat::kLowRankCached:
       return "lowrank_cached";
+    case ActFormat::kLowRankQ:
+      return "lowrank_q";
+    case ActFormat::kLowRankCachedQ:
+      return "lowrank_cached_q";
+    case ActFormat::kProjectedQ:
+      return "projected_q";
   }
   return "unknown";
 }
@@ -138,7 +201,7 @@ ActPacket ActPacket::deserialize(const uint8_t* bytes, size_t size) {
   Reader r(bytes, size);
   ActPacket p;
   const uint8_t format = r.get<uint8_t>();
-  SPARROW_CHECK_T(FormatError, format <= static_cast<uint8_t>(ActFormat::kLowRankCached),
+  SPARROW_CHECK_T(FormatError, format <= static_cast<uint8_t>(ActFormat::kProjectedQ),
                   "activation packet: unknown format " << int{format});
   p.format = static_cast<ActFormat>(format);
   const uint8_t ndim = r.get<uint8_t>();
@@ -205,8 +268,8 @@ void validate(const ActPacket& p) {
       SPARROW_CHECK_T(FormatError, p.params[0] == rows && p.params[1] == cols,
                       f << " packet: factors " << p.params[0] << "x" << p.params[1] << " do not match the shape");
       const uint64_t r = p.params[2];
-      SPARROW_CHECK_T(FormatError, r >= 1 && r <= static_cast<uint64_t>(std::min(rows, cols)),
-                      f << " packet: bad rank " << r);
+      // A data basis (streaming) may have more directions than one batch has rows.
+      SPARROW_CHECK_T(FormatError, r >= 1 && r <= static_cast<uint64_t>(cols), f << " packet: bad rank " << r);
       SPARROW_CHECK_T(FormatError, p.params[3] >= 1, f << " packet: basis id 0");
       const uint64_t n = r * static_cast<uint64_t>(p.format == ActFormat::kLowRank ? rows + cols : rows);
       need_data(4 * n);
@@ -219,10 +282,43 @@ void validate(const ActPacket& p) {
       const uint64_t r = p.params[1];
       SPARROW_CHECK_T(FormatError, p.params[0] == rows,
                       "projected packet: " << p.params[0] << " rows, shape has " << rows);
-      SPARROW_CHECK_T(FormatError, r >= 1 && r <= static_cast<uint64_t>(std::min(rows, cols)),
-                      "projected packet: bad rank " << r);
+      SPARROW_CHECK_T(FormatError, r >= 1 && r <= static_cast<uint64_t>(cols), "projected packet: bad rank " << r);
       need_data(4 * r * static_cast<uint64_t>(rows));
       floats_finite(0, r * static_cast<uint64_t>(rows));
+      break;
+    }
+    case ActFormat::kLowRankQ:
+    case ActFormat::kLowRankCachedQ:
+    case ActFormat::kProjectedQ: {
+      const bool projected = p.format == ActFormat::kProjectedQ;
+      need_params(projected ? 3 : 7);
+      const uint64_t r = projected ? p.params[1] : p.params[2];
+      const uint32_t bits = projected ? p.params[2] : p.params[4];
+      SPARROW_CHECK_T(FormatError, p.params[0] == rows && (projected || p.params[1] == cols),
+                      f << " packet: factor dimensions do not match the shape");
+      SPARROW_CHECK_T(FormatError, r >= 1 && r <= static_cast<uint64_t>(cols), f << " packet: bad rank " << r);
+      SPARROW_CHECK_T(FormatError, bits == 8 || bits == 4, f << " packet: bits must be 8 or 4, not " << bits);
+      if (!projected) {
+        SPARROW_CHECK_T(FormatError, p.params[3] >= 1, f << " packet: basis id 0");
+        const uint32_t gbits = p.params[5];
+        SPARROW_CHECK_T(FormatError, gbits == 32 || gbits == 8 || gbits == 4,
+                        f << " packet: gradient bits must be 32, 8 or 4, not " << gbits);
+        SPARROW_CHECK_T(FormatError, p.params[6] == 8 || p.params[6] == 4,
+                        f << " packet: basis bits must be 8 or 4, not " << p.params[6]);
+      }
+      const bool with_q = p.format == ActFormat::kLowRankQ;
+      need_scales(2 * r * (with_q ? 2 : 1));
+      SPARROW_CHECK_T(FormatError, all_finite(p.scales.data(), p.scales.size()), f << " packet: non-finite scale");
+      for (uint64_t b = 0; b < p.scales.size() / 2; ++b) {
+        // The largest code must decode to a finite value too (finite but huge
+        // scales would otherwise decode to inf).
+        const float levels = b < r ? static_cast<float>((1u << bits) - 1) : static_cast<float>((1u << p.params[6]) - 1);
+        SPARROW_CHECK_T(FormatError, p.scales[2 * b + 1] >= 0, f << " packet: negative step");
+        SPARROW_CHECK_T(FormatError, std::isfinite(p.scales[2 * b] + levels * p.scales[2 * b + 1]),
+                        f << " packet: scale range overflows");
+      }
+      need_data(code_bytes(r * static_cast<uint64_t>(rows), bits) +
+                (with_q ? code_bytes(r * static_cast<uint64_t>(cols), p.params[6]) : uint64_t{0}));
       break;
     }
     case ActFormat::kQuant: {
@@ -273,11 +369,22 @@ ActCodec::ActCodec(const std::string& spec) : spec_(spec) {
     seed_ = static_cast<uint64_t>(s.get_int("seed", 0));
     beta_ = s.get_double("beta", 0.0);
     refresh_ = s.get_int("refresh", 1);
+    ramp_ = s.get_bool("ramp", false);
     SPARROW_CHECK_T(ConfigError, beta_ >= 0 && beta_ < 1, "codec '" << spec << "': beta must be in [0, 1)");
     SPARROW_CHECK_T(ConfigError, refresh_ >= 1, "codec '" << spec << "': refresh must be >= 1");
     SPARROW_CHECK_T(ConfigError, rank_ >= 1 && rank_ <= 4096, "codec '" << spec << "': rank must be in [1, 4096]");
     SPARROW_CHECK_T(ConfigError, iters_ >= 0 && iters_ <= 100, "codec '" << spec << "': iters must be in [0, 100]");
     SPARROW_CHECK_T(ConfigError, iters_ >= 1 || warm_, "codec '" << spec << "': warm=0 needs iters >= 1");
+    factor_bits_ = static_cast<int>(s.get_int("bits", 32));
+    gradient_bits_ = static_cast<int>(s.get_int("gbits", factor_bits_));
+    SPARROW_CHECK_T(ConfigError, factor_bits_ == 32 || factor_bits_ == 8 || factor_bits_ == 4,
+                    "codec '" << spec << "': bits must be 32, 8 or 4");
+    SPARROW_CHECK_T(ConfigError, gradient_bits_ == 32 || gradient_bits_ == 8 || gradient_bits_ == 4,
+                    "codec '" << spec << "': gbits must be 32, 8 or 4");
+    basis_bits_ = static_cast<int>(s.get_int("qbits", 8));
+    SPARROW_CHECK_T(ConfigError, basis_bits_ == 8 || basis_bits_ == 4, "codec '" << spec << "': qbits must be 8 or 4");
+    SPARROW_CHECK_T(ConfigError, factor_bits_ < 32 || (gradient_bits_ == 32 && basis_bits_ == 8),
+                    "codec '" << spec << "': gbits and qbits need quantised factors (bits=8 or 4)");
   } else if (m == "q8" || m == "q4") {
     kind_ = Kind::kQuant;
     bits_ = m == "q8" ? 8 : 4;
@@ -308,10 +415,19 @@ ActPacket ActCodec::encode(const at::Tensor& x, CodecState& state, bool infer) c
       append_floats(p.data, a);
       break;
     case Kind::kLowRank: {
-      const int64_t r = std::min({rank_, rows, cols});
+      // A streaming basis describes the data, so it may have more directions than
+      // the batch has rows; a per-batch basis cannot.
+      const int64_t r = beta_ > 0 ? std::min(rank_, cols) : std::min({rank_, rows, cols});
       at::Tensor q = state.basis;
+      std::vector<float> q_scales;  // the basis' quantisation (factor bits < 32, refresh steps)
+      std::vector<uint8_t> q_codes;
       const bool fits = q.defined() && q.size(0) == cols && q.size(1) == r;
-      const bool refresh = !fits || state.refresh_next || (!infer && step % static_cast<uint64_t>(refresh_) == 0);
+      // ramp=1: a young tracker has seen few batches (at step 0 it spans at most
+      // N directions), so two early refreshes (steps K/4 and K/2) publish it
+      // sooner than the regular K-step schedule would.
+      const uint64_t k = static_cast<uint64_t>(refresh_);
+      const bool scheduled = step % k == 0 || (ramp_ && step < k && k >= 4 && (step == k / 4 || step == k / 2));
+      const bool refresh = !fits || state.refresh_next || (!infer && scheduled);
       // Streaming basis (beta > 0): every training step does one power iteration
       // on the averaged covariance, S <- B S + (1 - B) A^T A T / N, T = orth(S)
       // (the tracker T is the device's; only refreshes publish it as the basis).
@@ -335,6 +451,14 @@ ActPacket ActCodec::encode(const at::Tensor& x, CodecState& state, bool infer) c
           for (int64_t i = 0; i < iters; ++i) q = orthonormal(a.t().mm(a.mm(q)));
           q = q.contiguous();
         }
+        if (factor_bits_ < 32) {
+          // Both sides must hold the same basis: the device switches to the
+          // dequantised Q it sends.
+          quantize_rows(q.t(), basis_bits_, q_scales, q_codes);
+          q = dequantize_rows(q_scales.data(), q_codes.data(), r, cols, static_cast<uint32_t>(basis_bits_))
+                  .t()
+                  .contiguous();
+        }
         if (!infer) {
           state.basis = q;
           state.basis_id = state.basis_id + 1 == 0 ? 1 : state.basis_id + 1;
@@ -342,9 +466,25 @@ ActPacket ActCodec::encode(const at::Tensor& x, CodecState& state, bool infer) c
         }
       }
       const at::Tensor pf = a.mm(q);
+      const uint32_t id = refresh && infer ? 1u : state.basis_id;
+      if (factor_bits_ < 32) {
+        p.format = refresh ? ActFormat::kLowRankQ : ActFormat::kLowRankCachedQ;
+        p.params = {static_cast<uint32_t>(rows),
+                    static_cast<uint32_t>(cols),
+                    static_cast<uint32_t>(r),
+                    id,
+                    static_cast<uint32_t>(factor_bits_),
+                    static_cast<uint32_t>(gradient_bits_),
+                    static_cast<uint32_t>(basis_bits_)};
+        quantize_rows(pf.t(), factor_bits_, p.scales, p.data);
+        if (refresh) {
+          p.scales.insert(p.scales.end(), q_scales.begin(), q_scales.end());
+          p.data.insert(p.data.end(), q_codes.begin(), q_codes.end());
+        }
+        break;
+      }
       p.format = refresh ? ActFormat::kLowRank : ActFormat::kLowRankCached;
-      p.params = {static_cast<uint32_t>(rows), static_cast<uint32_t>(cols), static_cast<uint32_t>(r),
-                  refresh && infer ? 1u : state.basis_id};
+      p.params = {static_cast<uint32_t>(rows), static_cast<uint32_t>(cols), static_cast<uint32_t>(r), id};
       append_floats(p.data, pf);
       if (refresh) append_floats(p.data, q);
       break;
@@ -434,9 +574,14 @@ at::Tensor decode(const ActPacket& p) {
       out.index_put_({idx32.to(at::kLong)}, vals);
       break;
     }
+    case ActFormat::kLowRankQ:
+      out = quantized_p(p).mm(quantized_q(p).t());
+      break;
     case ActFormat::kProjected:
+    case ActFormat::kProjectedQ:
       throw FormatError("a projected gradient packet needs the device's basis: use decode_gradient");
     case ActFormat::kLowRankCached:
+    case ActFormat::kLowRankCachedQ:
       throw FormatError("a cached-basis lowrank packet needs the cloud's basis: use decode_activation");
   }
   return out.view(p.shape);
@@ -452,20 +597,29 @@ at::Tensor decode_activation(const ActPacket& p, CodecState& peer) {
     peer.basis_id = p.params[3];
     return out;
   }
-  if (p.format != ActFormat::kLowRankCached) return decode(p);
+  if (p.format == ActFormat::kLowRankQ) {
+    at::Tensor q = quantized_q(p);
+    at::Tensor out = quantized_p(p).mm(q.t()).view(p.shape);
+    peer.basis = q;
+    peer.basis_id = p.params[3];
+    return out;
+  }
+  if (p.format != ActFormat::kLowRankCached && p.format != ActFormat::kLowRankCachedQ) return decode(p);
   const int64_t r = p.params[2];
   SPARROW_CHECK_T(
       FormatError,
       peer.basis.defined() && peer.basis_id == p.params[3] && peer.basis.size(0) == cols && peer.basis.size(1) == r,
       "lowrank packet refers to basis " << p.params[3] << ", which this side does not hold (it holds " << peer.basis_id
                                         << "): resend the basis");
-  return float_view(p, 0, rows * r).view({rows, r}).mm(peer.basis.t()).view(p.shape);
+  const at::Tensor pf =
+      p.format == ActFormat::kLowRankCachedQ ? quantized_p(p) : float_view(p, 0, rows * r).view({rows, r});
+  return pf.mm(peer.basis.t()).view(p.shape);
 }
 
 ActPacket encode_gradient(const at::Tensor& grad, const ActPacket& act, const ActCodec& codec, const CodecState& peer) {
   SPARROW_CHECK(grad.defined() && grad.sizes().vec() == act.shape,
                 "encode_gradient: gradient shape does not match the activation");
-  if (act.format != ActFormat::kLowRank && act.format != ActFormat::kLowRankCached) {
+  if (act.format != ActFormat::kLowRank && act.format != ActFormat::kLowRankCached && !lowrank_q(act.format)) {
     CodecState scratch;
     return codec.encode(grad, scratch);
   }
@@ -477,8 +631,15 @@ ActPacket encode_gradient(const at::Tensor& grad, const ActPacket& act, const Ac
                 "encode_gradient: the activation's basis is not the one held (decode_activation first)");
   at::Tensor y = grad.detach().to(at::kFloat).reshape({rows, cols}).mm(q);
   ActPacket p;
-  p.format = ActFormat::kProjected;
   p.shape = act.shape;
+  const uint32_t gbits = lowrank_q(act.format) ? act.params[5] : 32;
+  if (gbits < 32) {
+    p.format = ActFormat::kProjectedQ;
+    p.params = {static_cast<uint32_t>(rows), static_cast<uint32_t>(r), gbits};
+    quantize_rows(y.t(), static_cast<int>(gbits), p.scales, p.data);
+    return p;
+  }
+  p.format = ActFormat::kProjected;
   p.params = {static_cast<uint32_t>(rows), static_cast<uint32_t>(r)};
   append_floats(p.data, y);
   return p;
@@ -487,12 +648,14 @@ ActPacket encode_gradient(const at::Tensor& grad, const ActPacket& act, const Ac
 at::Tensor decode_gradient(const ActPacket& p, const CodecState& state, const std::vector<int64_t>& expected_shape) {
   validate(p);
   SPARROW_CHECK_T(FormatError, p.shape == expected_shape, "gradient packet: shape does not match the activation sent");
-  if (p.format != ActFormat::kProjected) return decode(p);
+  if (p.format != ActFormat::kProjected && p.format != ActFormat::kProjectedQ) return decode(p);
   const auto [rows, cols] = matrix_dims(p.shape);
   const int64_t r = p.params[1];
   SPARROW_CHECK_T(FormatError, state.basis.defined() && state.basis.size(0) == cols && state.basis.size(1) == r,
                   "projected gradient: rank " << r << " does not match the device's basis");
-  at::Tensor y = float_view(p, 0, rows * r).view({rows, r});
+  at::Tensor y = p.format == ActFormat::kProjectedQ
+                     ? dequantize_rows(p.scales.data(), p.data.data(), r, rows, p.params[2]).t()
+                     : float_view(p, 0, rows * r).view({rows, r});
   return y.mm(state.basis.t()).view(p.shape);
 }
 

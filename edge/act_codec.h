@@ -20,10 +20,22 @@
 //        is published (set to T, or recomputed) and sent only every K-th step
 //        (kLowRank, with a new basis id); the steps between send P alone
 //        (kLowRankCached), which the cloud decodes with the basis it kept
-//        (decode_activation). The gradient coming back is always the projection
+//        (decode_activation). ramp=1 adds two early refreshes, at steps K/4 and
+//        K/2 (K >= 4), while the tracker is still converging. The gradient coming back is always the projection
 //        G Q (N x R): with Q detached, A_hat = A Q Q^T, so dL/dA = G Q Q^T
 //        exactly, and the device, which keeps Q, rebuilds it from G Q (see
 //        docs/split.md).
+//        bits=8|4 (default 32: fp32 factors) quantises the factors: P, sent
+//        every step, to `bits` per value with a (min, step) pair per column of P
+//        (per component: their ranges differ by orders of magnitude); the basis Q
+//        to qbits=8|4 (default 8) per value with a pair per column of Q (sent
+//        at refreshes only). Both sides use the
+//        dequantised Q (the device projects with it and rebuilds the gradient
+//        with it), so the projected gradient stays exact w.r.t. what the cloud
+//        decoded. gbits=32|8|4 (default: bits) is the precision of the projected
+//        gradient G Q coming back (same per-column scheme). With beta > 0 the
+//        rank may exceed the batch size (the basis describes the data, not one
+//        batch): R <= M; otherwise R <= min(N, M) as before.
 //   "q8:block=B", "q4:block=B"            per-block affine quantisation of each
 //        row (min and step per block of B consecutive values of a row; B=0, the
 //        default, is one block per row), round to nearest: |error| <= step / 2.
@@ -51,6 +63,18 @@ enum class ActFormat : uint8_t {
   // params {rows N, cols M, rank R, basis id}; data: P (N x R) fp32. Decoding
   // needs the Q of the last kLowRank packet with that basis id.
   kLowRankCached = 5,
+  // Quantised factors (lowrank bits=8|4). params {rows N, cols M, rank R, basis
+  // id, bits 8|4, gradient bits 32|8|4, basis bits 8|4}; scales: (min, step) per
+  // column of P (R pairs), then per column of Q (R pairs); data: P's codes column
+  // by column (i.e. P^T row-major) at `bits` per code, then Q's codes column by
+  // column at basis bits. 4-bit codes two per byte, low nibble first, each matrix
+  // padded to a byte.
+  kLowRankQ = 6,
+  // As kLowRankQ without Q: params the same; scales: R pairs for P; data: P's codes.
+  kLowRankCachedQ = 7,
+  // Quantised projected gradient: params {rows N, rank R, bits 8|4}; scales: R
+  // (min, step) pairs, one per column of G Q; data: (G Q)^T codes row-major.
+  kProjectedQ = 8,
   // params {bits 8|4, block}; scales: (min, step) per block, row by row; data:
   // one code per element, row-major; 4-bit codes two per byte, low nibble first.
   kQuant = 3,
@@ -126,14 +150,18 @@ class ActCodec {
   uint64_t seed_ = 0;
   double beta_ = 0;
   int64_t refresh_ = 1;
+  bool ramp_ = false;
   int bits_ = 8;
   int64_t block_ = 0;
   double ratio_ = 0.01;
+  int factor_bits_ = 32;    // lowrank: precision of P (32 = fp32 formats)
+  int gradient_bits_ = 32;  // lowrank: precision of the projected gradient
+  int basis_bits_ = 8;      // lowrank with quantised factors: precision of Q
 };
 
-// Decodes a self-contained packet (dense, lowrank, quant, topk) after validate().
-// FormatError for anything invalid, and for kProjected / kLowRankCached (they need
-// state: decode_gradient / decode_activation).
+// Decodes a self-contained packet (dense, lowrank, lowrank_q, quant, topk) after
+// validate(). FormatError for anything invalid, and for kProjected(Q) /
+// kLowRankCached(Q) (they need state: decode_gradient / decode_activation).
 at::Tensor decode(const ActPacket& p);
 
 // Cloud side: decodes an activation with the per-device state `peer`: a kLowRank

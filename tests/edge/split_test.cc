@@ -399,3 +399,196 @@ TEST_CASE("split: two devices share one cloud top") {
   CHECK(dev_a->named_parameters()["fc1.weight"].grad().defined());
   CHECK(dev_b->named_parameters()["fc1.weight"].grad().defined());
 }
+
+TEST_CASE("act codec: quantised lowrank factors") {
+  torch::manual_seed(21);
+  const at::Tensor mix = torch::randn({4, 40});  // every batch lies in one 4-dim row space
+  for (std::string spec :
+       {"lowrank:rank=12,beta=0.5,refresh=3,bits=8", "lowrank:rank=12,beta=0.5,refresh=3,bits=4",
+        "lowrank:rank=12,beta=0.5,refresh=3,bits=8,gbits=32", "lowrank:rank=12,beta=0.5,refresh=3,bits=8,qbits=4"}) {
+    CAPTURE(spec);
+    const uint32_t bits = spec.find(",bits=4") != std::string::npos ? 4 : 8;
+    const uint32_t qbits = spec.find("qbits=4") != std::string::npos ? 4 : 8;
+    const bool fp32_grad = spec.find("gbits=32") != std::string::npos;
+    ActCodec codec(spec);
+    CodecState device, cloud;
+    std::vector<std::string> formats;
+    for (int step = 0; step < 4; ++step) {
+      // 6 rows, rank 12 > 6: a streaming basis may exceed the batch.
+      const at::Tensor a = torch::randn({6, 4}).mm(mix);
+      ActPacket p = roundtrip(codec.encode(a, device));
+      formats.push_back(act_format_name(p.format));
+      REQUIRE(p.params.size() == 7);
+      CHECK(p.params[2] == 12);
+      CHECK(p.params[4] == bits);
+      CHECK(p.params[5] == (fp32_grad ? 32u : bits));
+      CHECK(p.params[6] == qbits);
+      const size_t p_bytes = bits == 8 ? 6 * 12 : 6 * 12 / 2;
+      CHECK(p.data.size() == p_bytes + (p.format == ActFormat::kLowRankQ ? 12u * 40 * qbits / 8 : 0u));
+      const at::Tensor d = decode_activation(p, cloud);
+      // Both sides hold the same (dequantised) basis, bit for bit.
+      CHECK(at::equal(cloud.basis, device.basis));
+      if (p.format == ActFormat::kLowRankQ) CHECK(at::equal(decode(p), d));
+      const double rel = (d - a).norm().item<double>() / a.norm().item<double>();
+      CHECK(rel < (bits == 8 && qbits == 8 ? 0.05 : 0.3));
+      CHECK(rel > 1e-5);  // lossy: the quantisation is really applied
+      // The gradient: quantised G Q, rebuilt with the shared basis.
+      const at::Tensor g = torch::randn({6, 40});
+      ActPacket back = roundtrip(encode_gradient(g, p, ActCodec("none"), cloud));
+      CHECK(back.format == (fp32_grad ? ActFormat::kProjected : ActFormat::kProjectedQ));
+      const at::Tensor exact = g.mm(device.basis).mm(device.basis.t());
+      const at::Tensor got = decode_gradient(back, device, {6, 40});
+      if (fp32_grad) {
+        CHECK(at::allclose(got, exact, 1e-4, 1e-5));
+      } else {
+        CHECK(back.data.size() == p_bytes);
+        // G Q quantised per column (error <= step / 2 each), then rebuilt with the basis.
+        const double err = (got - exact).norm().item<double>() / exact.norm().item<double>();
+        CHECK(err > 0);
+        CHECK(err < (bits == 8 ? 0.02 : 0.2));
+      }
+    }
+    CHECK(formats == std::vector<std::string>({"lowrank_q", "lowrank_cached_q", "lowrank_cached_q", "lowrank_q"}));
+  }
+  // Sizes at the benchmark's shape: P at 8 bits is a quarter of fp32.
+  CodecState s8, s32;
+  const at::Tensor a = torch::relu(torch::randn({64, 3136}));
+  const ActPacket p8 = ActCodec("lowrank:rank=64,beta=0.9,bits=8").encode(a, s8);
+  const ActPacket p32 = ActCodec("lowrank:rank=64,beta=0.9").encode(a, s32);
+  CHECK(p8.wire_bytes() < p32.wire_bytes() / 3);
+}
+
+TEST_CASE("act codec: bad quantised lowrank packets are rejected") {
+  torch::manual_seed(22);
+  CHECK_THROWS_AS(ActCodec("lowrank:bits=16"), ConfigError);
+  CHECK_THROWS_AS(ActCodec("lowrank:bits=8,gbits=2"), ConfigError);
+  CHECK_THROWS_AS(ActCodec("lowrank:gbits=8"), ConfigError);  // fp32 factors, quantised gradient
+  CHECK_THROWS_AS(ActCodec("lowrank:qbits=4"), ConfigError);
+  CHECK_THROWS_AS(ActCodec("lowrank:bits=8,qbits=2"), ConfigError);
+  ActCodec codec("lowrank:rank=3,beta=0.5,refresh=2,bits=4");
+  CodecState device, cloud;
+  const ActPacket full = codec.encode(torch::randn({4, 10}), device);
+  const ActPacket cached = codec.encode(torch::randn({4, 10}), device);
+  REQUIRE(full.format == ActFormat::kLowRankQ);
+  REQUIRE(cached.format == ActFormat::kLowRankCachedQ);
+  std::vector<ActPacket> bad;
+  for (const ActPacket& good : {full, cached}) {
+    ActPacket p = good;
+    p.params[4] = 5;  // bits
+    bad.push_back(p);
+    p = good;
+    p.params[5] = 16;  // gradient bits
+    bad.push_back(p);
+    p = good;
+    p.params[6] = 32;  // basis bits
+    bad.push_back(p);
+    p = good;
+    p.params[2] = 11;  // rank > M
+    bad.push_back(p);
+    p = good;
+    p.params[3] = 0;  // basis id
+    bad.push_back(p);
+    p = good;
+    p.params[1] = 9;  // M does not match the shape
+    bad.push_back(p);
+    p = good;
+    p.scales[1] = -1;  // negative step
+    bad.push_back(p);
+    p = good;
+    p.scales[0] = std::numeric_limits<float>::infinity();
+    bad.push_back(p);
+    p = good;
+    p.scales[0] = 3e38f;  // finite, but the top code decodes to inf
+    p.scales[1] = 3e38f;
+    bad.push_back(p);
+    p = good;
+    p.scales.pop_back();
+    bad.push_back(p);
+    p = good;
+    p.data.pop_back();
+    bad.push_back(p);
+    p = good;
+    p.params.pop_back();
+    bad.push_back(p);
+  }
+  for (size_t i = 0; i < bad.size(); ++i) {
+    CAPTURE(i);
+    CHECK_THROWS_AS(validate(bad[i]), FormatError);
+    const std::vector<uint8_t> bytes = bad[i].serialize();
+    CHECK_THROWS_AS(ActPacket::deserialize(bytes.data(), bytes.size()), FormatError);
+    CodecState before = cloud;
+    CHECK_THROWS_AS(decode_activation(bad[i], cloud), FormatError);
+    CHECK(cloud.basis_id == before.basis_id);
+  }
+  // A cached packet needs its basis; the self-contained one decodes.
+  CHECK_THROWS_AS(decode(cached), FormatError);
+  CHECK_THROWS_AS(decode_activation(cached, cloud), FormatError);
+  decode_activation(full, cloud);
+  CHECK(decode_activation(cached, cloud).sizes() == at::IntArrayRef({4, 10}));
+
+  // The quantised gradient: bad bits, sizes, scales; wrong rank for the device.
+  const ActPacket grad = encode_gradient(torch::randn({4, 10}), cached, ActCodec("none"), cloud);
+  REQUIRE(grad.format == ActFormat::kProjectedQ);
+  CHECK(decode_gradient(grad, device, {4, 10}).sizes() == at::IntArrayRef({4, 10}));
+  CHECK_THROWS_AS(decode(grad), FormatError);
+  std::vector<ActPacket> bad_grads;
+  ActPacket g = grad;
+  g.params[2] = 32;
+  bad_grads.push_back(g);
+  g = grad;
+  g.params[1] = 2;  // rank: sizes no longer match
+  bad_grads.push_back(g);
+  g = grad;
+  g.params[0] = 5;
+  bad_grads.push_back(g);
+  g = grad;
+  g.scales[3] = -0.5f;
+  bad_grads.push_back(g);
+  g = grad;
+  g.scales[2] = std::numeric_limits<float>::quiet_NaN();
+  bad_grads.push_back(g);
+  g = grad;
+  g.data.push_back(0);
+  bad_grads.push_back(g);
+  for (size_t i = 0; i < bad_grads.size(); ++i) {
+    CAPTURE(i);
+    CHECK_THROWS_AS(decode_gradient(bad_grads[i], device, {4, 10}), FormatError);
+  }
+  CodecState other;
+  other.basis = torch::randn({10, 2});
+  CHECK_THROWS_AS(decode_gradient(grad, other, {4, 10}), FormatError);  // rank 3 vs the device's 2
+}
+
+TEST_CASE("split: quantised lowrank split step") {
+  auto m = make_model("cnn", 2);
+  Split s = split_model(m, "conv2");
+  EdgeHalf edge(s.bottom, "lowrank:rank=80,beta=0.9,refresh=2,bits=8", false);
+  CloudHalf cloud(s.top, "none");
+  for (int step = 0; step < 3; ++step) {
+    ActPacket act = roundtrip(edge.forward(images(8, 40 + step)));
+    CHECK(act.params[2] == 80);  // rank above the batch of 8
+    CloudHalf::Result r = cloud.step(act, labels(8));
+    REQUIRE(r.gradient.has_value());
+    CHECK(r.gradient->format == ActFormat::kProjectedQ);
+    edge.backward(roundtrip(*r.gradient));
+  }
+  CHECK(m->named_parameters()["conv1.weight"].grad().defined());
+  CHECK(m->named_parameters()["conv1.weight"].grad().abs().sum().item<double>() > 0);
+}
+
+TEST_CASE("act codec: ramp adds two early refreshes") {
+  torch::manual_seed(23);
+  const at::Tensor mix = torch::randn({3, 20});
+  for (bool ramp : {false, true}) {
+    CAPTURE(ramp);
+    ActCodec codec(std::string("lowrank:rank=3,beta=0.5,refresh=8,bits=8") + (ramp ? ",ramp=1" : ""));
+    CodecState device, cloud;
+    std::vector<int> refreshes;
+    for (int step = 0; step < 17; ++step) {
+      ActPacket p = roundtrip(codec.encode(torch::randn({5, 3}).mm(mix), device));
+      decode_activation(p, cloud);
+      if (p.format == ActFormat::kLowRankQ) refreshes.push_back(step);
+    }
+    CHECK(refreshes == (ramp ? std::vector<int>({0, 2, 4, 8, 16}) : std::vector<int>({0, 8, 16})));
+  }
+}
