@@ -85,17 +85,8 @@ void check_session_config(const core::FlatConfig& f, const SessionConfig& c) {
 
 // ---- helpers -----------------------------------------------------------------------
 
-std::string serialize_weights(const Weights& w) {
-  compression::State s;
-  for (const auto& [k, v] : w) s.tensors[k] = v.to(at::kCPU, at::kFloat).contiguous();
-  return s.serialize();
-}
-
-Weights deserialize_weights(const std::string& bytes) {
-  if (bytes.empty()) return {};
-  compression::State s = compression::State::deserialize(bytes);
-  return Weights(s.tensors.begin(), s.tensors.end());
-}
+using compression::deserialize_weights;
+using compression::serialize_weights;
 
 Weights clone_weights(const Weights& w) {
   Weights out;

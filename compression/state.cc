@@ -103,4 +103,15 @@ State State::deserialize(const std::string& bytes) {
   return s;
 }
 
+std::string serialize_weights(const std::map<std::string, at::Tensor>& weights) {
+  State s;
+  for (const auto& [k, v] : weights) s.tensors[k] = v.to(at::kCPU, at::kFloat).contiguous();
+  return s.serialize();
+}
+
+std::map<std::string, at::Tensor> deserialize_weights(const std::string& bytes) {
+  if (bytes.empty()) return {};
+  return State::deserialize(bytes).tensors;
+}
+
 }  // namespace sparrow::compression

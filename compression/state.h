@@ -28,4 +28,11 @@ struct State {
   static State deserialize(const std::string& bytes);
 };
 
+// A name -> tensor map (model weights, control variates, shared factors) as
+// State bytes: each tensor as CPU float32, so the round trip is bit-exact for
+// float32 weights. Empty bytes read as an empty map. The checkpoints of the
+// simulator, the server and the client all use this; FormatError on bad bytes.
+std::string serialize_weights(const std::map<std::string, at::Tensor>& weights);
+std::map<std::string, at::Tensor> deserialize_weights(const std::string& bytes);
+
 }  // namespace sparrow::compression

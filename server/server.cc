@@ -166,18 +166,6 @@ struct AtomicCounters {
 
 }  // namespace
 
-std::string serialize_weights(const Weights& w) {
-  compression::State s;
-  for (const auto& [k, v] : w) s.tensors[k] = v.to(at::kCPU, at::kFloat).contiguous();
-  return s.serialize();
-}
-
-Weights deserialize_weights(const std::string& bytes) {
-  if (bytes.empty()) return {};
-  compression::State s = compression::State::deserialize(bytes);
-  return Weights(s.tensors.begin(), s.tensors.end());
-}
-
 std::vector<std::string> select_clients(std::vector<Candidate> candidates, size_t k, uint64_t key) {
   std::vector<std::pair<std::pair<int64_t, uint64_t>, std::string>> order;
   order.reserve(candidates.size());

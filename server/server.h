@@ -33,6 +33,7 @@
 #include <string>
 #include <vector>
 
+#include "compression/state.h"
 #include "server/config.h"
 
 namespace sparrow::server {
@@ -126,9 +127,9 @@ struct Candidate {
 };
 std::vector<std::string> select_clients(std::vector<Candidate> candidates, size_t k, uint64_t key);
 
-// Serialisation of a weight map (compression::State bytes: bit-exact fp32),
-// the format of checkpoint blobs. FormatError on malformed bytes.
-std::string serialize_weights(const Weights& w);
-Weights deserialize_weights(const std::string& bytes);
+// Serialisation of a weight map, the format of checkpoint blobs
+// (compression/state.h: bit-exact fp32; FormatError on malformed bytes).
+using compression::deserialize_weights;
+using compression::serialize_weights;
 
 }  // namespace sparrow::server

@@ -95,17 +95,8 @@ struct Stmt {
   ~Stmt() { sqlite3_finalize(st); }
 };
 
-std::string serialize_weights(const client::Weights& w) {
-  compression::State s;
-  for (const auto& [k, v] : w) s.tensors[k] = v.to(at::kCPU, at::kFloat).contiguous();
-  return s.serialize();
-}
-
-client::Weights deserialize_weights(const std::string& bytes) {
-  if (bytes.empty()) return {};
-  compression::State s = compression::State::deserialize(bytes);
-  return client::Weights(s.tensors.begin(), s.tensors.end());
-}
+using compression::deserialize_weights;
+using compression::serialize_weights;
 
 struct Profile {
   double speed = 1;
