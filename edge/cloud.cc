@@ -290,21 +290,13 @@ struct CloudServer::Impl {
   }
 
   bool receive_one() {
-    zmq::message_t id;
-    if (!router.recv(id, zmq::recv_flags::dontwait)) return false;
-    const std::string rid(static_cast<const char*>(id.data()), id.size());
-    if (!id.more()) return true;
-    zmq::message_t frame;
-    if (!router.recv(frame, zmq::recv_flags::none)) return false;
-    bool extra = false;
-    while (frame.more()) {
-      zmq::message_t drop;
-      (void)router.recv(drop, zmq::recv_flags::none);
-      extra = true;
-      if (!drop.more()) break;
-    }
+    std::optional<net::RoutedFrame> in = net::receive_routed(router);
+    if (!in) return false;
+    if (!in->payload) return true;
+    const std::string& rid = in->routing_id;
+    zmq::message_t& frame = in->frame;
     n.bytes_in += frame.size();
-    if (extra) {
+    if (in->extra_frames) {
       reply_error(rid, ErrorCode::kMalformed, "one frame per message expected");
       return true;
     }

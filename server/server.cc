@@ -439,22 +439,14 @@ struct Server::Impl {
   }
 
   bool receive_one() {
-    zmq::message_t id;
-    if (!router.recv(id, zmq::recv_flags::dontwait)) return false;
-    std::string routing_id(static_cast<const char*>(id.data()), id.size());
-    if (!id.more()) return true;  // no payload frame (cannot happen with ROUTER)
-    zmq::message_t frame;
-    if (!router.recv(frame, zmq::recv_flags::none)) return false;
-    bool extra = false;
-    while (frame.more()) {
-      zmq::message_t drop;
-      (void)router.recv(drop, zmq::recv_flags::none);
-      extra = true;
-      if (!drop.more()) break;
-    }
+    std::optional<net::RoutedFrame> in = net::receive_routed(router);
+    if (!in) return false;
+    if (!in->payload) return true;  // no payload frame (cannot happen with ROUTER)
+    std::string& routing_id = in->routing_id;
+    zmq::message_t& frame = in->frame;
     n.messages_in++;
     n.bytes_in += frame.size();
-    if (extra) {
+    if (in->extra_frames) {
       reply_error(routing_id, ErrorCode::kMalformed, "one frame per message expected");
       return true;
     }

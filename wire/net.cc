@@ -281,6 +281,25 @@ bool send_to(zmq::socket_t& router, const std::string& routing_id, const wire::M
   return send_bytes_to(router, routing_id, wire::serialize(message), dont_wait);
 }
 
+std::optional<RoutedFrame> receive_routed(zmq::socket_t& router) {
+  zmq::message_t id;
+  if (!router.recv(id, zmq::recv_flags::dontwait)) return std::nullopt;
+  RoutedFrame out;
+  out.routing_id.assign(static_cast<const char*>(id.data()), id.size());
+  if (!id.more()) {
+    out.payload = false;
+    return out;
+  }
+  if (!router.recv(out.frame, zmq::recv_flags::none)) return std::nullopt;
+  while (out.frame.more()) {
+    zmq::message_t drop;
+    (void)router.recv(drop, zmq::recv_flags::none);
+    out.extra_frames = true;
+    if (!drop.more()) break;
+  }
+  return out;
+}
+
 std::optional<wire::Message> receive(zmq::socket_t& socket, int timeout_ms, const wire::ParseLimits& limits) {
   zmq::pollitem_t item{static_cast<void*>(socket), 0, ZMQ_POLLIN, 0};
   if (zmq::poll(&item, 1, std::chrono::milliseconds(timeout_ms)) <= 0) return std::nullopt;

@@ -117,6 +117,19 @@ bool send_to(zmq::socket_t& router, const std::string& routing_id, const wire::M
 bool send_bytes_to(zmq::socket_t& router, const std::string& routing_id, const std::string& bytes,
                    bool dont_wait = true);
 
+// One message from a ROUTER socket, without waiting: the routing id and the
+// payload frame. A peer that sent several payload frames gets them read and
+// dropped (`extra_frames`); the caller answers with an Error. `payload` is
+// false for a routing id with no frame after it (ROUTER never produces one).
+// nullopt when nothing is queued.
+struct RoutedFrame {
+  std::string routing_id;
+  zmq::message_t frame;
+  bool payload = true;
+  bool extra_frames = false;
+};
+std::optional<RoutedFrame> receive_routed(zmq::socket_t& router);
+
 // Waits up to timeout_ms (-1 = forever) for a frame on `socket` (DEALER/REQ
 // side) and parses it. nullopt on timeout. A frame that fails to parse throws
 // wire::ProtocolError (the caller decides whether to answer with an Error).
