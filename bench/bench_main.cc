@@ -20,6 +20,7 @@
 #include "bench/resnet50.h"
 #include "bench/server_bench.h"
 #include "bench/sim_bench.h"
+#include "core/threads.h"
 #include "bench/split_bench.h"
 #include "compression/compressor.h"
 #include "core/json.h"
@@ -216,6 +217,7 @@ int bench_compress_cuda(int64_t n, int repeat, const std::string& only) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  sparrow::core::choose_blas_kernels(argv);
   CLI::App app{"sparrow-bench: JSON-lines benchmarks with same-run baselines"};
   app.require_subcommand(1);
   int64_t elements = 25000000;
@@ -239,6 +241,15 @@ int main(int argc, char** argv) {
   sim->add_option("--rounds", sim_rounds, "rounds per run (first and last are not timed)")->check(CLI::Range(3, 1000));
   sim->add_option("--workers", sim_workers, "simulator workers")->check(CLI::Range(1, 64));
   sim->add_option("--tmp", sim_tmp, "folder for the benchmark's run folders");
+  std::string sim_cases = "peer,efficiency,scale";
+  sim->add_option("--cases", sim_cases, "comma-separated subset of peer,efficiency,scale");
+  sparrow::bench::PeerOptions peer;
+  peer.peer_script = std::string(SPARROW_SOURCE_DIR) + "/bench/peer_fedavg.py";
+  std::string peer_models = "mlp,cnn";
+  sim->add_option("--models", peer_models, "peer case: comma-separated subset of mlp,cnn");
+  sim->add_option("--mlp-rounds", peer.mlp_rounds, "peer case: rounds of the MLP runs")->check(CLI::Range(1, 10000));
+  sim->add_option("--cnn-rounds", peer.cnn_rounds, "peer case: rounds of the CNN runs")->check(CLI::Range(1, 10000));
+  sim->add_option("--python", peer.python, "peer case: the python3 that has torch (python3-torch)");
   auto* child = app.add_subcommand("sim-scale-child", "internal: one population of the scale case");
   child->group("");  // hidden
   child->add_option("--clients", child_clients)->required();
@@ -277,13 +288,28 @@ int main(int argc, char** argv) {
   } catch (const CLI::ParseError& e) {
     return app.exit(e) == 0 ? 0 : 2;
   }
-  if (threads > 0) at::set_num_threads(threads);
+  if (threads > 0) sparrow::core::configure_threads(1, threads);
   try {
     if (*compress)
       return compress_device == "cuda" ? bench_compress_cuda(elements, repeat, methods)
                                        : bench_compress(elements, repeat, methods);
     if (*server) return sparrow::bench::bench_server(server_opts);
-    if (*sim) return sparrow::bench::bench_sim(sim_rounds, sim_workers, sim_tmp);
+    if (*sim) {
+      auto has = [&](const char* c) {
+        return ("," + sim_cases + ",").find("," + std::string(c) + ",") != std::string::npos;
+      };
+      if (has("peer")) {
+        peer.models.clear();
+        std::stringstream ss(peer_models);
+        for (std::string m; std::getline(ss, m, ',');)
+          if (!m.empty()) peer.models.push_back(m);
+        peer.tmp = sim_tmp + "/peer";
+        if (int rc = sparrow::bench::bench_sim_peer(peer); rc != 0) return rc;
+      }
+      if (has("efficiency") || has("scale"))
+        return sparrow::bench::bench_sim(sim_rounds, sim_workers, sim_tmp, has("efficiency"), has("scale"));
+      return 0;
+    }
     if (*split) {
       split_opts.cases = sparrow::bench::split_bench_default_cases();
       if (!split_cases.empty()) {

@@ -10,10 +10,14 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <optional>
 #include <iostream>
 #include <string>
 
+#include "core/error.h"
 #include "core/json.h"
+#include "core/threads.h"
 #include "core/datasets.h"
 #include "core/models.h"
 #include "simulator/config.h"
@@ -93,16 +97,221 @@ class RawLoop {
   int64_t pos_ = 0;
 };
 
+// ---- peer: sparrow-sim against plain PyTorch on the issue's workload -------------
+
+// Multiply-accumulates per sample of one forward pass.
+double forward_macs(const std::string& model) {
+  if (model == "mlp") return 784.0 * 200 + 200.0 * 200 + 200.0 * 10;
+  // cnn: conv1 28x28x32 outputs of 25 MACs, conv2 14x14x64 of 800, fc1, fc2.
+  return 28.0 * 28 * 32 * 25 + 14.0 * 14 * 64 * 800 + 3136.0 * 512 + 512.0 * 10;
+}
+// Input-side MACs whose backward is not needed (the first layer's input grad).
+double first_layer_macs(const std::string& model) { return model == "mlp" ? 784.0 * 200 : 28.0 * 28 * 32 * 25; }
+// FLOPs of training on one sample: forward (2 MACs), weight gradients (2 MACs)
+// and input gradients of every layer but the first (2 MACs).
+double train_flops(const std::string& model) {
+  return 2 * forward_macs(model) + 2 * forward_macs(model) + 2 * (forward_macs(model) - first_layer_macs(model));
+}
+
+struct PeerRun {
+  double train_s = 0;
+  int64_t samples = 0;
+  double eval_s = 0;
+  double accuracy = 0;
+};
+
+simulator::SimConfig peer_config(const PeerOptions& o, const std::string& model, int rounds, const std::string& out) {
+  simulator::SimConfig c = base_config(100, 10, rounds, 1, out);
+  c.model = model;
+  c.compression = "none";
+  c.partition = "dirichlet:alpha=0.5";
+  c.seed = 1;
+  c.lr = 0.05;
+  c.batch_size = 32;
+  c.checkpoint_every = 1000000;
+  c.data_dir = o.data_dir;
+  return c;
+}
+
+// One sparrow-sim run; training time is every round's wall-clock minus its evaluation.
+PeerRun run_sparrow(simulator::SimConfig c, int workers, int threads, int client_batch) {
+  c.workers = workers;
+  c.threads = threads;
+  c.client_batch = client_batch;
+  core::configure_threads(workers, threads);
+  simulator::Simulator sim(c);
+  PeerRun r;
+  while (!sim.done()) {
+    const simulator::RoundMetrics m = sim.run_round();
+    r.train_s += m.real_s - m.eval_s;
+    r.eval_s += m.eval_s;
+    r.samples += m.samples;
+    if (!std::isnan(m.accuracy)) r.accuracy = m.accuracy;
+  }
+  sim.wait_for_checkpoint();
+  return r;
+}
+
+std::string shell_quote(const std::string& s) {
+  std::string q = "'";
+  for (char ch : s) q += ch == '\'' ? std::string("'\\''") : std::string(1, ch);
+  return q + "'";
+}
+
+// The Python peer in a child process; nullopt (and a note on stderr) when
+// python3-torch is missing or the script fails.
+std::optional<PeerRun> run_python(const PeerOptions& o, const std::string& model, int threads, const std::string& files,
+                                  bool avx512_core, std::string* error) {
+  std::string env = "OPENBLAS_NUM_THREADS=" + std::to_string(threads) + " OMP_NUM_THREADS=" + std::to_string(threads);
+  // What a user's plain PyTorch sees: OpenBLAS's own choice of kernels, unless
+  // the avx512 row asks for the ones sparrow picks.
+  env += avx512_core ? " OPENBLAS_CORETYPE=SkylakeX" : " OPENBLAS_CORETYPE=";
+  if (std::getenv("SPARROW_OPENBLAS_CORETYPE_SET") == nullptr && std::getenv("OPENBLAS_CORETYPE") != nullptr &&
+      !avx512_core)
+    env = env.substr(0, env.rfind(" OPENBLAS_CORETYPE=")) + " OPENBLAS_CORETYPE=" + std::getenv("OPENBLAS_CORETYPE");
+  const std::string cmd = "env " + env + " " + shell_quote(o.python) + " " + shell_quote(o.peer_script) + " --data " +
+                          shell_quote(o.data_dir) + " --partition " + shell_quote(files + "/partition.txt") +
+                          " --selection " + shell_quote(files + "/selection_" + model + ".txt") + " --model " + model +
+                          " --threads " + std::to_string(threads) + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  if (!p) {
+    *error = "popen failed";
+    return std::nullopt;
+  }
+  std::string out;
+  char line[4096];
+  while (std::fgets(line, sizeof(line), p)) out += line;
+  const int rc = pclose(p);
+  const auto field = [&](const std::string& key) {
+    const auto at = out.find("\"" + key + "\": ");
+    SPARROW_CHECK(at != std::string::npos, "peer output lacks " << key);
+    return std::stod(out.substr(at + key.size() + 4));
+  };
+  if (rc != 0 || out.find("\"train_s\"") == std::string::npos) {
+    *error = out.size() > 300 ? out.substr(out.size() - 300) : out;
+    for (char& ch : *error)
+      if (ch == '"' || ch == '\n' || ch == '\\') ch = ' ';
+    return std::nullopt;
+  }
+  PeerRun r;
+  r.train_s = field("train_s");
+  r.samples = static_cast<int64_t>(field("samples"));
+  r.eval_s = field("eval_s");
+  r.accuracy = field("accuracy");
+  return r;
+}
+
+// The time of one at::mm doing `flops` floating-point operations (n x n by
+// n x n with 2 n^3 = flops) on `threads` threads, best of 3.
+double mm_seconds(double flops, int threads) {
+  core::configure_threads(1, threads);
+  const auto n = static_cast<int64_t>(std::cbrt(flops / 2));
+  const at::Tensor a = at::randn({n, n}), b = at::randn({n, n});
+  at::Tensor c = at::mm(a, b);  // warm-up
+  double best = 1e300;
+  for (int i = 0; i < 3; ++i) {
+    const auto t0 = Clock::now();
+    at::mm_out(c, a, b);
+    best = std::min(best, seconds_since(t0));
+  }
+  return best * flops / (2.0 * static_cast<double>(n) * n * n);
+}
+
+void print_run(const std::string& model, const std::string& tool, const std::string& setting, int workers, int threads,
+               int client_batch, const PeerRun& r, const PeerRun* baseline, double limit_s, int rounds) {
+  const double sps = static_cast<double>(r.samples) / r.train_s;
+  std::cout << "{\"bench\":\"sim\",\"case\":\"peer\",\"model\":\"" << model << "\",\"tool\":\"" << tool
+            << "\",\"setting\":\"" << setting << "\",\"workers\":" << workers << ",\"threads\":" << threads
+            << ",\"client_batch\":" << client_batch << ",\"rounds\":" << rounds << ",\"samples\":" << r.samples
+            << ",\"train_s\":" << json_number(r.train_s) << ",\"s_per_round\":" << json_number(r.train_s / rounds)
+            << ",\"samples_per_s\":" << json_number(sps) << ",\"eval_s\":" << json_number(r.eval_s)
+            << ",\"accuracy\":" << json_number(r.accuracy);
+  if (baseline)
+    std::cout << ",\"speedup_vs_pytorch_1core\":"
+              << json_number(sps / (static_cast<double>(baseline->samples) / baseline->train_s));
+  if (limit_s > 0) std::cout << ",\"fraction_of_mm_limit\":" << json_number(limit_s / r.train_s);
+  std::cout << "}" << std::endl;
+}
+
 }  // namespace
 
-int bench_sim(int rounds, int workers, const std::string& tmp) {
+int bench_sim_peer(const PeerOptions& o) {
+  std::filesystem::create_directories(o.tmp);
+  const int cores = core::available_cores();
+  std::cout << "{\"bench\":\"sim\",\"case\":\"machine\",\"cores\":" << cores << ",\"blas\":\""
+            << core::blas_info().detail << "\",\"torch_threads_default\":" << at::get_num_threads() << "}" << std::endl;
+  for (const std::string& model : o.models) {
+    const int rounds = model == "mlp" ? o.mlp_rounds : o.cnn_rounds;
+    const simulator::SimConfig cfg = peer_config(o, model, rounds, o.tmp + "/peer_" + model);
+    {
+      // The same clients' data and the same clients per round for the peer.
+      simulator::Simulator sim(cfg);
+      std::ofstream part(o.tmp + "/partition.txt");
+      for (const auto& idx : sim.partition()) {
+        for (size_t i = 0; i < idx.size(); ++i) part << (i ? " " : "") << idx[i];
+        part << '\n';
+      }
+      std::ofstream sel(o.tmp + "/selection_" + model + ".txt");
+      for (int t = 0; t < rounds; ++t) {
+        const auto ids = sim.selection(t);
+        for (size_t i = 0; i < ids.size(); ++i) sel << (i ? " " : "") << ids[i];
+        sel << '\n';
+      }
+    }
+    // limit: the whole run's training FLOPs as one large GEMM.
+    std::optional<PeerRun> py1;
+    std::string err;
+    py1 = run_python(o, model, 1, o.tmp, false, &err);
+    if (!py1) {
+      std::cout << "{\"bench\":\"sim\",\"case\":\"peer\",\"model\":\"" << model
+                << "\",\"tool\":\"pytorch\",\"error\":\"" << err << "\"}" << std::endl;
+    }
+    const int64_t samples = py1 ? py1->samples : 0;
+    double limit1 = 0, limit_all = 0;
+    if (samples > 0) {
+      const double flops = train_flops(model) * static_cast<double>(samples);
+      limit1 = mm_seconds(flops, 1);
+      limit_all = mm_seconds(flops, cores);
+      std::cout << "{\"bench\":\"sim\",\"case\":\"limit\",\"model\":\"" << model
+                << "\",\"train_flops\":" << json_number(flops) << ",\"mm_s_1core\":" << json_number(limit1)
+                << ",\"gflops_1core\":" << json_number(flops / limit1 / 1e9)
+                << ",\"mm_s_all\":" << json_number(limit_all)
+                << ",\"gflops_all\":" << json_number(flops / limit_all / 1e9) << ",\"threads_all\":" << cores << "}"
+                << std::endl;
+    }
+    const PeerRun* base = py1 ? &*py1 : nullptr;
+    if (py1) print_run(model, "pytorch", "1 core", 1, 1, 1, *py1, base, limit1, rounds);
+    if (auto py1v = run_python(o, model, 1, o.tmp, true, &err))
+      print_run(model, "pytorch+avx512-blas", "1 core", 1, 1, 1, *py1v, base, limit1, rounds);
+    if (cores > 1)
+      if (auto pyn = run_python(o, model, cores, o.tmp, false, &err))
+        print_run(model, "pytorch", "whole machine", 1, cores, 1, *pyn, base, limit_all, rounds);
+    const int k = cfg.clients_per_round;
+    print_run(model, "sparrow", "1 core, sequential", 1, 1, 1, run_sparrow(cfg, 1, 1, 1), base, limit1, rounds);
+    print_run(model, "sparrow", "1 core, batched", 1, 1, k, run_sparrow(cfg, 1, 1, k), base, limit1, rounds);
+    if (cores > 1) {
+      print_run(model, "sparrow", "whole machine, sequential", cores, 1, 1, run_sparrow(cfg, cores, 1, 1), base,
+                limit_all, rounds);
+      const int kw = (k + cores - 1) / cores;
+      print_run(model, "sparrow", "whole machine, batched", cores, 1, kw, run_sparrow(cfg, cores, 1, kw), base,
+                limit_all, rounds);
+      print_run(model, "sparrow", "whole machine, batched, 1 worker", 1, cores, k, run_sparrow(cfg, 1, cores, k), base,
+                limit_all, rounds);
+    }
+  }
+  core::configure_threads(1, 0);
+  return 0;
+}
+
+int bench_sim(int rounds, int workers, const std::string& tmp, bool efficiency, bool scale) {
+  core::configure_threads(workers);
   // efficiency: 1,000 clients, DGC on, MLP; rounds after the first (warm-up)
   // and before the last (evaluation) are timed, each as the whole run_round()
   // call plus its checkpoint's background writes (training, state store,
   // metrics commit, checkpoint), and
   // after each the bare loop trains on as many samples (after round 1 too,
   // untimed, as its warm-up).
-  {
+  if (efficiency) {
     simulator::Simulator sim(base_config(1000, 50, rounds, workers, tmp + "/efficiency"));
     RawLoop raw(32, 0.05);
     int64_t samples = 0;
@@ -131,6 +340,7 @@ int bench_sim(int rounds, int workers, const std::string& tmp) {
   }
   // scale: each population in its own process, so peak RSS is its own.
   for (int clients : {100, 1000, 10000}) {
+    if (!scale) break;
     const std::string cmd = "\"" + std::string(std::filesystem::read_symlink("/proc/self/exe")) +
                             "\" sim-scale-child --clients " + std::to_string(clients) + " --rounds " +
                             std::to_string(rounds) + " --workers " + std::to_string(workers) + " --tmp \"" + tmp + "\"";
@@ -144,6 +354,7 @@ int bench_sim(int rounds, int workers, const std::string& tmp) {
 }
 
 int bench_sim_scale_child(int clients, int rounds, int workers, const std::string& tmp) {
+  core::configure_threads(workers);
   // IID, so that 10,000 clients can each hold data (Dirichlet(0.5) cannot give
   // every one of 10,000 clients a sample of Fashion-MNIST's 60,000).
   simulator::SimConfig cfg = base_config(clients, 20, rounds, workers, tmp + "/scale_" + std::to_string(clients));

@@ -2,12 +2,29 @@
 // sparrow-bench sim (see sim_bench.cc).
 
 #include <string>
+#include <vector>
 
 namespace sparrow::bench {
 
 // Prints the "efficiency" line, then one "scale" line per population (each from
 // a child process running bench_sim_scale_child). Run folders go under tmp.
-int bench_sim(int rounds, int workers, const std::string& tmp);
+// The issue-10 comparison: FedAvg on Fashion-MNIST (100 clients, Dirichlet(0.5),
+// 10 per round, 1 local epoch, batch 32, lr 0.05, no compression) in plain
+// PyTorch (bench/peer_fedavg.py on python3-torch, same partition and clients)
+// and in sparrow-sim sequential and batched, at 1 core and on the whole
+// machine; plus the same FLOPs as one large at::mm ("limit").
+struct PeerOptions {
+  std::vector<std::string> models{"mlp", "cnn"};
+  int mlp_rounds = 20;
+  int cnn_rounds = 3;
+  std::string python = "/usr/bin/python3";
+  std::string peer_script;
+  std::string data_dir = "/usr/share/datasets/fashion-mnist";
+  std::string tmp = "bench-sim-runs/peer";
+};
+int bench_sim_peer(const PeerOptions& o);
+
+int bench_sim(int rounds, int workers, const std::string& tmp, bool efficiency = true, bool scale = true);
 int bench_sim_scale_child(int clients, int rounds, int workers, const std::string& tmp);
 
 }  // namespace sparrow::bench

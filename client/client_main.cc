@@ -15,6 +15,7 @@
 #include "client/data_folder.h"
 #include "client/session.h"
 #include "core/error.h"
+#include "core/threads.h"
 
 namespace {
 
@@ -29,6 +30,7 @@ extern "C" void on_signal(int) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  sparrow::core::choose_blas_kernels(argv);
   CLI::App app{"sparrow-client: trains tasks from a Sparrow server and sends compressed updates"};
   std::string config_path;
   std::vector<std::string> overrides;
@@ -48,6 +50,9 @@ int main(int argc, char** argv) {
   try {
     if (insecure) overrides.push_back("insecure=true");
     sparrow::client::SessionConfig cfg = sparrow::client::load_session_config(config_path, overrides);
+    sparrow::core::configure_threads(1);
+    spdlog::info("threads: {}", sparrow::core::threads_summary(1));
+    if (const std::string w = sparrow::core::blas_warning(); !w.empty()) spdlog::warn("{}", w);
     sparrow::core::Dataset data = sparrow::client::load_client_data(cfg.data, cfg.model);
     spdlog::info("data: {} samples from '{}'", data.size(), cfg.data.data);
     session = std::make_unique<sparrow::client::ClientSession>(cfg, std::move(data));

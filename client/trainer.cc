@@ -10,11 +10,16 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "core/spec.h"
+#include "client/train_common.h"
 
 namespace sparrow::client {
 namespace {
 
 constexpr const char* kAlgorithms = "fedavg, fedprox, scaffold";
+
+}  // namespace
+
+namespace detail {
 
 void fill_order(std::vector<int64_t>& order, int64_t n, uint64_t seed, int epoch) {
   order.resize(static_cast<size_t>(n));
@@ -32,8 +37,6 @@ std::string shape_str(at::IntArrayRef s) {
   return os.str();
 }
 
-// `w` must hold exactly `names` with the shapes of `params`; `allow_empty`
-// lets an empty map stand for all zeros (SCAFFOLD controls).
 void check_weights(const Weights& w, const std::vector<std::string>& names, const std::vector<at::Tensor>& params,
                    const char* what, bool allow_empty) {
   if (allow_empty && w.empty()) return;
@@ -53,7 +56,76 @@ void check_weights(const Weights& w, const std::vector<std::string>& names, cons
   }
 }
 
-}  // namespace
+std::pair<at::Tensor, at::Tensor> prepare_data(const at::Tensor& x, const at::Tensor& y, const at::Tensor& like) {
+  SPARROW_CHECK(x.defined() && y.defined(), "training data: x or y is undefined");
+  SPARROW_CHECK(x.dim() >= 1 && y.dim() == 1, "training data: x must be {n, ...} and y {n}, got "
+                                                  << shape_str(x.sizes()) << " and " << shape_str(y.sizes()));
+  SPARROW_CHECK(x.size(0) == y.size(0),
+                "training data: x has " << x.size(0) << " samples but y has " << y.size(0) << " labels");
+  SPARROW_CHECK(x.size(0) > 0, "training data: no samples");
+  SPARROW_CHECK(at::isFloatingType(x.scalar_type()), "training data: x must be floating, got " << x.scalar_type());
+  SPARROW_CHECK(at::isIntegralType(y.scalar_type(), /*includeBool=*/false),
+                "training data: y must hold integer class labels, got " << y.scalar_type());
+  at::Tensor xd = x.to(like.device(), like.scalar_type());
+  at::Tensor yd = y.to(like.device(), at::kLong);
+  const int64_t lo = yd.min().item<int64_t>();
+  SPARROW_CHECK(lo >= 0, "training data: negative class label " << lo);
+  return {xd, yd};
+}
+
+void finish_scaffold(TrainResult& r, const std::vector<std::string>& names, double lr, Weights* client_control,
+                     const Weights* server_control) {
+  // c_i+ - c_i = -c - delta / (K lr).
+  const double coef = -1.0 / (static_cast<double>(r.steps) * lr);
+  Weights next;
+  for (const auto& name : names) {
+    const at::Tensor& d = r.delta.at(name);
+    at::Tensor cd = d * coef;
+    if (!server_control->empty()) cd.sub_(server_control->at(name).to(d.device(), d.scalar_type()));
+    at::Tensor ci =
+        client_control->empty() ? cd.clone() : client_control->at(name).to(d.device(), d.scalar_type()) + cd;
+    r.control_delta.emplace(name, std::move(cd));
+    next.emplace(name, std::move(ci));
+  }
+  *client_control = std::move(next);
+}
+
+double mean_step_loss(const double* l, int64_t steps, int64_t n, int64_t bs, int epochs, double lr) {
+  const int64_t per_epoch = (n + bs - 1) / bs;
+  double loss_sum = 0;
+  for (int64_t s = 0; s < steps; ++s) {
+    const int64_t b = s % per_epoch;
+    SPARROW_CHECK(std::isfinite(l[s]), "client training diverged: non-finite loss "
+                                           << l[s] << " at step " << s << " (epoch " << s / per_epoch << ", batch " << b
+                                           << ") with lr " << lr << "; no update is produced");
+    loss_sum += l[s] * static_cast<double>(std::min(bs, n - b * bs));
+  }
+  return loss_sum / (static_cast<double>(n) * epochs);
+}
+
+void sgd_update(at::Tensor& p, at::Tensor& g, const TrainConfig& cfg, const at::Tensor* anchor,
+                const at::Tensor* correction, at::Tensor* momentum_buf, bool first_step) {
+  if (anchor) g.add_(p, cfg.mu).add_(*anchor, -cfg.mu);
+  if (correction) g.add_(*correction);
+  if (cfg.weight_decay != 0) g.add_(p, cfg.weight_decay);
+  if (momentum_buf) {
+    at::Tensor& buf = *momentum_buf;
+    if (first_step) {
+      buf.copy_(g);
+    } else {
+      buf.mul_(cfg.momentum).add_(g);
+    }
+    p.add_(buf, -cfg.lr);
+  } else {
+    p.add_(g, -cfg.lr);
+  }
+}
+
+}  // namespace detail
+
+using detail::check_weights;
+using detail::fill_order;
+using detail::shape_str;
 
 void validate(const TrainConfig& cfg) {
   SPARROW_CHECK_T(ConfigError, cfg.algorithm == "fedavg" || cfg.algorithm == "fedprox" || cfg.algorithm == "scaffold",
@@ -129,21 +201,7 @@ void LocalTrainer::load(const Weights& weights) {
 }
 
 std::pair<at::Tensor, at::Tensor> LocalTrainer::prepare_data(const at::Tensor& x, const at::Tensor& y) const {
-  SPARROW_CHECK(x.defined() && y.defined(), "training data: x or y is undefined");
-  SPARROW_CHECK(x.dim() >= 1 && y.dim() == 1, "training data: x must be {n, ...} and y {n}, got "
-                                                  << shape_str(x.sizes()) << " and " << shape_str(y.sizes()));
-  SPARROW_CHECK(x.size(0) == y.size(0),
-                "training data: x has " << x.size(0) << " samples but y has " << y.size(0) << " labels");
-  SPARROW_CHECK(x.size(0) > 0, "training data: no samples");
-  SPARROW_CHECK(at::isFloatingType(x.scalar_type()), "training data: x must be floating, got " << x.scalar_type());
-  SPARROW_CHECK(at::isIntegralType(y.scalar_type(), /*includeBool=*/false),
-                "training data: y must hold integer class labels, got " << y.scalar_type());
-  const at::Tensor& p = params_.front();
-  at::Tensor xd = x.to(p.device(), p.scalar_type());
-  at::Tensor yd = y.to(p.device(), at::kLong);
-  const int64_t lo = yd.min().item<int64_t>();
-  SPARROW_CHECK(lo >= 0, "training data: negative class label " << lo);
-  return {xd, yd};
+  return detail::prepare_data(x, y, params_.front());
 }
 
 void LocalTrainer::ensure_batch_buffers(const at::Tensor& x, const at::Tensor& y) {
@@ -203,7 +261,7 @@ TrainResult LocalTrainer::train(const Weights& global, const at::Tensor& x_in, c
     order_dev_ = at::empty({n}, y.options());
   }
 
-  const auto lr = cfg_.lr, wd = cfg_.weight_decay, momentum = cfg_.momentum, mu = cfg_.mu;
+  const auto lr = cfg_.lr, momentum = cfg_.momentum;
   replica_->train();
   int64_t step = 0;
   for (int epoch = 0; epoch < cfg_.local_epochs; ++epoch) {
@@ -236,20 +294,8 @@ TrainResult LocalTrainer::train(const Weights& global, const at::Tensor& x_in, c
         at::Tensor& p = params_[i];
         at::Tensor& g = p.mutable_grad();
         if (!g.defined()) continue;  // unused parameter: torch::optim::SGD skips it too
-        if (prox_) g.add_(p, mu).add_(anchor_[i], -mu);
-        if (scaffold_) g.add_(correction_[i]);
-        if (wd != 0) g.add_(p, wd);
-        if (momentum > 0) {
-          at::Tensor& buf = momentum_[i];
-          if (step == 0) {
-            buf.copy_(g);
-          } else {
-            buf.mul_(momentum).add_(g);
-          }
-          p.add_(buf, -lr);
-        } else {
-          p.add_(g, -lr);
-        }
+        detail::sgd_update(p, g, cfg_, prox_ ? &anchor_[i] : nullptr, scaffold_ ? &correction_[i] : nullptr,
+                           momentum > 0 ? &momentum_[i] : nullptr, step == 0);
         g.zero_();
       }
     }
@@ -257,20 +303,10 @@ TrainResult LocalTrainer::train(const Weights& global, const at::Tensor& x_in, c
 
   // One host sync for all step losses: find divergence, compute the mean.
   const at::Tensor losses = step_loss_.narrow(0, 0, steps).to(at::kCPU, at::kDouble);
-  const double* l = losses.data_ptr<double>();
-  double loss_sum = 0;
-  for (int64_t s = 0; s < steps; ++s) {
-    const int64_t b = s % per_epoch;
-    SPARROW_CHECK(std::isfinite(l[s]), "client training diverged: non-finite loss "
-                                           << l[s] << " at step " << s << " (epoch " << s / per_epoch << ", batch " << b
-                                           << ") with lr " << lr << "; no update is produced");
-    loss_sum += l[s] * static_cast<double>(std::min(bs, n - b * bs));
-  }
-
   TrainResult r;
+  r.mean_loss = detail::mean_step_loss(losses.data_ptr<double>(), steps, n, bs, cfg_.local_epochs, lr);
   r.num_samples = n;
   r.steps = steps;
-  r.mean_loss = loss_sum / (static_cast<double>(n) * cfg_.local_epochs);
   at::NoGradGuard no_grad;
   at::Tensor check = at::zeros({}, x.options().dtype(at::kDouble));
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -281,22 +317,7 @@ TrainResult LocalTrainer::train(const Weights& global, const at::Tensor& x_in, c
   SPARROW_CHECK(std::isfinite(check.item<double>()),
                 "client training diverged: the update is not finite after " << steps << " steps with lr " << lr);
 
-  if (scaffold_) {
-    // Option II: c_i+ = c_i - c + (w_global - w_local) / (K lr), so
-    // c_i+ - c_i = -c - delta / (K lr).
-    const double coef = -1.0 / (static_cast<double>(steps) * lr);
-    Weights next;
-    for (size_t i = 0; i < params_.size(); ++i) {
-      const at::Tensor& d = r.delta.at(names_[i]);
-      at::Tensor cd = d * coef;
-      if (!server_control->empty()) cd.sub_(server_control->at(names_[i]).to(d.device(), d.scalar_type()));
-      at::Tensor ci =
-          client_control->empty() ? cd.clone() : client_control->at(names_[i]).to(d.device(), d.scalar_type()) + cd;
-      r.control_delta.emplace(names_[i], std::move(cd));
-      next.emplace(names_[i], std::move(ci));
-    }
-    *client_control = std::move(next);
-  }
+  if (scaffold_) detail::finish_scaffold(r, names_, lr, client_control, server_control);
   return r;
 }
 

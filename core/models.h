@@ -32,7 +32,28 @@ class Model : public torch::nn::Module {
   // Runs stages [begin, end) on x (the output of stage begin - 1, or the model's
   // input when begin == 0). ConfigError for a bad range or an uncuttable model.
   virtual at::Tensor forward_stages(const at::Tensor& x, size_t begin, size_t end);
+
+  // Batched clients (client/batched_trainer.h): K independent copies of the
+  // model evaluated in one pass. A model that can do it returns true here and
+  // implements forward_clients; the default cannot (TorchScript models, models
+  // with buffers such as BatchNorm's running statistics).
+  virtual bool can_forward_clients() const { return false; }
+  // params: the model's parameters in named_parameters() order, each stacked
+  // along a new leading client dimension ([K, ...shape]); x: [K, B, ...] (the
+  // input shapes forward() accepts, per client). Returns [K, B, classes], row k
+  // equal to forward() of a model holding params[.][k] on x[k] (up to float
+  // rounding). Differentiable in params. ConfigError when not supported.
+  virtual at::Tensor forward_clients(const std::vector<at::Tensor>& params, const at::Tensor& x);
 };
+
+// Building block for forward_clients: K stacked Linear layers, feature-major:
+// h [K, in, B], weight [K, out, in], bias [K, out] -> [K, out, B] (one batched
+// GEMM W h + b, bias fused). Feature-major because then the weight is the
+// GEMM's untransposed left operand and its gradient (g h^T) comes out
+// contiguous in the parameter's own layout; the batch-major form
+// x W^T leaves every weight gradient transposed, which costs a copy per
+// layer and step (batched MLP step 4.5 ms vs 3.0 ms, K = 10, B = 32).
+at::Tensor linear_clients(const at::Tensor& h, const at::Tensor& weight, const at::Tensor& bias);
 
 // Builds a model from its name. Built-ins are initialised deterministically from
 // `seed` (LibTorch's default initialisers under torch::manual_seed(seed); calls

@@ -12,6 +12,7 @@
 #include <iostream>
 
 #include "core/error.h"
+#include "core/threads.h"
 #include "edge/cloud.h"
 #include "edge/device.h"
 
@@ -29,6 +30,7 @@ extern "C" void on_signal(int) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  sparrow::core::choose_blas_kernels(argv);
   CLI::App app{"sparrow-edge: split fine-tuning between an edge device and the cloud (docs/split.md)"};
   std::string config_path, log_level = "info";
   bool insecure = false;
@@ -53,6 +55,9 @@ int main(int argc, char** argv) {
   spdlog::set_level(spdlog::level::from_str(log_level));
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
+  sparrow::core::configure_threads(1);
+  spdlog::info("event=threads msg=\"{}\"", sparrow::core::threads_summary(1));
+  if (const std::string w = sparrow::core::blas_warning(); !w.empty()) spdlog::warn("event=blas msg=\"{}\"", w);
   try {
     if (*serve) {
       sparrow::edge::CloudConfig cfg = sparrow::edge::load_cloud_config(serve_config, serve_overrides);

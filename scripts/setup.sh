@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Installs the Debian packages Sparrow's build, tests and demo need.
 # Does nothing when they are all present. Uses sudo when not root.
+#   scripts/setup.sh           build, tests, demo
+#   scripts/setup.sh --bench   also python3-torch, the plain-PyTorch peer of
+#                              `sparrow-bench sim` (bench/peer_fedavg.py)
 set -euo pipefail
 
 PACKAGES=(
@@ -16,7 +19,13 @@ PACKAGES=(
   libzmq3-dev cppzmq-dev  # server/client/edge transport (ZeroMQ, CurveZMQ)
   libsodium-dev           # CurveZMQ's crypto (libzmq links it)
   libspdlog-dev           # structured logs of the server and clients
+  # An optimised BLAS for LibTorch's GEMMs: Debian's LibTorch calls the generic
+  # libblas.so.3, which is otherwise the netlib reference BLAS (~8x slower).
+  # OpenBLAS over BLIS by measurement on the 2-core CI machine (AMD Zen 5):
+  # 42-166 GFLOP/s against 12-15 for BLIS 0.9 (docs/performance.md).
+  libopenblas0-pthread
 )
+if [[ "${1:-}" == "--bench" ]]; then PACKAGES+=(python3-torch); fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do

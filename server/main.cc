@@ -15,6 +15,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/threads.h"
 #include "server/config.h"
 #include "server/server.h"
 #include "server/store.h"
@@ -143,6 +144,7 @@ int keygen(const std::string& out, const std::string& name, int clients) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  sparrow::core::choose_blas_kernels(argv);
   CLI::App app{"sparrow-server: federated-learning aggregator (docs/server.md)"};
   std::string config_path;
   bool insecure = false;
@@ -180,6 +182,10 @@ int main(int argc, char** argv) {
     }
     sparrow::server::ServerConfig cfg = sparrow::server::load_server_config(config_path, overrides);
     cfg.insecure = insecure;
+    // The decode/aggregate pool runs cfg.workers threads: each gets its share.
+    sparrow::core::configure_threads(cfg.workers);
+    spdlog::info("event=threads msg=\"{}\"", sparrow::core::threads_summary(cfg.workers));
+    if (const std::string w = sparrow::core::blas_warning(); !w.empty()) spdlog::warn("event=blas msg=\"{}\"", w);
     sparrow::server::Server server(cfg);
     g_server.store(&server);
     std::signal(SIGINT, on_signal);

@@ -37,6 +37,9 @@ void bind_fields(core::FlatConfig& f, SimConfig& c) {
   f.bind("compression", &c.compression);
   f.bind("server_optimizer", &c.server_optimizer);
   f.bind("workers", &c.workers);
+  f.bind("client_batch", &c.client_batch);
+  f.bind("threads", &c.threads);
+  f.bind("device", &c.device);
   f.bind("eval_every", &c.eval_every);
   f.bind("checkpoint_every", &c.checkpoint_every);
   f.bind("out", &c.out);
@@ -121,6 +124,10 @@ void finish(const core::FlatConfig& f, SimConfig& c, std::optional<double> alpha
   spec_method(f, "compression", c.compression, {});
   spec_method(f, "server_optimizer", c.server_optimizer, {});
   f.check("workers", c.workers >= 1, "must be >= 1");
+  f.check("client_batch", c.client_batch >= 0, "must be >= 0 (0 = choose automatically, 1 = one client at a time)");
+  f.check("threads", c.threads >= 0, "must be >= 0 (0 = cores / workers)");
+  f.check("device", c.device == "cpu" || c.device == "cuda" || c.device.rfind("cuda:", 0) == 0,
+          "must be \"cpu\", \"cuda\" or \"cuda:N\"");
   f.check("eval_every", c.eval_every >= 1, "must be >= 1");
   f.check("checkpoint_every", c.checkpoint_every >= 1, "must be >= 1 (1 = every round)");
   f.check("out", !c.out.empty(), "must not be empty");

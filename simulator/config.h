@@ -58,6 +58,9 @@ struct SimConfig {
   std::string compression = "none";         // compressor spec string
   std::string server_optimizer = "fedavg";  // server optimiser spec string
   int workers = 1;                          // >= 1
+  int client_batch = 0;                     // clients trained in one pass; 0 = automatic, 1 = sequential
+  int threads = 0;                          // ATen + BLAS threads per worker; 0 = cores / workers
+  std::string device = "cpu";               // "cpu", "cuda" or "cuda:N"
   int eval_every = 1;                       // evaluate every N rounds, >= 1
   int checkpoint_every = 10;                // checkpoint (client states + run state) every N rounds, >= 1
   std::string out = "runs/default";         // load_config: "runs/<file stem>" unless set

@@ -21,6 +21,7 @@
 #include "core/error.h"
 #include "simulator/config.h"
 #include "simulator/report.h"
+#include "core/threads.h"
 #include "simulator/simulator.h"
 
 namespace {
@@ -39,6 +40,7 @@ std::string clock_text(double s) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  sparrow::core::choose_blas_kernels(argv);
   using namespace sparrow::simulator;
   CLI::App app{"sparrow-sim: simulate a federated-learning experiment"};
   std::string config_path, resume_dir;
@@ -84,8 +86,12 @@ int main(int argc, char** argv) {
       }
       cfg = load_config(config_path, overrides);
     }
+    sparrow::core::configure_threads(cfg.workers, cfg.threads);
+    std::cerr << "sparrow-sim: " << sparrow::core::threads_summary(cfg.workers) << '\n';
+    if (const std::string w = sparrow::core::blas_warning(); !w.empty()) std::cerr << "sparrow-sim: " << w << '\n';
     const auto start = std::chrono::steady_clock::now();
     Simulator sim(cfg, resume);
+    std::cerr << "sparrow-sim: training " << sim.training_mode() << '\n';
     const int first = sim.completed_rounds();
     const bool tty = isatty(2) != 0;
     sim.run([&](const RoundMetrics& m) {

@@ -17,6 +17,7 @@
 
 #include "aggregation/aggregator.h"
 #include "aggregation/server_optimizer.h"
+#include "client/batched_trainer.h"
 #include "client/trainer.h"
 #include "compression/compressor.h"
 #include "compression/lowrank.h"
@@ -54,6 +55,11 @@ class LogReg final : public core::Model {
     fc_->bias.zero_();
   }
   at::Tensor forward(const at::Tensor& x) override { return fc_->forward(x.reshape({x.size(0), -1})); }
+  bool can_forward_clients() const override { return true; }
+  at::Tensor forward_clients(const std::vector<at::Tensor>& p, const at::Tensor& x) override {
+    SPARROW_CHECK(p.size() == 2 && x.dim() >= 3, "logreg forward_clients: bad arguments");
+    return core::linear_clients(x.reshape({x.size(0), x.size(1), -1}).transpose(1, 2), p[0], p[1]).transpose(1, 2);
+  }
 
  private:
   torch::nn::Linear fc_{nullptr};
@@ -119,6 +125,8 @@ struct ClientResult {
 struct Worker {
   std::shared_ptr<core::Model> model;
   std::unique_ptr<client::LocalTrainer> trainer;
+  std::unique_ptr<client::BatchedTrainer> batched;  // null when clients train one at a time
+  size_t batch = 1;                                 // clients per pass (cap)
   std::unique_ptr<aggregation::StreamingAggregator> agg;
   client::Weights control_sum;  // SCAFFOLD: Σ Δc_i of kept clients
 };
@@ -174,6 +182,11 @@ struct Simulator::Impl {
   client::Weights server_control;                // SCAFFOLD c (empty = zeros)
   std::map<std::string, at::Tensor> acp_shared;  // ACP: next round's shared factor per tensor
 
+  at::Device device{at::kCPU};
+  std::string training;  // how clients are trained, for the log
+  // Memory for one worker's stacked batched-client state (automatic client_batch).
+  static constexpr int64_t kBatchBudget = int64_t{1} << 30;
+
   std::unique_ptr<state::ClientStateStore> store;
   // Client states put since the last checkpoint stay in memory (the store
   // serves them until the checkpoint commits): checkpoint early beyond this.
@@ -220,6 +233,17 @@ struct Simulator::Impl {
     }
   }
 
+  // The data set lives on the training device for the whole run: each round's
+  // minibatches are gathered there, never copied from the host per client.
+  void stage_data() {
+    if (device.is_cpu()) return;
+    train_x = train_x.to(device);
+    train_y = train_y.to(device);
+    test_x = test_x.to(device);
+    test_y = test_y.to(device);
+    for (auto& idx : client_idx) idx = idx.to(device);
+  }
+
   void build_population() {
     const uint64_t key = rng::derive(cfg.seed, kProfileTag);
     const auto& p = cfg.profiles;
@@ -257,9 +281,30 @@ struct Simulator::Impl {
     for (int w = 0; w < cfg.workers; ++w) {
       Worker wk;
       wk.model = make_sim_model(cfg.model, cfg.seed, input_dim, classes);
+      wk.model->to(device);
       wk.trainer = std::make_unique<client::LocalTrainer>(wk.model, train_config());
+      wk.batch = 1;
+      if (cfg.client_batch != 1 && client::BatchedTrainer::supports(*wk.model)) {
+        wk.batched = std::make_unique<client::BatchedTrainer>(wk.model, train_config());
+        // Automatic: every client of the worker's share in one pass, within a
+        // memory budget for the stacked state.
+        const int64_t per = std::max<int64_t>(1, wk.batched->bytes_per_client());
+        const auto cap = static_cast<size_t>(std::max<int64_t>(1, kBatchBudget / per));
+        const size_t share = static_cast<size_t>((cfg.clients_per_round + cfg.workers - 1) / cfg.workers);
+        wk.batch = cfg.client_batch > 0 ? static_cast<size_t>(cfg.client_batch) : std::min(share, cap);
+        if (wk.batch <= 1) wk.batched.reset();
+      }
       if (w == 0) {
         global = client::get_weights(*wk.model);
+        for (auto& [n, v] : global) v = v.to(at::kCPU);
+        if (wk.batched)
+          training = "batched clients: up to " + std::to_string(wk.batch) + " per pass on each of " +
+                     std::to_string(cfg.workers) + (cfg.workers == 1 ? " worker" : " workers") + ", on " + cfg.device;
+        else if (cfg.client_batch > 1)
+          training = "one client at a time on " + cfg.device + " (model '" + cfg.model +
+                     "' cannot be batched: client_batch = " + std::to_string(cfg.client_batch) + " ignored)";
+        else
+          training = "one client at a time on " + cfg.device;
         names = wk.trainer->names();
         for (const auto& n : names) {
           const at::Tensor& t = global.at(n);
@@ -395,7 +440,6 @@ struct Simulator::Impl {
     wk.agg->reset();
     wk.control_sum.clear();
     aggregation::ContextMap ctxs;
-    std::map<std::string, compression::Context> enc_ctx;
     for (const auto& n : names) {
       compression::Context c;
       c.name = n;
@@ -406,56 +450,90 @@ struct Simulator::Impl {
       if (it != acp_shared.end()) c.shared_factor = it->second;
       ctxs[n] = c;
     }
-    for (size_t j = 0; j < ids.size(); ++j) {
-      const int64_t c = ids[j];
-      ClientResult& r = *out[j];
-      r.client = c;
-      std::optional<state::ClientState> got = store->get(c);
-      r.state = got ? std::move(*got) : state::ClientState{};
-      const at::Tensor& idx = client_idx[c];
-      at::Tensor x = train_x.index_select(0, idx), y = train_y.index_select(0, idx);
-      const uint64_t seed = rng::derive(rng::derive(rng::derive(cfg.seed, kTrainTag), t), c);
-      const bool scaffold = cfg.algorithm == "scaffold";
-      const auto t0 = Clock::now();
-      client::TrainResult tr = wk.trainer->train(global, x, y, seed, scaffold ? &r.state.control : nullptr,
-                                                 scaffold ? &server_control : nullptr);
-      r.train_s = seconds_since(t0);
-      r.samples = tr.num_samples;
-      r.train_loss = tr.mean_loss;
-      wire::ModelUpdate u;
-      u.round = static_cast<uint64_t>(t);
-      u.client_id = std::to_string(c);
-      u.num_samples = static_cast<uint64_t>(tr.num_samples);
-      u.metrics = {{"train_loss", tr.mean_loss}};
-      for (const auto& n : names) {
-        at::Tensor d = tr.delta.at(n).to(at::kCPU, at::kFloat).contiguous();
-        u.tensors.push_back({n, compressor->encode(d, r.state.compressor[n], ctxs[n])});
+    const bool scaffold = cfg.algorithm == "scaffold";
+    // Clients in ascending id, in passes of up to wk.batch; each pass trains,
+    // then its clients are encoded and aggregated one by one in id order.
+    for (size_t j0 = 0; j0 < ids.size(); j0 += wk.batch) {
+      const size_t j1 = std::min(ids.size(), j0 + wk.batch);
+      std::vector<client::ClientJob> jobs;
+      for (size_t j = j0; j < j1; ++j) {
+        const int64_t c = ids[j];
+        ClientResult& r = *out[j];
+        r.client = c;
+        std::optional<state::ClientState> got = store->get(c);
+        r.state = got ? std::move(*got) : state::ClientState{};
+        const at::Tensor& idx = client_idx[c];
+        client::ClientJob job;
+        job.x = train_x.index_select(0, idx);
+        job.y = train_y.index_select(0, idx);
+        job.seed = rng::derive(rng::derive(rng::derive(cfg.seed, kTrainTag), t), c);
+        job.client_control = scaffold ? &r.state.control : nullptr;
+        jobs.push_back(std::move(job));
       }
-      r.state.rounds += 1;
-      // To the store now: its writer streams it into the open checkpoint
-      // transaction while the next clients train.
-      store->put(c, std::move(r.state));
-      const std::string bytes = wire::serialize(wire::Message{wire::kProtocolMajor, wire::kProtocolMinor, u});
-      r.bytes_up = bytes.size();
-      const Profile& p = profiles[c];
-      r.sim_s = static_cast<double>(model_bytes) * 8 / p.down_bps + r.train_s / p.speed +
-                static_cast<double>(bytes.size()) * 8 / p.up_bps;
-      r.kept = !(cfg.deadline_s > 0 && r.sim_s > cfg.deadline_s);
-      if (!r.kept) continue;
-      wire::Message back = wire::parse(bytes);
-      auto& pu = std::get<wire::ModelUpdate>(back.body);
-      aggregation::EncodedUpdate eu;
-      for (auto& nt : pu.tensors) eu.emplace_back(std::move(nt.name), std::move(nt.tensor));
-      wk.agg->add(eu, static_cast<double>(pu.num_samples), ctxs);
-      if (scaffold) {
-        for (const auto& [n, dc] : tr.control_delta) {
-          at::Tensor d = dc.to(at::kCPU, at::kFloat);
-          auto it = wk.control_sum.find(n);
-          if (it == wk.control_sum.end())
-            wk.control_sum[n] = d.clone();
-          else
-            it->second.add_(d);
+      std::vector<client::TrainResult> trained;
+      if (jobs.size() == 1 || !wk.batched) {
+        for (size_t j = j0; j < j1; ++j) {
+          client::ClientJob& job = jobs[j - j0];
+          const auto t0 = Clock::now();
+          trained.push_back(wk.trainer->train(global, job.x, job.y, job.seed, job.client_control,
+                                              scaffold ? &server_control : nullptr));
+          out[j]->train_s = seconds_since(t0);
         }
+      } else {
+        const auto t0 = Clock::now();
+        trained = wk.batched->train(global, jobs, scaffold ? &server_control : nullptr);
+        // One pass trained them all: each client is charged the pass's time in
+        // proportion to its steps x batch (its share of the work).
+        const double secs = seconds_since(t0);
+        double work = 0;
+        for (const auto& tr : trained) work += static_cast<double>(tr.num_samples);
+        for (size_t j = j0; j < j1; ++j)
+          out[j]->train_s = secs * static_cast<double>(trained[j - j0].num_samples) / work;
+      }
+      for (size_t j = j0; j < j1; ++j) finish_client(wk, t, *out[j], trained[j - j0], ctxs);
+    }
+  }
+
+  // Encodes one trained client's update with its compressor state, puts its
+  // state into the store, and folds the update (as a server parses it) into
+  // the worker's aggregate unless the straggler model drops it.
+  void finish_client(Worker& wk, int t, ClientResult& r, const client::TrainResult& tr, aggregation::ContextMap& ctxs) {
+    const int64_t c = r.client;
+    r.samples = tr.num_samples;
+    r.train_loss = tr.mean_loss;
+    wire::ModelUpdate u;
+    u.round = static_cast<uint64_t>(t);
+    u.client_id = std::to_string(c);
+    u.num_samples = static_cast<uint64_t>(tr.num_samples);
+    u.metrics = {{"train_loss", tr.mean_loss}};
+    for (const auto& n : names) {
+      at::Tensor d = tr.delta.at(n).to(at::kCPU, at::kFloat).contiguous();
+      u.tensors.push_back({n, compressor->encode(d, r.state.compressor[n], ctxs[n])});
+    }
+    r.state.rounds += 1;
+    // To the store now: its writer streams it into the open checkpoint
+    // transaction while the next clients train.
+    store->put(c, std::move(r.state));
+    const std::string bytes = wire::serialize(wire::Message{wire::kProtocolMajor, wire::kProtocolMinor, u});
+    r.bytes_up = bytes.size();
+    const Profile& p = profiles[c];
+    r.sim_s = static_cast<double>(model_bytes) * 8 / p.down_bps + r.train_s / p.speed +
+              static_cast<double>(bytes.size()) * 8 / p.up_bps;
+    r.kept = !(cfg.deadline_s > 0 && r.sim_s > cfg.deadline_s);
+    if (!r.kept) return;
+    wire::Message back = wire::parse(bytes);
+    auto& pu = std::get<wire::ModelUpdate>(back.body);
+    aggregation::EncodedUpdate eu;
+    for (auto& nt : pu.tensors) eu.emplace_back(std::move(nt.name), std::move(nt.tensor));
+    wk.agg->add(eu, static_cast<double>(pu.num_samples), ctxs);
+    if (cfg.algorithm == "scaffold") {
+      for (const auto& [n, dc] : tr.control_delta) {
+        at::Tensor d = dc.to(at::kCPU, at::kFloat);
+        auto it = wk.control_sum.find(n);
+        if (it == wk.control_sum.end())
+          wk.control_sum[n] = d.clone();
+        else
+          it->second.add_(d);
       }
     }
   }
@@ -552,7 +630,9 @@ struct Simulator::Impl {
     const bool eval = (t + 1) % cfg.eval_every == 0 || t + 1 == cfg.rounds;
     m.accuracy = m.loss = kNaN;
     if (eval) {
+      const auto e0 = Clock::now();
       auto [loss, acc] = workers[0].trainer->evaluate(global, test_x, test_y);
+      m.eval_s = seconds_since(e0);
       m.loss = loss;
       m.accuracy = acc;
     }
@@ -611,13 +691,21 @@ Simulator::Simulator(SimConfig cfg, bool resume) : impl_(std::make_unique<Impl>(
     old.rounds = s.cfg.rounds;
     old.out = s.cfg.out;
     old.checkpoint_every = s.cfg.checkpoint_every;  // only changes when state is written
+    old.threads = s.cfg.threads;                    // only changes the speed
     SPARROW_CHECK_T(ConfigError, old == s.cfg,
                     "resume: the config differs from " << prev.string() << " in more than rounds");
   }
   compression::register_builtins();
   s.compressor = compression::make_compressor(s.cfg.compression);
   s.server_opt = std::make_unique<aggregation::ServerOptimizer>(s.cfg.server_optimizer);
+  if (s.cfg.device != "cpu") {
+    SPARROW_CHECK_T(
+        ConfigError, torch::cuda::is_available(),
+        "device = \"" << s.cfg.device << "\": no CUDA device is visible, or this build's LibTorch has no CUDA");
+    s.device = at::Device(s.cfg.device);
+  }
   s.load_data();
+  s.stage_data();
   s.build_population();
   s.build_workers();
   s.open_db(resume);
@@ -663,5 +751,15 @@ Summary Simulator::summary() const {
 const std::vector<RoundMetrics>& Simulator::history() const { return impl_->history; }
 const Simulator::Weights& Simulator::global() const { return impl_->global; }
 const SimConfig& Simulator::config() const { return impl_->cfg; }
+const std::string& Simulator::training_mode() const { return impl_->training; }
+std::vector<int64_t> Simulator::selection(int round) const { return impl_->select_clients(round); }
+std::vector<std::vector<int64_t>> Simulator::partition() const {
+  std::vector<std::vector<int64_t>> out;
+  for (const auto& idx : impl_->client_idx) {
+    const at::Tensor c = idx.to(at::kCPU).contiguous();
+    out.emplace_back(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+  }
+  return out;
+}
 
 }  // namespace sparrow::simulator

@@ -71,6 +71,7 @@ struct RoundMetrics {
   int clients = 0;          // selected clients
   int dropped = 0;          // stragglers whose update was not aggregated
   int64_t samples = 0;      // samples trained (data × local epochs); not persisted, 0 on rounds a resume reloads
+  double eval_s = 0;        // of real_s, the seconds spent evaluating; not persisted
 };
 
 struct Summary {
@@ -122,6 +123,14 @@ class Simulator {
   const std::vector<RoundMetrics>& history() const;
   const Weights& global() const;
   const SimConfig& config() const;
+  // How clients are trained (batched or one at a time, per pass, device), one
+  // line for the log; says when client_batch was ignored and why.
+  const std::string& training_mode() const;
+  // The clients round `round` (0-based) trains, sorted by id (a pure function
+  // of the config), and each client's sample indices into the training set:
+  // what a benchmark needs to run the same workload in another tool.
+  std::vector<int64_t> selection(int round) const;
+  std::vector<std::vector<int64_t>> partition() const;
 
  private:
   struct Impl;

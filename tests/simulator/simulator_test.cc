@@ -340,3 +340,47 @@ TEST_CASE("sparrow-sim cli prints a json summary last and exits 2 on config erro
   CHECK(run(bin + " 2>/dev/null", &ignored) == 2);
   std::remove(cfg.c_str());
 }
+
+TEST_CASE("simulator batched clients equal one client at a time") {
+  for (const std::string algo : {"fedavg", "fedprox", "scaffold"}) {
+    CAPTURE(algo);
+    TempDir d1("seq_" + algo), d2("bat_" + algo);
+    SimConfig c = tiny(d1.path);
+    c.clients_per_round = 5;  // synthetic clients hold different numbers of samples: ragged passes
+    c.rounds = 3;
+    c.algorithm = algo;
+    c.momentum = 0.5;
+    if (algo == "fedprox") c.mu = 0.1;
+    c.client_batch = 1;
+    Simulator one(c);
+    one.run();
+    CHECK(one.training_mode().find("one client at a time") != std::string::npos);
+    c.out = d2.path;
+    c.client_batch = 3;  // passes of 3 and 2
+    Simulator bat(c);
+    bat.run();
+    CHECK(bat.training_mode().find("batched clients: up to 3") != std::string::npos);
+    for (size_t i = 0; i < 3; ++i) {
+      CHECK(one.history()[i].bytes_up == bat.history()[i].bytes_up);
+      CHECK(one.history()[i].train_loss == doctest::Approx(bat.history()[i].train_loss).epsilon(1e-4));
+    }
+    for (const auto& [k, v] : one.global()) {
+      CAPTURE(k);
+      CHECK(at::allclose(v, bat.global().at(k), 1e-4, 1e-6));
+    }
+  }
+}
+
+TEST_CASE("simulator client_batch: automatic choice and models that cannot be batched") {
+  TempDir d("auto");
+  SimConfig c = tiny(d.path);
+  c.rounds = 1;
+  Simulator s(c);  // client_batch = 0: the worker's share of a round in one pass
+  CHECK(s.training_mode().find("batched clients: up to 3 per pass") != std::string::npos);
+  CHECK_THROWS_AS(parse_config_string("client_batch = -1"), sparrow::ConfigError);
+  CHECK_THROWS_AS(parse_config_string("device = \"tpu\""), sparrow::ConfigError);
+  if (!torch::cuda::is_available()) {
+    c.device = "cuda";
+    CHECK_THROWS_WITH_AS(Simulator(c), doctest::Contains("no CUDA device"), sparrow::ConfigError);
+  }
+}

@@ -1,0 +1,226 @@
+#include "client/batched_trainer.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <numeric>
+
+#include "client/train_common.h"
+#include "core/error.h"
+
+namespace sparrow::client {
+
+BatchedTrainer::BatchedTrainer(std::shared_ptr<core::Model> replica, TrainConfig cfg)
+    : replica_(std::move(replica)), cfg_(std::move(cfg)) {
+  SPARROW_CHECK(replica_ != nullptr, "BatchedTrainer needs a model replica");
+  SPARROW_CHECK_T(ConfigError, supports(*replica_), "this model cannot train several clients in one pass");
+  validate(cfg_);
+  prox_ = cfg_.algorithm == "fedprox" && cfg_.mu > 0;
+  scaffold_ = cfg_.algorithm == "scaffold";
+  for (const auto& p : replica_->named_parameters()) {
+    names_.push_back(p.key());
+    params_.push_back(p.value());
+  }
+  SPARROW_CHECK(!params_.empty(), "BatchedTrainer: the model has no parameters");
+}
+
+bool BatchedTrainer::supports(const core::Model& model) { return model.can_forward_clients(); }
+
+int64_t BatchedTrainer::bytes_per_client() const {
+  int64_t numel = 0;
+  for (const auto& p : params_) numel += p.numel();
+  // Parameters, gradients and the delta, plus the optimizer's buffers.
+  const int64_t copies = 3 + (cfg_.momentum > 0 ? 1 : 0) + (scaffold_ ? 1 : 0);
+  return numel * copies * static_cast<int64_t>(params_.front().element_size());
+}
+
+std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vector<ClientJob>& jobs,
+                                               const Weights* server_control) {
+  using detail::check_weights;
+  // Every check comes before anything the caller owns is touched.
+  SPARROW_CHECK(!jobs.empty(), "BatchedTrainer::train: no clients");
+  check_weights(global, names_, params_, "global weights", false);
+  if (scaffold_) {
+    SPARROW_CHECK(server_control != nullptr, "scaffold needs the server's control variate (an empty map means zeros)");
+    check_weights(*server_control, names_, params_, "server control", true);
+  } else {
+    SPARROW_CHECK(server_control == nullptr,
+                  "control variates given to " << cfg_.algorithm << ", which does not use them");
+  }
+  const int64_t k_all = static_cast<int64_t>(jobs.size());
+  std::vector<at::Tensor> xs, ys;
+  std::vector<int64_t> n(k_all), bs(k_all), per_epoch(k_all), steps(k_all), off(k_all);
+  int64_t total = 0;
+  for (int64_t j = 0; j < k_all; ++j) {
+    ClientJob& job = jobs[j];
+    if (scaffold_) {
+      SPARROW_CHECK(job.client_control != nullptr, "scaffold needs client " << j << "'s control variate");
+      check_weights(*job.client_control, names_, params_, "client control", true);
+    } else {
+      SPARROW_CHECK(job.client_control == nullptr,
+                    "control variates given to " << cfg_.algorithm << ", which does not use them");
+    }
+    auto [x, y] = detail::prepare_data(job.x, job.y, params_.front());
+    SPARROW_CHECK(j == 0 || x.sizes().slice(1) == xs.front().sizes().slice(1),
+                  "batched clients need samples of one shape: client 0 has "
+                      << detail::shape_str(xs.front().sizes().slice(1)) << ", client " << j << " "
+                      << detail::shape_str(x.sizes().slice(1)));
+    n[j] = x.size(0);
+    bs[j] = std::min<int64_t>(cfg_.batch_size, n[j]);
+    per_epoch[j] = (n[j] + bs[j] - 1) / bs[j];
+    steps[j] = per_epoch[j] * cfg_.local_epochs;
+    off[j] = total;
+    total += n[j];
+    xs.push_back(std::move(x));
+    ys.push_back(std::move(y));
+  }
+  const at::Tensor x_all = k_all == 1 ? xs.front() : at::cat(xs);
+  const at::Tensor y_all = k_all == 1 ? ys.front() : at::cat(ys);
+  xs.clear();
+  ys.clear();
+  const at::TensorOptions popt = params_.front().options();
+
+  // Stack position -> job: most steps first, so the active clients of every
+  // step are a prefix of the stack.
+  std::vector<int64_t> pos(k_all);
+  std::iota(pos.begin(), pos.end(), int64_t{0});
+  std::stable_sort(pos.begin(), pos.end(), [&](int64_t a, int64_t b) { return steps[a] > steps[b]; });
+  const int64_t total_steps = steps[pos.front()];
+
+  // The whole schedule on the host: per step the active count, the padded
+  // batch, and (active x batch) sample rows of x_all with their loss weights.
+  std::vector<int64_t> active(total_steps), batch(total_steps), start(total_steps + 1, 0);
+  std::vector<int64_t> rows;
+  std::vector<float> weights;
+  {
+    std::vector<std::vector<int64_t>> order(k_all);
+    std::vector<int> order_epoch(k_all, -1);
+    for (int64_t s = 0; s < total_steps; ++s) {
+      int64_t ka = 0, b_max = 0;
+      while (ka < k_all && steps[pos[ka]] > s) {
+        const int64_t j = pos[ka];
+        b_max = std::max(b_max, std::min(bs[j], n[j] - (s % per_epoch[j]) * bs[j]));
+        ++ka;
+      }
+      active[s] = ka;
+      batch[s] = b_max;
+      for (int64_t a = 0; a < ka; ++a) {
+        const int64_t j = pos[a];
+        const int epoch = static_cast<int>(s / per_epoch[j]);
+        if (order_epoch[j] != epoch) {
+          detail::fill_order(order[j], n[j], jobs[j].seed, epoch);
+          order_epoch[j] = epoch;
+        }
+        const int64_t first = (s % per_epoch[j]) * bs[j];
+        const int64_t len = std::min(bs[j], n[j] - first);
+        for (int64_t i = 0; i < b_max; ++i) {
+          rows.push_back(off[j] + order[j][static_cast<size_t>(first + std::min(i, len - 1))]);
+          weights.push_back(i < len ? 1.0f / static_cast<float>(len) : 0.0f);
+        }
+      }
+      start[s + 1] = static_cast<int64_t>(rows.size());
+    }
+  }
+  const auto count = static_cast<int64_t>(rows.size());
+  const at::Tensor rows_dev = at::from_blob(rows.data(), {count}, at::kLong).to(x_all.device());
+  const at::Tensor weights_dev = at::from_blob(weights.data(), {count}, at::kFloat).to(popt);
+
+  // Stacked state in stack order. The anchor (w_global) is shared by all.
+  at::NoGradGuard outer_no_grad;
+  const size_t np = params_.size();
+  std::vector<at::Tensor> stack(np), anchor(np), correction, momentum;
+  for (size_t i = 0; i < np; ++i) {
+    anchor[i] = global.at(names_[i]).to(popt).contiguous();
+    std::vector<int64_t> shape{k_all};
+    shape.insert(shape.end(), anchor[i].sizes().begin(), anchor[i].sizes().end());
+    stack[i] = at::empty(shape, popt);
+    stack[i].copy_(anchor[i].unsqueeze(0).expand(shape));
+    if (cfg_.momentum > 0) momentum.push_back(at::empty(shape, popt));
+    if (scaffold_) {
+      // correction = c - c_i, fixed for the whole local run.
+      at::Tensor c = at::empty(shape, popt);
+      if (server_control->empty())
+        c.zero_();
+      else
+        c.copy_(server_control->at(names_[i]).to(popt).unsqueeze(0).expand(shape));
+      for (int64_t a = 0; a < k_all; ++a) {
+        const Weights& ci = *jobs[pos[a]].client_control;
+        if (!ci.empty()) c[a].sub_(ci.at(names_[i]).to(popt));
+      }
+      correction.push_back(std::move(c));
+    }
+  }
+  at::Tensor step_loss = at::zeros({total_steps, k_all}, popt);
+  std::vector<int64_t> sample_shape(x_all.sizes().begin() + 1, x_all.sizes().end());
+
+  replica_->train();
+  for (int64_t s = 0; s < total_steps; ++s) {
+    const int64_t ka = active[s], b = batch[s];
+    const at::Tensor idx = rows_dev.narrow(0, start[s], ka * b);
+    std::vector<int64_t> xshape{ka, b};
+    xshape.insert(xshape.end(), sample_shape.begin(), sample_shape.end());
+    const at::Tensor xb = x_all.index_select(0, idx).view(xshape);
+    const at::Tensor yb = y_all.index_select(0, idx);
+    std::vector<at::Tensor> leaves(np);
+    for (size_t i = 0; i < np; ++i) leaves[i] = stack[i].narrow(0, 0, ka).detach().requires_grad_(true);
+    at::Tensor per_client;
+    {
+      at::AutoGradMode grad_on(true);
+      const at::Tensor logits = replica_->forward_clients(leaves, xb);
+      if (s == 0) {
+        SPARROW_CHECK(
+            logits.dim() == 3 && logits.size(0) == ka && logits.size(1) == b,
+            "forward_clients must return {clients, batch, classes}, got " << detail::shape_str(logits.sizes()));
+        const int64_t hi = y_all.max().item<int64_t>();
+        SPARROW_CHECK(hi < logits.size(2),
+                      "training data: class label " << hi << " but the model has " << logits.size(2) << " outputs");
+      }
+      const at::Tensor ce =
+          at::cross_entropy_loss(logits.reshape({ka * b, logits.size(2)}), yb, {}, at::Reduction::None);
+      per_client = (ce * weights_dev.narrow(0, start[s], ka * b)).view({ka, b}).sum(1);
+      per_client.sum().backward();
+    }
+    step_loss[s].narrow(0, 0, ka).copy_(per_client);
+    for (size_t i = 0; i < np; ++i) {
+      at::Tensor g = leaves[i].grad();
+      if (!g.defined()) continue;  // unused parameter: torch::optim::SGD skips it too
+      at::Tensor p = stack[i].narrow(0, 0, ka);
+      at::Tensor corr = scaffold_ ? correction[i].narrow(0, 0, ka) : at::Tensor();
+      at::Tensor mom = cfg_.momentum > 0 ? momentum[i].narrow(0, 0, ka) : at::Tensor();
+      detail::sgd_update(p, g, cfg_, prox_ ? &anchor[i] : nullptr, scaffold_ ? &corr : nullptr,
+                         cfg_.momentum > 0 ? &mom : nullptr, s == 0);
+    }
+  }
+
+  // One host sync for all losses and the finiteness of every update.
+  const at::Tensor losses = step_loss.t().to(at::kCPU, at::kDouble).contiguous();  // [K, S]
+  std::vector<at::Tensor> delta(np);
+  at::Tensor check = at::zeros({k_all}, popt.dtype(at::kDouble));
+  for (size_t i = 0; i < np; ++i) {
+    delta[i] = stack[i] - anchor[i];
+    check.add_(delta[i].reshape({k_all, -1}).sum(1, false, at::kDouble));
+  }
+  const at::Tensor check_cpu = check.to(at::kCPU);
+  std::vector<TrainResult> out(static_cast<size_t>(k_all));
+  std::vector<int64_t> where(k_all);  // job -> stack position
+  for (int64_t a = 0; a < k_all; ++a) where[pos[a]] = a;
+  for (int64_t j = 0; j < k_all; ++j) {  // job order: the first diverged job is reported
+    const int64_t a = where[j];
+    TrainResult& r = out[static_cast<size_t>(j)];
+    r.num_samples = n[j];
+    r.steps = steps[j];
+    r.mean_loss =
+        detail::mean_step_loss(losses[a].data_ptr<double>(), steps[j], n[j], bs[j], cfg_.local_epochs, cfg_.lr);
+    SPARROW_CHECK(
+        std::isfinite(check_cpu[a].item<double>()),
+        "client training diverged: the update is not finite after " << steps[j] << " steps with lr " << cfg_.lr);
+    for (size_t i = 0; i < np; ++i) r.delta.emplace(names_[i], delta[i][a]);
+  }
+  // Errors above leave every control as it was; only now do they change.
+  if (scaffold_)
+    for (int64_t j = 0; j < k_all; ++j)
+      detail::finish_scaffold(out[static_cast<size_t>(j)], names_, cfg_.lr, jobs[j].client_control, server_control);
+  return out;
+}
+
+}  // namespace sparrow::client

@@ -1,0 +1,139 @@
+#include "core/threads.h"
+
+#include <ATen/Parallel.h>
+#include <dlfcn.h>
+#include <link.h>
+#include <malloc.h>
+#include <unistd.h>
+#include <sched.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+namespace sparrow::core {
+namespace {
+
+template <typename F>
+F sym(const char* name) {
+  return reinterpret_cast<F>(dlsym(RTLD_DEFAULT, name));
+}
+
+int find_blas_library(dl_phdr_info* info, size_t, void* data) {
+  const char* name = info->dlpi_name;
+  if (name == nullptr || *name == '\0') return 0;
+  const char* base = std::strrchr(name, '/');
+  base = base ? base + 1 : name;
+  if (std::strncmp(base, "libblas.so", 10) == 0 || std::strncmp(base, "libopenblas", 11) == 0 ||
+      std::strncmp(base, "libblis", 7) == 0) {
+    auto* out = static_cast<std::string*>(data);
+    char resolved[PATH_MAX];
+    *out = realpath(name, resolved) ? resolved : name;
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int available_cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return 1;
+}
+
+BlasInfo blas_info() {
+  BlasInfo b;
+  dl_iterate_phdr(find_blas_library, &b.library);
+  if (auto config = sym<char* (*)()>("openblas_get_config")) {
+    b.name = "OpenBLAS";
+    std::ostringstream os;
+    os << config();
+    if (auto core = sym<char* (*)()>("openblas_get_corename")) os << ", core " << core();
+    if (std::getenv("SPARROW_OPENBLAS_CORETYPE_SET")) os << " (set by sparrow: AVX-512 CPU)";
+    b.detail = os.str();
+    if (auto nt = sym<int (*)()>("openblas_get_num_threads")) b.threads = nt();
+  } else if (auto ver = sym<const char* (*)()>("bli_info_get_version_str")) {
+    b.name = "BLIS";
+    b.detail = std::string("BLIS ") + ver();
+    if (auto nt = sym<long (*)()>("bli_thread_get_num_threads")) b.threads = static_cast<int>(nt());
+  } else if (sym<void*>("MKL_Get_Version_String") != nullptr) {
+    b.name = "MKL";
+    b.detail = "Intel MKL";
+  } else if (b.library.find("/blas/libblas.so") != std::string::npos ||
+             b.library.find("/libblas.so") != std::string::npos) {
+    // Debian's netlib BLAS lives in .../blas/; an optimised one would export
+    // its own symbols above.
+    b.name = "reference";
+    b.detail = "netlib reference BLAS";
+    b.reference = true;
+    b.threads = 1;
+  } else {
+    b.name = "unknown";
+  }
+  return b;
+}
+
+void choose_blas_kernels(char** argv) {
+  if (std::getenv("OPENBLAS_CORETYPE") != nullptr || argv == nullptr || argv[0] == nullptr) return;
+#if defined(__x86_64__)
+  auto corename = sym<char* (*)()>("openblas_get_corename");
+  if (corename == nullptr) return;
+  const std::string core = corename();
+  if (core != "Haswell" && core != "Zen") return;  // OpenBLAS's AVX2 kernels
+  __builtin_cpu_init();
+  if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vl")))
+    return;
+  // OpenBLAS picks its kernels when it is loaded, from the environment the
+  // process started with (a setenv() before main() is lost when libc
+  // initialises): so the process starts once more with the variable set.
+  setenv("OPENBLAS_CORETYPE", "SkylakeX", 1);
+  setenv("SPARROW_OPENBLAS_CORETYPE_SET", "1", 1);
+  execv("/proc/self/exe", argv);
+  unsetenv("OPENBLAS_CORETYPE");  // exec failed: carry on with the AVX2 kernels
+  unsetenv("SPARROW_OPENBLAS_CORETYPE_SET");
+#endif
+}
+
+void tune_allocator() {
+  // glibc serves blocks >= 128 KiB-32 MiB (dynamic) with mmap and returns
+  // them on free, so every training step's activation and gradient buffers
+  // are fresh pages: page faults were ~20% of a batched-clients run. Keep
+  // blocks up to 32 MiB in the heap and do not trim it below 1 GiB.
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+}
+
+int configure_threads(int workers, int threads) {
+  tune_allocator();
+  const int n = threads > 0 ? threads : std::max(1, available_cores() / std::max(1, workers));
+  at::set_num_threads(n);
+  if (auto set = sym<void (*)(int)>("openblas_set_num_threads")) set(n);
+  if (auto set = sym<void (*)(long)>("bli_thread_set_num_threads")) set(n);
+  return n;
+}
+
+std::string threads_summary(int workers) {
+  const BlasInfo b = blas_info();
+  std::ostringstream os;
+  os << "BLAS: " << (b.detail.empty() ? b.name : b.detail);
+  if (!b.library.empty()) os << " [" << b.library << "]";
+  if (b.threads > 0) os << ", " << b.threads << (b.threads == 1 ? " thread" : " threads");
+  const int t = at::get_num_threads();
+  os << "; ATen " << t << (t == 1 ? " thread" : " threads") << " x " << workers
+     << (workers == 1 ? " worker" : " workers") << " on " << available_cores() << " cores";
+  return os.str();
+}
+
+std::string blas_warning() {
+  const BlasInfo b = blas_info();
+  if (!b.reference) return {};
+  return "warning: LibTorch runs on the netlib reference BLAS, about 8x slower than an optimised one; install "
+         "libopenblas0-pthread (scripts/setup.sh does) or select it with update-alternatives --config "
+         "libblas.so.3-x86_64-linux-gnu";
+}
+
+}  // namespace sparrow::core
