@@ -217,7 +217,6 @@ int bench_compress_cuda(int64_t n, int repeat, const std::string& only) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  sparrow::core::choose_blas_kernels(argv);
   CLI::App app{"sparrow-bench: JSON-lines benchmarks with same-run baselines"};
   app.require_subcommand(1);
   int64_t elements = 25000000;

@@ -161,14 +161,11 @@ std::string shell_quote(const std::string& s) {
 // The Python peer in a child process; nullopt (and a note on stderr) when
 // python3-torch is missing or the script fails.
 std::optional<PeerRun> run_python(const PeerOptions& o, const std::string& model, int threads, const std::string& files,
-                                  bool avx512_core, std::string* error) {
-  std::string env = "OPENBLAS_NUM_THREADS=" + std::to_string(threads) + " OMP_NUM_THREADS=" + std::to_string(threads);
-  // What a user's plain PyTorch sees: OpenBLAS's own choice of kernels, unless
-  // the avx512 row asks for the ones sparrow picks.
-  env += avx512_core ? " OPENBLAS_CORETYPE=SkylakeX" : " OPENBLAS_CORETYPE=";
-  if (std::getenv("SPARROW_OPENBLAS_CORETYPE_SET") == nullptr && std::getenv("OPENBLAS_CORETYPE") != nullptr &&
-      !avx512_core)
-    env = env.substr(0, env.rfind(" OPENBLAS_CORETYPE=")) + " OPENBLAS_CORETYPE=" + std::getenv("OPENBLAS_CORETYPE");
+                                  std::string* error) {
+  // The same environment as this process (OPENBLAS_CORETYPE included, so both
+  // run the same BLAS kernels), with the BLAS and OpenMP pools at `threads`.
+  const std::string env =
+      "OPENBLAS_NUM_THREADS=" + std::to_string(threads) + " OMP_NUM_THREADS=" + std::to_string(threads);
   const std::string cmd = "env " + env + " " + shell_quote(o.python) + " " + shell_quote(o.peer_script) + " --data " +
                           shell_quote(o.data_dir) + " --partition " + shell_quote(files + "/partition.txt") +
                           " --selection " + shell_quote(files + "/selection_" + model + ".txt") + " --model " + model +
@@ -261,7 +258,7 @@ int bench_sim_peer(const PeerOptions& o) {
     // limit: the whole run's training FLOPs as one large GEMM.
     std::optional<PeerRun> py1;
     std::string err;
-    py1 = run_python(o, model, 1, o.tmp, false, &err);
+    py1 = run_python(o, model, 1, o.tmp, &err);
     if (!py1) {
       std::cout << "{\"bench\":\"sim\",\"case\":\"peer\",\"model\":\"" << model
                 << "\",\"tool\":\"pytorch\",\"error\":\"" << err << "\"}" << std::endl;
@@ -281,10 +278,8 @@ int bench_sim_peer(const PeerOptions& o) {
     }
     const PeerRun* base = py1 ? &*py1 : nullptr;
     if (py1) print_run(model, "pytorch", "1 core", 1, 1, 1, *py1, base, limit1, rounds);
-    if (auto py1v = run_python(o, model, 1, o.tmp, true, &err))
-      print_run(model, "pytorch+avx512-blas", "1 core", 1, 1, 1, *py1v, base, limit1, rounds);
     if (cores > 1)
-      if (auto pyn = run_python(o, model, cores, o.tmp, false, &err))
+      if (auto pyn = run_python(o, model, cores, o.tmp, &err))
         print_run(model, "pytorch", "whole machine", 1, cores, 1, *pyn, base, limit_all, rounds);
     const int k = cfg.clients_per_round;
     print_run(model, "sparrow", "1 core, sequential", 1, 1, 1, run_sparrow(cfg, 1, 1, 1), base, limit1, rounds);

@@ -30,7 +30,6 @@ extern "C" void on_signal(int) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  sparrow::core::choose_blas_kernels(argv);
   CLI::App app{"sparrow-client: trains tasks from a Sparrow server and sends compressed updates"};
   std::string config_path;
   std::vector<std::string> overrides;

@@ -52,7 +52,7 @@ BlasInfo blas_info() {
     std::ostringstream os;
     os << config();
     if (auto core = sym<char* (*)()>("openblas_get_corename")) os << ", core " << core();
-    if (std::getenv("SPARROW_OPENBLAS_CORETYPE_SET")) os << " (set by sparrow: AVX-512 CPU)";
+    if (const char* forced = std::getenv("OPENBLAS_CORETYPE")) os << " (OPENBLAS_CORETYPE=" << forced << ")";
     b.detail = os.str();
     if (auto nt = sym<int (*)()>("openblas_get_num_threads")) b.threads = nt();
   } else if (auto ver = sym<const char* (*)()>("bli_info_get_version_str")) {
@@ -74,28 +74,6 @@ BlasInfo blas_info() {
     b.name = "unknown";
   }
   return b;
-}
-
-void choose_blas_kernels(char** argv) {
-  if (std::getenv("OPENBLAS_CORETYPE") != nullptr || argv == nullptr || argv[0] == nullptr) return;
-#if defined(__x86_64__)
-  auto corename = sym<char* (*)()>("openblas_get_corename");
-  if (corename == nullptr) return;
-  const std::string core = corename();
-  if (core != "Haswell" && core != "Zen") return;  // OpenBLAS's AVX2 kernels
-  __builtin_cpu_init();
-  if (!(__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("avx512vl")))
-    return;
-  // OpenBLAS picks its kernels when it is loaded, from the environment the
-  // process started with (a setenv() before main() is lost when libc
-  // initialises): so the process starts once more with the variable set.
-  setenv("OPENBLAS_CORETYPE", "SkylakeX", 1);
-  setenv("SPARROW_OPENBLAS_CORETYPE_SET", "1", 1);
-  execv("/proc/self/exe", argv);
-  unsetenv("OPENBLAS_CORETYPE");  // exec failed: carry on with the AVX2 kernels
-  unsetenv("SPARROW_OPENBLAS_CORETYPE_SET");
-#endif
 }
 
 void tune_allocator() {
@@ -130,6 +108,18 @@ std::string threads_summary(int workers) {
 
 std::string blas_warning() {
   const BlasInfo b = blas_info();
+#if defined(__x86_64__)
+  const char* forced = std::getenv("OPENBLAS_CORETYPE");
+  if (b.name == "OpenBLAS" && forced != nullptr &&
+      (std::string(forced) == "Haswell" || std::string(forced) == "Zen" || std::string(forced) == "Sandybridge")) {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512vl"))
+      return std::string("warning: OPENBLAS_CORETYPE=") + forced +
+             " in the environment makes OpenBLAS run AVX2 kernels on this AVX-512 CPU; unset it for 1.2-1.7x "
+             "faster GEMMs (docs/performance.md)";
+  }
+#endif
   if (!b.reference) return {};
   return "warning: LibTorch runs on the netlib reference BLAS, about 8x slower than an optimised one; install "
          "libopenblas0-pthread (scripts/setup.sh does) or select it with update-alternatives --config "

@@ -11,9 +11,10 @@
 // never exceeds the cores: oversubscribed, spinning BLAS threads make two
 // workers slower than one.
 //
-// OpenBLAS 0.3.21 (Debian 12) does not know AMD Zen 4/5 and runs its AVX2
-// "Haswell" kernels there, 1.2-1.7x slower than its AVX-512 "SkylakeX" ones
-// on the same CPU (docs/performance.md): see choose_blas_kernels().
+// OpenBLAS picks its kernels from the CPU (Cooperlake, i.e. AVX-512, on the
+// AMD Zen 5 CI machine) unless OPENBLAS_CORETYPE forces a core; forcing an
+// AVX2 core on an AVX-512 CPU costs 1.2-1.7x on GEMMs (docs/performance.md),
+// so blas_warning() says so.
 
 #include <string>
 
@@ -33,13 +34,6 @@ BlasInfo blas_info();
 // The number of CPU cores this process may run on (its affinity mask).
 int available_cores();
 
-// Call first thing in main(): when OpenBLAS runs its AVX2 kernels on a CPU
-// with AVX-512 (F, BW, DQ, VL) and OPENBLAS_CORETYPE is unset, re-executes
-// the program (same argv, same pid) with OPENBLAS_CORETYPE=SkylakeX. Returns
-// when nothing is to be done or the exec failed. Set OPENBLAS_CORETYPE
-// yourself (any value OpenBLAS knows) to keep your choice.
-void choose_blas_kernels(char** argv);
-
 // glibc malloc settings for training loops (large blocks stay in the heap
 // instead of being mmap'ed and unmapped every step). configure_threads calls it.
 void tune_allocator();
@@ -52,8 +46,9 @@ int configure_threads(int workers, int threads = 0);
 // One line for logs: "BLAS: OpenBLAS 0.3.21 (SkylakeX), 1 thread; ATen 1 thread x 2 workers on 2 cores".
 std::string threads_summary(int workers);
 
-// A warning line when the BLAS is the reference one (empty otherwise), naming
-// the Debian package that fixes it.
+// A warning line when the BLAS is the reference one (naming the Debian
+// package that fixes it) or when OPENBLAS_CORETYPE forces AVX2 kernels on an
+// AVX-512 CPU; empty otherwise.
 std::string blas_warning();
 
 }  // namespace sparrow::core

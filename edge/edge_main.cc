@@ -30,7 +30,6 @@ extern "C" void on_signal(int) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  sparrow::core::choose_blas_kernels(argv);
   CLI::App app{"sparrow-edge: split fine-tuning between an edge device and the cloud (docs/split.md)"};
   std::string config_path, log_level = "info";
   bool insecure = false;

@@ -144,7 +144,6 @@ int keygen(const std::string& out, const std::string& name, int clients) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  sparrow::core::choose_blas_kernels(argv);
   CLI::App app{"sparrow-server: federated-learning aggregator (docs/server.md)"};
   std::string config_path;
   bool insecure = false;

@@ -40,7 +40,6 @@ std::string clock_text(double s) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  sparrow::core::choose_blas_kernels(argv);
   using namespace sparrow::simulator;
   CLI::App app{"sparrow-sim: simulate a federated-learning experiment"};
   std::string config_path, resume_dir;
