@@ -4,7 +4,6 @@
 #include <dlfcn.h>
 #include <link.h>
 #include <malloc.h>
-#include <unistd.h>
 #include <sched.h>
 
 #include <algorithm>
