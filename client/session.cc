@@ -7,9 +7,12 @@
 #include <cmath>
 #include <cstdlib>
 #include <map>
+#include <random>
 #include <sstream>
 #include <thread>
 
+#include "aggregation/dp_accountant.h"
+#include "aggregation/robust.h"
 #include "client/data_folder.h"
 #include "client/trainer.h"
 #include "compression/compressor.h"
@@ -60,6 +63,7 @@ void bind_all(core::FlatConfig& f, SessionConfig& c) {
   f.bind("device", &c.device);
   f.bind("backoff_initial_ms", &c.backoff_initial_ms);
   f.bind("backoff_max_ms", &c.backoff_max_ms);
+  f.bind("dp", &c.dp);
 }
 
 // Cross-key checks, after the file and the overrides; errors name where the key was set.
@@ -77,6 +81,13 @@ void check_session_config(const core::FlatConfig& f, const SessionConfig& c) {
   f.check("max_message_mb", c.max_message_mb >= 1 && c.max_message_mb <= 2047, "must be in [1, 2047]");
   f.check("backoff_initial_ms", c.backoff_initial_ms >= 1, "must be >= 1");
   f.check("backoff_max_ms", c.backoff_max_ms >= c.backoff_initial_ms, "must be >= backoff_initial_ms");
+  try {
+    const aggregation::DpSpec d = aggregation::DpSpec::parse(c.dp);
+    f.check("dp", d.mode != aggregation::DpSpec::Mode::kCentral,
+            "central DP is the server's setting (its `dp` key); a client takes \"none\" or \"local:clip=,noise=\"");
+  } catch (const ConfigError& e) {
+    f.fail("dp", e.what());
+  }
   if (!c.insecure) {
     f.check("server_key", !c.server_key.empty(), "must name the server's public key file (or set insecure = true)");
     f.check("key", !c.key.empty(), "must name this client's .key_secret file (or set insecure = true)");
@@ -155,6 +166,8 @@ struct ClientSession::Impl {
 
   std::unique_ptr<LocalTrainer> trainer;
   std::unique_ptr<compression::Compressor> dense;  // "none": control deltas
+  aggregation::DpSpec ldp;                         // local DP (cfg.dp)
+  std::random_device entropy;                      // local DP noise keys
 
   zmq::context_t ctx;
   std::unique_ptr<zmq::socket_t> sock;
@@ -193,6 +206,7 @@ struct ClientSession::Impl {
 
     compression::register_builtins();
     dense = compression::make_compressor("none");
+    ldp = aggregation::DpSpec::parse(cfg.dp);
     // The replica's initial weights do not matter (every train() loads the
     // global model); the digest depends on names and shapes only.
     replica = core::make_model(cfg.model, 0);
@@ -615,6 +629,18 @@ struct ClientSession::Impl {
     u.client_id = cfg.client_id;
     u.num_samples = static_cast<uint64_t>(tr.num_samples);
     u.metrics = {{"train_loss", tr.mean_loss}, {"train_seconds", secs}};
+    Weights outgoing = tr.delta;
+    if (ldp.mode == aggregation::DpSpec::Mode::kLocal) {
+      // The noise must be unknown to the server: drawn from this device's own
+      // entropy, never from the task's seed.
+      const uint64_t key = (static_cast<uint64_t>(entropy()) << 32) ^ entropy();
+      for (auto& [k, v] : outgoing) v = v.to(at::kCPU, at::kFloat);
+      const double norm = aggregation::local_dp(outgoing, ldp.clip, ldp.noise, key);
+      const auto spent =
+          aggregation::sgm_epsilon(1.0, std::max(ldp.noise, 1e-12), static_cast<int64_t>(next.rounds + 1), ldp.delta);
+      spdlog::info("event=local_dp round={} norm={:.4g} clip={} noise={} participations={} epsilon={:.4g} delta={}", r,
+                   norm, ldp.clip, ldp.noise, next.rounds + 1, spent.epsilon, ldp.delta);
+    }
     for (const auto& name : names) {
       compression::Context c;
       c.name = name;
@@ -622,7 +648,7 @@ struct ClientSession::Impl {
       c.num_workers = 1;  // the Task does not say how many clients take part
       c.round = static_cast<int64_t>(r);
       if (auto it = shared.find(name); it != shared.end()) c.shared_factor = it->second;
-      const at::Tensor d = tr.delta.at(name).to(at::kCPU, at::kFloat).contiguous();
+      const at::Tensor d = outgoing.at(name).to(at::kCPU, at::kFloat).contiguous();
       u.tensors.push_back({name, comp->encode(d, next.compressor[name], c)});
     }
     for (const auto& [name, dc] : tr.control_delta) {

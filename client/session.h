@@ -61,6 +61,7 @@ struct SessionConfig {
   std::string device = "cpu";                // "cpu" or "cuda[:N]" (training only)
   uint32_t backoff_initial_ms = 200;         // first reconnect delay
   uint32_t backoff_max_ms = 30000;           // cap of the exponential backoff
+  std::string dp = "none";  // local DP: "none" or "local:clip=C,noise=Z[,delta=]" (docs/aggregation.md)
 };
 
 // Reads a client TOML file (strict keys: an unknown key is a ConfigError naming

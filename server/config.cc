@@ -3,6 +3,7 @@
 #include <cstdio>
 #include <set>
 
+#include "aggregation/robust.h"
 #include "aggregation/server_optimizer.h"
 #include "compression/compressor.h"
 #include "core/error.h"
@@ -33,6 +34,9 @@ void bind_all(core::FlatConfig& f, ServerConfig& c) {
   f.bind("compression", &c.compression);
   f.bind("downlink", &c.downlink);
   f.bind("server_optimizer", &c.server_optimizer);
+  f.bind("aggregator", &c.aggregator);
+  f.bind("dp", &c.dp);
+  f.bind("max_buffer_mb", &c.max_buffer_mb);
   f.bind("rounds", &c.rounds);
   f.bind("clients_per_round", &c.clients_per_round);
   f.bind("min_clients", &c.min_clients);
@@ -49,8 +53,15 @@ void bind_all(core::FlatConfig& f, ServerConfig& c) {
 
 // The keys part of the run identity (identity_text), written in bind order.
 const std::set<std::string> kIdentityKeys = {
-    "model", "model_seed", "seed",         "algorithm",   "mu",       "local_epochs",     "batch_size",
-    "lr",    "momentum",   "weight_decay", "compression", "downlink", "server_optimizer", "clients_per_round"};
+    "model",      "model_seed", "seed",         "algorithm",   "mu",       "local_epochs",     "batch_size",
+    "lr",         "momentum",   "weight_decay", "compression", "downlink", "server_optimizer", "clients_per_round",
+    "aggregator", "dp"};
+
+// Identity keys added after runs existed: part of the identity only when set,
+// so databases of earlier versions keep their hash.
+bool default_identity(const std::string& key, const std::string& value) {
+  return (key == "aggregator" && value == "\"mean\"") || (key == "dp" && value == "\"none\"");
+}
 
 // "key = value" lines of `c`, every key or the identity keys only.
 std::string toml_lines(const ServerConfig& c, bool identity_only) {
@@ -58,7 +69,8 @@ std::string toml_lines(const ServerConfig& c, bool identity_only) {
   bind_all(f, const_cast<ServerConfig&>(c));  // read only
   std::string out;
   for (const std::string& key : f.keys())
-    if (!identity_only || kIdentityKeys.count(key)) out += key + " = " + f.toml_value(key) + "\n";
+    if (!identity_only || (kIdentityKeys.count(key) && !default_identity(key, f.toml_value(key))))
+      out += key + " = " + f.toml_value(key) + "\n";
   return out;
 }
 
@@ -107,12 +119,32 @@ void validate(const ServerConfig& c) {
   } catch (const ConfigError& e) {
     bad("server_optimizer", e.what());
   }
+  aggregation::RobustSpec robust;
+  aggregation::DpSpec dp;
+  try {
+    robust = aggregation::RobustSpec::parse(c.aggregator);
+  } catch (const ConfigError& e) {
+    bad("aggregator", e.what());
+  }
+  try {
+    dp = aggregation::DpSpec::parse(c.dp);
+    aggregation::check_combination(robust, dp, c.compression, c.algorithm);
+    aggregation::Aggregator check(c.aggregator, c.dp, c.clients_per_round, 0);
+  } catch (const ConfigError& e) {
+    bad("dp", e.what());
+  }
+  if (dp.mode == aggregation::DpSpec::Mode::kLocal)
+    bad("dp", "local DP is each client's own setting (sparrow-client's `dp` key); the server takes none or central");
+  if (!(c.max_buffer_mb > 0)) bad("max_buffer_mb", "must be > 0");
   if (c.rounds < 1) bad("rounds", "must be >= 1");
   if (c.clients_per_round < 1) bad("clients_per_round", "must be >= 1");
   if (c.min_clients < 0 || c.min_clients > c.clients_per_round)
     bad("min_clients", "must be in [0, clients_per_round] (0 = clients_per_round)");
   if (c.quorum < 1 || c.quorum > c.effective_min_clients())
     bad("quorum", "must be in [1, min_clients = " + std::to_string(c.effective_min_clients()) + "]");
+  if (robust.min_updates() > c.quorum)
+    bad("aggregator", "'" + c.aggregator + "' needs at least " + std::to_string(robust.min_updates()) +
+                          " updates per round: raise quorum (now " + std::to_string(c.quorum) + ") or lower f");
   if (!(c.round_deadline_s > 0)) bad("round_deadline_s", "must be > 0");
   if (c.max_round_wait_s < 0) bad("max_round_wait_s", "must be >= 0 (0 = 4 x round_deadline_s)");
   if (c.max_round_wait_s > 0 && c.max_round_wait_s < c.round_deadline_s)

@@ -33,6 +33,9 @@ struct ServerConfig {
   std::string compression = "none";  // uplink compressor spec (clients encode with it)
   std::string downlink = "none";     // "none" or a compressor spec for the broadcast model delta
   std::string server_optimizer = "fedavg";
+  std::string aggregator = "mean";  // robust aggregator spec (aggregation/robust.h)
+  std::string dp = "none";          // differential privacy: none | central:clip=,noise= | local:clip=,noise=
+  double max_buffer_mb = 2048;      // bound on a buffering aggregator's memory (clients_per_round × model)
 
   // Rounds.
   int rounds = 10;

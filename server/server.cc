@@ -19,6 +19,7 @@
 #include <zmq.hpp>
 
 #include "aggregation/aggregator.h"
+#include "aggregation/robust.h"
 #include "aggregation/server_optimizer.h"
 #include "compression/compressor.h"
 #include "compression/lowrank.h"
@@ -42,6 +43,7 @@ using wire::ErrorCode;
 constexpr uint64_t kSelectTag = 0x73656c65;  // "sele"
 constexpr uint64_t kTaskTag = 0x7461736b;    // "task"
 constexpr uint64_t kDownTag = 0x646f776e;    // "down"
+constexpr uint64_t kDpTag = 0x64702020;      // "dp  "
 // Frames up to this size are parsed on the I/O thread (control messages);
 // larger ones are parsed by the pool so the I/O thread keeps serving.
 constexpr size_t kInlineParseBytes = size_t{64} << 10;
@@ -146,12 +148,12 @@ struct RoundContext {
 
 // One worker's share of the open round.
 struct Partial {
-  std::unique_ptr<aggregation::StreamingAggregator> agg;
+  std::unique_ptr<aggregation::Accumulator> agg;
   Weights control_sum;
   std::map<std::string, double> metric_sum;  // Σ w·metric
   double metric_weight = 0;
-  void reset() {
-    agg->reset();
+  void reset(double clip) {
+    agg->reset(clip);
     control_sum.clear();
     metric_sum.clear();
     metric_weight = 0;
@@ -195,9 +197,10 @@ struct Server::Impl {
   std::map<std::string, compression::State> down_state;
   std::vector<wire::NamedTensor> down_last;  // C_r
   std::unique_ptr<aggregation::ServerOptimizer> opt;
-  Weights control;                               // SCAFFOLD c (empty = zeros)
-  std::map<std::string, at::Tensor> acp_shared;  // for round completed + 1
-  int64_t acp_rank = 0;                          // > 0 when the uplink is ACP
+  std::unique_ptr<aggregation::Aggregator> aggregator;  // robust aggregation, central DP
+  Weights control;                                      // SCAFFOLD c (empty = zeros)
+  std::map<std::string, at::Tensor> acp_shared;         // for round completed + 1
+  int64_t acp_rank = 0;                                 // > 0 when the uplink is ACP
   std::atomic<int64_t> completed{0};
 
   // Persistence.
@@ -282,7 +285,20 @@ struct Server::Impl {
     limits.max_bytes = cfg.max_message_bytes();
     limits.max_elements = static_cast<uint64_t>(numel) * 2 + (uint64_t{1} << 20);
     partials.resize(static_cast<size_t>(cfg.workers));
-    for (auto& p : partials) p.agg = std::make_unique<aggregation::StreamingAggregator>(shapes);
+    aggregator = std::make_unique<aggregation::Aggregator>(cfg.aggregator, cfg.dp, cfg.clients_per_round,
+                                                           rng::derive(cfg.seed, kDpTag));
+    if (aggregator->robust().buffers()) {
+      const double need = static_cast<double>(numel) * 4 * cfg.clients_per_round / (1024.0 * 1024.0);
+      SPARROW_CHECK_T(ConfigError, need <= cfg.max_buffer_mb,
+                      "config key 'aggregator' '"
+                          << cfg.aggregator << "' keeps every update of a round: " << cfg.clients_per_round
+                          << " clients x " << numel * 4 << " bytes = " << static_cast<int64_t>(need)
+                          << " MiB > max_buffer_mb = " << cfg.max_buffer_mb);
+    }
+    for (auto& p : partials) {
+      p.agg = std::make_unique<aggregation::Accumulator>(aggregator->make_accumulator(shapes));
+      p.agg->reset(aggregator->clip());
+    }
 
     open_store();
     bind();
@@ -329,6 +345,7 @@ struct Server::Impl {
   void resume(const Checkpoint& ck) {
     global = check_weights(ck.weights, "weights");
     if (!ck.server_opt.empty()) opt->deserialize_state(ck.server_opt);
+    aggregator->deserialize_state(ck.aggregator);
     if (!ck.control.empty()) control = check_weights(ck.control, "control");
     if (down) {
       if (!ck.broadcast.empty()) broadcast = check_weights(ck.broadcast, "broadcast");
@@ -854,7 +871,7 @@ struct Server::Impl {
       g.unlock();
       std::shared_ptr<RoundContext> rc = make_round_context(r, static_cast<int>(chosen.size()));
       g.lock();
-      for (auto& p : partials) p.reset();
+      for (auto& p : partials) p.reset(aggregator->clip());
       round = r;
       selected.clear();
       round_accepted = round_rejected = round_stale = 0;
@@ -918,7 +935,8 @@ struct Server::Impl {
       return true;
     }
     // 5. Aggregate.
-    aggregation::StreamingAggregator agg(shapes);
+    aggregation::Accumulator agg = aggregator->make_accumulator(shapes);
+    agg.reset(aggregator->clip());
     Weights control_sum;
     std::map<std::string, double> metric_sum;
     double metric_weight = 0;
@@ -938,12 +956,23 @@ struct Server::Impl {
       n.abandoned++;
       return true;
     }
-    Weights delta = agg.mean();
+    const std::string agg_state = aggregator->serialize_state();  // restored if the round is abandoned
+    aggregation::AggregateStats ast;
+    Weights delta;
+    try {
+      delta = aggregator->finish(agg, r, &ast);
+    } catch (const Error& e) {
+      aggregator->deserialize_state(agg_state);
+      spdlog::error("event=round_abandoned round={} error=\"{}\"", r, e.what());
+      n.abandoned++;
+      return true;
+    }
     {
       std::lock_guard<std::mutex> g(weights_mu);
       try {
         opt->step(global, delta);  // throws, changing nothing, on a non-finite delta
       } catch (const Error& e) {
+        aggregator->deserialize_state(agg_state);
         spdlog::error("event=round_abandoned round={} error=\"{}\"", r, e.what());
         n.abandoned++;
         return true;
@@ -962,7 +991,7 @@ struct Server::Impl {
     if (acp_rank > 0) {
       std::map<std::string, at::Tensor> next;
       for (const auto& nm : names) {
-        at::Tensor f = agg.factor_mean(nm);
+        at::Tensor f = agg.streaming().factor_mean(nm);
         if (f.defined()) next[nm] = compression::acp_next_shared(f);
       }
       acp_shared = std::move(next);  // tensors without a factor get their seeded initial one next round
@@ -1012,6 +1041,24 @@ struct Server::Impl {
     row.finished = unix_now();
     metrics["round.seconds"] = std::chrono::duration<double>(Clock::now() - t0).count();
     metrics["round.weight"] = agg.total_weight();
+    if (ast.clip > 0) {
+      metrics["aggregate.clip"] = ast.clip;
+      metrics["aggregate.clipped"] = static_cast<double>(ast.clipped);
+    }
+    if (aggregator->robust().method != aggregation::RobustSpec::Method::kMean)
+      metrics["aggregate.kept"] = static_cast<double>(ast.kept);
+    if (aggregator->dp().mode != aggregation::DpSpec::Mode::kNone) {
+      // Selection is not random (least recently selected first), so no
+      // sampling amplification: the most-selected client's participations,
+      // each a Gaussian mechanism.
+      int64_t most = 0;
+      {
+        std::lock_guard<std::mutex> g(mu);
+        for (const auto& [cid, crow] : clients) most = std::max<int64_t>(most, crow.selected);
+      }
+      const double eps = aggregator->epsilon(most, 1.0, most);
+      if (std::isfinite(eps)) metrics["dp.epsilon"] = eps;  // noise 0: no guarantee, nothing to report
+    }
     store->commit_round(row, metrics, checkpoint(static_cast<int64_t>(r)), dirty, cfg.keep_checkpoints);
     completed = static_cast<int64_t>(r);
     n.rounds = r;
@@ -1052,6 +1099,7 @@ struct Server::Impl {
     }
     if (!acp_shared.empty()) c.acp = serialize_weights(acp_shared);
     c.rng = "seed=" + std::to_string(cfg.seed) + ";select_round=" + std::to_string(r + 1);
+    c.aggregator = aggregator->serialize_state();
     return c;
   }
 

@@ -11,7 +11,7 @@
 namespace sparrow::server {
 namespace {
 
-constexpr int kSchemaVersion = 1;
+constexpr int kSchemaVersion = 2;  // 2: checkpoints.aggregator
 
 [[noreturn]] void throw_sqlite(sqlite3* db, const std::string& path, const std::string& what, int rc) {
   const std::string detail = db ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
@@ -87,7 +87,7 @@ const char* kSchema =
     "last_seen INTEGER, last_selected INTEGER, selected INTEGER, updates INTEGER, rejects INTEGER, "
     "num_samples INTEGER, software TEXT);"
     "CREATE TABLE IF NOT EXISTS checkpoints(round INTEGER PRIMARY KEY, weights BLOB NOT NULL, server_opt BLOB, "
-    "control BLOB, broadcast BLOB, downlink_state BLOB, downlink_last BLOB, acp BLOB, rng TEXT);";
+    "control BLOB, broadcast BLOB, downlink_state BLOB, downlink_last BLOB, acp BLOB, rng TEXT, aggregator BLOB);";
 
 }  // namespace
 
@@ -128,6 +128,12 @@ std::unique_ptr<ServerStore> ServerStore::open(const std::string& path) {
   // FULL: a committed round survives power loss too, not only a process crash.
   impl->exec("PRAGMA synchronous=FULL");
   impl->exec(kSchema);
+  {
+    // Version 1 databases: the checkpoints table lacks the aggregator column.
+    Stmt cols(impl->db, path, "SELECT COUNT(*) FROM pragma_table_info('checkpoints') WHERE name = 'aggregator'");
+    cols.step();
+    if (cols.i64(0) == 0) impl->exec("ALTER TABLE checkpoints ADD COLUMN aggregator BLOB");
+  }
   impl->exec(("PRAGMA user_version=" + std::to_string(kSchemaVersion)).c_str());
   return std::unique_ptr<ServerStore>(new ServerStore(std::move(impl)));
 }
@@ -189,7 +195,7 @@ void ServerStore::commit_round(const RoundRow& r, const std::map<std::string, do
     {
       Stmt s(impl_->db, impl_->path,
              "INSERT OR REPLACE INTO checkpoints(round, weights, server_opt, control, broadcast, downlink_state, "
-             "downlink_last, acp, rng) VALUES(?,?,?,?,?,?,?,?,?)");
+             "downlink_last, acp, rng, aggregator) VALUES(?,?,?,?,?,?,?,?,?,?)");
       s.bind(1, c.round)
           .bind_blob(2, c.weights)
           .bind_blob(3, c.server_opt)
@@ -198,7 +204,8 @@ void ServerStore::commit_round(const RoundRow& r, const std::map<std::string, do
           .bind_blob(6, c.downlink_state)
           .bind_blob(7, c.downlink_last)
           .bind_blob(8, c.acp)
-          .bind_text(9, c.rng);
+          .bind_text(9, c.rng)
+          .bind_blob(10, c.aggregator);
       s.step();
     }
     {
@@ -247,7 +254,7 @@ void ServerStore::write_clients(const std::vector<ClientRow>& clients) {
 
 std::optional<Checkpoint> ServerStore::latest_checkpoint() {
   Stmt s(impl_->db, impl_->path,
-         "SELECT round, weights, server_opt, control, broadcast, downlink_state, downlink_last, acp, rng "
+         "SELECT round, weights, server_opt, control, broadcast, downlink_state, downlink_last, acp, rng, aggregator "
          "FROM checkpoints ORDER BY round DESC LIMIT 1");
   if (!s.step()) return std::nullopt;
   Checkpoint c;
@@ -260,6 +267,7 @@ std::optional<Checkpoint> ServerStore::latest_checkpoint() {
   c.downlink_last = s.text(6);
   c.acp = s.text(7);
   c.rng = s.text(8);
+  c.aggregator = s.text(9);
   return c;
 }
 

@@ -66,6 +66,7 @@ struct Checkpoint {
   std::string downlink_last;   // downlink: C_r, the last encoded delta (a wire ModelUpdate)
   std::string acp;             // ACP shared factors for round r + 1 (State bytes)
   std::string rng;             // RNG counters ("key=value;..." text)
+  std::string aggregator;      // aggregation::Aggregator::serialize_state() (adaptive DP clip)
 };
 
 class ServerStore {

@@ -8,6 +8,8 @@
 #include <sstream>
 #include <tuple>
 
+#include "aggregation/robust.h"
+#include "simulator/attack.h"
 #include "core/error.h"
 #include "core/flat_config.h"
 #include "core/spec.h"
@@ -36,6 +38,11 @@ void bind_fields(core::FlatConfig& f, SimConfig& c) {
   f.bind("weight_decay", &c.weight_decay);
   f.bind("compression", &c.compression);
   f.bind("server_optimizer", &c.server_optimizer);
+  f.bind("aggregator", &c.aggregator);
+  f.bind("dp", &c.dp);
+  f.bind("max_buffer_mb", &c.max_buffer_mb);
+  f.bind("adversaries", &c.adversaries);
+  f.bind("attack", &c.attack);
   f.bind("workers", &c.workers);
   f.bind("client_batch", &c.client_batch);
   f.bind("threads", &c.threads);
@@ -102,6 +109,38 @@ void fold_alpha(const core::FlatConfig& f, SimConfig& c, const std::string& meth
   c.partition = spec;
 }
 
+// aggregator, dp, attack and their combinations (aggregation/robust.h).
+void check_robust(const core::FlatConfig& f, const SimConfig& c) {
+  aggregation::RobustSpec r;
+  aggregation::DpSpec d;
+  try {
+    r = aggregation::RobustSpec::parse(c.aggregator);
+  } catch (const ConfigError& e) {
+    f.fail("aggregator", e.what());
+  }
+  try {
+    d = aggregation::DpSpec::parse(c.dp);
+  } catch (const ConfigError& e) {
+    f.fail("dp", e.what());
+  }
+  try {
+    aggregation::check_combination(r, d, c.compression, c.algorithm);
+    aggregation::Aggregator check(c.aggregator, c.dp, c.clients_per_round, 0);
+  } catch (const ConfigError& e) {
+    f.fail("dp", e.what());
+  }
+  f.check("aggregator", r.min_updates() <= c.clients_per_round,
+          "'" + c.aggregator + "' needs at least " + std::to_string(r.min_updates()) +
+              " updates per round; clients_per_round is " + std::to_string(c.clients_per_round) + " (lower f)");
+  f.check("max_buffer_mb", c.max_buffer_mb > 0, "must be > 0");
+  f.check("adversaries", c.adversaries >= 0 && c.adversaries < 1, "must be in [0, 1)");
+  try {
+    AttackSpec::parse(c.attack);
+  } catch (const ConfigError& e) {
+    f.fail("attack", e.what());
+  }
+}
+
 // Cross-key validation, after the file and the overrides.
 void finish(const core::FlatConfig& f, SimConfig& c, std::optional<double> alpha) {
   f.check_finite();
@@ -123,6 +162,7 @@ void finish(const core::FlatConfig& f, SimConfig& c, std::optional<double> alpha
   f.check("weight_decay", c.weight_decay >= 0, "must be >= 0");
   spec_method(f, "compression", c.compression, {});
   spec_method(f, "server_optimizer", c.server_optimizer, {});
+  check_robust(f, c);
   f.check("workers", c.workers >= 1, "must be >= 1");
   f.check("client_batch", c.client_batch >= 0, "must be >= 0 (0 = choose automatically, 1 = one client at a time)");
   f.check("threads", c.threads >= 0, "must be >= 0 (0 = cores / workers)");

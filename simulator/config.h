@@ -57,14 +57,19 @@ struct SimConfig {
   double weight_decay = 0;                  // >= 0
   std::string compression = "none";         // compressor spec string
   std::string server_optimizer = "fedavg";  // server optimiser spec string
-  int workers = 1;                          // >= 1
-  int client_batch = 0;                     // clients trained in one pass; 0 = automatic, 1 = sequential
-  int threads = 0;                          // ATen + BLAS threads per worker; 0 = cores / workers
-  std::string device = "cpu";               // "cpu", "cuda" or "cuda:N"
-  int eval_every = 1;                       // evaluate every N rounds, >= 1
-  int checkpoint_every = 10;                // checkpoint (client states + run state) every N rounds, >= 1
-  std::string out = "runs/default";         // load_config: "runs/<file stem>" unless set
-  double deadline_s = 0;                    // round deadline in seconds, 0 = none
+  std::string aggregator = "mean";          // robust aggregator spec (aggregation/robust.h)
+  std::string dp = "none";                  // differential privacy spec: none | central:... | local:...
+  double max_buffer_mb = 2048;              // memory bound for buffering aggregators (clients_per_round rows)
+  double adversaries = 0;                   // fraction of the population that attacks, [0, 1)
+  std::string attack = "sign_flip";  // sign_flip[:scale=] | scale[:factor=] | gaussian[:std=] | label_flip | alie[:z=]
+  int workers = 1;                   // >= 1
+  int client_batch = 0;              // clients trained in one pass; 0 = automatic, 1 = sequential
+  int threads = 0;                   // ATen + BLAS threads per worker; 0 = cores / workers
+  std::string device = "cpu";        // "cpu", "cuda" or "cuda:N"
+  int eval_every = 1;                // evaluate every N rounds, >= 1
+  int checkpoint_every = 10;         // checkpoint (client states + run state) every N rounds, >= 1
+  std::string out = "runs/default";  // load_config: "runs/<file stem>" unless set
+  double deadline_s = 0;             // round deadline in seconds, 0 = none
   DeviceProfiles profiles;
 };
 

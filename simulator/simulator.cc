@@ -16,6 +16,7 @@
 #include <thread>
 
 #include "aggregation/aggregator.h"
+#include "aggregation/robust.h"
 #include "aggregation/server_optimizer.h"
 #include "client/batched_trainer.h"
 #include "client/trainer.h"
@@ -27,6 +28,7 @@
 #include "core/partition.h"
 #include "core/rng.h"
 #include "core/spec.h"
+#include "simulator/attack.h"
 #include "simulator/scheduler.h"
 #include "state/store.h"
 #include "wire/wire.h"
@@ -43,6 +45,9 @@ constexpr uint64_t kAvailTag = 0x6176616c;    // "aval"
 constexpr uint64_t kSampleTag = 0x73616d70;   // "samp"
 constexpr uint64_t kTrainTag = 0x7472616e;    // "tran"
 constexpr uint64_t kPartitionTag = 0x70617274;
+constexpr uint64_t kLocalDpTag = 0x6c647020;  // "ldp "
+constexpr uint64_t kAttackTag = 0x61747461;   // "atta"
+constexpr uint64_t kDpTag = 0x64702020;       // "dp  "
 
 const double kNaN = std::numeric_limits<double>::quiet_NaN();
 
@@ -122,13 +127,20 @@ struct ClientResult {
   state::ClientState state;  // moved into the store once encoded
 };
 
+// An ALIE adversary's honest update, held until the round's pool is complete.
+struct Deferred {
+  ClientResult* r = nullptr;
+  client::TrainResult tr;
+};
+
 struct Worker {
   std::shared_ptr<core::Model> model;
   std::unique_ptr<client::LocalTrainer> trainer;
   std::unique_ptr<client::BatchedTrainer> batched;  // null when clients train one at a time
   size_t batch = 1;                                 // clients per pass (cap)
-  std::unique_ptr<aggregation::StreamingAggregator> agg;
-  client::Weights control_sum;  // SCAFFOLD: Σ Δc_i of kept clients
+  std::unique_ptr<aggregation::Accumulator> agg;
+  client::Weights control_sum;     // SCAFFOLD: Σ Δc_i of kept clients
+  std::vector<Deferred> deferred;  // ALIE adversaries of this round
 };
 
 std::string csv_num(double v) { return std::isnan(v) ? "" : fmt_double(v); }
@@ -137,12 +149,12 @@ std::string csv_row(const RoundMetrics& m) {
   std::ostringstream os;
   os << m.round << ',' << csv_num(m.accuracy) << ',' << csv_num(m.loss) << ',' << csv_num(m.train_loss) << ','
      << m.bytes_up << ',' << m.bytes_down << ',' << csv_num(m.sim_round_s) << ',' << csv_num(m.real_s) << ','
-     << m.clients << ',' << m.dropped << '\n';
+     << m.clients << ',' << m.dropped << ',' << csv_num(m.epsilon) << ',' << csv_num(m.clip) << '\n';
   return os.str();
 }
 
 constexpr const char* kCsvHeader =
-    "round,accuracy,loss,train_loss,bytes_up,bytes_down,sim_round_s,real_s,clients,dropped\n";
+    "round,accuracy,loss,train_loss,bytes_up,bytes_down,sim_round_s,real_s,clients,dropped,epsilon,clip\n";
 
 }  // namespace
 
@@ -151,7 +163,7 @@ std::string summary_json(const Summary& s) {
   std::ostringstream os;
   os << "{\"rounds\":" << s.rounds << ",\"accuracy\":" << num(s.accuracy) << ",\"loss\":" << num(s.loss)
      << ",\"bytes_up\":" << s.bytes_up << ",\"bytes_down\":" << s.bytes_down << ",\"sim_wall_s\":" << num(s.sim_wall_s)
-     << ",\"real_s\":" << num(s.real_s) << "}";
+     << ",\"real_s\":" << num(s.real_s) << ",\"epsilon\":" << num(s.epsilon) << "}";
   return os.str();
 }
 
@@ -179,6 +191,13 @@ struct Simulator::Impl {
 
   client::Weights global;
   std::unique_ptr<aggregation::ServerOptimizer> server_opt;
+  std::unique_ptr<aggregation::Aggregator> aggregator;  // robust aggregation, central DP
+  aggregation::DpSpec dp;                               // local DP acts in finish_client
+  std::vector<char> adversary;                          // per client: attacks when selected
+  AttackSpec attack;
+  int64_t classes = 10;
+  std::vector<int64_t> participations;  // rounds each client was selected (local DP accounting)
+  int64_t most_participations = 0;
   client::Weights server_control;                // SCAFFOLD c (empty = zeros)
   std::map<std::string, at::Tensor> acp_shared;  // ACP: next round's shared factor per tensor
 
@@ -272,7 +291,7 @@ struct Simulator::Impl {
 
   void build_workers() {
     const int64_t input_dim = train_x.numel() / std::max<int64_t>(1, train_x.size(0));
-    const int64_t classes = std::max<int64_t>(10, train_y.max().item<int64_t>() + 1);
+    classes = std::max<int64_t>(10, train_y.max().item<int64_t>() + 1);
     if (cfg.model != "logreg") {
       SPARROW_CHECK_T(ConfigError, input_dim == 784 || cfg.model.rfind("torchscript:", 0) == 0,
                       "model: '" << cfg.model << "' takes 28x28 images but dataset '" << cfg.dataset << "' has "
@@ -312,8 +331,15 @@ struct Simulator::Impl {
           model_bytes += static_cast<uint64_t>(t.numel()) * 4;
         }
       }
-      wk.agg = std::make_unique<aggregation::StreamingAggregator>(shapes);
+      wk.agg = std::make_unique<aggregation::Accumulator>(aggregator->make_accumulator(shapes));
       workers.push_back(std::move(wk));
+    }
+    if (aggregator->robust().buffers()) {
+      const double need = static_cast<double>(model_bytes) * cfg.clients_per_round / (1024.0 * 1024.0);
+      SPARROW_CHECK_T(ConfigError, need <= cfg.max_buffer_mb,
+                      "aggregator '" << cfg.aggregator << "' keeps every update of a round: " << cfg.clients_per_round
+                                     << " x " << model_bytes << " bytes = " << static_cast<int64_t>(need)
+                                     << " MiB > max_buffer_mb = " << cfg.max_buffer_mb);
     }
   }
 
@@ -334,7 +360,12 @@ struct Simulator::Impl {
     db.exec("PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;");
     db.exec(
         "CREATE TABLE IF NOT EXISTS rounds(round INTEGER PRIMARY KEY, accuracy REAL, loss REAL, train_loss REAL, "
-        "bytes_up INTEGER, bytes_down INTEGER, sim_round_s REAL, real_s REAL, clients INTEGER, dropped INTEGER);");
+        "bytes_up INTEGER, bytes_down INTEGER, sim_round_s REAL, real_s REAL, clients INTEGER, dropped INTEGER, "
+        "epsilon REAL, clip REAL);");
+    // Run folders of earlier versions lack the last two columns.
+    for (const char* col : {"epsilon", "clip"})
+      sqlite3_exec(db.db, (std::string("ALTER TABLE rounds ADD COLUMN ") + col + " REAL;").c_str(), nullptr, nullptr,
+                   nullptr);
     // Checkpoint mode: client states reach client_state.db only with a
     // checkpoint, in the same transaction as the run state (set_meta), on the
     // store's background thread; see checkpoint().
@@ -359,6 +390,7 @@ struct Simulator::Impl {
     store->set_meta("checkpoint.server_opt", server_opt->serialize_state());
     store->set_meta("checkpoint.scaffold", server_control.empty() ? std::string() : serialize_weights(server_control));
     store->set_meta("checkpoint.acp", acp_shared.empty() ? std::string() : serialize_weights(acp_shared));
+    store->set_meta("checkpoint.aggregator", aggregator->serialize_state());
     if (wait)
       store->flush();
     else
@@ -392,12 +424,15 @@ struct Simulator::Impl {
     if (!so.empty()) server_opt->deserialize_state(so);
     server_control = deserialize_weights(blob("scaffold"));
     acp_shared = deserialize_weights(blob("acp"));
+    if (std::optional<std::string> a = store->get_meta("checkpoint.aggregator")) aggregator->deserialize_state(*a);
     SPARROW_CHECK_T(ConfigError, round <= cfg.rounds,
                     "resume: the run already has " << round << " rounds, more than rounds = " << cfg.rounds);
+    for (int r0 = 0; r0 < round; ++r0) count_participations(select_clients(r0));
     // Rounds after the checkpoint (a crash mid-commit) are forgotten.
     db.exec("DELETE FROM rounds WHERE round > " + std::to_string(round) + ";");
     Stmt r{db.prepare(
-        "SELECT round, accuracy, loss, train_loss, bytes_up, bytes_down, sim_round_s, real_s, clients, dropped "
+        "SELECT round, accuracy, loss, train_loss, bytes_up, bytes_down, sim_round_s, real_s, clients, dropped, "
+        "epsilon, clip "
         "FROM rounds ORDER BY round")};
     auto real = [&](int col) {
       return sqlite3_column_type(r.st, col) == SQLITE_NULL ? kNaN : sqlite3_column_double(r.st, col);
@@ -414,6 +449,8 @@ struct Simulator::Impl {
       m.real_s = real(7);
       m.clients = sqlite3_column_int(r.st, 8);
       m.dropped = sqlite3_column_int(r.st, 9);
+      m.epsilon = real(10);
+      m.clip = real(11);
       history.push_back(m);
     }
     std::ofstream csv(dir / "metrics.csv", std::ios::trunc);
@@ -434,11 +471,43 @@ struct Simulator::Impl {
     return avail;
   }
 
-  // One worker's clients, in ascending id; results go to their slots.
-  void run_worker(int w, int t, const std::vector<int64_t>& ids, std::vector<ClientResult*> out, int num_selected) {
-    Worker& wk = workers[w];
-    wk.agg->reset();
-    wk.control_sum.clear();
+  // ALIE: the round's adversaries pool their honest updates (in client-id
+  // order) and each sends μ − z·σ of the pool.
+  void send_alie(int t, int n_sel) {
+    std::vector<std::pair<Worker*, Deferred*>> all;
+    for (auto& wk : workers)
+      for (auto& d : wk.deferred) all.emplace_back(&wk, &d);
+    if (all.empty()) return;
+    std::sort(all.begin(), all.end(),
+              [](const auto& a, const auto& b) { return a.second->r->client < b.second->r->client; });
+    std::vector<client::Weights> pool;
+    for (auto& [wk, d] : all) pool.push_back(d->tr.delta);
+    const double z = attack.z > 0 ? attack.z : alie_z(n_sel, static_cast<int64_t>(all.size()));
+    const client::Weights sent = alie_update(pool, z);
+    aggregation::ContextMap ctxs = contexts(t, n_sel);
+    for (auto& [wk, d] : all) finish_client(*wk, t, *d->r, d->tr, ctxs, &sent);
+    for (auto& wk : workers) wk.deferred.clear();
+  }
+
+  // Privacy spent after `rounds` rounds (NaN without DP). Central: the
+  // sampled Gaussian mechanism with q = clients_per_round / available
+  // clients. Local: the most-selected client's participations, no
+  // amplification.
+  double epsilon_after(int rounds) const {
+    if (dp.mode == aggregation::DpSpec::Mode::kNone) return kNaN;
+    const double avail = std::max(1.0, availability * cfg.clients);
+    const double q = std::min(1.0, cfg.clients_per_round / avail);
+    return aggregator->epsilon(rounds, q, most_participations);
+  }
+
+  void count_participations(const std::vector<int64_t>& ids) {
+    if (participations.empty()) participations.assign(static_cast<size_t>(cfg.clients), 0);
+    for (int64_t c : ids)
+      most_participations = std::max<int64_t>(most_participations, ++participations[static_cast<size_t>(c)]);
+  }
+
+  // Per-tensor codec contexts of round t.
+  aggregation::ContextMap contexts(int t, int num_selected) const {
     aggregation::ContextMap ctxs;
     for (const auto& n : names) {
       compression::Context c;
@@ -450,6 +519,18 @@ struct Simulator::Impl {
       if (it != acp_shared.end()) c.shared_factor = it->second;
       ctxs[n] = c;
     }
+    return ctxs;
+  }
+
+  bool attacks(int64_t c) const { return !adversary.empty() && adversary[static_cast<size_t>(c)]; }
+
+  // One worker's clients, in ascending id; results go to their slots.
+  void run_worker(int w, int t, const std::vector<int64_t>& ids, std::vector<ClientResult*> out, int num_selected) {
+    Worker& wk = workers[w];
+    wk.agg->reset(aggregator->clip());
+    wk.control_sum.clear();
+    wk.deferred.clear();
+    aggregation::ContextMap ctxs = contexts(t, num_selected);
     const bool scaffold = cfg.algorithm == "scaffold";
     // Clients in ascending id, in passes of up to wk.batch; each pass trains,
     // then its clients are encoded and aggregated one by one in id order.
@@ -466,6 +547,7 @@ struct Simulator::Impl {
         client::ClientJob job;
         job.x = train_x.index_select(0, idx);
         job.y = train_y.index_select(0, idx);
+        if (attacks(c) && attack.kind == AttackSpec::Kind::kLabelFlip) job.y = (classes - 1) - job.y;
         job.seed = rng::derive(rng::derive(rng::derive(cfg.seed, kTrainTag), t), c);
         job.client_control = scaffold ? &r.state.control : nullptr;
         jobs.push_back(std::move(job));
@@ -490,24 +572,40 @@ struct Simulator::Impl {
         for (size_t j = j0; j < j1; ++j)
           out[j]->train_s = secs * static_cast<double>(trained[j - j0].num_samples) / work;
       }
-      for (size_t j = j0; j < j1; ++j) finish_client(wk, t, *out[j], trained[j - j0], ctxs);
+      for (size_t j = j0; j < j1; ++j) {
+        if (attacks(ids[j]) && attack.kind == AttackSpec::Kind::kAlie) {
+          wk.deferred.push_back({out[j], std::move(trained[j - j0])});  // sent once the round's pool is known
+          continue;
+        }
+        finish_client(wk, t, *out[j], trained[j - j0], ctxs);
+      }
     }
   }
 
   // Encodes one trained client's update with its compressor state, puts its
   // state into the store, and folds the update (as a server parses it) into
   // the worker's aggregate unless the straggler model drops it.
-  void finish_client(Worker& wk, int t, ClientResult& r, const client::TrainResult& tr, aggregation::ContextMap& ctxs) {
+  void finish_client(Worker& wk, int t, ClientResult& r, const client::TrainResult& tr, aggregation::ContextMap& ctxs,
+                     const client::Weights* replaced = nullptr) {
     const int64_t c = r.client;
     r.samples = tr.num_samples;
     r.train_loss = tr.mean_loss;
+    // What the client sends: an attacker's update, or its own under local DP.
+    client::Weights sent = replaced ? *replaced : tr.delta;
+    const uint64_t ckey = rng::derive(static_cast<uint64_t>(t), static_cast<uint64_t>(c));
+    if (attacks(c) && !replaced) {
+      sent = attack_update(attack, tr.delta, rng::derive(rng::derive(cfg.seed, kAttackTag), ckey));
+    } else if (!attacks(c) && dp.mode == aggregation::DpSpec::Mode::kLocal) {
+      for (auto& [n, v] : sent) v = v.to(at::kCPU, at::kFloat);
+      aggregation::local_dp(sent, dp.clip, dp.noise, rng::derive(rng::derive(cfg.seed, kLocalDpTag), ckey));
+    }
     wire::ModelUpdate u;
     u.round = static_cast<uint64_t>(t);
     u.client_id = std::to_string(c);
     u.num_samples = static_cast<uint64_t>(tr.num_samples);
     u.metrics = {{"train_loss", tr.mean_loss}};
     for (const auto& n : names) {
-      at::Tensor d = tr.delta.at(n).to(at::kCPU, at::kFloat).contiguous();
+      at::Tensor d = sent.at(n).to(at::kCPU, at::kFloat).contiguous();
       u.tensors.push_back({n, compressor->encode(d, r.state.compressor[n], ctxs[n])});
     }
     r.state.rounds += 1;
@@ -543,6 +641,7 @@ struct Simulator::Impl {
     const int t = round;
     const auto t0 = Clock::now();
     const std::vector<int64_t> ids = select_clients(t);
+    count_participations(ids);
     store->prefetch(ids);  // loaded on the store's thread while the first clients train
     std::vector<ClientResult> results(ids.size());
     std::vector<double> jobs;
@@ -578,11 +677,13 @@ struct Simulator::Impl {
       for (auto& e : errs)
         if (e) std::rethrow_exception(e);
     }
+    send_alie(t, n_sel);
     // Measured times feed the cost model in client-id order.
     for (size_t j = 0; j < ids.size(); ++j)
       cost.observe(worker_of[j], static_cast<double>(results[j].samples), results[j].train_s);
 
-    aggregation::StreamingAggregator agg(shapes);
+    aggregation::Accumulator agg = aggregator->make_accumulator(shapes);
+    agg.reset(aggregator->clip());
     client::Weights control_sum;
     for (auto& wk : workers) {
       agg.merge(*wk.agg);
@@ -614,19 +715,24 @@ struct Simulator::Impl {
     // With stragglers the server waits out the deadline.
     m.sim_round_s = m.dropped > 0 ? cfg.deadline_s : slowest;
 
+    m.epsilon = m.clip = kNaN;
     if (agg.total_weight() > 0) {
-      client::Weights delta = agg.mean();
+      aggregation::AggregateStats st;
+      client::Weights delta = aggregator->finish(agg, static_cast<uint64_t>(t), &st);
+      if (st.clip > 0) m.clip = st.clip;
       server_opt->step(global, delta);
       if (cfg.algorithm == "scaffold" && !control_sum.empty()) {
         if (server_control.empty())
           for (const auto& [n, v] : global) server_control[n] = at::zeros_like(v);
         for (const auto& [n, v] : control_sum) server_control.at(n).add_(v, 1.0 / cfg.clients);
       }
-      for (const auto& n : names) {
-        at::Tensor f = agg.factor_mean(n);
-        if (f.defined()) acp_shared[n] = compression::acp_next_shared(f);
-      }
+      if (agg.streaming().total_weight() > 0)
+        for (const auto& n : names) {
+          at::Tensor f = agg.streaming().factor_mean(n);
+          if (f.defined()) acp_shared[n] = compression::acp_next_shared(f);
+        }
     }
+    m.epsilon = epsilon_after(t + 1);
     const bool eval = (t + 1) % cfg.eval_every == 0 || t + 1 == cfg.rounds;
     m.accuracy = m.loss = kNaN;
     if (eval) {
@@ -652,7 +758,7 @@ struct Simulator::Impl {
   void commit(const RoundMetrics& m) {
     db.exec("BEGIN IMMEDIATE;");
     try {
-      Stmt r{db.prepare("INSERT OR REPLACE INTO rounds VALUES(?,?,?,?,?,?,?,?,?,?)")};
+      Stmt r{db.prepare("INSERT OR REPLACE INTO rounds VALUES(?,?,?,?,?,?,?,?,?,?,?,?)")};
       auto bind_real = [&](int i, double v) {
         if (std::isnan(v))
           sqlite3_bind_null(r.st, i);
@@ -669,6 +775,8 @@ struct Simulator::Impl {
       bind_real(8, m.real_s);
       sqlite3_bind_int(r.st, 9, m.clients);
       sqlite3_bind_int(r.st, 10, m.dropped);
+      bind_real(11, m.epsilon);
+      bind_real(12, m.clip);
       SPARROW_CHECK(sqlite3_step(r.st) == SQLITE_DONE, "run.db: " << sqlite3_errmsg(db.db));
       db.exec("COMMIT;");
     } catch (...) {
@@ -698,6 +806,15 @@ Simulator::Simulator(SimConfig cfg, bool resume) : impl_(std::make_unique<Impl>(
   compression::register_builtins();
   s.compressor = compression::make_compressor(s.cfg.compression);
   s.server_opt = std::make_unique<aggregation::ServerOptimizer>(s.cfg.server_optimizer);
+  s.aggregator = std::make_unique<aggregation::Aggregator>(s.cfg.aggregator, s.cfg.dp, s.cfg.clients_per_round,
+                                                           rng::derive(s.cfg.seed, kDpTag));
+  aggregation::check_combination(s.aggregator->robust(), s.aggregator->dp(), s.cfg.compression, s.cfg.algorithm);
+  SPARROW_CHECK_T(ConfigError, s.aggregator->robust().min_updates() <= s.cfg.clients_per_round,
+                  "aggregator: '" << s.cfg.aggregator << "' needs at least " << s.aggregator->robust().min_updates()
+                                  << " updates per round");
+  s.dp = s.aggregator->dp();
+  s.attack = AttackSpec::parse(s.cfg.attack);
+  if (s.cfg.adversaries > 0) s.adversary = choose_adversaries(s.cfg.clients, s.cfg.adversaries, s.cfg.seed);
   if (s.cfg.device != "cpu") {
     SPARROW_CHECK_T(
         ConfigError, torch::cuda::is_available(),
@@ -734,7 +851,7 @@ int Simulator::completed_rounds() const { return impl_->round; }
 Summary Simulator::summary() const {
   Summary s;
   s.rounds = impl_->round;
-  s.accuracy = s.loss = kNaN;
+  s.accuracy = s.loss = s.epsilon = kNaN;
   for (const auto& m : impl_->history) {
     s.bytes_up += m.bytes_up;
     s.bytes_down += m.bytes_down;
@@ -744,6 +861,7 @@ Summary Simulator::summary() const {
       s.accuracy = m.accuracy;
       s.loss = m.loss;
     }
+    s.epsilon = m.epsilon;
   }
   return s;
 }

@@ -72,6 +72,8 @@ struct RoundMetrics {
   int dropped = 0;          // stragglers whose update was not aggregated
   int64_t samples = 0;      // samples trained (data × local epochs); not persisted, 0 on rounds a resume reloads
   double eval_s = 0;        // of real_s, the seconds spent evaluating; not persisted
+  double epsilon = 0;       // DP: privacy spent after this round at dp's delta; NaN without DP
+  double clip = 0;          // the norm bound the aggregator applied (central DP, normclip); NaN if none
 };
 
 struct Summary {
@@ -82,9 +84,10 @@ struct Summary {
   uint64_t bytes_down = 0;
   double sim_wall_s = 0;
   double real_s = 0;
+  double epsilon = 0;  // DP: after the last completed round (NaN without DP)
 };
 
-// {"rounds":..,"accuracy":..,"loss":..,"bytes_up":..,"bytes_down":..,"sim_wall_s":..,"real_s":..}
+// {"rounds":..,"accuracy":..,"loss":..,"bytes_up":..,"bytes_down":..,"sim_wall_s":..,"real_s":..,"epsilon":..}
 // on one line; NaN values are null.
 std::string summary_json(const Summary& s);
 

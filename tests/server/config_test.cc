@@ -84,3 +84,25 @@ TEST_CASE("server config identity ignores operational keys") {
   CHECK(config_hash(d) == config_hash(c));
   CHECK(to_toml(d) == to_toml(c));
 }
+
+TEST_CASE("server config checks aggregator and dp, and they are part of the identity when set") {
+  auto bad = [](const std::string& toml) {
+    ServerConfig c = parse_server_config(toml);
+    c.insecure = true;
+    return what_of([&] { validate(c); });
+  };
+  CHECK(bad("aggregator = \"krum:f=1\"\nclients_per_round = 5\nquorum = 4\n").find("quorum") != std::string::npos);
+  CHECK(bad("aggregator = \"krum:f=1\"\nclients_per_round = 5\nquorum = 5\n").empty());
+  CHECK(bad("aggregator = \"krum:x=1\"\n").find("aggregator") != std::string::npos);
+  CHECK(bad("dp = \"central:clip=1\"\n").find("dp") != std::string::npos);
+  CHECK(bad("dp = \"local:clip=1,noise=1\"\n").find("client") != std::string::npos);
+  CHECK(bad("dp = \"central:clip=1,noise=1\"\naggregator = \"median\"\n").find("mean") != std::string::npos);
+  CHECK(bad("dp = \"central:clip=1,noise=1\"\n").empty());
+  CHECK(bad("max_buffer_mb = 0\n").find("max_buffer_mb") != std::string::npos);
+  // Defaults leave the identity of earlier databases unchanged; a set value changes it.
+  const ServerConfig a = parse_server_config("");
+  CHECK(identity_text(a).find("aggregator") == std::string::npos);
+  CHECK(identity_text(a).find("dp") == std::string::npos);
+  CHECK(config_hash(a) != config_hash(parse_server_config("aggregator = \"median\"\n")));
+  CHECK(config_hash(a) != config_hash(parse_server_config("dp = \"central:clip=1,noise=1\"\n")));
+}

@@ -573,3 +573,62 @@ TEST_CASE("CURVE admits allow-listed keys only") {
   REQUIRE(clients.size() == 1);
   CHECK(clients[0].public_key == good.public_key);  // bound to its key
 }
+
+TEST_CASE("a median round ignores one outlier client; central DP clips and reports epsilon") {
+  SUBCASE("median") {
+    ServerConfig cfg = base_config("median");
+    cfg.clients_per_round = 3;
+    cfg.quorum = 3;
+    cfg.aggregator = "median";
+    Server server(cfg, tiny_weights());
+    zmq::context_t ctx;
+    FakeClient a(ctx, server.endpoint(), "a"), b(ctx, server.endpoint(), "b"), c(ctx, server.endpoint(), "c");
+    Running run(server);
+    a.hello(server.model_digest(), 1);
+    b.hello(server.model_digest(), 1);
+    c.hello(server.model_digest(), 1000);  // a large claimed weight does not help under the median
+    a.expect<wire::Task>();
+    b.expect<wire::Task>();
+    c.expect<wire::Task>();
+    a.update(1, scaled(tiny_weights(), 0.1f), 1);
+    b.update(1, scaled(tiny_weights(), 0.2f), 1);
+    c.update(1, scaled(tiny_weights(), 1e6f), 1000);
+    a.expect<wire::Ack>();
+    b.expect<wire::Ack>();
+    c.expect<wire::Ack>();
+    run.join();
+    REQUIRE_FALSE(run.error);
+    const Weights w0 = tiny_weights();
+    for (const auto& [k, v] : server.global_weights()) CHECK(at::allclose(v, w0.at(k) + 0.2f, 1e-5, 1e-6));
+    auto store = ServerStore::open(server.config().db);
+    CHECK(store->metrics(1).at("aggregate.kept") == 3);
+  }
+  SUBCASE("central dp") {
+    ServerConfig cfg = base_config("dp");
+    cfg.dp = "central:clip=1,noise=0";
+    Server server(cfg, tiny_weights());
+    zmq::context_t ctx;
+    FakeClient a(ctx, server.endpoint(), "a"), b(ctx, server.endpoint(), "b");
+    Running run(server);
+    a.hello(server.model_digest(), 1);
+    b.hello(server.model_digest(), 5);
+    a.expect<wire::Task>();
+    b.expect<wire::Task>();
+    Weights big = scaled(tiny_weights(), 10.f);    // norm 40: clipped to 1
+    Weights small = scaled(tiny_weights(), 0.1f);  // norm 0.4: kept
+    a.update(1, big, 1);
+    b.update(1, small, 5);
+    a.expect<wire::Ack>();
+    b.expect<wire::Ack>();
+    run.join();
+    REQUIRE_FALSE(run.error);
+    const Weights w0 = tiny_weights();
+    // (clip(big) + small) / m with m = clients_per_round = 2, sample counts ignored.
+    for (const auto& [k, v] : server.global_weights())
+      CHECK(at::allclose(v, w0.at(k) + (0.25f + 0.1f) / 2, 1e-5, 1e-6));
+    auto store = ServerStore::open(server.config().db);
+    const auto m = store->metrics(1);
+    CHECK(m.at("aggregate.clipped") == 1);
+    CHECK(m.count("dp.epsilon") == 0);  // noise 0: no guarantee to report
+  }
+}

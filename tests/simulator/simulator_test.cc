@@ -113,7 +113,9 @@ TEST_CASE("simulator writes csv db and config to the run folder") {
   Simulator s(c);
   s.run();
   const std::string csv = read_file(d.path + "/metrics.csv");
-  CHECK(csv.rfind("round,accuracy,loss,train_loss,bytes_up,bytes_down,sim_round_s,real_s,clients,dropped\n", 0) == 0);
+  CHECK(
+      csv.rfind("round,accuracy,loss,train_loss,bytes_up,bytes_down,sim_round_s,real_s,clients,dropped,epsilon,clip\n",
+                0) == 0);
   // Header plus two rows; round 1 is not evaluated, so accuracy and loss are empty.
   CHECK(std::count(csv.begin(), csv.end(), '\n') == 3);
   CHECK(csv.find("\n1,,,") != std::string::npos);
@@ -306,7 +308,8 @@ TEST_CASE("summary json is one valid line") {
   s.loss = std::nan("");
   s.bytes_up = 10;
   CHECK(summary_json(s) ==
-        "{\"rounds\":3,\"accuracy\":0.5,\"loss\":null,\"bytes_up\":10,\"bytes_down\":0,\"sim_wall_s\":0,\"real_s\":0}");
+        "{\"rounds\":3,\"accuracy\":0.5,\"loss\":null,\"bytes_up\":10,\"bytes_down\":0,\"sim_wall_s\":0,\"real_s\":0,"
+        "\"epsilon\":0}");
 }
 
 TEST_CASE("sparrow-sim cli prints a json summary last and exits 2 on config errors") {
@@ -384,4 +387,138 @@ TEST_CASE("simulator client_batch: automatic choice and models that cannot be ba
     c.device = "cuda";
     CHECK_THROWS_WITH_AS(Simulator{c}, doctest::Contains("no CUDA device"), sparrow::ConfigError);
   }
+}
+
+namespace {
+double distance(const Simulator::Weights& a, const Simulator::Weights& b) {
+  double sq = 0;
+  for (const auto& [k, v] : a) sq += (v - b.at(k)).square().sum().item<double>();
+  return std::sqrt(sq);
+}
+}  // namespace
+
+TEST_CASE("simulator: sign-flip adversaries drag the mean away, krum and median hold") {
+  TempDir d0("robust_clean"), d1("robust_mean"), d2("robust_krum"), d3("robust_median");
+  SimConfig c = tiny(d0.path);
+  c.clients = 10;
+  c.clients_per_round = 10;
+  c.rounds = 3;
+  Simulator clean(c);
+  clean.run();
+  c.adversaries = 0.2;
+  c.attack = "sign_flip:scale=100";  // the mean moves with the attack's scale; krum and median do not
+  c.out = d1.path;
+  Simulator mean(c);
+  mean.run();
+  c.out = d2.path;
+  c.aggregator = "krum:f=2";
+  Simulator krum(c);
+  krum.run();
+  c.out = d3.path;
+  c.aggregator = "median";
+  Simulator median(c);
+  median.run();
+  const double dm = distance(mean.global(), clean.global());
+  CHECK(distance(krum.global(), clean.global()) < 0.5 * dm);
+  CHECK(distance(median.global(), clean.global()) < 0.5 * dm);
+}
+
+TEST_CASE("simulator: every attack runs and is reproducible") {
+  for (const std::string attack :
+       {"sign_flip", "scale:factor=5", "gaussian:std=0.5", "label_flip", "alie", "alie:z=1"}) {
+    CAPTURE(attack);
+    TempDir d1("attack_a"), d2("attack_b");
+    SimConfig c = tiny(d1.path);
+    c.clients = 10;
+    c.clients_per_round = 8;
+    c.rounds = 2;
+    c.adversaries = 0.3;
+    c.attack = attack;
+    c.aggregator = "trimmed_mean:beta=0.25";
+    Simulator a(c);
+    a.run();
+    c.out = d2.path;
+    Simulator b(c);
+    b.run();
+    check_same_weights(a.global(), b.global());
+    for (const auto& [k, v] : a.global()) CHECK(at::isfinite(v).all().item<bool>());
+  }
+}
+
+TEST_CASE("simulator: central DP reports epsilon; resume reproduces the adaptive clip") {
+  TempDir full("dp_full"), part("dp_part");
+  SimConfig c = tiny(full.path);
+  c.dp = "central:clip=0.5,noise=0.8,adaptive=1,count_noise=1";
+  Simulator a(c);
+  a.run();
+  REQUIRE(a.history().size() == 4);
+  for (size_t i = 1; i < 4; ++i) {
+    CHECK(a.history()[i].epsilon > a.history()[i - 1].epsilon);
+    CHECK(a.history()[i].clip != a.history()[i - 1].clip);  // adaptive
+  }
+  CHECK(a.history()[0].clip == 0.5);
+  CHECK(a.summary().epsilon == a.history()[3].epsilon);
+  SimConfig h = c;
+  h.out = part.path;
+  h.rounds = 2;
+  {
+    Simulator b(h);
+    b.run();
+  }
+  h.rounds = 4;
+  Simulator r(h, /*resume=*/true);
+  r.run();
+  for (size_t i = 0; i < 4; ++i) {
+    check_same_metrics(a.history()[i], r.history()[i]);
+    CHECK(a.history()[i].clip == r.history()[i].clip);
+    CHECK(a.history()[i].epsilon == r.history()[i].epsilon);
+  }
+  check_same_weights(a.global(), r.global());
+  const std::string csv = read_file(part.path + "/metrics.csv");
+  CHECK(csv.find(",0.5\n") != std::string::npos);  // round 1's clip column
+}
+
+TEST_CASE("simulator: local DP noises each client's update; epsilon counts participations") {
+  TempDir d("ldp"), d2("ldp_off");
+  SimConfig c = tiny(d.path);
+  c.dp = "local:clip=0.1,noise=1";
+  Simulator a(c);
+  a.run();
+  c.dp = "none";
+  c.out = d2.path;
+  Simulator b(c);
+  b.run();
+  CHECK(distance(a.global(), b.global()) > 1e-3);
+  CHECK(a.history()[3].epsilon > a.history()[0].epsilon);
+  CHECK(std::isnan(b.history()[3].epsilon));
+  CHECK(std::isnan(b.summary().epsilon));
+}
+
+TEST_CASE("simulator config: robust aggregation, dp and attack keys are checked") {
+  auto err = [](const std::vector<std::string>& o) {
+    try {
+      parse_config_string("", o);
+    } catch (const sparrow::ConfigError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  CHECK(err({"aggregator=krum:f=4"}).find("needs at least 11") != std::string::npos);  // clients_per_round 10
+  CHECK(err({"aggregator=bulyan:f=2", "clients_per_round=10"}).find("needs at least 11") != std::string::npos);
+  CHECK(err({"aggregator=bulyan:f=2", "clients_per_round=11"}).empty());
+  CHECK(err({"aggregator=median", "dp=central:clip=1,noise=1"}).find("mean") != std::string::npos);
+  CHECK(err({"dp=central:clip=1,noise=1", "algorithm=scaffold"}).find("scaffold") != std::string::npos);
+  CHECK(err({"aggregator=median", "compression=acp:rank=2"}).find("acp") != std::string::npos);
+  CHECK(err({"attack=sign_flop"}).find("attack") != std::string::npos);
+  CHECK(err({"attack=gaussian:sd=1"}).find("attack") != std::string::npos);
+  CHECK(err({"adversaries=1"}).find("adversaries") != std::string::npos);
+  CHECK(err({"dp=local:clip=1"}).find("dp") != std::string::npos);
+  CHECK(err({"aggregator=krum:f=3", "dp=none"}).empty());
+  CHECK(err({"aggregator=median", "max_buffer_mb=0"}).find("max_buffer_mb") != std::string::npos);
+  // The memory bound is checked against the model when the run is built.
+  TempDir d("bound");
+  SimConfig c = tiny(d.path);
+  c.aggregator = "median";
+  c.max_buffer_mb = 1e-6;
+  CHECK_THROWS_AS(Simulator{c}, sparrow::ConfigError);
 }
