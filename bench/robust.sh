@@ -3,8 +3,9 @@
 # sparrow-sim runs on examples/results/robust_base.toml (Fashion-MNIST,
 # Dirichlet(0.5), 100 clients, 20 per round, MLP). One JSON line per run:
 #   {"case":"robust","aggregator":..,"attack":..,"adversaries":..,"dp":..,"seed":..,
-#    "accuracy":..,"epsilon":..,"bytes_up":..,"real_s":..}
-# accuracy: the last evaluation (round `rounds`); epsilon: at delta = 1e-5.
+#    "rounds":..,"accuracy":..,"epsilon":..,"bytes_up":..,"real_s":..,"diverged":..}
+# accuracy: the last evaluation (round `rounds` unless the run diverged);
+# epsilon: after the last round, at delta = 1e-5.
 #   bench/robust.sh [--cases robust,dp] [--seeds 1,2] [--rounds 30] [--set key=value ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,31 +29,42 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 
 # run NAME AGGREGATOR ATTACK ADVERSARIES DP SEED
+# A run whose clients diverge (an attacked plain mean) stops with an error:
+# its line then says "diverged": true with the last evaluation before it.
 run() {
   local agg=$2 attack=$3 adv=$4 dp=$5 seed=$6
-  local summary
-  summary=$("$SIM" --config "$BASE" --set out="$out/$1" --set rounds="$rounds" --set seed="$seed" \
+  local err=0
+  "$SIM" --config "$BASE" --set out="$out/$1" --set rounds="$rounds" --set seed="$seed" \
     --set aggregator="$agg" --set attack="$attack" --set adversaries="$adv" --set dp="$dp" \
-    "${extra[@]}" 2>/dev/null | tail -n 1)
-  python3 - "$summary" "$agg" "$attack" "$adv" "$dp" "$seed" <<'PY'
-import json, sys
-s = json.loads(sys.argv[1])
-print(json.dumps({"case": "robust", "aggregator": sys.argv[2], "attack": sys.argv[3],
-                  "adversaries": float(sys.argv[4]), "dp": sys.argv[5], "seed": int(sys.argv[6]),
-                  "accuracy": s["accuracy"], "epsilon": s.get("epsilon"), "bytes_up": s["bytes_up"],
-                  "real_s": s["real_s"]}), flush=True)
+    "${extra[@]}" > "$out/$1.out" 2> "$out/$1.err" || err=$?
+  python3 - "$out/$1" "$agg" "$attack" "$adv" "$dp" "$seed" "$err" <<'PY'
+import csv, json, sys
+run, agg, attack, adv, dp, seed, err = sys.argv[1:]
+rows = list(csv.DictReader(open(run + "/metrics.csv")))
+evals = [r for r in rows if r["accuracy"]]
+last = lambda k: next((float(r[k]) for r in reversed(rows) if r.get(k)), None)
+line = {"case": "robust", "aggregator": agg, "attack": attack, "adversaries": float(adv), "dp": dp,
+        "seed": int(seed), "rounds": len(rows), "accuracy": float(evals[-1]["accuracy"]) if evals else None,
+        "epsilon": last("epsilon"), "bytes_up": sum(int(r["bytes_up"]) for r in rows),
+        "real_s": round(sum(float(r["real_s"]) for r in rows), 3), "diverged": err != "0"}
+if err != "0":
+    line["error"] = open(run + ".err").read().strip().splitlines()[-1][:200]
+print(json.dumps(line), flush=True)
 PY
 }
 
 IFS=, read -r -a seed_list <<< "$seeds"
-AGGS=(mean median "trimmed_mean:beta=0.2" "krum:f=4" "multikrum:f=4" "bulyan:f=4" "normclip:q=0.5")
+# f and beta cover the adversaries a round can hold: with 20 of 100 clients
+# adversarial and 20 selected, more than 7 in a round has probability 0.018
+# (hypergeometric); Bulyan allows at most f = (20 - 3) / 4 = 4.
+AGGS=(mean median "trimmed_mean:beta=0.35" "krum:f=7" "multikrum:f=7" "bulyan:f=4" "normclip:q=0.5")
 for seed in "${seed_list[@]}"; do
   if [[ ",$cases," == *",robust,"* ]]; then
     for agg in "${AGGS[@]}"; do
       run "clean_${seed}_$agg" "$agg" sign_flip 0 none "$seed"
       run "flip_${seed}_$agg" "$agg" "sign_flip:scale=10" 0.2 none "$seed"
     done
-    for agg in mean "trimmed_mean:beta=0.2" "multikrum:f=4" "bulyan:f=4"; do
+    for agg in mean "trimmed_mean:beta=0.35" "multikrum:f=7" "bulyan:f=4"; do
       run "alie_${seed}_$agg" "$agg" alie 0.2 none "$seed"
     done
   fi
