@@ -6,6 +6,7 @@
 #include <thread>
 #include <zmq.hpp>
 
+#include "aggregation/robust.h"
 #include "compression/compressor.h"
 #include "compression/lowrank.h"
 #include "core/error.h"
@@ -631,4 +632,51 @@ TEST_CASE("a median round ignores one outlier client; central DP clips and repor
     CHECK(m.at("aggregate.clipped") == 1);
     CHECK(m.count("dp.epsilon") == 0);  // noise 0: no guarantee to report
   }
+}
+
+TEST_CASE("a buffering aggregator over the memory bound is refused at start") {
+  ServerConfig cfg = base_config("bound");
+  cfg.aggregator = "median";
+  cfg.max_buffer_mb = 1e-6;
+  auto start = [&] { Server s(cfg, tiny_weights()); };
+  CHECK_THROWS_AS(start(), ConfigError);
+  cfg.aggregator = "mean";  // streaming: no bound applies
+  CHECK_NOTHROW(start());
+}
+
+TEST_CASE("the adaptive DP clip is checkpointed and a restarted server continues from it") {
+  ServerConfig cfg = base_config("adaptive");
+  cfg.clients_per_round = 1;
+  cfg.dp = "central:clip=1,noise=0,adaptive=1,quantile=0.5,clip_lr=0.2";
+  std::string saved;
+  {
+    Server server(cfg, tiny_weights());
+    zmq::context_t ctx;
+    FakeClient a(ctx, server.endpoint(), "a");
+    Running run(server);
+    a.hello(server.model_digest(), 1);
+    a.expect<wire::Task>();
+    a.update(1, scaled(tiny_weights(), 0.01f), 1);  // norm 0.04 <= 1: the clip shrinks
+    a.expect<wire::Ack>();
+    run.join();
+    REQUIRE_FALSE(run.error);
+    saved = ServerStore::open(cfg.db)->latest_checkpoint()->aggregator;
+  }
+  aggregation::Aggregator check("mean", cfg.dp, 1, 0);
+  check.deserialize_state(saved);
+  CHECK(check.clip() == doctest::Approx(std::exp(-0.2 * 0.5)));
+  // Round 2 after a restart clips at the checkpointed value, not at the configured one.
+  cfg.rounds = 2;
+  Server server(cfg, tiny_weights());
+  REQUIRE(server.completed_rounds() == 1);
+  zmq::context_t ctx;
+  FakeClient a(ctx, server.endpoint(), "a");
+  Running run(server);
+  a.hello(server.model_digest(), 1, 1);
+  a.expect<wire::Task>();
+  a.update(2, scaled(tiny_weights(), 1.f), 1);  // norm 4: clipped
+  a.expect<wire::Ack>();
+  run.join();
+  REQUIRE_FALSE(run.error);
+  CHECK(ServerStore::open(cfg.db)->metrics(2).at("aggregate.clip") == doctest::Approx(std::exp(-0.2 * 0.5)));
 }

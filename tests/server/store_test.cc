@@ -1,5 +1,7 @@
 #include "tests/sparrow_test.h"
 
+#include <sqlite3.h>
+
 #include <cmath>
 #include <filesystem>
 
@@ -127,4 +129,39 @@ TEST_CASE("weights serialisation is bit exact") {
   CHECK(std::signbit(back["a"][0][0].item<float>()));
   CHECK(serialize_weights(back) == bytes);
   CHECK_THROWS_AS(deserialize_weights("junk"), FormatError);
+}
+
+TEST_CASE("server store migrates a version 1 database and keeps the aggregator state") {
+  const std::string path = fresh_db("v1");
+  {
+    // The version 1 checkpoints table, with one checkpoint, as an earlier sparrow-server wrote it.
+    sqlite3* db = nullptr;
+    REQUIRE(sqlite3_open(path.c_str(), &db) == SQLITE_OK);
+    REQUIRE(sqlite3_exec(db,
+                         "CREATE TABLE checkpoints(round INTEGER PRIMARY KEY, weights BLOB NOT NULL, server_opt BLOB, "
+                         "control BLOB, broadcast BLOB, downlink_state BLOB, downlink_last BLOB, acp BLOB, rng TEXT);"
+                         "INSERT INTO checkpoints(round, weights, rng) VALUES(3, x'0102', 'seed=1');"
+                         "PRAGMA user_version=1;",
+                         nullptr, nullptr, nullptr) == SQLITE_OK);
+    sqlite3_close(db);
+  }
+  {
+    auto s = ServerStore::open(path);
+    auto c = s->latest_checkpoint();
+    REQUIRE(c.has_value());
+    CHECK(c->round == 3);
+    CHECK(c->weights == std::string("\x01\x02", 2));
+    CHECK(c->aggregator.empty());
+    s->create_run({"run-y", "h", "", 1});
+    RoundRow r;
+    r.round = 4;
+    Checkpoint k = ck(4, "weights-4");
+    k.aggregator = "SPAG1-state";
+    s->commit_round(r, {}, k, {}, 2);
+  }
+  auto s = ServerStore::open(path);  // reopening a migrated database changes nothing
+  auto c = s->latest_checkpoint();
+  REQUIRE(c.has_value());
+  CHECK(c->round == 4);
+  CHECK(c->aggregator == "SPAG1-state");
 }
