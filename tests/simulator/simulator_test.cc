@@ -522,3 +522,19 @@ TEST_CASE("simulator config: robust aggregation, dp and attack keys are checked"
   c.max_buffer_mb = 1e-6;
   CHECK_THROWS_AS(Simulator{c}, sparrow::ConfigError);
 }
+
+TEST_CASE("simulator: automatic client_batch trains the CNN one client at a time on the CPU") {
+  TempDir d("cnn_auto");
+  SimConfig c;
+  c.clients = 4;
+  c.clients_per_round = 4;
+  c.rounds = 1;
+  c.model = "cnn";
+  c.out = d.path;
+  CHECK(Simulator(c).training_mode().find("one client at a time") != std::string::npos);
+  c.client_batch = 2;  // explicit: batched anyway
+  CHECK(Simulator(c).training_mode().find("batched") != std::string::npos);
+  c.client_batch = 0;
+  c.model = "mlp";
+  CHECK(Simulator(c).training_mode().find("batched") != std::string::npos);
+}
