@@ -69,6 +69,11 @@ void bind_all(core::FlatConfig& f, SessionConfig& c) {
 // Cross-key checks, after the file and the overrides; errors name where the key was set.
 void check_session_config(const core::FlatConfig& f, const SessionConfig& c) {
   f.check("server", !c.server.empty(), "must not be empty");
+  try {
+    net::check_endpoint("server", c.server, /*for_bind=*/false);
+  } catch (const ConfigError& e) {
+    f.fail("server", e.what());
+  }
   f.check("client_id", !c.client_id.empty() && c.client_id.size() <= wire::kMaxClientIdBytes,
           "must be 1.." + std::to_string(wire::kMaxClientIdBytes) + " bytes");
   f.check("model", !c.model.empty(), "must not be empty");

@@ -128,6 +128,7 @@ CloudConfig parse_cloud_config(const std::string& toml_text, const std::vector<s
                     {"max_message_mb", &c.max_message_mb}},
                    overrides);
   SPARROW_CHECK_T(ConfigError, !c.listen.empty(), source << ": listen: must not be empty");
+  net::check_endpoint(source + ": listen", c.listen, /*for_bind=*/true);
   SPARROW_CHECK_T(ConfigError, c.insecure || (!c.key.empty() && !c.allow.empty()),
                   source << ": key and allow must be set (or insecure = true)");
   SPARROW_CHECK_T(ConfigError, c.max_message_mb >= 1 && c.max_message_mb <= 2047,
@@ -245,6 +246,7 @@ struct CloudServer::Impl {
     }
     net::set_limits(router, limits.max_bytes, static_cast<int>(cfg.heartbeat_ms));
     try {
+      net::check_endpoint("listen", cfg.listen, /*for_bind=*/true);
       router.bind(cfg.listen);
     } catch (const zmq::error_t& e) {
       throw ConfigError("listen: cannot bind '" + cfg.listen + "': " + e.what());

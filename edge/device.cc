@@ -74,6 +74,7 @@ void validate(const DeviceConfig& c) {
     if (!ok) throw ConfigError("device config: " + msg);
   };
   need(!c.cloud.empty(), "cloud: must not be empty");
+  net::check_endpoint("device config: cloud", c.cloud, /*for_bind=*/false);
   need(!c.device_id.empty() && c.device_id.size() <= wire::kMaxClientIdBytes, "device_id: must be 1..256 bytes");
   need(c.insecure || (!c.cloud_key.empty() && !c.key.empty()), "cloud_key and key must be set (or insecure = true)");
   need(c.batch_size >= 1 && c.batch_size <= 65536, "batch_size: must be in [1, 65536]");
@@ -317,7 +318,12 @@ struct EdgeDevice::Impl {
       if (now >= deadline) return std::nullopt;
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
       zmq::pollitem_t item{static_cast<void*>(*sock), 0, ZMQ_POLLIN, 0};
-      zmq::poll(&item, 1, std::chrono::milliseconds(std::min<int64_t>(left + 1, 100)));
+      try {
+        zmq::poll(&item, 1, std::chrono::milliseconds(std::min<int64_t>(left + 1, 100)));
+      } catch (const zmq::error_t& e) {
+        if (e.num() == EINTR) continue;  // a signal (SIGTERM): check_stop() decides
+        throw;
+      }
       if (!(item.revents & ZMQ_POLLIN)) continue;
       zmq::message_t frame;
       if (!sock->recv(frame, zmq::recv_flags::dontwait)) continue;

@@ -59,8 +59,9 @@ int main(int argc, char** argv) {
   if (const std::string w = sparrow::core::blas_warning(); !w.empty()) spdlog::warn("event=blas msg=\"{}\"", w);
   try {
     if (*serve) {
+      // --insecure before validation, which otherwise demands key and allow.
+      if (serve_insecure) serve_overrides.push_back("insecure=true");
       sparrow::edge::CloudConfig cfg = sparrow::edge::load_cloud_config(serve_config, serve_overrides);
-      if (serve_insecure) cfg.insecure = true;
       sparrow::edge::CloudServer cloud(cfg);
       g_cloud.store(&cloud);
       cloud.run();
@@ -74,8 +75,8 @@ int main(int argc, char** argv) {
       std::cerr << "sparrow-edge: --config FILE is required (or: sparrow-edge serve --config FILE)\n";
       return 2;
     }
+    if (insecure) overrides.push_back("insecure=true");
     sparrow::edge::DeviceConfig cfg = sparrow::edge::load_device_config(config_path, overrides);
-    if (insecure) cfg.insecure = true;
     sparrow::edge::DeviceData data = sparrow::edge::load_device_data(cfg);
     sparrow::edge::EdgeDevice device(cfg, std::move(data));
     g_device.store(&device);

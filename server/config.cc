@@ -4,6 +4,7 @@
 #include <set>
 
 #include "aggregation/robust.h"
+#include "wire/net.h"
 #include "aggregation/server_optimizer.h"
 #include "compression/compressor.h"
 #include "core/error.h"
@@ -87,6 +88,11 @@ void validate(const ServerConfig& c) {
     f.check_finite();
   }
   if (c.listen.empty()) bad("listen", "must not be empty");
+  try {
+    net::check_endpoint("listen", c.listen, /*for_bind=*/true);
+  } catch (const ConfigError& e) {
+    bad("listen", e.what());
+  }
   if (!(c.max_message_mb > 0 && c.max_message_mb <= 2047)) bad("max_message_mb", "must be in (0, 2047]");
   if (c.heartbeat_ms < 10) bad("heartbeat_ms", "must be >= 10");
   if (c.model.empty()) bad("model", "must not be empty");

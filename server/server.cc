@@ -383,6 +383,7 @@ struct Server::Impl {
     net::set_limits(router, cfg.max_message_bytes(), cfg.heartbeat_ms);
     router.set(zmq::sockopt::router_mandatory, 1);
     try {
+      net::check_endpoint("listen", cfg.listen, /*for_bind=*/true);
       router.bind(cfg.listen);
     } catch (const zmq::error_t& e) {
       throw ConfigError("listen: cannot bind '" + cfg.listen + "': " + e.what());

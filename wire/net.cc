@@ -129,7 +129,45 @@ std::string load_public_key(const std::string& path) {
   return *pub;
 }
 
+namespace {
+std::set<std::string> read_allow_list(const std::string& path);
+}  // namespace
+
 std::set<std::string> load_allow_list(const std::string& path) {
+  std::set<std::string> out = read_allow_list(path);
+  SPARROW_CHECK_T(ConfigError, !out.empty(),
+                  "allow-list '" << path << "' admits no key: no client could connect (add .key files or Z85 keys)");
+  return out;
+}
+
+void check_endpoint(const std::string& key, const std::string& endpoint, bool for_bind) {
+  auto bad = [&](const std::string& why) {
+    throw ConfigError(key + ": '" + endpoint + "' is not a usable ZeroMQ endpoint: " + why);
+  };
+  const auto sep = endpoint.find("://");
+  if (sep == std::string::npos) bad("expected tcp://HOST:PORT (or ipc://PATH, inproc://NAME)");
+  const std::string transport = endpoint.substr(0, sep), rest = endpoint.substr(sep + 3);
+  if (transport == "ipc" || transport == "inproc") {
+    if (rest.empty()) bad("empty " + transport + " address");
+    return;
+  }
+  if (transport != "tcp") bad("unknown transport '" + transport + "' (tcp, ipc or inproc)");
+  const auto colon = rest.rfind(':');
+  if (colon == std::string::npos || colon == 0) bad("expected tcp://HOST:PORT");
+  const std::string port = rest.substr(colon + 1);
+  if (port == "*") {
+    if (!for_bind) bad("a connect needs a port number, not '*'");
+    return;
+  }
+  if (port.empty() || port.size() > 5 || port.find_first_not_of("0123456789") != std::string::npos)
+    bad("port '" + port + "' is not a number in 0..65535");
+  const long p = std::stol(port);
+  if (p > 65535) bad("port " + port + " is above 65535");
+  if (p == 0 && !for_bind) bad("a connect needs a port in 1..65535");
+}
+
+namespace {
+std::set<std::string> read_allow_list(const std::string& path) {
   std::set<std::string> out;
   std::error_code ec;
   if (fs::is_directory(path, ec)) {
@@ -165,6 +203,7 @@ std::set<std::string> load_allow_list(const std::string& path) {
   }
   return out;
 }
+}  // namespace
 
 ZapHandler::ZapHandler(zmq::context_t& ctx, std::set<std::string> allowed, Observer observer)
     : socket_(ctx, zmq::socket_type::rep), allowed_(std::move(allowed)), observer_(std::move(observer)) {

@@ -58,8 +58,16 @@ std::string load_public_key(const std::string& path);
 // one entry per line, each either a Z85 public key or the path of a .key file
 // (relative to the list's directory). A comment starts with a '#' at the start
 // of a line or after whitespace ('#' is a Z85 character, so a key may hold one).
-// ConfigError for an entry that is neither.
+// ConfigError for an entry that is neither, and for a list that admits no key
+// (a CURVE server behind it could never be reached).
 std::set<std::string> load_allow_list(const std::string& path);
+
+// Checks a ZeroMQ endpoint before bind/connect, so that a typo is a clear
+// ConfigError naming `key` rather than libzmq's "Invalid argument" or a silent
+// wrap-around: "tcp://HOST:PORT" with PORT in 0..65535 ('*' or 0 only when
+// `for_bind`: an ephemeral port), "ipc://PATH" or "inproc://NAME" with a
+// non-empty rest.
+void check_endpoint(const std::string& key, const std::string& endpoint, bool for_bind);
 
 // The ZAP authenticator for one context. Construct it before binding a CURVE
 // server socket on `ctx` (libzmq consults the handler for every handshake once

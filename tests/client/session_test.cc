@@ -643,4 +643,13 @@ TEST_CASE("client config: strict keys and overrides") {
   CHECK_THROWS_WITH_AS(client::parse_session_config("client_id = \"c1\"\n"), doctest::Contains("server_key"),
                        ConfigError);
   CHECK_THROWS_AS(client::parse_session_config(base + "server = \n"), ConfigError);
+  // An endpoint typo is named, not libzmq's bare "Invalid argument".
+  CHECK_THROWS_WITH_AS(client::parse_session_config(base, {"server=notanendpoint"}),
+                       doctest::Contains("not a usable ZeroMQ endpoint"), ConfigError);
+  CHECK_THROWS_WITH_AS(client::parse_session_config(base, {"server=tcp://127.0.0.1:99999"}),
+                       doctest::Contains("above 65535"), ConfigError);
+  // Local DP is the client's; central DP is the server's.
+  CHECK(client::parse_session_config(base, {"dp=local:clip=1,noise=1"}).dp == "local:clip=1,noise=1");
+  CHECK_THROWS_WITH_AS(client::parse_session_config(base, {"dp=central:clip=1,noise=1"}), doctest::Contains("server"),
+                       ConfigError);
 }

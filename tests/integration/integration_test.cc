@@ -571,3 +571,30 @@ TEST_CASE("integration: a client killed mid-round does not stall the round") {
   CHECK(c2->wait(15s) == 0);
   fs::remove_all(dir);
 }
+
+TEST_CASE("integration: sparrow-edge honours --insecure and stops cleanly on SIGTERM") {
+  const std::string dir = fresh_dir("edge_cli");
+  const std::string kEdgeBin = kBin + "/sparrow-edge";
+  // No key and no allow-list: only --insecure makes this config valid.
+  std::ofstream(dir + "/cloud.toml") << "listen = \"tcp://127.0.0.1:0\"\nmodel = \"cnn\"\ncut = \"conv2\"\n";
+  CHECK(run_tool({kEdgeBin, "serve", "--config", dir + "/cloud.toml"}, dir + "/secure.log") == 2);
+  Process cloud({kEdgeBin, "serve", "--config", dir + "/cloud.toml", "--insecure"}, dir + "/cloud.log");
+  REQUIRE_MESSAGE(cloud.wait_for_log("event=listening", 60s), cloud.log());
+  cloud.signal(SIGTERM);
+  CHECK(cloud.wait(30s) == std::optional<int>(0));
+  // A device waiting on a silent cloud: SIGTERM interrupts its poll, which
+  // must end as a clean stop (130), not as "fatal: Interrupted system call".
+  // Backoff of 1 ms: the device spends its time in the poll for the Welcome.
+  std::ofstream(dir + "/device.toml") << "cloud = \"tcp://127.0.0.1:9\"\ndevice_id = \"d1\"\nmodel = \"cnn\"\n"
+                                      << "cut = \"conv2\"\nsteps = 5\nreply_timeout_ms = 300\n"
+                                      << "backoff_initial_ms = 1\nbackoff_max_ms = 1\nmax_reconnects = 1000000\n"
+                                      << "progress = \"" << dir << "/progress.bin\"\n";
+  Process device({kEdgeBin, "--config", dir + "/device.toml", "--insecure"}, dir + "/device.log");
+  REQUIRE_MESSAGE(device.wait_for_log("event=backoff", 60s), device.log());
+  std::this_thread::sleep_for(150ms);
+  device.signal(SIGTERM);
+  const auto rc = device.wait(30s);
+  CHECK_MESSAGE(rc == std::optional<int>(130), device.log());
+  CHECK(device.log().find("Interrupted system call") == std::string::npos);
+  fs::remove_all(dir);
+}

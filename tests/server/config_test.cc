@@ -63,6 +63,8 @@ TEST_CASE("server config rejects wrong types and bad values") {
   CHECK(bad("momentum = 1.5\n").find("momentum") != std::string::npos);
   CHECK(bad("round_deadline_s = 0\n").find("round_deadline_s") != std::string::npos);
   CHECK(bad("workers = 0\n").find("workers") != std::string::npos);
+  CHECK(bad("listen = \"tcp://127.0.0.1:99999\"\n").find("listen") != std::string::npos);  // not a silent wrap-around
+  CHECK(bad("listen = \"localhost:7070\"\n").find("listen") != std::string::npos);
   CHECK(bad("").empty());
 }
 

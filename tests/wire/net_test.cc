@@ -83,7 +83,25 @@ TEST_CASE("net: allow lists from a directory or a file") {
   REQUIRE(hashed.public_key.find('#') != std::string::npos);
   std::ofstream(dir + "/hash.txt") << hashed.public_key << "\n" << hashed.public_key << "\t# again\n";
   CHECK(net::load_allow_list(dir + "/hash.txt") == std::set<std::string>{hashed.public_key});
+
+  // A list that admits nobody is refused: a server behind it could never be reached.
+  std::ofstream(dir + "/empty.txt") << "# nobody yet\n";
+  CHECK_THROWS_WITH_AS(net::load_allow_list(dir + "/empty.txt"), doctest::Contains("admits no key"), ConfigError);
+  fs::create_directories(dir + "/none");
+  CHECK_THROWS_WITH_AS(net::load_allow_list(dir + "/none"), doctest::Contains("admits no key"), ConfigError);
   fs::remove_all(dir);
+}
+
+TEST_CASE("net: endpoints are checked before bind and connect") {
+  for (const char* ok :
+       {"tcp://127.0.0.1:7070", "tcp://*:0", "tcp://*:*", "tcp://[::1]:65535", "ipc:///tmp/s.sock", "inproc://x"})
+    CHECK_NOTHROW(net::check_endpoint("listen", ok, true));
+  CHECK_NOTHROW(net::check_endpoint("server", "tcp://host.example:1", false));
+  for (const char* bad : {"notanendpoint", "tcp://127.0.0.1:99999", "tcp://127.0.0.1", "tcp://:80", "udp://h:1",
+                          "tcp://h:7o70", "tcp://h:", "ipc://"})
+    CHECK_THROWS_WITH_AS(net::check_endpoint("listen", bad, true), doctest::Contains("listen"), sparrow::ConfigError);
+  CHECK_THROWS_AS(net::check_endpoint("server", "tcp://h:*", false), sparrow::ConfigError);
+  CHECK_THROWS_AS(net::check_endpoint("server", "tcp://h:0", false), sparrow::ConfigError);
 }
 
 TEST_CASE("net: CURVE admits listed keys only and names the sender") {
