@@ -67,7 +67,8 @@ bool all_finite(const float* v, size_t n) {
 at::Tensor float_view(const ActPacket& p, size_t byte_offset, int64_t count) {
   // Copy: the packet's buffer need not be aligned for float and must not be aliased.
   at::Tensor t = at::empty({count}, at::kFloat);
-  std::memcpy(t.data_ptr<float>(), p.data.data() + byte_offset, static_cast<size_t>(count) * 4);
+  // count 0 (a k = 0 top-k packet): an empty tensor's and vector's pointers may be null.
+  if (count > 0) std::memcpy(t.data_ptr<float>(), p.data.data() + byte_offset, static_cast<size_t>(count) * 4);
   return t;
 }
 
@@ -525,8 +526,10 @@ ActPacket ActCodec::encode(const at::Tensor& x, CodecState& state, bool infer) c
       p.format = ActFormat::kTopK;
       p.params = {static_cast<uint32_t>(k)};
       p.data.resize(static_cast<size_t>(8 * k));
-      std::memcpy(p.data.data(), idx32.data_ptr<int32_t>(), static_cast<size_t>(4 * k));
-      std::memcpy(p.data.data() + 4 * k, vals.data_ptr<float>(), static_cast<size_t>(4 * k));
+      if (k > 0) {
+        std::memcpy(p.data.data(), idx32.data_ptr<int32_t>(), static_cast<size_t>(4 * k));
+        std::memcpy(p.data.data() + 4 * k, vals.data_ptr<float>(), static_cast<size_t>(4 * k));
+      }
       break;
     }
   }

@@ -272,6 +272,17 @@ TEST_CASE("act codec: dense and topk round trips") {
         x.abs().masked_select(kept.logical_not()).max().item<float>());
 }
 
+TEST_CASE("act codec: a k = 0 top-k packet decodes to zeros") {
+  // Was a memcpy from a null pointer (undefined behaviour, reported by UBSan).
+  ActPacket p;
+  p.format = ActFormat::kTopK;
+  p.shape = {4, 15};
+  p.params = {0};
+  const at::Tensor d = decode(roundtrip(p));
+  CHECK(d.sizes() == at::IntArrayRef({4, 15}));
+  CHECK(d.abs().sum().item<float>() == 0);
+}
+
 TEST_CASE("act codec: bad packets are rejected") {
   torch::manual_seed(6);
   CodecState st;
