@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "core/flat_config.h"
 #include "core/model_digest.h"
+#include "core/spec.h"
 #include "edge/act_codec.h"
 #include "edge/split.h"
 #include "wire/net.h"
@@ -378,6 +379,24 @@ struct CloudServer::Impl {
     return torch::tensor(a.labels, torch::kLong);
   }
 
+  // The codec a device names must be a valid spec whose method produces the
+  // payload's format (FormatError otherwise, before anything changes).
+  static void check_codec(const wire::SplitActivation& a, const ActPacket& p) {
+    std::string method;
+    try {
+      ActCodec codec(a.codec);
+      method = Spec::parse(a.codec).method();
+    } catch (const ConfigError& e) {
+      throw FormatError("activation: codec '" + a.codec + "' is not a valid codec: " + e.what());
+    }
+    const std::string f = act_format_name(p.format);
+    const bool ok = (method == "none" && f == "dense") || (method == "topk" && f == "topk") ||
+                    ((method == "q8" || method == "q4") && f == "quant") ||
+                    (method == "lowrank" && (f.rfind("lowrank", 0) == 0 || f == "projected"));
+    SPARROW_CHECK_T(FormatError, ok,
+                    "activation: codec '" << a.codec << "' does not produce the payload's format '" << f << "'");
+  }
+
   void on_activation(const std::string& rid, const wire::SplitActivation& a) {
     auto r = by_route.find(rid);
     if (r == by_route.end() || r->second != a.session) {
@@ -398,6 +417,7 @@ struct CloudServer::Impl {
       return;
     }
     const ActPacket p = ActPacket::deserialize(a.payload.data(), a.payload.size());
+    check_codec(a, p);
     const at::Tensor y = labels_tensor(a, p);
     split->top.train(true);
     sgd->zero_grad();
@@ -471,6 +491,7 @@ struct CloudServer::Impl {
 
   void on_eval(const std::string& rid, Session& s, const wire::SplitActivation& a) {
     const ActPacket p = ActPacket::deserialize(a.payload.data(), a.payload.size());
+    check_codec(a, p);
     const at::Tensor y = labels_tensor(a, p);
     torch::NoGradGuard no_grad;
     split->top.train(false);

@@ -261,6 +261,16 @@ TEST_CASE("edge net: bad activations get an Error and change nothing") {
     const ActPacket p = ActCodec("none").encode(torch::randn({4, 199}), st);
     expect_error(raw.activation(1, p, {0, 1, 2, 3}), "shape");
   }
+  SUBCASE("codec that is not a codec") {
+    auto a = raw.activation(1, good, {0, 1, 2, 3});
+    a.codec = "foo:bar=1";
+    expect_error(a, "codec foo");
+  }
+  SUBCASE("codec that does not match the payload") {
+    auto a = raw.activation(1, good, {0, 1, 2, 3});  // a dense payload
+    a.codec = "topk:ratio=0.1";
+    expect_error(a, "codec mismatch");
+  }
   SUBCASE("labels out of range") { expect_error(raw.activation(1, good, {0, 1, 2, 99}), "labels"); }
   SUBCASE("negative label") { expect_error(raw.activation(1, good, {0, -1, 2, 3}), "negative label"); }
   SUBCASE("unknown session") {
