@@ -150,10 +150,24 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
       correction.push_back(std::move(c));
     }
   }
+  // Where each step's gradient goes. Plain SGD (no momentum, weight decay,
+  // proximal or control term) is fused into the backward: the weight-gradient
+  // GEMMs write the weights (alpha = -lr, beta = 1), so no gradient is ever
+  // stored and every weight is read and written once per step. With momentum
+  // the gradient accumulates into the momentum buffer (beta = momentum; the
+  // extra terms are added to it before the step), which is the same
+  // arithmetic as torch::optim::SGD's buf = momentum * buf + g. Otherwise
+  // gradient buffers reused by every step.
+  const bool fused_sgd = cfg_.momentum == 0 && cfg_.weight_decay == 0 && !prox_ && !scaffold_;
+  const bool into_momentum = cfg_.momentum > 0;
+  std::vector<at::Tensor> grad_stack;
+  if (!fused_sgd && !into_momentum)
+    for (size_t i = 0; i < np; ++i) grad_stack.push_back(at::empty_like(stack[i]));
   at::Tensor step_loss = at::zeros({total_steps, k_all}, popt);
   std::vector<int64_t> sample_shape(x_all.sizes().begin() + 1, x_all.sizes().end());
 
   replica_->train();
+  std::vector<at::Tensor> ps(np), gs(np);
   for (int64_t s = 0; s < total_steps; ++s) {
     const int64_t ka = active[s], b = batch[s];
     const at::Tensor idx = rows_dev.narrow(0, start[s], ka * b);
@@ -161,34 +175,32 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
     xshape.insert(xshape.end(), sample_shape.begin(), sample_shape.end());
     const at::Tensor xb = x_all.index_select(0, idx).view(xshape);
     const at::Tensor yb = y_all.index_select(0, idx);
-    std::vector<at::Tensor> leaves(np);
-    for (size_t i = 0; i < np; ++i) leaves[i] = stack[i].narrow(0, 0, ka).detach().requires_grad_(true);
-    at::Tensor per_client;
-    {
-      at::AutoGradMode grad_on(true);
-      const at::Tensor logits = replica_->forward_clients(leaves, xb);
-      if (s == 0) {
-        SPARROW_CHECK(
-            logits.dim() == 3 && logits.size(0) == ka && logits.size(1) == b,
-            "forward_clients must return {clients, batch, classes}, got " << detail::shape_str(logits.sizes()));
-        const int64_t hi = y_all.max().item<int64_t>();
-        SPARROW_CHECK(hi < logits.size(2),
-                      "training data: class label " << hi << " but the model has " << logits.size(2) << " outputs");
-      }
-      const at::Tensor ce =
-          at::cross_entropy_loss(logits.reshape({ka * b, logits.size(2)}), yb, {}, at::Reduction::None);
-      per_client = (ce * weights_dev.narrow(0, start[s], ka * b)).view({ka, b}).sum(1);
-      per_client.sum().backward();
-    }
-    step_loss[s].narrow(0, 0, ka).copy_(per_client);
     for (size_t i = 0; i < np; ++i) {
-      at::Tensor g = leaves[i].grad();
-      if (!g.defined()) continue;  // unused parameter: torch::optim::SGD skips it too
-      at::Tensor p = stack[i].narrow(0, 0, ka);
-      at::Tensor corr = scaffold_ ? correction[i].narrow(0, 0, ka) : at::Tensor();
-      at::Tensor mom = cfg_.momentum > 0 ? momentum[i].narrow(0, 0, ka) : at::Tensor();
-      detail::sgd_update(p, g, cfg_, prox_ ? &anchor[i] : nullptr, scaffold_ ? &corr : nullptr,
-                         cfg_.momentum > 0 ? &mom : nullptr, s == 0);
+      ps[i] = stack[i].narrow(0, 0, ka);
+      gs[i] = fused_sgd ? ps[i] : (into_momentum ? momentum[i] : grad_stack[i]).narrow(0, 0, ka);
+    }
+    if (s == 0) {  // once per call: labels within the model's outputs
+      const at::Tensor logits = replica_->forward_clients(ps, xb);
+      SPARROW_CHECK(
+          logits.dim() == 3 && logits.size(0) == ka && logits.size(1) == b,
+          "forward_clients must return {clients, batch, classes}, got " << detail::shape_str(logits.sizes()));
+      const int64_t hi = y_all.max().item<int64_t>();
+      SPARROW_CHECK(hi < logits.size(2),
+                    "training data: class label " << hi << " but the model has " << logits.size(2) << " outputs");
+    }
+    const double alpha = fused_sgd ? -cfg_.lr : 1.0;
+    const double beta = fused_sgd ? 1.0 : (into_momentum && s > 0 ? cfg_.momentum : 0.0);
+    step_loss[s].narrow(0, 0, ka).copy_(
+        replica_->loss_backward_clients(ps, xb, yb, weights_dev.narrow(0, start[s], ka * b), gs, alpha, beta));
+    if (fused_sgd) continue;
+    for (size_t i = 0; i < np; ++i) {
+      // gs[i] is the gradient, or momentum * buf + gradient; add the
+      // algorithm's terms as detail::sgd_update does, then step.
+      at::Tensor& g = gs[i];
+      if (prox_) g.add_(ps[i], cfg_.mu).sub_(anchor[i], cfg_.mu);
+      if (scaffold_) g.add_(correction[i].narrow(0, 0, ka));
+      if (cfg_.weight_decay != 0) g.add_(ps[i], cfg_.weight_decay);
+      ps[i].add_(g, -cfg_.lr);
     }
   }
 

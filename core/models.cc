@@ -8,6 +8,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "core/linear_cpu.h"
 #include "core/spec.h"
 
 namespace sparrow::core {
@@ -23,6 +24,37 @@ void check_clients(const std::vector<at::Tensor>& p, size_t count, const at::Ten
   for (const auto& t : p)
     SPARROW_CHECK(t.dim() >= 2 && t.size(0) == x.size(0),
                   "forward_clients: parameters " << t.sizes() << " do not stack " << x.size(0) << " clients");
+}
+
+// loss_backward_clients' gradient buffers: one per parameter, same shape, contiguous.
+void check_grads(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g) {
+  SPARROW_CHECK(g.size() == p.size(), "loss_backward_clients: " << g.size() << " gradient buffers for " << p.size()
+                                                                << " parameters");
+  for (size_t i = 0; i < p.size(); ++i)
+    SPARROW_CHECK(g[i].sizes() == p[i].sizes() && g[i].is_contiguous(),
+                  "loss_backward_clients: gradient buffer " << i << " is " << g[i].sizes() << ", parameter "
+                                                            << p[i].sizes());
+}
+
+// The raw CPU path (core/linear_cpu.h) applies to float32 CPU tensors whose
+// stacks are contiguous (BatchedTrainer's are).
+bool cpu_fast_path(const std::vector<at::Tensor>& p, const at::Tensor& x) {
+  if (!x.device().is_cpu() || x.scalar_type() != at::kFloat) return false;
+  for (const auto& t : p)
+    if (!t.device().is_cpu() || t.scalar_type() != at::kFloat || !t.is_contiguous()) return false;
+  return true;
+}
+
+// Client c's Linear layer whose weight is p[i] and bias p[i + 1].
+cpu::LinearRef linear_ref(const std::vector<at::Tensor>& p, std::vector<at::Tensor>& g, size_t i, int64_t c) {
+  cpu::LinearRef r;
+  r.out = p[i].size(1);
+  r.in = p[i].size(2);
+  r.w = p[i].data_ptr<float>() + c * r.out * r.in;
+  r.b = p[i + 1].data_ptr<float>() + c * r.out;
+  r.gw = g[i].data_ptr<float>() + c * r.out * r.in;
+  r.gb = g[i + 1].data_ptr<float>() + c * r.out;
+  return r;
 }
 
 // Accepts [N, 1, 28, 28], [N, 28, 28] and [N, 784] for the 28x28 grey-scale models.
@@ -67,6 +99,38 @@ class Mlp final : public Model {
     h = torch::relu(linear_clients(h, p[0], p[1]));
     h = torch::relu(linear_clients(h, p[2], p[3]));
     return linear_clients(h, p[4], p[5]).transpose(1, 2);
+  }
+  at::Tensor loss_backward_clients(const std::vector<at::Tensor>& p, const at::Tensor& x, const at::Tensor& y,
+                                   const at::Tensor& w, std::vector<at::Tensor>& g, double alpha,
+                                   double beta) override {
+    check_clients(p, 6, x);
+    check_grads(p, g);
+    const int64_t k = x.size(0), b = x.size(1);
+    if (cpu_fast_path(p, x)) {
+      const at::Tensor xc = x.reshape({k, b, 784}).contiguous();
+      const at::Tensor yc = y.contiguous(), wc = w.contiguous();
+      at::Tensor loss = at::empty({k}, x.options());
+      for (int64_t c = 0; c < k; ++c) {
+        std::vector<cpu::LinearRef> layers;
+        for (int l = 0; l < 3; ++l) layers.push_back(linear_ref(p, g, 2 * l, c));
+        loss.data_ptr<float>()[c] = cpu::linear_chain_step(b, xc[c].data_ptr<float>(), layers, yc.data_ptr<int64_t>() + c * b,
+                                         wc.data_ptr<float>() + c * b, nullptr, static_cast<float>(alpha),
+                                         static_cast<float>(beta));
+      }
+      return loss;
+    }
+    const at::Tensor xt = x.reshape({k, b, 784});  // batch-major: the transpose of the feature-major input
+    const at::Tensor a1 = linear_clients(xt.transpose(1, 2), p[0], p[1]).relu_();  // [K, 200, B]
+    const at::Tensor a2 = linear_clients(a1, p[2], p[3]).relu_();
+    at::Tensor dz3 = linear_clients(a2, p[4], p[5]);  // logits [K, 10, B]
+    const at::Tensor loss = softmax_xent_backward_clients(dz3, y, w);
+    // Each layer's input gradient before its weights' (which may be the weights).
+    const at::Tensor dz2 = at::threshold_backward(at::bmm(p[4].transpose(1, 2), dz3), a2, 0);
+    linear_clients_backward(dz3, a2.transpose(1, 2), g[4], g[5], alpha, beta);
+    const at::Tensor dz1 = at::threshold_backward(at::bmm(p[2].transpose(1, 2), dz2), a1, 0);
+    linear_clients_backward(dz2, a1.transpose(1, 2), g[2], g[3], alpha, beta);
+    linear_clients_backward(dz1, xt, g[0], g[1], alpha, beta);
+    return loss;
   }
   at::Tensor forward_stages(const at::Tensor& x, size_t begin, size_t end) override {
     check_stage_range(begin, end, 3);
@@ -140,6 +204,58 @@ class Cnn final : public Model {
     }
     h = torch::relu(linear_clients(h, p[4], p[5]));
     return linear_clients(h, p[6], p[7]).transpose(1, 2);
+  }
+  // CPU: the hand-written backward, one client after another. CUDA: autograd
+  // over the grouped forward_clients.
+  at::Tensor loss_backward_clients(const std::vector<at::Tensor>& p, const at::Tensor& x, const at::Tensor& y,
+                                   const at::Tensor& w, std::vector<at::Tensor>& g, double alpha,
+                                   double beta) override {
+    if (!cpu_fast_path(p, x)) return Model::loss_backward_clients(p, x, y, w, g, alpha, beta);
+    check_clients(p, 8, x);
+    check_grads(p, g);
+    // One client after another, each through its whole step (its activations
+    // stay in cache): convolutions by ATen (oneDNN), the Linear head by the
+    // raw path of core/linear_cpu.h, which also hands back the head's input
+    // gradient.
+    const int64_t k = x.size(0), b = x.size(1);
+    const std::vector<int64_t> kernel{2, 2}, none{0, 0}, one{1, 1}, pad{2, 2};
+    const at::Tensor yc = y.contiguous(), wc = w.contiguous();
+    at::Tensor loss = at::empty({k}, x.options());
+    at::Tensor dh = at::empty({b, 64, 7, 7}, x.options());
+    auto put = [&](at::Tensor dst, const at::Tensor& grad) {
+      if (beta == 0)
+        dst.copy_(grad).mul_(alpha);
+      else
+        (beta == 1 ? dst : dst.mul_(beta)).add_(grad, alpha);
+    };
+    for (int64_t c = 0; c < k; ++c) {
+      const at::Tensor xc = as_image28(x[c]);
+      const at::Tensor r1 = at::conv2d(xc, p[0][c], p[1][c], 1, 2).relu_();
+      at::Tensor m1, i1, m2, i2;
+      std::tie(m1, i1) = at::max_pool2d_with_indices(r1, kernel, kernel);
+      const at::Tensor r2 = at::conv2d(m1, p[2][c], p[3][c], 1, 2).relu_();
+      std::tie(m2, i2) = at::max_pool2d_with_indices(r2, kernel, kernel);
+      m2 = m2.contiguous();  // [B, 64, 7, 7] = the head's batch-major input [B, 3136]
+      const std::vector<cpu::LinearRef> head{linear_ref(p, g, 4, c), linear_ref(p, g, 6, c)};
+      loss.data_ptr<float>()[c] = static_cast<float>(
+          cpu::linear_chain_step(b, m2.data_ptr<float>(), head, yc.data_ptr<int64_t>() + c * b,
+                                 wc.data_ptr<float>() + c * b, dh.data_ptr<float>(), static_cast<float>(alpha),
+                                 static_cast<float>(beta)));
+      at::Tensor d = at::max_pool2d_with_indices_backward(dh, r2, kernel, kernel, none, one, false, i2);
+      d = at::threshold_backward(d, r2, 0);
+      at::Tensor dm1, dw, db;
+      std::tie(dm1, dw, db) = at::convolution_backward(d, m1, p[2][c], at::IntArrayRef{64}, one, pad, one, false,
+                                                       none, 1, {true, true, true});
+      put(g[2][c], dw);
+      put(g[3][c], db);
+      d = at::max_pool2d_with_indices_backward(dm1, r1, kernel, kernel, none, one, false, i1);
+      d = at::threshold_backward(d, r1, 0);
+      std::tie(std::ignore, dw, db) = at::convolution_backward(d, xc, p[0][c], at::IntArrayRef{32}, one, pad, one,
+                                                               false, none, 1, {false, true, true});
+      put(g[0][c], dw);
+      put(g[1][c], db);
+    }
+    return loss;
   }
   at::Tensor forward_stages(const at::Tensor& x, size_t begin, size_t end) override {
     check_stage_range(begin, end, 4);
@@ -343,8 +459,59 @@ at::Tensor Model::forward_clients(const std::vector<at::Tensor>&, const at::Tens
   throw ConfigError("this model cannot train several clients in one pass");
 }
 
+at::Tensor Model::loss_backward_clients(const std::vector<at::Tensor>& p, const at::Tensor& x, const at::Tensor& y,
+                                        const at::Tensor& w, std::vector<at::Tensor>& g, double alpha, double beta) {
+  check_grads(p, g);
+  std::vector<at::Tensor> leaves(p.size());
+  for (size_t i = 0; i < p.size(); ++i) leaves[i] = p[i].detach().requires_grad_(true);
+  at::AutoGradMode grad_on(true);
+  const at::Tensor logits = forward_clients(leaves, x);  // [K, B, C]
+  const int64_t k = x.size(0), b = x.size(1);
+  SPARROW_CHECK(logits.dim() == 3 && logits.size(0) == k && logits.size(1) == b,
+                "forward_clients must return {clients, batch, classes}, got " << logits.sizes());
+  const at::Tensor ce = at::cross_entropy_loss(logits.reshape({k * b, logits.size(2)}), y, {}, at::Reduction::None);
+  const at::Tensor loss = (ce * w).view({k, b}).sum(1);
+  const std::vector<at::Tensor> grads = torch::autograd::grad({loss.sum()}, leaves, {}, false, false, true);
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < p.size(); ++i) {
+    if (beta == 0)
+      g[i].zero_();
+    else
+      g[i].mul_(beta);
+    if (grads[i].defined()) g[i].add_(grads[i], alpha);  // undefined: an unused parameter, gradient zero
+  }
+  return loss.detach();
+}
+
 at::Tensor linear_clients(const at::Tensor& h, const at::Tensor& weight, const at::Tensor& bias) {
   return at::baddbmm(bias.unsqueeze(2), weight, h);
+}
+
+at::Tensor softmax_xent_backward_clients(at::Tensor& z, const at::Tensor& y, const at::Tensor& w) {
+  const int64_t k = z.size(0), b = z.size(2);
+  const at::Tensor yv = y.view({k, 1, b});
+  const at::Tensor wv = w.view({k, 1, b});
+  z = at::log_softmax(z, 1);
+  const at::Tensor picked = z.gather(1, yv);        // log p(y) [K, 1, B]
+  const at::Tensor loss = -(picked * wv).sum({1, 2});  // [K]
+  z.exp_();                                          // softmax
+  z.scatter_(1, yv, picked.exp() - 1);               // softmax - onehot(y)
+  z.mul_(wv);
+  return loss;
+}
+
+void linear_clients_backward(const at::Tensor& dz, const at::Tensor& ht, at::Tensor& gw, at::Tensor& gb, double alpha,
+                             double beta) {
+  if (beta == 0 && alpha == 1) {
+    at::bmm_out(gw, dz, ht);
+    at::sum_out(gb, dz, {2});
+  } else {
+    gw.baddbmm_(dz, ht, beta, alpha);
+    if (beta == 0)
+      at::sum_out(gb, dz, {2}).mul_(alpha);
+    else
+      (beta == 1 ? gb : gb.mul_(beta)).add_(dz.sum(2), alpha);
+  }
 }
 
 std::shared_ptr<Model> make_model(const std::string& name, uint64_t seed) {

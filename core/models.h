@@ -44,7 +44,39 @@ class Model : public torch::nn::Module {
   // equal to forward() of a model holding params[.][k] on x[k] (up to float
   // rounding). Differentiable in params. ConfigError when not supported.
   virtual at::Tensor forward_clients(const std::vector<at::Tensor>& params, const at::Tensor& x);
+
+  // One training step's loss and gradients for K stacked clients: the
+  // softmax cross-entropy of forward_clients and its backward. params and x
+  // as forward_clients; y [K * B] class labels (int64, client-major); w
+  // [K * B] per-sample loss weights. Returns the per-client loss [K]
+  // (sum over the client's rows of w * CE) and accumulates the gradient G_i of
+  // that loss with respect to params[i] into grads[i] (same shape, contiguous):
+  // grads[i] = beta * grads[i] + alpha * G_i (beta = 0 overwrites whatever it
+  // held). grads[i] may be params[i] itself: every read of params[i] comes
+  // before the write, so alpha = -lr, beta = 1 is a plain SGD step fused into
+  // the backward (the weight-gradient GEMM writes the weights). The default
+  // runs autograd through forward_clients; "mlp" and "cnn" (on the CPU) have a
+  // hand-written backward instead, with no graph and no per-step gradient
+  // allocation, equal to autograd up to float rounding
+  // (tests/core/models_test.cc).
+  virtual at::Tensor loss_backward_clients(const std::vector<at::Tensor>& params, const at::Tensor& x,
+                                           const at::Tensor& y, const at::Tensor& w, std::vector<at::Tensor>& grads,
+                                           double alpha = 1.0, double beta = 0.0);
 };
+
+// Building blocks for loss_backward_clients.
+// Softmax cross-entropy on feature-major logits z [K, C, B] with labels y and
+// weights w ([K * B], client-major): returns the per-client loss [K]
+// (sum over the client's samples of w * CE) and replaces z by the gradient of
+// that loss with respect to z.
+at::Tensor softmax_xent_backward_clients(at::Tensor& z, const at::Tensor& y, const at::Tensor& w);
+// Backward of linear_clients for the weights: with the incoming gradient dz
+// [K, out, B] and the layer input h [K, in, B] given as its batch-major
+// transpose ht [K, B, in], gw = beta gw + alpha dz ht and gb = beta gb + alpha
+// sum_B dz. (The input gradient, weight^T dz, is the caller's, before gw is
+// written when gw is the weight itself.)
+void linear_clients_backward(const at::Tensor& dz, const at::Tensor& ht, at::Tensor& gw, at::Tensor& gb, double alpha,
+                             double beta);
 
 // Building block for forward_clients: K stacked Linear layers, feature-major:
 // h [K, in, B], weight [K, out, in], bias [K, out] -> [K, out, B] (one batched
