@@ -181,9 +181,8 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
     }
     if (s == 0) {  // once per call: labels within the model's outputs
       const at::Tensor logits = replica_->forward_clients(ps, xb);
-      SPARROW_CHECK(
-          logits.dim() == 3 && logits.size(0) == ka && logits.size(1) == b,
-          "forward_clients must return {clients, batch, classes}, got " << detail::shape_str(logits.sizes()));
+      SPARROW_CHECK(logits.dim() == 3 && logits.size(0) == ka && logits.size(1) == b,
+                    "forward_clients must return {clients, batch, classes}, got " << detail::shape_str(logits.sizes()));
       const int64_t hi = y_all.max().item<int64_t>();
       SPARROW_CHECK(hi < logits.size(2),
                     "training data: class label " << hi << " but the model has " << logits.size(2) << " outputs");

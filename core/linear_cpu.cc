@@ -106,9 +106,9 @@ void gemm_nn(int64_t m, int64_t n, int64_t k, const float* a, const float* b, fl
   const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   // Column-major kernel for C^T = B^T A^T (see blas_gemm_nn); libxsmm caches
   // the generated kernel per shape.
-  const libxsmm_smmfunction f = libxsmm_smmdispatch(static_cast<libxsmm_blasint>(n), static_cast<libxsmm_blasint>(m),
-                                                    static_cast<libxsmm_blasint>(k), nullptr, nullptr, nullptr, &one,
-                                                    &beta, nullptr, nullptr);
+  const libxsmm_smmfunction f =
+      libxsmm_smmdispatch(static_cast<libxsmm_blasint>(n), static_cast<libxsmm_blasint>(m),
+                          static_cast<libxsmm_blasint>(k), nullptr, nullptr, nullptr, &one, &beta, nullptr, nullptr);
   if (f) {
     f(b, a, c);
     return;
@@ -146,7 +146,7 @@ double linear_chain_step(int64_t batch, const float* xt, const std::vector<Linea
   if (s.buf.size() < need) s.buf.resize(need);
   size_t at = 0;
   std::vector<const float*> ht(nl);  // batch-major input of each layer
-  std::vector<float*> a(nl);          // feature-major output of each layer
+  std::vector<float*> a(nl);         // feature-major output of each layer
   ht[0] = xt;
   float* hfm = s.take(at, layers[0].in * bsz);  // the current layer's feature-major input
   transpose(xt, bsz, layers[0].in, hfm);
@@ -184,8 +184,7 @@ double linear_chain_step(int64_t batch, const float* xt, const std::vector<Linea
     const int64_t yi = y[i];
     SPARROW_CHECK(yi >= 0 && yi < classes, "class label " << yi << " but the model has " << classes << " outputs");
     loss += static_cast<double>(wt[i]) * (lse - static_cast<double>(g[yi]));
-    for (int64_t c = 0; c < classes; ++c)
-      g[c] = wt[i] * static_cast<float>(std::exp(static_cast<double>(g[c]) - lse));
+    for (int64_t c = 0; c < classes; ++c) g[c] = wt[i] * static_cast<float>(std::exp(static_cast<double>(g[c]) - lse));
     g[yi] -= wt[i];
   }
   // Backward, last layer first. dzt holds dL/dz batch-major [B, out].
@@ -200,8 +199,7 @@ double linear_chain_step(int64_t batch, const float* xt, const std::vector<Linea
     if (alpha != 1.0f) scale(dz, alpha, L.out * bsz);
     if (beta != 0.0f && beta != 1.0f) scale(L.gw, beta, L.out * L.in);
     gemm_nn(L.out, L.in, bsz, dz, ht[l], L.gw, beta != 0.0f);  // gw (+)= alpha dz h^T
-    for (int64_t o = 0; o < L.out; ++o)
-      L.gb[o] = (beta == 0.0f ? 0.0f : beta * L.gb[o]) + row_sum(dz + o * bsz, bsz);
+    for (int64_t o = 0; o < L.out; ++o) L.gb[o] = (beta == 0.0f ? 0.0f : beta * L.gb[o]) + row_sum(dz + o * bsz, bsz);
     // Through the previous layer's ReLU (ht[l] is its batch-major output):
     // dzt for layer l - 1.
     if (l > 0) relu_backward(ht[l], dht, dzt, bsz * L.in);

@@ -28,12 +28,12 @@ void check_clients(const std::vector<at::Tensor>& p, size_t count, const at::Ten
 
 // loss_backward_clients' gradient buffers: one per parameter, same shape, contiguous.
 void check_grads(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g) {
-  SPARROW_CHECK(g.size() == p.size(), "loss_backward_clients: " << g.size() << " gradient buffers for " << p.size()
-                                                                << " parameters");
+  SPARROW_CHECK(g.size() == p.size(),
+                "loss_backward_clients: " << g.size() << " gradient buffers for " << p.size() << " parameters");
   for (size_t i = 0; i < p.size(); ++i)
-    SPARROW_CHECK(g[i].sizes() == p[i].sizes() && g[i].is_contiguous(),
-                  "loss_backward_clients: gradient buffer " << i << " is " << g[i].sizes() << ", parameter "
-                                                            << p[i].sizes());
+    SPARROW_CHECK(g[i].sizes() == p[i].sizes() && g[i].is_contiguous(), "loss_backward_clients: gradient buffer "
+                                                                            << i << " is " << g[i].sizes()
+                                                                            << ", parameter " << p[i].sizes());
 }
 
 // The raw CPU path (core/linear_cpu.h) applies to float32 CPU tensors whose
@@ -113,9 +113,9 @@ class Mlp final : public Model {
       for (int64_t c = 0; c < k; ++c) {
         std::vector<cpu::LinearRef> layers;
         for (int l = 0; l < 3; ++l) layers.push_back(linear_ref(p, g, 2 * l, c));
-        loss.data_ptr<float>()[c] = cpu::linear_chain_step(b, xc[c].data_ptr<float>(), layers, yc.data_ptr<int64_t>() + c * b,
-                                         wc.data_ptr<float>() + c * b, nullptr, static_cast<float>(alpha),
-                                         static_cast<float>(beta));
+        loss.data_ptr<float>()[c] = cpu::linear_chain_step(
+            b, xc[c].data_ptr<float>(), layers, yc.data_ptr<int64_t>() + c * b, wc.data_ptr<float>() + c * b, nullptr,
+            static_cast<float>(alpha), static_cast<float>(beta));
       }
       return loss;
     }
@@ -237,15 +237,14 @@ class Cnn final : public Model {
       std::tie(m2, i2) = at::max_pool2d_with_indices(r2, kernel, kernel);
       m2 = m2.contiguous();  // [B, 64, 7, 7] = the head's batch-major input [B, 3136]
       const std::vector<cpu::LinearRef> head{linear_ref(p, g, 4, c), linear_ref(p, g, 6, c)};
-      loss.data_ptr<float>()[c] = static_cast<float>(
-          cpu::linear_chain_step(b, m2.data_ptr<float>(), head, yc.data_ptr<int64_t>() + c * b,
-                                 wc.data_ptr<float>() + c * b, dh.data_ptr<float>(), static_cast<float>(alpha),
-                                 static_cast<float>(beta)));
+      loss.data_ptr<float>()[c] = static_cast<float>(cpu::linear_chain_step(
+          b, m2.data_ptr<float>(), head, yc.data_ptr<int64_t>() + c * b, wc.data_ptr<float>() + c * b,
+          dh.data_ptr<float>(), static_cast<float>(alpha), static_cast<float>(beta)));
       at::Tensor d = at::max_pool2d_with_indices_backward(dh, r2, kernel, kernel, none, one, false, i2);
       d = at::threshold_backward(d, r2, 0);
       at::Tensor dm1, dw, db;
-      std::tie(dm1, dw, db) = at::convolution_backward(d, m1, p[2][c], at::IntArrayRef{64}, one, pad, one, false,
-                                                       none, 1, {true, true, true});
+      std::tie(dm1, dw, db) = at::convolution_backward(d, m1, p[2][c], at::IntArrayRef{64}, one, pad, one, false, none,
+                                                       1, {true, true, true});
       put(g[2][c], dw);
       put(g[3][c], db);
       d = at::max_pool2d_with_indices_backward(dm1, r1, kernel, kernel, none, one, false, i1);
@@ -492,10 +491,10 @@ at::Tensor softmax_xent_backward_clients(at::Tensor& z, const at::Tensor& y, con
   const at::Tensor yv = y.view({k, 1, b});
   const at::Tensor wv = w.view({k, 1, b});
   z = at::log_softmax(z, 1);
-  const at::Tensor picked = z.gather(1, yv);        // log p(y) [K, 1, B]
+  const at::Tensor picked = z.gather(1, yv);           // log p(y) [K, 1, B]
   const at::Tensor loss = -(picked * wv).sum({1, 2});  // [K]
-  z.exp_();                                          // softmax
-  z.scatter_(1, yv, picked.exp() - 1);               // softmax - onehot(y)
+  z.exp_();                                            // softmax
+  z.scatter_(1, yv, picked.exp() - 1);                 // softmax - onehot(y)
   z.mul_(wv);
   return loss;
 }

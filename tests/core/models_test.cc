@@ -173,47 +173,47 @@ TEST_CASE("models: hand-written backward of stacked clients equals autograd") {
   // Contiguous stacks take the raw CPU path (core/linear_cpu.h); strided
   // ones the ATen formulation (the MLP's, which CUDA runs) or autograd.
   for (const bool strided : {false, true})
-  for (const std::string name : {"mlp", "cnn"}) {
-    CAPTURE(name);
-    CAPTURE(strided);
-    auto m = make_model(name, 5);
-    const int64_t k = 3, b = 7;
-    std::vector<at::Tensor> p, g_hand, g_auto;
-    int c = 0;
-    for (const auto& t : m->parameters()) {
-      std::vector<int64_t> shape{k};
-      shape.insert(shape.end(), t.sizes().begin(), t.sizes().end());
-      torch::manual_seed(100 + c++);
-      // Spread the clients apart so a mix-up between them cannot pass.
-      at::Tensor v = t.detach().unsqueeze(0).expand(shape) + 0.05 * torch::randn(shape);
-      if (strided) v = at::stack({v, v}, 1).select(1, 0);  // the same values, rows twice as far apart
-      p.push_back(v);
-      g_hand.push_back(torch::full(shape, 7.0f));  // overwritten, whatever it held
-      g_auto.push_back(torch::empty(shape));
+    for (const std::string name : {"mlp", "cnn"}) {
+      CAPTURE(name);
+      CAPTURE(strided);
+      auto m = make_model(name, 5);
+      const int64_t k = 3, b = 7;
+      std::vector<at::Tensor> p, g_hand, g_auto;
+      int c = 0;
+      for (const auto& t : m->parameters()) {
+        std::vector<int64_t> shape{k};
+        shape.insert(shape.end(), t.sizes().begin(), t.sizes().end());
+        torch::manual_seed(100 + c++);
+        // Spread the clients apart so a mix-up between them cannot pass.
+        at::Tensor v = t.detach().unsqueeze(0).expand(shape) + 0.05 * torch::randn(shape);
+        if (strided) v = at::stack({v, v}, 1).select(1, 0);  // the same values, rows twice as far apart
+        p.push_back(v);
+        g_hand.push_back(torch::full(shape, 7.0f));  // overwritten, whatever it held
+        g_auto.push_back(torch::empty(shape));
+      }
+      torch::manual_seed(9);
+      const at::Tensor x = torch::rand({k, b, 1, 28, 28});
+      const at::Tensor y = torch::randint(0, 10, {k * b}, torch::kLong);
+      at::Tensor w = torch::full({k * b}, 1.0f / b);
+      w.narrow(0, b, b).fill_(1.0f / (b - 1));
+      w[2 * b - 1] = 0.0f;  // client 1's padded row
+      const at::Tensor loss_hand = m->loss_backward_clients(p, x, y, w, g_hand);
+      const at::Tensor loss_auto = m->sparrow::core::Model::loss_backward_clients(p, x, y, w, g_auto);
+      CHECK(loss_hand.sizes() == at::IntArrayRef{k});
+      CHECK(torch::allclose(loss_hand, loss_auto, 1e-5, 1e-6));
+      for (size_t i = 0; i < p.size(); ++i) {
+        CAPTURE(i);
+        CHECK(torch::allclose(g_hand[i], g_auto[i], 1e-4, 1e-6));
+        CHECK(g_auto[i].abs().sum().item<double>() > 0);
+      }
+      // The padded row contributes nothing: changing its input changes no gradient.
+      at::Tensor x2 = x.clone();
+      x2[1][b - 1].fill_(0.5);
+      std::vector<at::Tensor> g2;
+      for (const auto& t : g_hand) g2.push_back(torch::empty_like(t));
+      m->loss_backward_clients(p, x2, y, w, g2);
+      for (size_t i = 0; i < p.size(); ++i) CHECK(torch::allclose(g2[i], g_hand[i], 1e-5, 1e-7));
     }
-    torch::manual_seed(9);
-    const at::Tensor x = torch::rand({k, b, 1, 28, 28});
-    const at::Tensor y = torch::randint(0, 10, {k * b}, torch::kLong);
-    at::Tensor w = torch::full({k * b}, 1.0f / b);
-    w.narrow(0, b, b).fill_(1.0f / (b - 1));
-    w[2 * b - 1] = 0.0f;  // client 1's padded row
-    const at::Tensor loss_hand = m->loss_backward_clients(p, x, y, w, g_hand);
-    const at::Tensor loss_auto = m->sparrow::core::Model::loss_backward_clients(p, x, y, w, g_auto);
-    CHECK(loss_hand.sizes() == at::IntArrayRef{k});
-    CHECK(torch::allclose(loss_hand, loss_auto, 1e-5, 1e-6));
-    for (size_t i = 0; i < p.size(); ++i) {
-      CAPTURE(i);
-      CHECK(torch::allclose(g_hand[i], g_auto[i], 1e-4, 1e-6));
-      CHECK(g_auto[i].abs().sum().item<double>() > 0);
-    }
-    // The padded row contributes nothing: changing its input changes no gradient.
-    at::Tensor x2 = x.clone();
-    x2[1][b - 1].fill_(0.5);
-    std::vector<at::Tensor> g2;
-    for (const auto& t : g_hand) g2.push_back(torch::empty_like(t));
-    m->loss_backward_clients(p, x2, y, w, g2);
-    for (size_t i = 0; i < p.size(); ++i) CHECK(torch::allclose(g2[i], g_hand[i], 1e-5, 1e-7));
-  }
 }
 
 TEST_CASE("models: hand-written backward checks its buffers") {
