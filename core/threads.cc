@@ -12,6 +12,8 @@
 #include <cstring>
 #include <sstream>
 
+#include "core/linear_cpu.h"
+
 namespace sparrow::core {
 namespace {
 
@@ -99,6 +101,7 @@ std::string threads_summary(int workers) {
   os << "BLAS: " << (b.detail.empty() ? b.name : b.detail);
   if (!b.library.empty()) os << " [" << b.library << "]";
   if (b.threads > 0) os << ", " << b.threads << (b.threads == 1 ? " thread" : " threads");
+  os << "; small GEMMs: " << cpu::gemm_backend();
   const int t = at::get_num_threads();
   os << "; ATen " << t << (t == 1 ? " thread" : " threads") << " x " << workers
      << (workers == 1 ? " worker" : " workers") << " on " << available_cores() << " cores";

@@ -43,7 +43,8 @@ void tune_allocator();
 // Call once at start-up, before worker threads exist.
 int configure_threads(int workers, int threads = 0);
 
-// One line for logs: "BLAS: OpenBLAS 0.3.21 (SkylakeX), 1 thread; ATen 1 thread x 2 workers on 2 cores".
+// One line for logs: "BLAS: OpenBLAS 0.3.21 (SkylakeX), 1 thread; small GEMMs: libxsmm (cpx); ATen 1
+// thread x 2 workers on 2 cores".
 std::string threads_summary(int workers);
 
 // A warning line when the BLAS is the reference one (naming the Debian
