@@ -193,13 +193,11 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
         replica_->loss_backward_clients(ps, xb, yb, weights_dev.narrow(0, start[s], ka * b), gs, alpha, beta));
     if (fused_sgd) continue;
     for (size_t i = 0; i < np; ++i) {
-      // gs[i] is the gradient, or momentum * buf + gradient; add the
-      // algorithm's terms as detail::sgd_update does, then step.
-      at::Tensor& g = gs[i];
-      if (prox_) g.add_(ps[i], cfg_.mu).sub_(anchor[i], cfg_.mu);
-      if (scaffold_) g.add_(correction[i].narrow(0, 0, ka));
-      if (cfg_.weight_decay != 0) g.add_(ps[i], cfg_.weight_decay);
-      ps[i].add_(g, -cfg_.lr);
+      // gs[i] is the gradient, or momentum * buf + gradient: add the
+      // algorithm's terms, then step.
+      const at::Tensor corr = scaffold_ ? correction[i].narrow(0, 0, ka) : at::Tensor();
+      detail::add_gradient_terms(gs[i], ps[i], cfg_, prox_ ? &anchor[i] : nullptr, scaffold_ ? &corr : nullptr);
+      ps[i].add_(gs[i], -cfg_.lr);
     }
   }
 

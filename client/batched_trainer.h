@@ -2,11 +2,12 @@
 // Batched clients: K clients of one built-in architecture trained in one pass.
 //
 // Each parameter is stacked along a leading client dimension ([K, ...]); the
-// model's forward_clients() runs all K copies at once (Linear as one batched
-// GEMM, convolutions as one grouped convolution), one backward gives every
-// client its own gradient, and each client's SGD step (weight decay, momentum,
-// FedProx's proximal term, SCAFFOLD's correction) is applied elementwise on the
-// stacked tensors. What each client computes is exactly what LocalTrainer
+// model's loss_backward_clients() gives every client its own loss and
+// gradient in one call (a hand-written backward for the built-in models,
+// autograd through forward_clients otherwise), and each client's SGD step
+// (weight decay, momentum, FedProx's proximal term, SCAFFOLD's correction) is
+// applied elementwise on the stacked tensors; plain SGD is fused into the
+// backward itself. What each client computes is exactly what LocalTrainer
 // computes for it, up to float rounding:
 //  - its minibatches are the same samples in the same order (epoch_order with
 //    its own seed);

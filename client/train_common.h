@@ -45,4 +45,10 @@ double mean_step_loss(const double* losses, int64_t steps, int64_t n, int64_t ba
 void sgd_update(at::Tensor& p, at::Tensor& g, const TrainConfig& cfg, const at::Tensor* anchor,
                 const at::Tensor* correction, at::Tensor* momentum_buf, bool first_step);
 
+// The algorithm's terms of torch::optim::SGD's gradient, in place on g (the
+// first part of sgd_update): FedProx's mu (p - anchor), SCAFFOLD's
+// correction and weight decay, each when given or non-zero.
+void add_gradient_terms(at::Tensor& g, const at::Tensor& p, const TrainConfig& cfg, const at::Tensor* anchor,
+                        const at::Tensor* correction);
+
 }  // namespace sparrow::client::detail

@@ -103,11 +103,16 @@ double mean_step_loss(const double* l, int64_t steps, int64_t n, int64_t bs, int
   return loss_sum / (static_cast<double>(n) * epochs);
 }
 
-void sgd_update(at::Tensor& p, at::Tensor& g, const TrainConfig& cfg, const at::Tensor* anchor,
-                const at::Tensor* correction, at::Tensor* momentum_buf, bool first_step) {
+void add_gradient_terms(at::Tensor& g, const at::Tensor& p, const TrainConfig& cfg, const at::Tensor* anchor,
+                        const at::Tensor* correction) {
   if (anchor) g.add_(p, cfg.mu).add_(*anchor, -cfg.mu);
   if (correction) g.add_(*correction);
   if (cfg.weight_decay != 0) g.add_(p, cfg.weight_decay);
+}
+
+void sgd_update(at::Tensor& p, at::Tensor& g, const TrainConfig& cfg, const at::Tensor* anchor,
+                const at::Tensor* correction, at::Tensor* momentum_buf, bool first_step) {
+  add_gradient_terms(g, p, cfg, anchor, correction);
   if (momentum_buf) {
     at::Tensor& buf = *momentum_buf;
     if (first_step) {

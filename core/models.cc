@@ -36,6 +36,15 @@ void check_grads(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>
                                                                             << ", parameter " << p[i].sizes());
 }
 
+// dst = beta dst + alpha grad, as loss_backward_clients accumulates (beta = 0
+// overwrites whatever dst held).
+void accumulate(at::Tensor dst, const at::Tensor& grad, double alpha, double beta) {
+  if (beta == 0)
+    dst.copy_(grad).mul_(alpha);
+  else
+    (beta == 1 ? dst : dst.mul_(beta)).add_(grad, alpha);
+}
+
 // The raw CPU path (core/linear_cpu.h) applies to float32 CPU tensors whose
 // stacks are contiguous (BatchedTrainer's are).
 bool cpu_fast_path(const std::vector<at::Tensor>& p, const at::Tensor& x) {
@@ -222,12 +231,6 @@ class Cnn final : public Model {
     const at::Tensor yc = y.contiguous(), wc = w.contiguous();
     at::Tensor loss = at::empty({k}, x.options());
     at::Tensor dh = at::empty({b, 64, 7, 7}, x.options());
-    auto put = [&](at::Tensor dst, const at::Tensor& grad) {
-      if (beta == 0)
-        dst.copy_(grad).mul_(alpha);
-      else
-        (beta == 1 ? dst : dst.mul_(beta)).add_(grad, alpha);
-    };
     for (int64_t c = 0; c < k; ++c) {
       const at::Tensor xc = as_image28(x[c]);
       const at::Tensor r1 = at::conv2d(xc, p[0][c], p[1][c], 1, 2).relu_();
@@ -245,14 +248,14 @@ class Cnn final : public Model {
       at::Tensor dm1, dw, db;
       std::tie(dm1, dw, db) = at::convolution_backward(d, m1, p[2][c], at::IntArrayRef{64}, one, pad, one, false, none,
                                                        1, {true, true, true});
-      put(g[2][c], dw);
-      put(g[3][c], db);
+      accumulate(g[2][c], dw, alpha, beta);
+      accumulate(g[3][c], db, alpha, beta);
       d = at::max_pool2d_with_indices_backward(dm1, r1, kernel, kernel, none, one, false, i1);
       d = at::threshold_backward(d, r1, 0);
       std::tie(std::ignore, dw, db) = at::convolution_backward(d, xc, p[0][c], at::IntArrayRef{32}, one, pad, one,
                                                                false, none, 1, {false, true, true});
-      put(g[0][c], dw);
-      put(g[1][c], db);
+      accumulate(g[0][c], dw, alpha, beta);
+      accumulate(g[1][c], db, alpha, beta);
     }
     return loss;
   }
@@ -472,13 +475,8 @@ at::Tensor Model::loss_backward_clients(const std::vector<at::Tensor>& p, const 
   const at::Tensor loss = (ce * w).view({k, b}).sum(1);
   const std::vector<at::Tensor> grads = torch::autograd::grad({loss.sum()}, leaves, {}, false, false, true);
   at::NoGradGuard no_grad;
-  for (size_t i = 0; i < p.size(); ++i) {
-    if (beta == 0)
-      g[i].zero_();
-    else
-      g[i].mul_(beta);
-    if (grads[i].defined()) g[i].add_(grads[i], alpha);  // undefined: an unused parameter, gradient zero
-  }
+  for (size_t i = 0; i < p.size(); ++i)  // undefined: an unused parameter, gradient zero
+    accumulate(g[i], grads[i].defined() ? grads[i] : at::zeros_like(g[i]), alpha, beta);
   return loss.detach();
 }
 
@@ -506,10 +504,7 @@ void linear_clients_backward(const at::Tensor& dz, const at::Tensor& ht, at::Ten
     at::sum_out(gb, dz, {2});
   } else {
     gw.baddbmm_(dz, ht, beta, alpha);
-    if (beta == 0)
-      at::sum_out(gb, dz, {2}).mul_(alpha);
-    else
-      (beta == 1 ? gb : gb.mul_(beta)).add_(dz.sum(2), alpha);
+    accumulate(gb, dz.sum(2), alpha, beta);
   }
 }
 
