@@ -117,6 +117,27 @@ void gemm_nn(int64_t m, int64_t n, int64_t k, const float* a, const float* b, fl
   blas_gemm_nn(m, n, k, a, b, c, accumulate);
 }
 
+void gemm_tn(int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c, bool accumulate) {
+  const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+#ifdef SPARROW_HAVE_LIBXSMM
+  init_libxsmm();
+  // Column-major C^T [n, m] = B^T [n, k] (B as stored) times A^T given
+  // transposed (A as stored, [m, k] column-major): libxsmm's TRANS_B.
+  const int flags = LIBXSMM_GEMM_FLAG_TRANS_B;
+  const libxsmm_smmfunction f =
+      libxsmm_smmdispatch(static_cast<libxsmm_blasint>(n), static_cast<libxsmm_blasint>(m),
+                          static_cast<libxsmm_blasint>(k), nullptr, nullptr, nullptr, &one, &beta, &flags, nullptr);
+  if (f) {
+    f(b, a, c);
+    return;
+  }
+#endif
+  const SgemmFn fn = blas_sgemm();
+  SPARROW_CHECK(fn != nullptr, "no BLAS sgemm_ is loaded");
+  const int mi = static_cast<int>(n), ni = static_cast<int>(m), ki = static_cast<int>(k);
+  fn("N", "T", &mi, &ni, &ki, &one, b, &mi, a, &ni, &beta, c, &mi);
+}
+
 const char* gemm_backend() {
 #ifdef SPARROW_HAVE_LIBXSMM
   init_libxsmm();

@@ -46,6 +46,10 @@ double linear_chain_step(int64_t batch, const float* xt, const std::vector<Linea
 // operands (lda = k, ldb = n, ldc = n). libxsmm or the BLAS, as above.
 void gemm_nn(int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c, bool accumulate);
 
+// Row-major C[m, n] = A^T B with A [k, m] and B [k, n] (accumulate: C += A^T B),
+// contiguous operands; the reduction runs over the rows of both.
+void gemm_tn(int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c, bool accumulate);
+
 // "libxsmm (<target>)" or "BLAS": what gemm_nn runs on, for logs.
 const char* gemm_backend();
 

@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "core/linear_cpu.h"
+#include "core/winograd_cpu.h"
 #include "core/spec.h"
 
 namespace sparrow::core {
@@ -169,7 +170,11 @@ class Cnn final : public Model {
   }
   at::Tensor forward(const at::Tensor& x) override {
     at::Tensor h = torch::max_pool2d(torch::relu(conv1_->forward(as_image28(x))), 2);
-    h = torch::max_pool2d(torch::relu(conv2_->forward(h)), 2);
+    // Inference on the CPU (evaluation): conv2 by Winograd (core/winograd_cpu.h).
+    if (!at::GradMode::is_enabled() && cpu_fast_path({conv2_->weight, conv2_->bias}, h))
+      h = conv2_winograd(h.contiguous(), conv2_->weight, conv2_->bias);
+    else
+      h = torch::max_pool2d(torch::relu(conv2_->forward(h)), 2);
     h = torch::relu(fc1_->forward(h.flatten(1)));
     return fc2_->forward(h);
   }
@@ -223,35 +228,42 @@ class Cnn final : public Model {
     check_clients(p, 8, x);
     check_grads(p, g);
     // One client after another, each through its whole step (its activations
-    // stay in cache): convolutions by ATen (oneDNN), the Linear head by the
-    // raw path of core/linear_cpu.h, which also hands back the head's input
-    // gradient.
+    // stay in cache): conv1 by ATen (oneDNN), conv2 + ReLU + pooling by
+    // Winograd (core/winograd_cpu.h), the Linear head by the raw path of
+    // core/linear_cpu.h, which also hands back the head's input gradient.
     const int64_t k = x.size(0), b = x.size(1);
     const std::vector<int64_t> kernel{2, 2}, none{0, 0}, one{1, 1}, pad{2, 2};
     const at::Tensor yc = y.contiguous(), wc = w.contiguous();
     at::Tensor loss = at::empty({k}, x.options());
-    at::Tensor dh = at::empty({b, 64, 7, 7}, x.options());
+    at::Tensor m2 = at::empty({b, 64, 7, 7}, x.options()), dh = at::empty_like(m2);
+    at::Tensor dm1 = at::empty({b, 32, 14, 14}, x.options());
+    at::Tensor win = at::empty({b, 64 * 7 * 7}, x.options().dtype(at::kInt));
+    cpu::WinogradConv5Pool& conv2 = winograd();
+    const int64_t in2 = 32 * 14 * 14, out2 = 64 * 7 * 7;
     for (int64_t c = 0; c < k; ++c) {
       const at::Tensor xc = as_image28(x[c]);
       const at::Tensor r1 = at::conv2d(xc, p[0][c], p[1][c], 1, 2).relu_();
-      at::Tensor m1, i1, m2, i2;
+      at::Tensor m1, i1;
       std::tie(m1, i1) = at::max_pool2d_with_indices(r1, kernel, kernel);
-      const at::Tensor r2 = at::conv2d(m1, p[2][c], p[3][c], 1, 2).relu_();
-      std::tie(m2, i2) = at::max_pool2d_with_indices(r2, kernel, kernel);
-      m2 = m2.contiguous();  // [B, 64, 7, 7] = the head's batch-major input [B, 3136]
+      m1 = m1.contiguous();
+      conv2.set_weights(p[2][c].data_ptr<float>(), p[3][c].data_ptr<float>());
+      conv2.zero_grad();
+      const float* m1p = m1.data_ptr<float>();
+      for (int64_t i = 0; i < b; ++i)
+        conv2.forward(m1p + i * in2, m2.data_ptr<float>() + i * out2, win.data_ptr<int32_t>() + i * out2);
+      // m2 [B, 64, 7, 7] is the head's batch-major input [B, 3136].
       const std::vector<cpu::LinearRef> head{linear_ref(p, g, 4, c), linear_ref(p, g, 6, c)};
       loss.data_ptr<float>()[c] = static_cast<float>(cpu::linear_chain_step(
           b, m2.data_ptr<float>(), head, yc.data_ptr<int64_t>() + c * b, wc.data_ptr<float>() + c * b,
           dh.data_ptr<float>(), static_cast<float>(alpha), static_cast<float>(beta)));
-      at::Tensor d = at::max_pool2d_with_indices_backward(dh, r2, kernel, kernel, none, one, false, i2);
-      d = at::threshold_backward(d, r2, 0);
-      at::Tensor dm1, dw, db;
-      std::tie(dm1, dw, db) = at::convolution_backward(d, m1, p[2][c], at::IntArrayRef{64}, one, pad, one, false, none,
-                                                       1, {true, true, true});
-      accumulate(g[2][c], dw, alpha, beta);
-      accumulate(g[3][c], db, alpha, beta);
-      d = at::max_pool2d_with_indices_backward(dm1, r1, kernel, kernel, none, one, false, i1);
+      for (int64_t i = 0; i < b; ++i)
+        conv2.backward(m1p + i * in2, win.data_ptr<int32_t>() + i * out2, dh.data_ptr<float>() + i * out2,
+                       dm1.data_ptr<float>() + i * in2);
+      conv2.weight_grad(g[2][c].data_ptr<float>(), g[3][c].data_ptr<float>(), static_cast<float>(alpha),
+                        static_cast<float>(beta));
+      at::Tensor d = at::max_pool2d_with_indices_backward(dm1, r1, kernel, kernel, none, one, false, i1);
       d = at::threshold_backward(d, r1, 0);
+      at::Tensor dw, db;
       std::tie(std::ignore, dw, db) = at::convolution_backward(d, xc, p[0][c], at::IntArrayRef{32}, one, pad, one,
                                                                false, none, 1, {false, true, true});
       accumulate(g[0][c], dw, alpha, beta);
@@ -276,6 +288,26 @@ class Cnn final : public Model {
   }
 
  private:
+  // This thread's conv2 (workers train on threads of their own).
+  static cpu::WinogradConv5Pool& winograd() {
+    static thread_local cpu::WinogradConv5Pool conv(32, 64, 14, 14);
+    return conv;
+  }
+  // maxpool(relu(conv2(h))) for h [N, 32, 14, 14] contiguous, without
+  // gradient: images split over the intra-op threads.
+  static at::Tensor conv2_winograd(const at::Tensor& h, const at::Tensor& weight, const at::Tensor& bias) {
+    const at::Tensor wt = weight.contiguous(), bt = bias.contiguous();
+    at::Tensor out = at::empty({h.size(0), 64, 7, 7}, h.options());
+    const float* in = h.data_ptr<float>();
+    float* o = out.data_ptr<float>();
+    at::parallel_for(0, h.size(0), 16, [&](int64_t begin, int64_t end) {
+      cpu::WinogradConv5Pool& conv = winograd();
+      conv.set_weights(wt.data_ptr<float>(), bt.data_ptr<float>());
+      for (int64_t i = begin; i < end; ++i) conv.forward(in + i * 32 * 14 * 14, o + i * 64 * 7 * 7, nullptr);
+    });
+    return out;
+  }
+
   torch::nn::Conv2d conv1_{nullptr}, conv2_{nullptr};
   torch::nn::Linear fc1_{nullptr}, fc2_{nullptr};
 };

@@ -303,11 +303,7 @@ struct Simulator::Impl {
       wk.model->to(device);
       wk.trainer = std::make_unique<client::LocalTrainer>(wk.model, train_config());
       wk.batch = 1;
-      // Automatic on the CPU: the CNN trains one client at a time, because its
-      // convolutions run per client there anyway and batching measured 0.88x
-      // sequential (docs/performance.md); an explicit client_batch still batches.
-      const bool cpu_cnn = cfg.client_batch == 0 && device.is_cpu() && Spec::parse(cfg.model).method() == "cnn";
-      if (cfg.client_batch != 1 && !cpu_cnn && client::BatchedTrainer::supports(*wk.model)) {
+      if (cfg.client_batch != 1 && client::BatchedTrainer::supports(*wk.model)) {
         wk.batched = std::make_unique<client::BatchedTrainer>(wk.model, train_config());
         // Automatic: every client of the worker's share in one pass, within a
         // memory budget for the stacked state.
@@ -326,10 +322,6 @@ struct Simulator::Impl {
         else if (cfg.client_batch > 1)
           training = "one client at a time on " + cfg.device + " (model '" + cfg.model +
                      "' cannot be batched: client_batch = " + std::to_string(cfg.client_batch) + " ignored)";
-        else if (cpu_cnn)
-          training =
-              "one client at a time on cpu (client_batch = 0 chooses it for the CNN on the CPU, where "
-              "batching is slower; set client_batch to batch anyway)";
         else
           training = "one client at a time on " + cfg.device;
         names = wk.trainer->names();
