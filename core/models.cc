@@ -169,12 +169,18 @@ class Cnn final : public Model {
     fc2_ = register_module("fc2", torch::nn::Linear(512, 10));
   }
   at::Tensor forward(const at::Tensor& x) override {
-    at::Tensor h = torch::max_pool2d(torch::relu(conv1_->forward(as_image28(x))), 2);
-    // Inference on the CPU (evaluation): conv2 by Winograd (core/winograd_cpu.h).
-    if (!at::GradMode::is_enabled() && cpu_fast_path({conv2_->weight, conv2_->bias}, h))
-      h = conv2_winograd(h.contiguous(), conv2_->weight, conv2_->bias);
-    else
+    at::Tensor h = conv1_->forward(as_image28(x));
+    // Inference on the CPU (evaluation): ReLU + pooling fused, conv2 by
+    // Winograd (core/winograd_cpu.h).
+    if (!at::GradMode::is_enabled() && cpu_fast_path({conv2_->weight, conv2_->bias}, h)) {
+      const at::Tensor r1 = h.contiguous();
+      h = at::empty({r1.size(0), 32, 14, 14}, r1.options());
+      cpu::relu_maxpool2(r1.data_ptr<float>(), r1.size(0) * 32, 28, 28, h.data_ptr<float>(), nullptr);
+      h = conv2_winograd(h, conv2_->weight, conv2_->bias);
+    } else {
+      h = torch::max_pool2d(torch::relu(h), 2);
       h = torch::max_pool2d(torch::relu(conv2_->forward(h)), 2);
+    }
     h = torch::relu(fc1_->forward(h.flatten(1)));
     return fc2_->forward(h);
   }
@@ -232,20 +238,20 @@ class Cnn final : public Model {
     // Winograd (core/winograd_cpu.h), the Linear head by the raw path of
     // core/linear_cpu.h, which also hands back the head's input gradient.
     const int64_t k = x.size(0), b = x.size(1);
-    const std::vector<int64_t> kernel{2, 2}, none{0, 0}, one{1, 1}, pad{2, 2};
+    const std::vector<int64_t> none{0, 0}, one{1, 1}, pad{2, 2};
     const at::Tensor yc = y.contiguous(), wc = w.contiguous();
     at::Tensor loss = at::empty({k}, x.options());
     at::Tensor m2 = at::empty({b, 64, 7, 7}, x.options()), dh = at::empty_like(m2);
-    at::Tensor dm1 = at::empty({b, 32, 14, 14}, x.options());
+    at::Tensor m1 = at::empty({b, 32, 14, 14}, x.options()), dm1 = at::empty_like(m1);
+    at::Tensor dr1 = at::empty({b, 32, 28, 28}, x.options());
     at::Tensor win = at::empty({b, 64 * 7 * 7}, x.options().dtype(at::kInt));
+    at::Tensor win1 = at::empty({b, 32 * 14 * 14}, x.options().dtype(at::kInt));
     cpu::WinogradConv5Pool& conv2 = winograd();
     const int64_t in2 = 32 * 14 * 14, out2 = 64 * 7 * 7;
     for (int64_t c = 0; c < k; ++c) {
       const at::Tensor xc = as_image28(x[c]);
-      const at::Tensor r1 = at::conv2d(xc, p[0][c], p[1][c], 1, 2).relu_();
-      at::Tensor m1, i1;
-      std::tie(m1, i1) = at::max_pool2d_with_indices(r1, kernel, kernel);
-      m1 = m1.contiguous();
+      const at::Tensor r1 = at::conv2d(xc, p[0][c], p[1][c], 1, 2).contiguous();
+      cpu::relu_maxpool2(r1.data_ptr<float>(), b * 32, 28, 28, m1.data_ptr<float>(), win1.data_ptr<int32_t>());
       conv2.set_weights(p[2][c].data_ptr<float>(), p[3][c].data_ptr<float>());
       conv2.zero_grad();
       const float* m1p = m1.data_ptr<float>();
@@ -261,10 +267,10 @@ class Cnn final : public Model {
                        dm1.data_ptr<float>() + i * in2);
       conv2.weight_grad(g[2][c].data_ptr<float>(), g[3][c].data_ptr<float>(), static_cast<float>(alpha),
                         static_cast<float>(beta));
-      at::Tensor d = at::max_pool2d_with_indices_backward(dm1, r1, kernel, kernel, none, one, false, i1);
-      d = at::threshold_backward(d, r1, 0);
+      cpu::relu_maxpool2_backward(win1.data_ptr<int32_t>(), dm1.data_ptr<float>(), b * 32, 28, 28,
+                                  dr1.data_ptr<float>());
       at::Tensor dw, db;
-      std::tie(std::ignore, dw, db) = at::convolution_backward(d, xc, p[0][c], at::IntArrayRef{32}, one, pad, one,
+      std::tie(std::ignore, dw, db) = at::convolution_backward(dr1, xc, p[0][c], at::IntArrayRef{32}, one, pad, one,
                                                                false, none, 1, {false, true, true});
       accumulate(g[0][c], dw, alpha, beta);
       accumulate(g[1][c], db, alpha, beta);

@@ -232,7 +232,47 @@ void transpose(const float* __restrict src, int64_t rows, int64_t cols, float* _
     for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
 }
 
+// One row of windows: in0/in1 the two input rows (2 n values each).
+SPARROW_SIMD_CLONES
+void relu_maxpool2_row(const float* __restrict in0, const float* __restrict in1, int64_t n, float* __restrict out,
+                       int32_t* __restrict arg) {
+  for (int64_t x = 0; x < n; ++x) {
+    const float y0 = in0[2 * x], y1 = in0[2 * x + 1], y2 = in1[2 * x], y3 = in1[2 * x + 1];
+    const float b01 = y1 > y0 ? y1 : y0, w01 = y1 > y0 ? 1.0f : 0.0f;  // float selects vectorise
+    const float b23 = y3 > y2 ? y3 : y2, w23 = y3 > y2 ? 3.0f : 2.0f;
+    const float best = b23 > b01 ? b23 : b01, which = b23 > b01 ? w23 : w01;
+    out[x] = best > 0 ? best : 0.0f;
+    if (arg) arg[x] = static_cast<int32_t>(best > 0 ? which : 4.0f);
+  }
+}
+
+SPARROW_SIMD_CLONES
+void relu_maxpool2_backward_row(const int32_t* __restrict arg, const float* __restrict dout, int64_t n,
+                                float* __restrict din0, float* __restrict din1) {
+  for (int64_t x = 0; x < n; ++x) {
+    const float q = static_cast<float>(arg[x]), d = dout[x];
+    din0[2 * x] = q == 0.0f ? d : 0.0f;
+    din0[2 * x + 1] = q == 1.0f ? d : 0.0f;
+    din1[2 * x] = q == 2.0f ? d : 0.0f;
+    din1[2 * x + 1] = q == 3.0f ? d : 0.0f;
+  }
+}
+
 }  // namespace
+
+void relu_maxpool2(const float* in, int64_t planes, int64_t h, int64_t w, float* out, int32_t* arg) {
+  SPARROW_CHECK(h % 2 == 0 && w % 2 == 0, "relu_maxpool2: " << h << "x" << w << " planes (even sides)");
+  const int64_t oh = h / 2, ow = w / 2;
+  for (int64_t r = 0; r < planes * oh; ++r)
+    relu_maxpool2_row(in + 2 * r * w, in + (2 * r + 1) * w, ow, out + r * ow, arg ? arg + r * ow : nullptr);
+}
+
+void relu_maxpool2_backward(const int32_t* arg, const float* dout, int64_t planes, int64_t h, int64_t w, float* din) {
+  SPARROW_CHECK(h % 2 == 0 && w % 2 == 0, "relu_maxpool2_backward: " << h << "x" << w << " planes (even sides)");
+  const int64_t oh = h / 2, ow = w / 2;
+  for (int64_t r = 0; r < planes * oh; ++r)
+    relu_maxpool2_backward_row(arg + r * ow, dout + r * ow, ow, din + 2 * r * w, din + (2 * r + 1) * w);
+}
 
 WinogradConv5Pool::WinogradConv5Pool(int64_t cin, int64_t cout, int64_t h, int64_t w)
     : cin_(cin), cout_(cout), h_(h), w_(w), tiles_((h / 2) * (w / 2)) {

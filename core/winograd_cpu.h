@@ -66,4 +66,15 @@ class WinogradConv5Pool {
   std::vector<float> tmp_;            // one tile's half-transformed values
 };
 
+// ReLU then 2x2 max pooling (stride 2) of `planes` planes of h x w (even):
+// out [planes, h/2, w/2]. arg (same size, or null) receives the winner as
+// WinogradConv5Pool::forward does (4: the ReLU zeroed the window). The same
+// as ATen's relu + max_pool2d_with_indices, whose CPU kernel in LibTorch 1.13
+// is scalar and cost a fifth of a CNN training step.
+void relu_maxpool2(const float* in, int64_t planes, int64_t h, int64_t w, float* out, int32_t* arg);
+
+// The gradient of relu_maxpool2's input: din [planes, h, w] is dout at each
+// window's winner and 0 elsewhere.
+void relu_maxpool2_backward(const int32_t* arg, const float* dout, int64_t planes, int64_t h, int64_t w, float* din);
+
 }  // namespace sparrow::core::cpu

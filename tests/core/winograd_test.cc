@@ -110,3 +110,23 @@ TEST_CASE("cnn inference on the CPU (Winograd) equals the training-mode forward"
   CHECK(rel(no_grad, with_grad) < 1e-5);
   CHECK(torch::equal(no_grad.argmax(1), with_grad.argmax(1)));
 }
+
+TEST_CASE("relu + 2x2 max pooling equals ATen and autograd") {
+  torch::manual_seed(12);
+  const at::Tensor x = torch::randn({3, 4, 6, 8}).requires_grad_();
+  const at::Tensor ref = torch::max_pool2d(torch::relu(x), 2);
+  const at::Tensor dout = torch::randn(ref.sizes());
+  (ref * dout).sum().backward();
+  const at::Tensor xd = x.detach().contiguous();
+  at::Tensor out = torch::empty(ref.sizes()), din = torch::full(x.sizes(), 5.0f);
+  std::vector<int32_t> arg(static_cast<size_t>(ref.numel()));
+  sparrow::core::cpu::relu_maxpool2(xd.data_ptr<float>(), 12, 6, 8, out.data_ptr<float>(), arg.data());
+  CHECK(torch::equal(out, ref.detach()));
+  sparrow::core::cpu::relu_maxpool2_backward(arg.data(), dout.data_ptr<float>(), 12, 6, 8, din.data_ptr<float>());
+  CHECK(torch::equal(din, x.grad()));
+  at::Tensor out2 = torch::empty(ref.sizes());
+  sparrow::core::cpu::relu_maxpool2(xd.data_ptr<float>(), 12, 6, 8, out2.data_ptr<float>(), nullptr);
+  CHECK(torch::equal(out2, out));
+  CHECK_THROWS_WITH(sparrow::core::cpu::relu_maxpool2(xd.data_ptr<float>(), 1, 3, 2, out2.data_ptr<float>(), nullptr),
+                    doctest::Contains("even"));
+}
