@@ -169,16 +169,13 @@ class Cnn final : public Model {
     fc2_ = register_module("fc2", torch::nn::Linear(512, 10));
   }
   at::Tensor forward(const at::Tensor& x) override {
-    at::Tensor h = conv1_->forward(as_image28(x));
-    // Inference on the CPU (evaluation): ReLU + pooling fused, conv2 by
-    // Winograd (core/winograd_cpu.h).
-    if (!at::GradMode::is_enabled() && cpu_fast_path({conv2_->weight, conv2_->bias}, h)) {
-      const at::Tensor r1 = h.contiguous();
-      h = at::empty({r1.size(0), 32, 14, 14}, r1.options());
-      cpu::relu_maxpool2(r1.data_ptr<float>(), r1.size(0) * 32, 28, 28, h.data_ptr<float>(), nullptr);
-      h = conv2_winograd(h, conv2_->weight, conv2_->bias);
+    at::Tensor h;
+    // Inference on the CPU (evaluation): both convolutions, ReLUs and
+    // poolings by core/winograd_cpu.h.
+    if (!at::GradMode::is_enabled() && cpu_fast_path(parameters(), x)) {
+      h = convs_inference(as_image28(x).contiguous());
     } else {
-      h = torch::max_pool2d(torch::relu(h), 2);
+      h = torch::max_pool2d(torch::relu(conv1_->forward(as_image28(x))), 2);
       h = torch::max_pool2d(torch::relu(conv2_->forward(h)), 2);
     }
     h = torch::relu(fc1_->forward(h.flatten(1)));
@@ -234,23 +231,29 @@ class Cnn final : public Model {
     check_clients(p, 8, x);
     check_grads(p, g);
     // One client after another, each through its whole step (its activations
-    // stay in cache): conv1 by ATen (oneDNN), conv2 + ReLU + pooling by
-    // Winograd (core/winograd_cpu.h), the Linear head by the raw path of
-    // core/linear_cpu.h, which also hands back the head's input gradient.
+    // stay in cache): conv1 forward as im2col + GEMM and its weight gradient
+    // by ATen, conv2 + ReLU + pooling by Winograd (core/winograd_cpu.h), the
+    // Linear head by the raw path of core/linear_cpu.h, which also hands back
+    // the head's input gradient.
     const int64_t k = x.size(0), b = x.size(1);
     const std::vector<int64_t> none{0, 0}, one{1, 1}, pad{2, 2};
     const at::Tensor yc = y.contiguous(), wc = w.contiguous();
     at::Tensor loss = at::empty({k}, x.options());
     at::Tensor m2 = at::empty({b, 64, 7, 7}, x.options()), dh = at::empty_like(m2);
     at::Tensor m1 = at::empty({b, 32, 14, 14}, x.options()), dm1 = at::empty_like(m1);
-    at::Tensor dr1 = at::empty({b, 32, 28, 28}, x.options());
+    at::Tensor r1 = at::empty({b, 32, 28, 28}, x.options()), dr1 = at::empty_like(r1);
+    at::Tensor col = at::empty({25 * 28 * 28}, x.options());
+    const at::Tensor xcont = x.contiguous();
     at::Tensor win = at::empty({b, 64 * 7 * 7}, x.options().dtype(at::kInt));
     at::Tensor win1 = at::empty({b, 32 * 14 * 14}, x.options().dtype(at::kInt));
     cpu::WinogradConv5Pool& conv2 = winograd();
-    const int64_t in2 = 32 * 14 * 14, out2 = 64 * 7 * 7;
+    const int64_t in1 = 32 * 28 * 28, in2 = 32 * 14 * 14, out2 = 64 * 7 * 7;
     for (int64_t c = 0; c < k; ++c) {
-      const at::Tensor xc = as_image28(x[c]);
-      const at::Tensor r1 = at::conv2d(xc, p[0][c], p[1][c], 1, 2).contiguous();
+      const at::Tensor xc = as_image28(xcont[c]);
+      const float* xp = xc.data_ptr<float>();
+      for (int64_t i = 0; i < b; ++i)
+        cpu::conv5x5_one_channel(xp + i * 28 * 28, 28, 28, p[0][c].data_ptr<float>(), p[1][c].data_ptr<float>(), 32,
+                                 r1.data_ptr<float>() + i * in1, col.data_ptr<float>());
       cpu::relu_maxpool2(r1.data_ptr<float>(), b * 32, 28, 28, m1.data_ptr<float>(), win1.data_ptr<int32_t>());
       conv2.set_weights(p[2][c].data_ptr<float>(), p[3][c].data_ptr<float>());
       conv2.zero_grad();
@@ -299,17 +302,24 @@ class Cnn final : public Model {
     static thread_local cpu::WinogradConv5Pool conv(32, 64, 14, 14);
     return conv;
   }
-  // maxpool(relu(conv2(h))) for h [N, 32, 14, 14] contiguous, without
-  // gradient: images split over the intra-op threads.
-  static at::Tensor conv2_winograd(const at::Tensor& h, const at::Tensor& weight, const at::Tensor& bias) {
-    const at::Tensor wt = weight.contiguous(), bt = bias.contiguous();
-    at::Tensor out = at::empty({h.size(0), 64, 7, 7}, h.options());
-    const float* in = h.data_ptr<float>();
+  // The pooled conv2 features [N, 64, 7, 7] of images x [N, 1, 28, 28]
+  // (contiguous), without gradient: images split over the intra-op threads.
+  at::Tensor convs_inference(const at::Tensor& x) {
+    const at::Tensor w1 = conv1_->weight.contiguous(), b1 = conv1_->bias.contiguous();
+    const at::Tensor w2 = conv2_->weight.contiguous(), b2 = conv2_->bias.contiguous();
+    at::Tensor out = at::empty({x.size(0), 64, 7, 7}, x.options());
+    const float* in = x.data_ptr<float>();
     float* o = out.data_ptr<float>();
-    at::parallel_for(0, h.size(0), 16, [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
       cpu::WinogradConv5Pool& conv = winograd();
-      conv.set_weights(wt.data_ptr<float>(), bt.data_ptr<float>());
-      for (int64_t i = begin; i < end; ++i) conv.forward(in + i * 32 * 14 * 14, o + i * 64 * 7 * 7, nullptr);
+      conv.set_weights(w2.data_ptr<float>(), b2.data_ptr<float>());
+      std::vector<float> col(25 * 28 * 28), r1(32 * 28 * 28), m1(32 * 14 * 14);
+      for (int64_t i = begin; i < end; ++i) {
+        cpu::conv5x5_one_channel(in + i * 28 * 28, 28, 28, w1.data_ptr<float>(), b1.data_ptr<float>(), 32, r1.data(),
+                                 col.data());
+        cpu::relu_maxpool2(r1.data(), 32, 28, 28, m1.data(), nullptr);
+        conv.forward(m1.data(), o + i * 64 * 7 * 7, nullptr);
+      }
     });
     return out;
   }

@@ -260,6 +260,31 @@ void relu_maxpool2_backward_row(const int32_t* __restrict arg, const float* __re
 
 }  // namespace
 
+void conv5x5_one_channel(const float* x, int64_t h, int64_t w, const float* weight, const float* bias, int64_t cout,
+                         float* out, float* col) {
+  const int64_t hw = h * w;
+  for (int64_t ky = 0; ky < 5; ++ky)
+    for (int64_t kx = 0; kx < 5; ++kx) {
+      float* dst = col + (ky * 5 + kx) * hw;  // x shifted by (ky - 2, kx - 2), zero outside
+      for (int64_t y = 0; y < h; ++y) {
+        const int64_t sy = y + ky - 2;
+        float* row = dst + y * w;
+        if (sy < 0 || sy >= h) {
+          std::fill(row, row + w, 0.0f);
+          continue;
+        }
+        // Columns [x0, x1) read the image; the rest are padding.
+        const int64_t x0 = std::min<int64_t>(w, std::max<int64_t>(0, 2 - kx));
+        const int64_t x1 = std::max<int64_t>(x0, std::min<int64_t>(w, w + 2 - kx));
+        std::fill(row, row + x0, 0.0f);
+        std::copy(x + sy * w + x0 + kx - 2, x + sy * w + x1 + kx - 2, row + x0);
+        std::fill(row + x1, row + w, 0.0f);
+      }
+    }
+  for (int64_t co = 0; co < cout; ++co) std::fill(out + co * hw, out + (co + 1) * hw, bias[co]);
+  gemm_nn(cout, hw, 25, weight, col, out, true);
+}
+
 void relu_maxpool2(const float* in, int64_t planes, int64_t h, int64_t w, float* out, int32_t* arg) {
   SPARROW_CHECK(h % 2 == 0 && w % 2 == 0, "relu_maxpool2: " << h << "x" << w << " planes (even sides)");
   const int64_t oh = h / 2, ow = w / 2;

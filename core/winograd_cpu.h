@@ -66,6 +66,13 @@ class WinogradConv5Pool {
   std::vector<float> tmp_;            // one tile's half-transformed values
 };
 
+// A 5x5 convolution (stride 1, padding 2) of one single-channel h x w image
+// into cout channels, plus bias: out [cout, h, w] = weight [cout, 25] x the
+// image's 25 shifted copies (im2col into col, 25 h w floats of scratch). The
+// CNN's conv1: ATen's convolution with one input channel ran at 14 GFLOP/s.
+void conv5x5_one_channel(const float* x, int64_t h, int64_t w, const float* weight, const float* bias, int64_t cout,
+                         float* out, float* col);
+
 // ReLU then 2x2 max pooling (stride 2) of `planes` planes of h x w (even):
 // out [planes, h/2, w/2]. arg (same size, or null) receives the winner as
 // WinogradConv5Pool::forward does (4: the ReLU zeroed the window). The same

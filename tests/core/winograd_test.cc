@@ -130,3 +130,17 @@ TEST_CASE("relu + 2x2 max pooling equals ATen and autograd") {
   CHECK_THROWS_WITH(sparrow::core::cpu::relu_maxpool2(xd.data_ptr<float>(), 1, 3, 2, out2.data_ptr<float>(), nullptr),
                     doctest::Contains("even"));
 }
+
+TEST_CASE("conv5x5 of one channel equals ATen") {
+  torch::manual_seed(21);
+  for (const auto& hw : {std::pair<int64_t, int64_t>{28, 28}, {3, 7}, {1, 1}}) {
+    const at::Tensor x = torch::randn({1, 1, hw.first, hw.second});
+    const at::Tensor w = torch::randn({5, 1, 5, 5}), b = torch::randn({5});
+    const at::Tensor ref = at::conv2d(x, w, b, 1, 2);
+    at::Tensor out = torch::full(ref.sizes(), 3.0f);
+    std::vector<float> col(static_cast<size_t>(25 * hw.first * hw.second), 9.0f);
+    sparrow::core::cpu::conv5x5_one_channel(x.data_ptr<float>(), hw.first, hw.second, w.data_ptr<float>(),
+                                            b.data_ptr<float>(), 5, out.data_ptr<float>(), col.data());
+    CHECK(rel(out, ref) < 1e-6);
+  }
+}
