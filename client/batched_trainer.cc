@@ -3,6 +3,8 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cstring>
+#include <functional>
 #include <numeric>
 
 #include "client/train_common.h"
@@ -74,11 +76,23 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
     xs.push_back(std::move(x));
     ys.push_back(std::move(y));
   }
-  const at::Tensor x_all = k_all == 1 ? xs.front() : at::cat(xs);
-  const at::Tensor y_all = k_all == 1 ? ys.front() : at::cat(ys);
-  xs.clear();
-  ys.clear();
   const at::TensorOptions popt = params_.front().options();
+  // On the CPU each step's rows are copied straight from the clients' own
+  // float tensors (no concatenated copy of every client's data); elsewhere the
+  // data is concatenated once and each step gathers on the device.
+  bool host_gather = popt.device().is_cpu();
+  for (const auto& x : xs) host_gather = host_gather && x.scalar_type() == at::kFloat && x.is_contiguous();
+  const at::Tensor x_all = host_gather ? at::Tensor() : (k_all == 1 ? xs.front() : at::cat(xs));
+  const at::Tensor y_all = k_all == 1 ? ys.front() : at::cat(ys);
+  ys.clear();
+  const std::vector<int64_t> sample_shape(xs.front().sizes().begin() + 1, xs.front().sizes().end());
+  const int64_t sample_numel =
+      std::accumulate(sample_shape.begin(), sample_shape.end(), int64_t{1}, std::multiplies<int64_t>());
+  std::vector<const float*> x_base;  // host_gather: each client's first sample
+  if (host_gather)
+    for (const auto& x : xs) x_base.push_back(x.data_ptr<float>());
+  else
+    xs.clear();  // x_all holds them
 
   // Stack position -> job: most steps first, so the active clients of every
   // step are a prefix of the stack.
@@ -91,6 +105,7 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
   // batch, and (active x batch) sample rows of x_all with their loss weights.
   std::vector<int64_t> active(total_steps), batch(total_steps), start(total_steps + 1, 0);
   std::vector<int64_t> rows;
+  std::vector<const float*> row_src;  // host_gather: where each row's sample is
   std::vector<float> weights;
   {
     std::vector<std::vector<int64_t>> order(k_all);
@@ -114,7 +129,9 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
         const int64_t first = (s % per_epoch[j]) * bs[j];
         const int64_t len = std::min(bs[j], n[j] - first);
         for (int64_t i = 0; i < b_max; ++i) {
-          rows.push_back(off[j] + order[j][static_cast<size_t>(first + std::min(i, len - 1))]);
+          const int64_t local = order[j][static_cast<size_t>(first + std::min(i, len - 1))];
+          rows.push_back(off[j] + local);
+          if (host_gather) row_src.push_back(x_base[static_cast<size_t>(j)] + local * sample_numel);
           weights.push_back(i < len ? 1.0f / static_cast<float>(len) : 0.0f);
         }
       }
@@ -122,8 +139,12 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
     }
   }
   const auto count = static_cast<int64_t>(rows.size());
-  const at::Tensor rows_dev = at::from_blob(rows.data(), {count}, at::kLong).to(x_all.device());
+  const at::Tensor rows_dev = at::from_blob(rows.data(), {count}, at::kLong).to(y_all.device());
   const at::Tensor weights_dev = at::from_blob(weights.data(), {count}, at::kFloat).to(popt);
+  const at::Tensor y_sched = y_all.index_select(0, rows_dev);  // every step's labels, in order
+  int64_t max_rows = 0;
+  for (int64_t s = 0; s < total_steps; ++s) max_rows = std::max(max_rows, active[s] * batch[s]);
+  at::Tensor x_step = host_gather ? at::empty({max_rows * sample_numel}, popt) : at::Tensor();
 
   // Stacked state in stack order. The anchor (w_global) is shared by all.
   at::NoGradGuard outer_no_grad;
@@ -164,7 +185,6 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
   if (!fused_sgd && !into_momentum)
     for (size_t i = 0; i < np; ++i) grad_stack.push_back(at::empty_like(stack[i]));
   at::Tensor step_loss = at::zeros({total_steps, k_all}, popt);
-  std::vector<int64_t> sample_shape(x_all.sizes().begin() + 1, x_all.sizes().end());
 
   replica_->train();
   std::vector<at::Tensor> ps(np), gs(np);
@@ -173,8 +193,17 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
     const at::Tensor idx = rows_dev.narrow(0, start[s], ka * b);
     std::vector<int64_t> xshape{ka, b};
     xshape.insert(xshape.end(), sample_shape.begin(), sample_shape.end());
-    const at::Tensor xb = x_all.index_select(0, idx).view(xshape);
-    const at::Tensor yb = y_all.index_select(0, idx);
+    at::Tensor xb;
+    if (host_gather) {
+      float* dst = x_step.data_ptr<float>();
+      for (int64_t r = 0; r < ka * b; ++r)
+        std::memcpy(dst + r * sample_numel, row_src[static_cast<size_t>(start[s] + r)],
+                    static_cast<size_t>(sample_numel) * sizeof(float));
+      xb = x_step.narrow(0, 0, ka * b * sample_numel).view(xshape);
+    } else {
+      xb = x_all.index_select(0, idx).view(xshape);
+    }
+    const at::Tensor yb = y_sched.narrow(0, start[s], ka * b);
     for (size_t i = 0; i < np; ++i) {
       ps[i] = stack[i].narrow(0, 0, ka);
       gs[i] = fused_sgd ? ps[i] : (into_momentum ? momentum[i] : grad_stack[i]).narrow(0, 0, ka);

@@ -67,3 +67,25 @@ TEST_CASE("decode rejects NaN and wrong sizes") {
   at::Tensor out = at::zeros({3});
   CHECK_THROWS_AS(decode_add(e, out, 1.0f), sparrow::FormatError);
 }
+
+TEST_CASE("validate names the first non-finite value of a large tensor") {
+  // The finiteness scan works in blocks of 1,024 values: bad values at block
+  // edges, past the first block, in the last partial block, and two in one
+  // block (the first is named).
+  for (const char* spec : {"none", "fp16", "bf16"}) {
+    CAPTURE(spec);
+    auto c = make_compressor(spec);
+    State s;
+    const Encoded e = c->encode(at::ones({5000}), s, {});
+    CHECK_NOTHROW(validate(e));
+    const size_t width = e.values.size() / 5000;
+    for (const int64_t at : {0, 1023, 1024, 2047, 3333, 4999}) {
+      CAPTURE(at);
+      Encoded bad = e;
+      std::fill_n(bad.values.begin() + static_cast<std::ptrdiff_t>(width * at), width, uint8_t{0xff});  // a NaN
+      if (at == 3333) std::fill_n(bad.values.begin() + static_cast<std::ptrdiff_t>(width * 3400), width, uint8_t{0xff});
+      const std::string want = "value " + std::to_string(at) + " is not finite";
+      CHECK_THROWS_WITH_AS(validate(bad), doctest::Contains(want.c_str()), sparrow::FormatError);
+    }
+  }
+}
