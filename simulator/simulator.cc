@@ -178,7 +178,10 @@ struct Simulator::Impl {
   fs::path dir;
   // Data: the full train tensor once, clients as index tensors.
   at::Tensor train_x, train_y, test_x, test_y;
-  std::vector<at::Tensor> client_idx;
+  std::vector<at::Tensor> client_idx;  // each client's samples in the data set as loaded
+  // train_x/train_y are stored client-major: client c's samples are rows
+  // [client_off[c], client_off[c] + its count), so a client's data is a view.
+  std::vector<int64_t> client_off;
   std::vector<Profile> profiles;
   double availability = 1;
 
@@ -250,6 +253,15 @@ struct Simulator::Impl {
     } else {
       throw ConfigError("dataset: unknown dataset '" + cfg.dataset + "' (known: fashion-mnist, synthetic)");
     }
+    // Client-major storage, once: no per-round copy of each client's samples.
+    int64_t off = 0;
+    for (const auto& idx : client_idx) {
+      client_off.push_back(off);
+      off += idx.numel();
+    }
+    const at::Tensor order = client_idx.empty() ? at::empty({0}, at::kLong) : at::cat(client_idx);
+    train_x = train_x.index_select(0, order);
+    train_y = train_y.index_select(0, order);
   }
 
   // The data set lives on the training device for the whole run: each round's
@@ -543,10 +555,10 @@ struct Simulator::Impl {
         r.client = c;
         std::optional<state::ClientState> got = store->get(c);
         r.state = got ? std::move(*got) : state::ClientState{};
-        const at::Tensor& idx = client_idx[c];
+        const int64_t n = client_idx[c].numel();
         client::ClientJob job;
-        job.x = train_x.index_select(0, idx);
-        job.y = train_y.index_select(0, idx);
+        job.x = train_x.narrow(0, client_off[c], n);  // views: the data is client-major
+        job.y = train_y.narrow(0, client_off[c], n);
         if (attacks(c) && attack.kind == AttackSpec::Kind::kLabelFlip) job.y = (classes - 1) - job.y;
         job.seed = rng::derive(rng::derive(rng::derive(cfg.seed, kTrainTag), t), c);
         job.client_control = scaffold ? &r.state.control : nullptr;
