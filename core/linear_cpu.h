@@ -50,6 +50,10 @@ void gemm_nn(int64_t m, int64_t n, int64_t k, const float* a, const float* b, fl
 // contiguous operands; the reduction runs over the rows of both.
 void gemm_tn(int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c, bool accumulate);
 
+// dst [cols, rows] = src [rows, cols]^T, row-major, not overlapping
+// (libxsmm's JIT transpose, or a tiled loop).
+void transpose(const float* src, int64_t rows, int64_t cols, float* dst);
+
 // "libxsmm (<target>)" or "BLAS": what gemm_nn runs on, for logs.
 const char* gemm_backend();
 

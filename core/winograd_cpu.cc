@@ -226,12 +226,6 @@ void unpad_channels_first(const float* __restrict dpad, int64_t c, int64_t h, in
     }
 }
 
-// dst[c, r] = src[r, c].
-void transpose(const float* __restrict src, int64_t rows, int64_t cols, float* __restrict dst) {
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
-}
-
 // One row of windows: in0/in1 the two input rows (2 n values each).
 SPARROW_SIMD_CLONES
 void relu_maxpool2_row(const float* __restrict in0, const float* __restrict in1, int64_t n, float* __restrict out,
