@@ -208,9 +208,11 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
       ps[i] = stack[i].narrow(0, 0, ka);
       gs[i] = fused_sgd ? ps[i] : (into_momentum ? momentum[i] : grad_stack[i]).narrow(0, 0, ka);
     }
-    if (s == 0) {  // once per call: labels within the model's outputs
-      const at::Tensor logits = replica_->forward_clients(ps, xb);
-      SPARROW_CHECK(logits.dim() == 3 && logits.size(0) == ka && logits.size(1) == b,
+    if (s == 0) {  // once per call: labels within the model's outputs (one client, one sample suffice)
+      std::vector<at::Tensor> p1(np);
+      for (size_t i = 0; i < np; ++i) p1[i] = ps[i].narrow(0, 0, 1);
+      const at::Tensor logits = replica_->forward_clients(p1, xb.narrow(0, 0, 1).narrow(1, 0, 1));
+      SPARROW_CHECK(logits.dim() == 3 && logits.size(0) == 1 && logits.size(1) == 1,
                     "forward_clients must return {clients, batch, classes}, got " << detail::shape_str(logits.sizes()));
       const int64_t hi = y_all.max().item<int64_t>();
       SPARROW_CHECK(hi < logits.size(2),
@@ -233,10 +235,12 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
   // One host sync for all losses and the finiteness of every update.
   const at::Tensor losses = step_loss.t().to(at::kCPU, at::kDouble).contiguous();  // [K, S]
   std::vector<at::Tensor> delta(np);
-  at::Tensor check = at::zeros({k_all}, popt.dtype(at::kDouble));
+  // A sum per client in the parameters' type: inf or nan anywhere makes it
+  // non-finite (a double sum would first convert every delta to double).
+  at::Tensor check = at::zeros({k_all}, popt);
   for (size_t i = 0; i < np; ++i) {
     delta[i] = stack[i] - anchor[i];
-    check.add_(delta[i].reshape({k_all, -1}).sum(1, false, at::kDouble));
+    check.add_(delta[i].reshape({k_all, -1}).sum(1));
   }
   const at::Tensor check_cpu = check.to(at::kCPU);
   std::vector<TrainResult> out(static_cast<size_t>(k_all));
@@ -249,9 +253,13 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
     r.steps = steps[j];
     r.mean_loss =
         detail::mean_step_loss(losses[a].data_ptr<double>(), steps[j], n[j], bs[j], cfg_.local_epochs, cfg_.lr);
-    SPARROW_CHECK(
-        std::isfinite(check_cpu[a].item<double>()),
-        "client training diverged: the update is not finite after " << steps[j] << " steps with lr " << cfg_.lr);
+    bool finite = std::isfinite(check_cpu[a].item<float>());
+    if (!finite) {  // the float sum may overflow where every value is finite: look
+      finite = true;
+      for (size_t i = 0; i < np && finite; ++i) finite = at::isfinite(delta[i][a]).all().item<bool>();
+    }
+    SPARROW_CHECK(finite, "client training diverged: the update is not finite after " << steps[j] << " steps with lr "
+                                                                                      << cfg_.lr);
     for (size_t i = 0; i < np; ++i) r.delta.emplace(names_[i], delta[i][a]);
   }
   // Errors above leave every control as it was; only now do they change.
