@@ -239,7 +239,7 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
   // non-finite (a double sum would first convert every delta to double).
   at::Tensor check = at::zeros({k_all}, popt);
   for (size_t i = 0; i < np; ++i) {
-    delta[i] = stack[i] - anchor[i];
+    delta[i] = stack[i].sub_(anchor[i]);  // the stack is not needed after: the delta takes its place
     check.add_(delta[i].reshape({k_all, -1}).sum(1));
   }
   const at::Tensor check_cpu = check.to(at::kCPU);
