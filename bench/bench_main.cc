@@ -17,6 +17,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "core/error_text.h"
 #include "bench/resnet50.h"
 #include "bench/server_bench.h"
 #include "bench/sim_bench.h"
@@ -321,7 +322,7 @@ int main(int argc, char** argv) {
     }
     if (*child) return sparrow::bench::bench_sim_scale_child(child_clients, sim_rounds, sim_workers, sim_tmp);
   } catch (const std::exception& e) {
-    std::cerr << "sparrow-bench: error: " << e.what() << "\n";
+    std::cerr << "sparrow-bench: error: " << sparrow::core::error_text(e) << "\n";
     return 1;
   }
   return 0;

@@ -12,6 +12,7 @@
 #include <iostream>
 #include <memory>
 
+#include "core/error_text.h"
 #include "client/data_folder.h"
 #include "client/session.h"
 #include "core/error.h"
@@ -56,7 +57,7 @@ int main(int argc, char** argv) {
     spdlog::info("data: {} samples from '{}'", data.size(), cfg.data.data);
     session = std::make_unique<sparrow::client::ClientSession>(cfg, std::move(data));
   } catch (const sparrow::Error& e) {
-    std::cerr << "sparrow-client: " << e.what() << "\n";
+    std::cerr << "sparrow-client: " << sparrow::core::error_text(e) << "\n";
     return 1;
   }
   g_session.store(session.get());
@@ -65,7 +66,7 @@ int main(int argc, char** argv) {
   try {
     session->run();
   } catch (const std::exception& e) {
-    std::cerr << "sparrow-client: " << e.what() << "\n";
+    std::cerr << "sparrow-client: " << sparrow::core::error_text(e) << "\n";
     status = 2;
   }
   g_session.store(nullptr);

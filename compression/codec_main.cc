@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <iostream>
 
+#include "core/error_text.h"
 #include "compression/compressor.h"
 #include "compression/tour.h"
 #include "core/json.h"
@@ -119,7 +120,7 @@ int main(int argc, char** argv) {
     }
     return run_codec(method, in, steps, seed, out, out_mean);
   } catch (const std::exception& e) {
-    std::cerr << "sparrow-codec: error: " << e.what() << "\n";
+    std::cerr << "sparrow-codec: error: " << sparrow::core::error_text(e) << "\n";
     return 2;
   }
 }

@@ -8,6 +8,7 @@
 #include <set>
 
 #include "core/error.h"
+#include "core/error_text.h"
 #include "core/linear_cpu.h"
 #include "core/winograd_cpu.h"
 #include "core/spec.h"
@@ -476,7 +477,7 @@ std::shared_ptr<Model> load_torchscript(const std::string& path) {
   try {
     module = torch::jit::load(path, torch::kCPU);
   } catch (const std::exception& e) {
-    throw ConfigError("TorchScript model file '" + path + "' could not be loaded: " + e.what());
+    throw ConfigError("TorchScript model file '" + path + "' could not be loaded: " + error_text(e));
   }
   SPARROW_CHECK_T(ConfigError, module.find_method("forward").has_value(),
                   "TorchScript model '" << path << "' has no forward method");

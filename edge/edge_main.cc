@@ -11,6 +11,7 @@
 #include <csignal>
 #include <iostream>
 
+#include "core/error_text.h"
 #include "core/error.h"
 #include "core/threads.h"
 #include "edge/cloud.h"
@@ -85,13 +86,13 @@ int main(int argc, char** argv) {
     std::cout << summary.json() << std::endl;
     return 0;
   } catch (const sparrow::ConfigError& e) {
-    spdlog::error("event=config_error msg=\"{}\"", e.what());
+    spdlog::error("event=config_error msg=\"{}\"", sparrow::core::error_text(e));
     return 2;
   } catch (const sparrow::edge::Stopped&) {
     spdlog::info("event=stopped msg=\"progress saved\"");
     return 130;
   } catch (const std::exception& e) {
-    spdlog::error("event=fatal msg=\"{}\"", e.what());
+    spdlog::error("event=fatal msg=\"{}\"", sparrow::core::error_text(e));
     return 1;
   }
 }

@@ -14,6 +14,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "core/error_text.h"
 #include "core/error.h"
 #include "core/threads.h"
 #include "server/config.h"
@@ -193,10 +194,10 @@ int main(int argc, char** argv) {
     g_server.store(nullptr);
     return 0;
   } catch (const sparrow::ConfigError& e) {
-    spdlog::error("event=config_error msg=\"{}\"", e.what());
+    spdlog::error("event=config_error msg=\"{}\"", sparrow::core::error_text(e));
     return 2;
   } catch (const std::exception& e) {
-    spdlog::error("event=fatal msg=\"{}\"", e.what());
+    spdlog::error("event=fatal msg=\"{}\"", sparrow::core::error_text(e));
     return 1;
   }
 }

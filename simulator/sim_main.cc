@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "core/error_text.h"
 #include "core/error.h"
 #include "simulator/config.h"
 #include "simulator/report.h"
@@ -63,10 +64,10 @@ int main(int argc, char** argv) {
       for (const std::string& path : write_report(report_dir, compare)) std::cout << path << '\n';
       return 0;
     } catch (const sparrow::ConfigError& e) {
-      std::cerr << "sparrow-sim report: " << e.what() << '\n';
+      std::cerr << "sparrow-sim report: " << sparrow::core::error_text(e) << '\n';
       return 2;
     } catch (const std::exception& e) {
-      std::cerr << "sparrow-sim report: " << e.what() << '\n';
+      std::cerr << "sparrow-sim report: " << sparrow::core::error_text(e) << '\n';
       return 1;
     }
   }
@@ -114,10 +115,10 @@ int main(int argc, char** argv) {
     std::cout << summary_json(sim.summary()) << std::endl;
     return 0;
   } catch (const sparrow::ConfigError& e) {
-    std::cerr << "sparrow-sim: config error: " << e.what() << '\n';
+    std::cerr << "sparrow-sim: config error: " << sparrow::core::error_text(e) << '\n';
     return 2;
   } catch (const std::exception& e) {
-    std::cerr << "sparrow-sim: " << e.what() << '\n';
+    std::cerr << "sparrow-sim: " << sparrow::core::error_text(e) << '\n';
     return 1;
   }
 }
