@@ -329,6 +329,10 @@ struct Server::Impl {
     run_id = run->run_id;
     for (ClientRow& c : store->clients()) clients[c.client_id] = c;
     std::optional<Checkpoint> ck = store->latest_checkpoint();
+    for (int64_t r : store->damaged_checkpoints())
+      spdlog::warn("event=checkpoint_damaged round={} db={} msg=\"checksum mismatch: skipped, {}\"", r, cfg.db,
+                   ck ? "resuming from round " + std::to_string(ck->round) + " (later rounds run again)"
+                      : std::string("no intact checkpoint"));
     if (ck) resume(*ck);
   }
 

@@ -1,6 +1,7 @@
 #include "server/store.h"
 
 #include <sqlite3.h>
+#include <zlib.h>
 
 #include <cmath>
 #include <filesystem>
@@ -11,7 +12,7 @@
 namespace sparrow::server {
 namespace {
 
-constexpr int kSchemaVersion = 2;  // 2: checkpoints.aggregator
+constexpr int kSchemaVersion = 3;  // 2: checkpoints.aggregator; 3: checkpoints.checksum
 
 [[noreturn]] void throw_sqlite(sqlite3* db, const std::string& path, const std::string& what, int rc) {
   const std::string detail = db ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
@@ -59,6 +60,7 @@ class Stmt {
     throw_sqlite(db_, path_, "step", rc);
   }
   int64_t i64(int c) const { return sqlite3_column_int64(st_, c); }
+  bool is_null(int c) const { return sqlite3_column_type(st_, c) == SQLITE_NULL; }
   double real(int c) const {
     return sqlite3_column_type(st_, c) == SQLITE_NULL ? std::numeric_limits<double>::quiet_NaN()
                                                       : sqlite3_column_double(st_, c);
@@ -87,13 +89,31 @@ const char* kSchema =
     "last_seen INTEGER, last_selected INTEGER, selected INTEGER, updates INTEGER, rejects INTEGER, "
     "num_samples INTEGER, software TEXT);"
     "CREATE TABLE IF NOT EXISTS checkpoints(round INTEGER PRIMARY KEY, weights BLOB NOT NULL, server_opt BLOB, "
-    "control BLOB, broadcast BLOB, downlink_state BLOB, downlink_last BLOB, acp BLOB, rng TEXT, aggregator BLOB);";
+    "control BLOB, broadcast BLOB, downlink_state BLOB, downlink_last BLOB, acp BLOB, rng TEXT, aggregator BLOB, "
+    "checksum INTEGER);";
+
+// CRC-32 (zlib) over the checkpoint's round and every blob, each preceded by
+// its length, so that a flipped bit or a moved boundary changes it.
+int64_t checkpoint_checksum(const Checkpoint& c) {
+  uLong crc = crc32_z(0L, Z_NULL, 0);
+  auto add = [&crc](const void* p, size_t n) { crc = crc32_z(crc, static_cast<const Bytef*>(p), n); };
+  const int64_t round = c.round;
+  add(&round, sizeof round);
+  for (const std::string* f : {&c.weights, &c.server_opt, &c.control, &c.broadcast, &c.downlink_state, &c.downlink_last,
+                               &c.acp, &c.rng, &c.aggregator}) {
+    const uint64_t n = f->size();
+    add(&n, sizeof n);
+    add(f->data(), f->size());
+  }
+  return static_cast<int64_t>(crc);
+}
 
 }  // namespace
 
 struct ServerStore::Impl {
   std::string path;
   sqlite3* db = nullptr;
+  std::vector<int64_t> damaged;  // latest_checkpoint's skipped rounds
   ~Impl() {
     if (db) sqlite3_close_v2(db);
   }
@@ -110,6 +130,14 @@ ServerStore::~ServerStore() = default;
 const std::string& ServerStore::path() const { return impl_->path; }
 
 std::unique_ptr<ServerStore> ServerStore::open(const std::string& path) {
+  // An existing file of 0 bytes is not an empty run: it is a database that
+  // lost its content (or a placeholder). Starting a new run over it would
+  // hide that; the operator removes it to start afresh.
+  std::error_code ec;
+  SPARROW_CHECK_T(ConfigError, !std::filesystem::exists(path, ec) || std::filesystem::file_size(path, ec) != 0 || ec,
+                  "server database '" << path
+                                      << "' exists but is empty (0 bytes): if it held a run, restore it from a "
+                                         "backup; to start a new run, remove the file");
   auto impl = std::make_unique<Impl>();
   impl->path = path;
   const int rc = sqlite3_open_v2(path.c_str(), &impl->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, nullptr);
@@ -124,15 +152,38 @@ std::unique_ptr<ServerStore> ServerStore::open(const std::string& path) {
                     "server database '" << path << "': schema version " << version << " is newer than this build ("
                                         << kSchemaVersion << ")");
   }
+  {
+    // The whole file's structure (pages, b-trees, indexes), before anything
+    // is read from it or written to it.
+    Stmt q(impl->db, path, "PRAGMA quick_check");
+    std::string result = q.step() ? q.text(0) : std::string("no result");
+    SPARROW_CHECK_T(FormatError, result == "ok",
+                    "server database '" << path << "' is damaged (SQLite quick_check: " << result
+                                        << "); restore it from a backup (docs/server.md)");
+  }
+  {
+    // A database of something else: tables, none of them this server's.
+    Stmt t(impl->db, path,
+           "SELECT (SELECT COUNT(*) FROM sqlite_master WHERE type = 'table'), "
+           "(SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name IN "
+           "('runs', 'rounds', 'metrics', 'clients', 'checkpoints'))");
+    t.step();
+    SPARROW_CHECK_T(ConfigError, t.i64(0) == 0 || t.i64(1) > 0,
+                    "server database '" << path << "' is an SQLite database of something else (" << t.i64(0)
+                                        << " tables, none of a sparrow-server run): use another path");
+  }
   impl->exec("PRAGMA journal_mode=WAL");
   // FULL: a committed round survives power loss too, not only a process crash.
   impl->exec("PRAGMA synchronous=FULL");
   impl->exec(kSchema);
-  {
-    // Version 1 databases: the checkpoints table lacks the aggregator column.
-    Stmt cols(impl->db, path, "SELECT COUNT(*) FROM pragma_table_info('checkpoints') WHERE name = 'aggregator'");
+  // Older databases: columns the checkpoints table lacks (version 1: aggregator;
+  // 2: checksum, NULL for their rows, which are then loaded unverified).
+  for (const char* column : {"aggregator BLOB", "checksum INTEGER"}) {
+    const std::string name = std::string(column).substr(0, std::string(column).find(' '));
+    Stmt cols(impl->db, path,
+              ("SELECT COUNT(*) FROM pragma_table_info('checkpoints') WHERE name = '" + name + "'").c_str());
     cols.step();
-    if (cols.i64(0) == 0) impl->exec("ALTER TABLE checkpoints ADD COLUMN aggregator BLOB");
+    if (cols.i64(0) == 0) impl->exec(("ALTER TABLE checkpoints ADD COLUMN " + std::string(column)).c_str());
   }
   impl->exec(("PRAGMA user_version=" + std::to_string(kSchemaVersion)).c_str());
   return std::unique_ptr<ServerStore>(new ServerStore(std::move(impl)));
@@ -195,7 +246,7 @@ void ServerStore::commit_round(const RoundRow& r, const std::map<std::string, do
     {
       Stmt s(impl_->db, impl_->path,
              "INSERT OR REPLACE INTO checkpoints(round, weights, server_opt, control, broadcast, downlink_state, "
-             "downlink_last, acp, rng, aggregator) VALUES(?,?,?,?,?,?,?,?,?,?)");
+             "downlink_last, acp, rng, aggregator, checksum) VALUES(?,?,?,?,?,?,?,?,?,?,?)");
       s.bind(1, c.round)
           .bind_blob(2, c.weights)
           .bind_blob(3, c.server_opt)
@@ -205,7 +256,8 @@ void ServerStore::commit_round(const RoundRow& r, const std::map<std::string, do
           .bind_blob(7, c.downlink_last)
           .bind_blob(8, c.acp)
           .bind_text(9, c.rng)
-          .bind_blob(10, c.aggregator);
+          .bind_blob(10, c.aggregator)
+          .bind(11, checkpoint_checksum(c));
       s.step();
     }
     {
@@ -253,23 +305,35 @@ void ServerStore::write_clients(const std::vector<ClientRow>& clients) {
 }
 
 std::optional<Checkpoint> ServerStore::latest_checkpoint() {
+  // Newest first; a checkpoint whose checksum does not match its blobs is
+  // skipped (and reported), so the run resumes from the newest good one.
   Stmt s(impl_->db, impl_->path,
-         "SELECT round, weights, server_opt, control, broadcast, downlink_state, downlink_last, acp, rng, aggregator "
-         "FROM checkpoints ORDER BY round DESC LIMIT 1");
-  if (!s.step()) return std::nullopt;
-  Checkpoint c;
-  c.round = s.i64(0);
-  c.weights = s.text(1);
-  c.server_opt = s.text(2);
-  c.control = s.text(3);
-  c.broadcast = s.text(4);
-  c.downlink_state = s.text(5);
-  c.downlink_last = s.text(6);
-  c.acp = s.text(7);
-  c.rng = s.text(8);
-  c.aggregator = s.text(9);
-  return c;
+         "SELECT round, weights, server_opt, control, broadcast, downlink_state, downlink_last, acp, rng, aggregator, "
+         "checksum FROM checkpoints ORDER BY round DESC");
+  impl_->damaged.clear();
+  while (s.step()) {
+    Checkpoint c;
+    c.round = s.i64(0);
+    c.weights = s.text(1);
+    c.server_opt = s.text(2);
+    c.control = s.text(3);
+    c.broadcast = s.text(4);
+    c.downlink_state = s.text(5);
+    c.downlink_last = s.text(6);
+    c.acp = s.text(7);
+    c.rng = s.text(8);
+    c.aggregator = s.text(9);
+    if (s.is_null(10) || s.i64(10) == checkpoint_checksum(c)) return c;  // NULL: written before checksums
+    impl_->damaged.push_back(c.round);
+  }
+  SPARROW_CHECK_T(FormatError, impl_->damaged.empty(),
+                  "server database '" << impl_->path << "': every checkpoint fails its checksum (newest round "
+                                      << impl_->damaged.front()
+                                      << "); the database is damaged: restore it from a backup (docs/server.md)");
+  return std::nullopt;
 }
+
+std::vector<int64_t> ServerStore::damaged_checkpoints() const { return impl_->damaged; }
 
 int64_t ServerStore::completed_rounds() {
   Stmt s(impl_->db, impl_->path, "SELECT COALESCE(MAX(round), 0) FROM rounds");

@@ -72,7 +72,9 @@ struct Checkpoint {
 class ServerStore {
  public:
   // Opens or creates the database. FormatError when the file is not an SQLite
-  // database, Error for other SQLite failures.
+  // database or fails SQLite's quick_check (a damaged page, index or b-tree);
+  // ConfigError when it exists with 0 bytes (a lost database is not a new run)
+  // or is another program's database; Error for other SQLite failures.
   static std::unique_ptr<ServerStore> open(const std::string& path);
   // Read-only open (status): FormatError / Error as above; ConfigError when missing.
   static std::unique_ptr<ServerStore> open_readonly(const std::string& path);
@@ -91,8 +93,13 @@ class ServerStore {
   // Client rows outside a round (shutdown; new clients' key bindings).
   void put_clients(const std::vector<ClientRow>& clients);
 
+  // The newest checkpoint whose CRC-32 matches its blobs (rows written before
+  // checksums existed are taken as they are); nullopt when there is none.
+  // Damaged newer ones are skipped and listed by damaged_checkpoints();
+  // FormatError when checkpoints exist and none is intact.
   std::optional<Checkpoint> latest_checkpoint();
-  int64_t completed_rounds();  // newest round row, 0 when none
+  std::vector<int64_t> damaged_checkpoints() const;  // rounds skipped by the last latest_checkpoint()
+  int64_t completed_rounds();                        // newest round row, 0 when none
   std::vector<RoundRow> rounds();
   std::vector<ClientRow> clients();
   std::map<std::string, double> metrics(int64_t round);

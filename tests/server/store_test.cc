@@ -165,3 +165,85 @@ TEST_CASE("server store migrates a version 1 database and keeps the aggregator s
   CHECK(c->round == 4);
   CHECK(c->aggregator == "SPAG1-state");
 }
+
+namespace {
+// Runs SQL on the database file directly, as a damaged disk or another
+// program would change it behind the server's back.
+void raw_sql(const std::string& path, const std::string& sql) {
+  sqlite3* db = nullptr;
+  REQUIRE(sqlite3_open(path.c_str(), &db) == SQLITE_OK);
+  char* err = nullptr;
+  const int rc = sqlite3_exec(db, sql.c_str(), nullptr, nullptr, &err);
+  if (err) sqlite3_free(err);
+  sqlite3_close(db);
+  REQUIRE(rc == SQLITE_OK);
+}
+
+void commit(ServerStore& s, int64_t round, const std::string& weights, int keep) {
+  RoundRow row;
+  row.round = round;
+  s.commit_round(row, {}, ck(round, weights), {}, keep);
+}
+}  // namespace
+
+TEST_CASE("server store: a checkpoint whose bytes changed is skipped, the newest intact one is used") {
+  const std::string path = fresh_db("checksum");
+  {
+    auto s = ServerStore::open(path);
+    s->create_run({"run-c", "h", "", 1});
+    for (int r = 1; r <= 3; ++r) commit(*s, r, std::string(4096, static_cast<char>('a' + r)), 2);
+  }
+  // One byte of round 3's weights flipped inside the file's valid structure.
+  raw_sql(path,
+          "UPDATE checkpoints SET weights = substr(weights, 1, 100) || 'X' || substr(weights, 102) "
+          "WHERE round = 3");
+  {
+    auto s = ServerStore::open(path);
+    auto c = s->latest_checkpoint();
+    REQUIRE(c.has_value());
+    CHECK(c->round == 2);
+    CHECK(c->weights == std::string(4096, 'c'));
+    CHECK(s->damaged_checkpoints() == std::vector<int64_t>{3});
+  }
+  // Both kept checkpoints damaged: a clear error, not a fresh start.
+  raw_sql(path, "UPDATE checkpoints SET rng = 'seed=2' WHERE round = 2");
+  auto s = ServerStore::open(path);
+  CHECK_THROWS_WITH_AS(s->latest_checkpoint(), doctest::Contains("every checkpoint fails its checksum"), FormatError);
+  // Rows written before checksums existed (NULL) load as they are.
+  raw_sql(path, "UPDATE checkpoints SET checksum = NULL WHERE round = 2");
+  auto legacy = s->latest_checkpoint();
+  REQUIRE(legacy.has_value());
+  CHECK(legacy->round == 2);
+}
+
+TEST_CASE("server store: a damaged page is found at open") {
+  const std::string path = fresh_db("zeroed");
+  {
+    auto s = ServerStore::open(path);
+    s->create_run({"run-z", "h", "", 1});
+    for (int r = 1; r <= 3; ++r) commit(*s, r, std::string(20000, static_cast<char>('a' + r)), 3);
+  }
+  const auto size = fs::file_size(path);
+  REQUIRE(size > 5 * 4096);
+  {
+    // Page 2 zeroed (a table's root page), the way a bad sector reads back.
+    FILE* f = std::fopen(path.c_str(), "r+b");
+    REQUIRE(f != nullptr);
+    std::fseek(f, 4096, SEEK_SET);
+    const std::string zeros(4096, '\0');
+    std::fwrite(zeros.data(), 1, zeros.size(), f);
+    std::fclose(f);
+  }
+  CHECK_THROWS_AS(ServerStore::open(path), FormatError);
+}
+
+TEST_CASE("server store: an empty file or another program's database is not a new run") {
+  const std::string empty = fresh_db("empty");
+  std::fclose(std::fopen(empty.c_str(), "wb"));
+  CHECK_THROWS_WITH_AS(ServerStore::open(empty), doctest::Contains("exists but is empty"), ConfigError);
+  CHECK(fs::file_size(empty) == 0);  // left as it was
+  const std::string foreign = fresh_db("foreign");
+  raw_sql(foreign, "CREATE TABLE invoices(id INTEGER PRIMARY KEY, total REAL); INSERT INTO invoices VALUES(1, 9.5);");
+  CHECK_THROWS_WITH_AS(ServerStore::open(foreign), doctest::Contains("something else"), ConfigError);
+  CHECK(fs::exists(empty));
+}
