@@ -1,11 +1,13 @@
 #include "state/store.h"
 
 #include <sqlite3.h>
+#include <zlib.h>
 
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <exception>
+#include <filesystem>
 #include <map>
 #include <thread>
 #include <ctime>
@@ -24,8 +26,13 @@ namespace {
 
 // PRAGMA user_version of a database this build writes. Bump it (and migrate in
 // open()) when the table changes; an older build then refuses the file.
-// 2: table meta(key, value) for set_meta().
-constexpr int kSchemaVersion = 2;
+// 2: table meta(key, value) for set_meta(). 3: a CRC-32 column in both
+// (NULL for rows written before it, which are read unverified).
+constexpr int kSchemaVersion = 3;
+
+int64_t crc_of(const void* p, size_t n) {
+  return static_cast<int64_t>(crc32_z(crc32_z(0L, Z_NULL, 0), static_cast<const Bytef*>(p), n));
+}
 
 [[noreturn]] void throw_sqlite(sqlite3* db, const std::string& path, const std::string& what, int rc) {
   const std::string msg = "client state store '" + path + "': " + what + ": " +
@@ -115,6 +122,12 @@ struct Conn {
   // Opens the file; `create` also checks, creates and migrates the schema.
   void open(const std::string& p, bool create) {
     path = p;
+    std::error_code ec;
+    SPARROW_CHECK_T(ConfigError,
+                    !create || !std::filesystem::exists(path, ec) || std::filesystem::file_size(path, ec) != 0 || ec,
+                    "client state store '" << path
+                                           << "' exists but is empty (0 bytes): if it held states, restore it from a "
+                                              "backup; to start afresh, remove the file");
     int rc =
         sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX, nullptr);
     if (rc != SQLITE_OK) throw_sqlite(db, path, "open", rc);
@@ -130,6 +143,22 @@ struct Conn {
       // Client states are blobs of hundreds of KB to MB (DGC keeps u and v per
       // parameter): 64 KiB pages cut the overflow-page chains of each blob 16x.
       // Only takes effect on a new database (before WAL is switched on).
+      {
+        Statement q(db, path, "PRAGMA quick_check");
+        const std::string result = q.step("quick_check")
+                                       ? std::string(reinterpret_cast<const char*>(sqlite3_column_text(q.get(), 0)))
+                                       : std::string("no result");
+        SPARROW_CHECK_T(FormatError, result == "ok",
+                        "client state store '" << path << "' is damaged (SQLite quick_check: " << result
+                                               << "); restore it from a backup");
+        Statement t(db, path,
+                    "SELECT (SELECT COUNT(*) FROM sqlite_master WHERE type = 'table'), (SELECT COUNT(*) FROM "
+                    "sqlite_master WHERE type = 'table' AND name IN ('client_state', 'meta'))");
+        t.step("list tables");
+        SPARROW_CHECK_T(
+            ConfigError, sqlite3_column_int64(t.get(), 0) == 0 || sqlite3_column_int64(t.get(), 1) > 0,
+            "client state store '" << path << "' is an SQLite database of something else: use another path");
+      }
       if (version == 0) exec("PRAGMA page_size=65536");
       exec("PRAGMA journal_mode=WAL");
       if (version < kSchemaVersion) {
@@ -137,9 +166,17 @@ struct Conn {
         try {
           exec(
               "CREATE TABLE IF NOT EXISTS client_state("
-              "client_id INTEGER PRIMARY KEY, blob BLOB NOT NULL, updated INTEGER)");
-          exec("CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value BLOB NOT NULL)");
-          exec("PRAGMA user_version=2");
+              "client_id INTEGER PRIMARY KEY, blob BLOB NOT NULL, updated INTEGER, crc INTEGER)");
+          exec("CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value BLOB NOT NULL, crc INTEGER)");
+          for (const char* table : {"client_state", "meta"}) {  // version 1 and 2 tables lack crc
+            Statement cols(
+                db, path,
+                (std::string("SELECT COUNT(*) FROM pragma_table_info('") + table + "') WHERE name = 'crc'").c_str());
+            cols.step("read columns");
+            if (sqlite3_column_int64(cols.get(), 0) == 0)
+              exec((std::string("ALTER TABLE ") + table + " ADD COLUMN crc INTEGER").c_str());
+          }
+          exec(("PRAGMA user_version=" + std::to_string(kSchemaVersion)).c_str());
           exec("COMMIT");
         } catch (...) {
           sqlite3_exec(db, "ROLLBACK", nullptr, nullptr, nullptr);
@@ -148,10 +185,11 @@ struct Conn {
       }
     }
     exec("PRAGMA synchronous=NORMAL");
-    select = Statement(db, path, "SELECT blob FROM client_state WHERE client_id = ?1");
-    upsert = Statement(db, path, "INSERT OR REPLACE INTO client_state(client_id, blob, updated) VALUES(?1, ?2, ?3)");
-    meta_select = Statement(db, path, "SELECT value FROM meta WHERE key = ?1");
-    meta_upsert = Statement(db, path, "INSERT OR REPLACE INTO meta(key, value) VALUES(?1, ?2)");
+    select = Statement(db, path, "SELECT blob, crc FROM client_state WHERE client_id = ?1");
+    upsert = Statement(db, path,
+                       "INSERT OR REPLACE INTO client_state(client_id, blob, updated, crc) VALUES(?1, ?2, ?3, ?4)");
+    meta_select = Statement(db, path, "SELECT value, crc FROM meta WHERE key = ?1");
+    meta_upsert = Statement(db, path, "INSERT OR REPLACE INTO meta(key, value, crc) VALUES(?1, ?2, ?3)");
     begin = Statement(db, path, "BEGIN IMMEDIATE");
     commit = Statement(db, path, "COMMIT");
     rollback = Statement(db, path, "ROLLBACK");
@@ -164,7 +202,13 @@ struct Conn {
     if (!select.step("read client state")) return std::nullopt;
     const void* p = sqlite3_column_blob(select.get(), 0);
     const int n = sqlite3_column_bytes(select.get(), 0);
-    return std::string(static_cast<const char*>(p), static_cast<size_t>(n));
+    std::string out(static_cast<const char*>(p), static_cast<size_t>(n));
+    SPARROW_CHECK_T(FormatError,
+                    sqlite3_column_type(select.get(), 1) == SQLITE_NULL ||
+                        sqlite3_column_int64(select.get(), 1) == crc_of(out.data(), out.size()),
+                    "client state store '" << path << "': the state of client " << client
+                                           << " fails its checksum: the file is damaged; restore it from a backup");
+    return out;
   }
 
   std::optional<std::string> read_meta(const std::string& key) {
@@ -173,7 +217,13 @@ struct Conn {
     if (!meta_select.step("read meta")) return std::nullopt;
     const void* p = sqlite3_column_blob(meta_select.get(), 0);
     const int n = sqlite3_column_bytes(meta_select.get(), 0);
-    return std::string(static_cast<const char*>(p), static_cast<size_t>(n));
+    std::string out(static_cast<const char*>(p), static_cast<size_t>(n));
+    SPARROW_CHECK_T(FormatError,
+                    sqlite3_column_type(meta_select.get(), 1) == SQLITE_NULL ||
+                        sqlite3_column_int64(meta_select.get(), 1) == crc_of(out.data(), out.size()),
+                    "client state store '" << path << "': '" << key
+                                           << "' fails its checksum: the file is damaged; restore it from a backup");
+    return out;
   }
 };
 
@@ -203,6 +253,7 @@ void write_row(Conn& c, int64_t id, const ClientState& state) {
   sqlite3_bind_int64(c.upsert.get(), 1, id);
   sqlite3_bind_blob64(c.upsert.get(), 2, blob.data(), blob.size(), SQLITE_STATIC);
   sqlite3_bind_int64(c.upsert.get(), 3, static_cast<int64_t>(std::time(nullptr)));
+  sqlite3_bind_int64(c.upsert.get(), 4, crc_of(blob.data(), blob.size()));
   c.upsert.step("write client state");
 }
 
@@ -211,6 +262,7 @@ void write_meta_and_commit(Conn& c, const std::map<std::string, std::string>& me
     ResetGuard g{c.meta_upsert};
     sqlite3_bind_text(c.meta_upsert.get(), 1, key.data(), static_cast<int>(key.size()), SQLITE_STATIC);
     sqlite3_bind_blob64(c.meta_upsert.get(), 2, value.data(), value.size(), SQLITE_STATIC);
+    sqlite3_bind_int64(c.meta_upsert.get(), 3, crc_of(value.data(), value.size()));
     c.meta_upsert.step("write meta");
   }
   ResetGuard g{c.commit};

@@ -1,6 +1,7 @@
 #include "tests/sparrow_test.h"
 
 #include <ATen/ATen.h>
+#include <sqlite3.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -361,7 +362,7 @@ TEST_CASE("store reports a corrupt row and stays usable") {
   write_file(db.path(), file);
 
   auto store = ClientStateStore::open(db.path(), {});
-  CHECK_THROWS_WITH_AS(store->get(1), doctest::Contains("client 1:"), sparrow::FormatError);
+  CHECK_THROWS_WITH_AS(store->get(1), doctest::Contains("client 1"), sparrow::FormatError);
   check_small(store->get(2), 2);
   store->put(1, small_state(1));  // overwriting repairs it
   store->flush();
@@ -504,4 +505,104 @@ TEST_CASE("into_owned keeps sole owners and copies shared tensors") {
   CHECK(o.compressor["fc1.weight"].tensors["u"].data_ptr() == own);
   CHECK(o.control["fc1.weight"].data_ptr() != shared.data_ptr());
   check_equal(o, rich_state(6));
+}
+
+namespace {
+// SQL on the file behind the store's back, as a damaged disk or another
+// program would change it.
+void raw_sql(const std::string& path, const std::string& sql) {
+  sqlite3* db = nullptr;
+  REQUIRE(sqlite3_open(path.c_str(), &db) == SQLITE_OK);
+  char* err = nullptr;
+  const int rc = sqlite3_exec(db, sql.c_str(), nullptr, nullptr, &err);
+  if (err) sqlite3_free(err);
+  sqlite3_close(db);
+  REQUIRE(rc == SQLITE_OK);
+}
+}  // namespace
+
+TEST_CASE("store checksums every state and meta value") {
+  TempDb db("crc");
+  {
+    auto store = ClientStateStore::open(db.path(), {});
+    store->put(1, small_state(1));
+    store->put(2, small_state(2));
+    store->set_meta("checkpoint.global", std::string(300, 'g'));
+    store->flush();
+  }
+  // One byte inside client 1's tensor values (past the header, which
+  // deserialize checks itself) and one of the meta value changed.
+  raw_sql(db.path(),
+          "UPDATE client_state SET blob = CAST(substr(blob, 1, length(blob) - 3) || X'7F' || "
+          "substr(blob, length(blob) - 1) AS BLOB) WHERE client_id = 1;"
+          "UPDATE meta SET value = CAST(substr(value, 1, 100) || 'h' || substr(value, 102) AS BLOB);");
+  auto store = ClientStateStore::open(db.path(), {});
+  CHECK_THROWS_WITH_AS(store->get(1), doctest::Contains("client 1 fails its checksum"), sparrow::FormatError);
+  CHECK_THROWS_WITH_AS(store->get_meta("checkpoint.global"), doctest::Contains("fails its checksum"),
+                       sparrow::FormatError);
+  check_small(store->get(2), 2);
+}
+
+TEST_CASE("store reads and migrates a version 2 database (no checksums)") {
+  TempDb db("v2");
+  const std::string blob = small_state(3).serialize();
+  {
+    sqlite3* raw = nullptr;
+    REQUIRE(sqlite3_open(db.path().c_str(), &raw) == SQLITE_OK);
+    REQUIRE(
+        sqlite3_exec(raw,
+                     "CREATE TABLE client_state(client_id INTEGER PRIMARY KEY, blob BLOB NOT NULL, updated INTEGER);"
+                     "CREATE TABLE meta(key TEXT PRIMARY KEY, value BLOB NOT NULL);"
+                     "INSERT INTO meta VALUES('k', X'0102');"
+                     "PRAGMA user_version=2;",
+                     nullptr, nullptr, nullptr) == SQLITE_OK);
+    sqlite3_stmt* st = nullptr;
+    REQUIRE(sqlite3_prepare_v2(raw, "INSERT INTO client_state VALUES(3, ?1, 0)", -1, &st, nullptr) == SQLITE_OK);
+    sqlite3_bind_blob(st, 1, blob.data(), static_cast<int>(blob.size()), SQLITE_STATIC);
+    REQUIRE(sqlite3_step(st) == SQLITE_DONE);
+    sqlite3_finalize(st);
+    sqlite3_close(raw);
+  }
+  {
+    auto store = ClientStateStore::open(db.path(), {});
+    check_small(store->get(3), 3);  // unverified: written before checksums
+    CHECK(store->get_meta("k") == std::string("\x01\x02", 2));
+    store->put(4, small_state(4));
+  }
+  auto store = ClientStateStore::open(db.path(), {});
+  check_small(store->get(4), 4);
+}
+
+TEST_CASE("store refuses an empty file, another program's database and a damaged page") {
+  SUBCASE("empty") {
+    TempDb db("empty0");
+    write_file(db.path(), "");
+    CHECK_THROWS_WITH_AS(ClientStateStore::open(db.path(), {}), doctest::Contains("exists but is empty"),
+                         sparrow::ConfigError);
+  }
+  SUBCASE("foreign") {
+    TempDb db("foreign");
+    raw_sql(db.path(), "CREATE TABLE songs(title TEXT); INSERT INTO songs VALUES('x');");
+    CHECK_THROWS_WITH_AS(ClientStateStore::open(db.path(), {}), doctest::Contains("something else"),
+                         sparrow::ConfigError);
+  }
+  SUBCASE("zeroed page") {
+    TempDb db("zeroedpage");
+    {
+      auto store = ClientStateStore::open(db.path(), {});
+      for (int64_t c = 0; c < 12; ++c) {
+        ClientState big = small_state(c);
+        big.control["big"] = at::randn({20000});  // 80 KB: the file spans many pages
+        store->put(c, big);
+      }
+      store->flush();
+    }
+    std::string file = read_file(db.path());
+    const size_t page = 65536;  // the store's page size
+    REQUIRE(file.size() >= 3 * page);
+    std::fill(file.begin() + static_cast<std::ptrdiff_t>(page), file.begin() + static_cast<std::ptrdiff_t>(2 * page),
+              '\0');
+    write_file(db.path(), file);
+    CHECK_THROWS_AS(ClientStateStore::open(db.path(), {}), sparrow::FormatError);
+  }
 }
