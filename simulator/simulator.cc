@@ -156,6 +156,21 @@ std::string csv_row(const RoundMetrics& m) {
 constexpr const char* kCsvHeader =
     "round,accuracy,loss,train_loss,bytes_up,bytes_down,sim_round_s,real_s,clients,dropped,epsilon,clip\n";
 
+// A resumed run's metrics database must pass SQLite's quick_check (its
+// client states and checkpoint are checked by state::ClientStateStore).
+void check_intact(sqlite3* db, const std::string& path) {
+  sqlite3_stmt* st = nullptr;
+  std::string result = "cannot run quick_check";
+  if (sqlite3_prepare_v2(db, "PRAGMA quick_check", -1, &st, nullptr) == SQLITE_OK && sqlite3_step(st) == SQLITE_ROW)
+    result = reinterpret_cast<const char*>(sqlite3_column_text(st, 0));
+  else if (db)
+    result = sqlite3_errmsg(db);
+  sqlite3_finalize(st);
+  SPARROW_CHECK_T(FormatError, result == "ok",
+                  "resume: " << path << " is damaged (SQLite quick_check: " << result
+                             << "); restore the run folder from a backup or start the run again");
+}
+
 }  // namespace
 
 std::string summary_json(const Summary& s) {
@@ -369,6 +384,7 @@ struct Simulator::Impl {
     }
     if (sqlite3_open(dbp.c_str(), &db.db) != SQLITE_OK)
       throw Error("cannot open " + dbp.string() + ": " + sqlite3_errmsg(db.db));
+    if (resume) check_intact(db.db, dbp.string());
     db.exec("PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;");
     db.exec(
         "CREATE TABLE IF NOT EXISTS rounds(round INTEGER PRIMARY KEY, accuracy REAL, loss REAL, train_loss REAL, "

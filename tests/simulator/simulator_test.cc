@@ -539,3 +539,21 @@ TEST_CASE("simulator: automatic client_batch batches the built-in models, client
     CHECK(Simulator(c).training_mode().find("one client at a time") != std::string::npos);
   }
 }
+
+TEST_CASE("simulator resume refuses a damaged run database") {
+  TempDir d("resume_damaged");
+  SimConfig c = tiny(d.path);
+  c.rounds = 2;
+  { Simulator(c).run(); }
+  const std::string db = d.path + "/run.db";
+  REQUIRE(std::filesystem::file_size(db) >= 2 * 4096);
+  {
+    // Page 2 (the rounds table's root) zeroed, as a bad sector reads back.
+    std::fstream f(db, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(4096);
+    const std::string zeros(4096, '\0');
+    f.write(zeros.data(), static_cast<std::streamsize>(zeros.size()));
+  }
+  c.rounds = 3;
+  CHECK_THROWS_WITH_AS(Simulator(c, true), doctest::Contains("is damaged"), sparrow::FormatError);
+}
