@@ -221,6 +221,7 @@ struct Server::Impl {
   std::map<std::string, Session> sessions;       // routing id -> session
   std::map<std::string, std::string> by_client;  // client id -> routing id
   std::map<std::string, ClientRow> clients;      // every client ever seen
+  std::map<std::string, std::string> id_of_key;  // CURVE public key -> the client id it registered
   std::set<std::string> dirty_clients;
   uint64_t round = 0;  // the round in progress (0 before the first)
   bool round_open = false;
@@ -327,7 +328,10 @@ struct Server::Impl {
                                    << identity_text(cfg));
     }
     run_id = run->run_id;
-    for (ClientRow& c : store->clients()) clients[c.client_id] = c;
+    for (ClientRow& c : store->clients()) {
+      if (!c.public_key.empty()) id_of_key.emplace(c.public_key, c.client_id);  // the first binding stands
+      clients[c.client_id] = c;
+    }
     std::optional<Checkpoint> ck = store->latest_checkpoint();
     for (int64_t r : store->damaged_checkpoints())
       spdlog::warn("event=checkpoint_damaged round={} db={} msg=\"checksum mismatch: skipped, {}\"", r, cfg.db,
@@ -596,6 +600,18 @@ struct Server::Impl {
     if (cit != clients.end() && !cit->second.public_key.empty() && cit->second.public_key != key) {
       g.unlock();
       return refuse("client id '" + h.client_id + "' is bound to another key");
+    }
+    // One key is one client: a key that registered an id cannot open
+    // sessions under other ids (which would multiply its selection chances
+    // and its weight in the average). Without CURVE there is no key.
+    if (!key.empty()) {
+      auto kit = id_of_key.find(key);
+      if (kit != id_of_key.end() && kit->second != h.client_id) {
+        const std::string bound = kit->second;
+        g.unlock();
+        return refuse("this key is bound to client id '" + bound + "': one key is one client");
+      }
+      id_of_key.emplace(key, h.client_id);
     }
     const int64_t now = static_cast<int64_t>(unix_now());
     if (cit == clients.end()) {

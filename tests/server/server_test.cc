@@ -680,3 +680,53 @@ TEST_CASE("the adaptive DP clip is checkpointed and a restarted server continues
   REQUIRE_FALSE(run.error);
   CHECK(ServerStore::open(cfg.db)->metrics(2).at("aggregate.clip") == doctest::Approx(std::exp(-0.2 * 0.5)));
 }
+
+TEST_CASE("one CURVE key is one client: other ids from the same key are refused, also after a restart") {
+  const std::string dir = "server_test_one_key";
+  fs::remove_all(dir);
+  net::KeyPair server_keys = net::generate_keypair(), good = net::generate_keypair(), other = net::generate_keypair();
+  net::write_keypair(dir, "server", server_keys);
+  net::write_keypair(dir + "/allowed", "good", good);
+  net::write_keypair(dir + "/allowed", "other", other);
+  ServerConfig cfg = base_config("one_key");
+  cfg.insecure = false;
+  cfg.clients_per_round = 2;
+  cfg.server_key = dir + "/server.key_secret";
+  cfg.allow = dir + "/allowed";
+  zmq::context_t ctx;
+  {
+    Server server(cfg, tiny_weights());
+    Running run(server);
+    FakeClient a(ctx, server.endpoint(), "a", &good, server_keys.public_key);
+    a.hello(server.model_digest(), 1);
+    // The same key under other ids, on new connections: refused, the first binding stands.
+    for (const char* id : {"a2", "a3"}) {
+      FakeClient sybil(ctx, server.endpoint(), id, &good, server_keys.public_key);
+      wire::Hello h;
+      h.client_id = id;
+      h.num_samples = 1000;
+      h.model = "tiny";
+      h.model_digest = server.model_digest();
+      sybil.send(message(h));
+      CHECK(sybil.expect_error().message.find("one key is one client") != std::string::npos);
+    }
+    // The same key and id on a new connection is a reconnection, and another key is another client.
+    FakeClient again(ctx, server.endpoint(), "a", &good, server_keys.public_key);
+    again.hello(server.model_digest(), 1);
+    FakeClient b(ctx, server.endpoint(), "b", &other, server_keys.public_key);
+    b.hello(server.model_digest(), 1);
+    server.stop();
+    run.join();
+    REQUIRE_FALSE(run.error);
+  }
+  Server restarted(cfg, tiny_weights());
+  Running run(restarted);
+  FakeClient sybil(ctx, restarted.endpoint(), "a9", &good, server_keys.public_key);
+  wire::Hello h;
+  h.client_id = "a9";
+  h.num_samples = 1;
+  h.model = "tiny";
+  h.model_digest = restarted.model_digest();
+  sybil.send(message(h));
+  CHECK(sybil.expect_error().message.find("bound to client id 'a'") != std::string::npos);
+}
