@@ -4,6 +4,7 @@
 #   scripts/setup.sh           build, tests, demo
 #   scripts/setup.sh --bench   also python3-torch, the plain-PyTorch peer of
 #                              `sparrow-bench sim` (bench/peer_fedavg.py)
+#   scripts/setup.sh --fuzz    also clang (libFuzzer, ASan, UBSan) for scripts/fuzz.sh
 set -euo pipefail
 
 PACKAGES=(
@@ -29,6 +30,7 @@ PACKAGES=(
   libxsmm-dev
 )
 if [[ "${1:-}" == "--bench" ]]; then PACKAGES+=(python3-torch); fi
+if [[ "${1:-}" == "--fuzz" ]]; then PACKAGES+=(clang); fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do

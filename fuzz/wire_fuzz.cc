@@ -1,0 +1,33 @@
+// libFuzzer target: bytes from a peer, as the server's and the cloud's I/O
+// threads receive them. wire::parse must either return a message that passed
+// every check or throw sparrow::Error (ProtocolError); each tensor of a parsed
+// update is then decoded, which may only refuse with sparrow::Error (formats
+// that need a context, such as ACP's shared factor). Anything else (a crash, a
+// sanitizer report, another exception type, a hang) is a finding.
+#include <cstddef>
+#include <cstdint>
+#include <variant>
+
+#include "compression/compressor.h"
+#include "core/error.h"
+#include "wire/wire.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  sparrow::wire::ParseLimits limits;
+  limits.max_bytes = size_t{1} << 20;
+  limits.max_elements = uint64_t{1} << 22;  // decoding stays cheap per input
+  sparrow::wire::Message m;
+  try {
+    m = sparrow::wire::parse(data, size, limits);
+  } catch (const sparrow::Error&) {
+    return 0;  // refused: what a bad peer must get
+  }
+  if (const auto* u = std::get_if<sparrow::wire::ModelUpdate>(&m.body))
+    for (const auto& t : u->tensors) {
+      try {
+        (void)sparrow::compression::decode(t.tensor);
+      } catch (const sparrow::Error&) {
+      }
+    }
+  return 0;
+}
