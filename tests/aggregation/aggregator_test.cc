@@ -66,7 +66,9 @@ std::map<std::string, at::Tensor> direct_mean(const std::vector<Client>& clients
 void check_close(const std::map<std::string, at::Tensor>& a, const std::map<std::string, at::Tensor>& b,
                  double tol = 1e-5) {
   REQUIRE(a.size() == b.size());
-  for (const auto& [name, t] : a) {
+  for (const auto& entry : a) {
+    const auto& name = entry.first;  // INFO's lambda cannot capture a structured binding (C++17)
+    const auto& t = entry.second;
     REQUIRE(b.count(name));
     INFO("tensor " << name);
     CHECK(t.sizes() == b.at(name).sizes());

@@ -69,7 +69,9 @@ std::map<std::string, std::vector<double>> to_vec(const Weights& w) {
 }
 
 void check_matches(const Weights& w, const std::map<std::string, std::vector<double>>& ref, double tol) {
-  for (const auto& [k, t] : w) {
+  for (const auto& entry : w) {
+    const auto& k = entry.first;  // INFO's lambda cannot capture a structured binding (C++17)
+    const auto& t = entry.second;
     at::Tensor r = at::tensor(ref.at(k), at::kDouble).view(t.sizes());
     const double err = (t.to(at::kDouble) - r).abs().max().item<double>();
     INFO("tensor " << k << " max error " << err);

@@ -528,7 +528,9 @@ TEST_CASE("integration: malformed messages get errors and leave the model unchan
   CHECK(rounds[0].updates == 1);
   const Weights w1 = sparrow::server::deserialize_weights(db.checkpoint(1));
   REQUIRE(w1.size() == w0.size());
-  for (const auto& [name, t] : w0) {
+  for (const auto& entry : w0) {
+    const auto& name = entry.first;  // INFO's lambda cannot capture a structured binding (C++17)
+    const auto& t = entry.second;
     INFO(name);
     const double err = (w1.at(name) - (t + 0.001f)).abs().max().item<double>();
     CHECK(err < 1e-6);

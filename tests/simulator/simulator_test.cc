@@ -368,7 +368,9 @@ TEST_CASE("simulator batched clients equal one client at a time") {
       CHECK(one.history()[i].bytes_up == bat.history()[i].bytes_up);
       CHECK(one.history()[i].train_loss == doctest::Approx(bat.history()[i].train_loss).epsilon(1e-4));
     }
-    for (const auto& [k, v] : one.global()) {
+    for (const auto& entry : one.global()) {
+      const auto& k = entry.first;  // CAPTURE's lambda cannot capture a structured binding (C++17)
+      const auto& v = entry.second;
       CAPTURE(k);
       CHECK(at::allclose(v, bat.global().at(k), 1e-4, 1e-6));
     }
