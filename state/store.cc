@@ -200,13 +200,19 @@ struct Conn {
     ResetGuard g{select};
     sqlite3_bind_int64(select.get(), 1, client);
     if (!select.step("read client state")) return std::nullopt;
-    const void* p = sqlite3_column_blob(select.get(), 0);
-    const int n = sqlite3_column_bytes(select.get(), 0);
+    return checked_blob(select, "the state of client " + std::to_string(client));
+  }
+
+  // Column 0's bytes of the current row, verified against column 1's CRC-32
+  // (NULL: written before checksums). `what` names the value in the error.
+  std::string checked_blob(Statement& st, const std::string& what) {
+    const void* p = sqlite3_column_blob(st.get(), 0);
+    const int n = sqlite3_column_bytes(st.get(), 0);
     std::string out(static_cast<const char*>(p), static_cast<size_t>(n));
     SPARROW_CHECK_T(FormatError,
-                    sqlite3_column_type(select.get(), 1) == SQLITE_NULL ||
-                        sqlite3_column_int64(select.get(), 1) == crc_of(out.data(), out.size()),
-                    "client state store '" << path << "': the state of client " << client
+                    sqlite3_column_type(st.get(), 1) == SQLITE_NULL ||
+                        sqlite3_column_int64(st.get(), 1) == crc_of(out.data(), out.size()),
+                    "client state store '" << path << "': " << what
                                            << " fails its checksum: the file is damaged; restore it from a backup");
     return out;
   }
@@ -215,15 +221,7 @@ struct Conn {
     ResetGuard g{meta_select};
     sqlite3_bind_text(meta_select.get(), 1, key.data(), static_cast<int>(key.size()), SQLITE_STATIC);
     if (!meta_select.step("read meta")) return std::nullopt;
-    const void* p = sqlite3_column_blob(meta_select.get(), 0);
-    const int n = sqlite3_column_bytes(meta_select.get(), 0);
-    std::string out(static_cast<const char*>(p), static_cast<size_t>(n));
-    SPARROW_CHECK_T(FormatError,
-                    sqlite3_column_type(meta_select.get(), 1) == SQLITE_NULL ||
-                        sqlite3_column_int64(meta_select.get(), 1) == crc_of(out.data(), out.size()),
-                    "client state store '" << path << "': '" << key
-                                           << "' fails its checksum: the file is damaged; restore it from a backup");
-    return out;
+    return checked_blob(meta_select, "'" + key + "'");
   }
 };
 
