@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 
+#include "compression/state.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "core/spec.h"
@@ -660,6 +661,54 @@ at::Tensor decode_gradient(const ActPacket& p, const CodecState& state, const st
                      ? dequantize_rows(p.scales.data(), p.data.data(), r, rows, p.params[2]).t()
                      : float_view(p, 0, rows * r).view({rows, r});
   return y.mm(state.basis.t()).view(p.shape);
+}
+
+std::map<std::string, at::Tensor> codec_state_tensors(const CodecState& s, const std::string& prefix) {
+  std::map<std::string, at::Tensor> t;
+  const std::pair<const char*, const at::Tensor*> slots[] = {
+      {"basis", &s.basis}, {"sketch", &s.sketch}, {"tracker", &s.tracker}};
+  for (const auto& [name, v] : slots)
+    if (v->defined()) t[prefix + name] = v->detach().to(at::kCPU, at::kFloat).contiguous();
+  std::vector<float> meta{static_cast<float>(s.basis_id & 0xffffu), static_cast<float>(s.basis_id >> 16),
+                          s.refresh_next ? 1.0f : 0.0f};
+  for (int i = 0; i < 4; ++i) meta.push_back(static_cast<float>((s.steps >> (16 * i)) & 0xffffu));
+  t[prefix + "meta"] = torch::tensor(meta);
+  return t;
+}
+
+CodecState codec_state_from_tensors(const std::map<std::string, at::Tensor>& t, const std::string& prefix) {
+  auto meta = t.find(prefix + "meta");
+  SPARROW_CHECK_T(FormatError, meta != t.end() && meta->second.numel() == 7, "codec state: no '" << prefix << "meta'");
+  const at::Tensor m = meta->second.to(at::kFloat).contiguous();
+  const float* v = m.data_ptr<float>();
+  auto piece = [&](int i) {
+    SPARROW_CHECK_T(FormatError, v[i] >= 0 && v[i] < 65536 && v[i] == std::floor(v[i]),
+                    "codec state: bad '" << prefix << "meta'");
+    return static_cast<uint64_t>(v[i]);
+  };
+  CodecState s;
+  s.basis_id = static_cast<uint32_t>(piece(0) | (piece(1) << 16));
+  s.refresh_next = piece(2) != 0;
+  for (int i = 0; i < 4; ++i) s.steps |= piece(3 + i) << (16 * i);
+  for (auto [name, slot] :
+       {std::pair<const char*, at::Tensor*>{"basis", &s.basis}, {"sketch", &s.sketch}, {"tracker", &s.tracker}}) {
+    auto it = t.find(prefix + name);
+    if (it == t.end()) continue;
+    SPARROW_CHECK_T(FormatError, it->second.dim() == 2, "codec state: '" << prefix << name << "' is not a matrix");
+    *slot = it->second.clone();
+  }
+  SPARROW_CHECK_T(FormatError, !s.basis.defined() || s.basis_id != 0, "codec state: a basis without an id");
+  return s;
+}
+
+std::string serialize_codec_state(const CodecState& s) {
+  compression::State st;
+  st.tensors = codec_state_tensors(s);
+  return st.serialize();
+}
+
+CodecState deserialize_codec_state(const std::string& bytes) {
+  return codec_state_from_tensors(compression::State::deserialize(bytes).tensors);
 }
 
 }  // namespace sparrow::edge

@@ -47,6 +47,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -124,6 +125,17 @@ struct CodecState {
   uint64_t steps = 0;         // encodes done (keys the random start, schedules refreshes)
   bool refresh_next = false;  // force a basis refresh (e.g. the cloud lost its copy)
 };
+
+// CodecState as tensors, for a device's progress file and the cloud's state
+// file: "basis", "sketch", "tracker" when defined, and "meta" = basis_id as two
+// 16-bit halves, refresh_next, steps as four 16-bit pieces (all exact in fp32).
+// The round trip is bit-exact. codec_state_from_tensors reads the keys under
+// `prefix`; FormatError when "meta" is missing or malformed.
+std::map<std::string, at::Tensor> codec_state_tensors(const CodecState& s, const std::string& prefix = "");
+CodecState codec_state_from_tensors(const std::map<std::string, at::Tensor>& t, const std::string& prefix = "");
+// The same as compression::State bytes.
+std::string serialize_codec_state(const CodecState& s);
+CodecState deserialize_codec_state(const std::string& bytes);
 
 class ActCodec {
  public:

@@ -18,6 +18,7 @@
 #include "core/model_digest.h"
 #include "core/spec.h"
 #include "edge/act_codec.h"
+#include "edge/cloud_store.h"
 #include "edge/split.h"
 #include "wire/net.h"
 #include "wire/wire.h"
@@ -125,8 +126,12 @@ CloudConfig parse_cloud_config(const std::string& toml_text, const std::vector<s
                     {"lr", &c.lr},
                     {"momentum", &c.momentum},
                     {"fedavg_devices", &c.fedavg_devices},
+                    {"state", &c.state},
+                    {"checkpoint_every", &c.checkpoint_every},
+                    {"fsync", &c.fsync},
                     {"heartbeat_ms", &c.heartbeat_ms},
-                    {"max_message_mb", &c.max_message_mb}},
+                    {"max_message_mb", &c.max_message_mb},
+                    {"threads", &c.threads}},
                    overrides);
   SPARROW_CHECK_T(ConfigError, !c.listen.empty(), source << ": listen: must not be empty");
   net::check_endpoint(source + ": listen", c.listen, /*for_bind=*/true);
@@ -134,6 +139,9 @@ CloudConfig parse_cloud_config(const std::string& toml_text, const std::vector<s
                   source << ": key and allow must be set (or insecure = true)");
   SPARROW_CHECK_T(ConfigError, c.max_message_mb >= 1 && c.max_message_mb <= 2047,
                   source << ": max_message_mb: must be in [1, 2047]");
+  SPARROW_CHECK_T(ConfigError, c.checkpoint_every >= 1, source << ": checkpoint_every: must be >= 1");
+  SPARROW_CHECK_T(ConfigError, c.threads >= 0 && c.threads <= 1024,
+                  source << ": threads: must be in [0, 1024] (0 = one per core)");
   SPARROW_CHECK_T(ConfigError, c.heartbeat_ms >= 10 && c.heartbeat_ms <= 3600000,
                   source << ": heartbeat_ms: must be in [10, 3600000]");
   return c;
@@ -198,9 +206,13 @@ struct CloudServer::Impl {
   std::string fed_task;               // serialized Task of fed_round
   std::unique_ptr<compression::Compressor> dense;
 
+  std::unique_ptr<CloudStore> store;              // null: in memory only
+  const zmq::message_t* current_frame = nullptr;  // the message being handled (its bytes go to the log)
+  bool replaying = false;                         // applying the log at start-up: nothing is sent or logged
+
   struct {
     std::atomic<uint64_t> hellos{0}, steps_applied{0}, duplicates{0}, evals{0}, errors_sent{0}, out_of_order{0},
-        bytes_in{0}, bytes_out{0}, fed_rounds{0};
+        bytes_in{0}, bytes_out{0}, fed_rounds{0}, replayed{0}, snapshots{0};
   } n;
 
   Impl(CloudServer& s, CloudConfig c) : self(s), cfg(std::move(c)) {
@@ -253,8 +265,164 @@ struct CloudServer::Impl {
       throw ConfigError("listen: cannot bind '" + cfg.listen + "': " + e.what());
     }
     endpoint = router.get(zmq::sockopt::last_endpoint);
+    if (!cfg.state.empty()) restore();
     spdlog::info("event=listening endpoint={} curve={} model={} digest={} run_id={}", endpoint, cfg.insecure ? 0 : 1,
                  label, digest, run_id);
+  }
+
+  // ---- state file ----
+
+  // What the log's entries depend on besides the messages themselves: applied
+  // again with other settings they would not give the same top.
+  std::string replay_config() const {
+    std::ostringstream os;
+    os << "grad_codec=" << cfg.grad_codec << ";lr=" << cfg.lr << ";momentum=" << cfg.momentum
+       << ";fedavg_devices=" << cfg.fedavg_devices;
+    return os.str();
+  }
+
+  CloudSnapshot make_snapshot() const {
+    CloudSnapshot c;
+    c.seq = store->last_seq();
+    std::map<std::string, at::Tensor> top;
+    const auto names = split->top.parameter_names();
+    const auto params = split->top.parameters();
+    for (size_t i = 0; i < names.size(); ++i) {
+      top["w/" + names[i]] = params[i];
+      top["m/" + names[i]] = sgd->buffers()[i];
+    }
+    c.top = compression::serialize_weights(top);
+    c.fed_round = fed_round;
+    c.fed_task = fed_task;
+    for (const auto& [id, session] : sessions)
+      c.sessions.push_back(
+          {id, session.key, session.last_step, session.last_reply, serialize_codec_state(session.half->peer_state())});
+    return c;
+  }
+
+  void write_snapshot() {
+    store->write_snapshot(make_snapshot());
+    ++n.snapshots;
+  }
+
+  // A snapshot every checkpoint_every log entries; a failure (a full disk) is
+  // logged and retried later: the log still holds every step.
+  void maybe_snapshot() {
+    if (!store || store->entries_since_snapshot() < static_cast<int64_t>(cfg.checkpoint_every)) return;
+    try {
+      write_snapshot();
+    } catch (const std::exception& e) {
+      spdlog::warn("event=snapshot_failed state={} error=\"{}\"", store->path(), e.what());
+    }
+  }
+
+  void restore() {
+    store = std::make_unique<CloudStore>(cfg.state, label, digest, cfg.fsync);
+    run_id = store->run_id(run_id);
+    std::optional<CloudSnapshot> snap = store->snapshot();
+    if (!snap) {  // a new state file: the initial top is the first snapshot
+      store->set_replay_config(replay_config());
+      write_snapshot();
+      spdlog::info("event=state_created state={}", cfg.state);
+      return;
+    }
+    const std::vector<LogEntry> log = store->replay_log(*snap);
+    const std::string recorded = store->replay_config();
+    SPARROW_CHECK_T(ConfigError, log.empty() || recorded == replay_config(),
+                    "state '" << cfg.state << "' holds " << log.size() << " steps applied with " << recorded << ", not "
+                              << replay_config()
+                              << ": start once with those settings (the steps are applied again and a snapshot is "
+                                 "written), then change them");
+    // The snapshot: the top, its momentum, the SplitFed round, the sessions.
+    const auto top = compression::deserialize_weights(snap->top);
+    const auto names = split->top.parameter_names();
+    auto params = split->top.parameters();
+    for (size_t i = 0; i < names.size(); ++i)
+      for (const char* prefix : {"w/", "m/"}) {
+        auto it = top.find(prefix + names[i]);
+        SPARROW_CHECK_T(FormatError, it != top.end() && it->second.sizes() == params[i].sizes(),
+                        "state '" << cfg.state << "': the snapshot has no fitting '" << prefix << names[i] << "'");
+      }
+    {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < names.size(); ++i) {
+        params[i].copy_(top.at("w/" + names[i]));
+        sgd->buffers()[i].copy_(top.at("m/" + names[i]));
+      }
+    }
+    fed_round = snap->fed_round;
+    fed_task = snap->fed_task;
+    for (const auto& row : snap->sessions) {
+      Session& session = new_session(row.client_id, row.key, row.last_step);
+      session.last_reply = row.last_reply;
+      if (!row.codec.empty()) session.half->restore_peer_state(deserialize_codec_state(row.codec));
+    }
+    // The log, with the code that applied it the first time.
+    replaying = true;
+    for (const LogEntry& e : log) {
+      try {
+        replay(e);
+      } catch (const std::exception& ex) {  // refused the first time too
+        spdlog::debug("event=replay_refused seq={} error=\"{}\"", e.seq, ex.what());
+      }
+      ++n.replayed;
+    }
+    replaying = false;
+    store->set_replay_config(replay_config());
+    if (!log.empty()) write_snapshot();
+    spdlog::info("event=state_restored state={} sessions={} replayed={} fed_round={}", cfg.state, sessions.size(),
+                 log.size(), fed_round);
+  }
+
+  void replay(const LogEntry& e) {
+    if (e.kind == LogKind::kHello) {
+      if (!sessions.count(e.client_id)) new_session(e.client_id, e.key, e.number);
+      return;
+    }
+    wire::Message m = wire::parse(e.body.data(), e.body.size(), limits);
+    if (auto* a = std::get_if<wire::SplitActivation>(&m.body)) {
+      Session& session = sessions.at(a->session);
+      if (a->step == session.last_step + 1) apply_step(session, *a);
+    } else if (auto* u = std::get_if<wire::ModelUpdate>(&m.body)) {
+      if (u->round == fed_round + 1 && !fed_members.count(u->client_id)) apply_update(*u);
+    }
+  }
+
+  // Commits the message being handled to the log before it is applied; its seq, or 0 in memory.
+  int64_t log_message(LogKind kind, const std::string& client_id, const std::string& key, uint64_t number) {
+    if (!store || replaying) return 0;
+    LogEntry e;
+    e.kind = kind;
+    e.client_id = client_id;
+    e.key = key;
+    e.number = number;
+    if (current_frame && kind != LogKind::kHello)
+      e.body.assign(static_cast<const char*>(current_frame->data()), current_frame->size());
+    return store->append(std::move(e));
+  }
+  // Applies `apply` after logging; a refusal afterwards takes the entry out again.
+  template <typename F>
+  void logged(int64_t seq, F&& apply) {
+    try {
+      apply();
+    } catch (...) {
+      if (seq > 0) {
+        try {
+          store->drop(seq);
+        } catch (const std::exception& e) {  // applying it again at a restart is refused the same way
+          spdlog::warn("event=log_drop_failed seq={} error=\"{}\"", seq, e.what());
+        }
+      }
+      throw;
+    }
+  }
+
+  Session& new_session(const std::string& client_id, const std::string& key, uint64_t last_step) {
+    Session s;
+    s.key = key;
+    s.half = std::make_unique<CloudHalf>(split->top, cfg.grad_codec);
+    s.last_step = last_step;
+    return sessions.emplace(client_id, std::move(s)).first->second;
   }
 
   ~Impl() {
@@ -283,11 +451,18 @@ struct CloudServer::Impl {
       try {
         zmq::poll(&item, 1, std::chrono::milliseconds(100));
         if (!(item.revents & ZMQ_POLLIN)) continue;
-        for (int i = 0; i < 64 && receive_one(); ++i) {
-        }
+        for (int i = 0; i < 64 && receive_one(); ++i) maybe_snapshot();
       } catch (const zmq::error_t& e) {
         if (e.num() == ETERM) break;
         if (e.num() != EINTR) spdlog::error("event=io_error error=\"{}\"", e.what());
+      }
+    }
+    if (store && store->entries_since_snapshot() > 0) {
+      try {
+        write_snapshot();
+        spdlog::info("event=snapshot state={} seq={}", store->path(), store->last_seq());
+      } catch (const std::exception& e) {  // the log still holds every step
+        spdlog::warn("event=snapshot_failed state={} error=\"{}\"", store->path(), e.what());
       }
     }
   }
@@ -304,10 +479,13 @@ struct CloudServer::Impl {
       return true;
     }
     const std::string key = net::peer_key(frame);
+    current_frame = &frame;
     try {
       wire::Message m = wire::parse(frame.data(), frame.size(), limits);
       handle(rid, key, m);
+      current_frame = nullptr;
     } catch (const std::exception& e) {
+      current_frame = nullptr;
       // Every check runs before any change, so the state is as it was.
       const wire::ErrorBody eb = wire::error_for(e);
       reply_error(rid, eb.code, eb.message);
@@ -344,13 +522,12 @@ struct CloudServer::Impl {
       return;
     }
     if (it == sessions.end()) {
-      Session s;
-      s.key = key;
-      s.half = std::make_unique<CloudHalf>(split->top, cfg.grad_codec);
-      // A session this process has not seen (new device, or the cloud
-      // restarted): the device's completed step is where the sequence goes on.
-      s.last_step = h.last_round.value_or(0);
-      it = sessions.emplace(h.client_id, std::move(s)).first;
+      // A session this cloud has not seen (a new device, or a cloud without a
+      // state file that restarted): the device's completed step is where the
+      // sequence goes on. Logged: the id is bound to this key from now on.
+      log_message(LogKind::kHello, h.client_id, key, h.last_round.value_or(0));
+      new_session(h.client_id, key, h.last_round.value_or(0));
+      it = sessions.find(h.client_id);
     }
     Session& s = it->second;
     if (!s.routing_id.empty() && s.routing_id != rid) by_route.erase(s.routing_id);
@@ -416,6 +593,22 @@ struct CloudServer::Impl {
       reply_error(rid, ErrorCode::kRejected, "expected step " + std::to_string(s.last_step + 1));
       return;
     }
+    {
+      // What can be checked before the step is logged.
+      const ActPacket p = ActPacket::deserialize(a.payload.data(), a.payload.size());
+      check_codec(a, p);
+      labels_tensor(a, p);
+    }
+    const int64_t seq = log_message(LogKind::kStep, a.session, s.key, a.step);
+    logged(seq, [&] { apply_step(s, a); });
+    ++n.steps_applied;
+    spdlog::debug("event=step client={} step={}", a.session, a.step);
+    send(rid, s.last_reply);
+  }
+
+  // The step's change of state: top step, optimiser step, the session's basis,
+  // step and reply. FormatError (nothing changed) for what CloudHalf refuses.
+  void apply_step(Session& s, const wire::SplitActivation& a) {
     const ActPacket p = ActPacket::deserialize(a.payload.data(), a.payload.size());
     check_codec(a, p);
     const at::Tensor y = labels_tensor(a, p);
@@ -437,9 +630,6 @@ struct CloudServer::Impl {
     }
     s.last_step = a.step;
     s.last_reply = wire::serialize(message(g));
-    ++n.steps_applied;
-    spdlog::debug("event=step client={} step={} loss={:.4f}", a.session, a.step, res.loss);
-    send(rid, s.last_reply);
   }
 
   void on_update(const std::string& rid, const wire::ModelUpdate& u) {
@@ -465,14 +655,23 @@ struct CloudServer::Impl {
       send(rid, wire::serialize(ack));
       return;
     }
+    const int64_t seq = log_message(LogKind::kUpdate, u.client_id, sessions.at(u.client_id).key, u.round);
+    std::set<std::string> done_members;
+    logged(seq, [&] { done_members = apply_update(u); });
+    spdlog::info("event=fedavg_update client={} round={} have={} of={}", u.client_id, u.round,
+                 done_members.empty() ? fed_members.size() : cfg.fedavg_devices, cfg.fedavg_devices);
+    send(rid, wire::serialize(ack));
+    for (const auto& member : done_members) send(sessions.at(member).routing_id, fed_task);
+  }
+
+  // Folds the update (FormatError: nothing changed); when it completes the
+  // round, makes the round's Task and returns the members to send it to.
+  std::set<std::string> apply_update(const wire::ModelUpdate& u) {
     aggregation::EncodedUpdate update;
     for (const auto& t : u.tensors) update.emplace_back(t.name, t.tensor);
     agg->add(update, static_cast<double>(std::max<uint64_t>(1, u.num_samples)));  // FormatError: nothing changed
     fed_members.insert(u.client_id);
-    spdlog::info("event=fedavg_update client={} round={} have={} of={}", u.client_id, u.round, fed_members.size(),
-                 cfg.fedavg_devices);
-    send(rid, wire::serialize(ack));
-    if (fed_members.size() < cfg.fedavg_devices) return;
+    if (fed_members.size() < cfg.fedavg_devices) return {};
     wire::Task task;
     task.round = u.round;
     task.model_encoding = wire::ModelEncoding::kFull;
@@ -483,10 +682,11 @@ struct CloudServer::Impl {
     fed_task = wire::serialize(message(task));
     fed_round = u.round;
     ++n.fed_rounds;
-    for (const auto& member : fed_members) send(sessions.at(member).routing_id, fed_task);
-    fed_members.clear();
+    std::set<std::string> members;
+    members.swap(fed_members);
     agg->reset();
     spdlog::info("event=fedavg_round round={} devices={}", fed_round, cfg.fedavg_devices);
+    return members;
   }
 
   void on_eval(const std::string& rid, Session& s, const wire::SplitActivation& a) {
@@ -536,6 +736,8 @@ CloudServer::Counters CloudServer::counters() const {
   c.bytes_in = n.bytes_in.load();
   c.bytes_out = n.bytes_out.load();
   c.fed_rounds = n.fed_rounds.load();
+  c.replayed = n.replayed.load();
+  c.snapshots = n.snapshots.load();
   return c;
 }
 

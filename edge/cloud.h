@@ -107,8 +107,18 @@ struct CloudConfig {
   // fedavg_every steps as a dense ModelUpdate; when this many have arrived for a
   // round, each gets the weighted mean as a Task). 0: off (ModelUpdate refused).
   uint64_t fedavg_devices = 0;
-  uint64_t heartbeat_ms = 1000;  // Welcome.heartbeat_ms and ZeroMQ heartbeats
-  uint64_t max_message_mb = 64;  // largest frame accepted
+  // State file (SQLite; edge/cloud_store.h): the top, its optimiser, the
+  // sessions and their codec state survive a restart or a kill -9 with no
+  // acknowledged step lost. "" = in memory only (a restart starts the top afresh).
+  std::string state = "edge_cloud.db";
+  uint64_t checkpoint_every = 200;  // log entries between snapshots (a restart replays at most this many)
+  bool fsync = false;               // true: every step also survives power loss (one fsync per step)
+  uint64_t heartbeat_ms = 1000;     // Welcome.heartbeat_ms and ZeroMQ heartbeats
+  uint64_t max_message_mb = 64;     // largest frame accepted
+  // Compute threads (ATen intra-op and the BLAS); 0 = one per core. Set 1 when
+  // the cloud and devices share a machine: spinning threads of two processes
+  // on the same cores slow both several times over.
+  int64_t threads = 0;
 };
 
 // Strict TOML (keys as CloudConfig's fields); ConfigError for anything wrong.
@@ -121,11 +131,15 @@ class CloudServer {
   struct Counters {
     uint64_t hellos = 0, steps_applied = 0, duplicates = 0, evals = 0, errors_sent = 0, out_of_order = 0;
     uint64_t fed_rounds = 0;  // SplitFed averaging rounds completed
+    uint64_t replayed = 0;    // log entries applied again at start-up
+    uint64_t snapshots = 0;   // snapshots written by this process
     uint64_t bytes_in = 0, bytes_out = 0;
   };
 
-  // Builds the model and its split, loads keys and the allow-list (ConfigError)
-  // and binds the socket (ConfigError when the endpoint cannot be bound).
+  // Builds the model and its split, loads keys and the allow-list (ConfigError),
+  // binds the socket (ConfigError when the endpoint cannot be bound), then opens
+  // the state file and restores from it: the snapshot, then the log applied
+  // again in order (ConfigError/FormatError for a file it cannot use).
   explicit CloudServer(CloudConfig cfg);
   ~CloudServer();
   CloudServer(const CloudServer&) = delete;
@@ -133,7 +147,7 @@ class CloudServer {
 
   // The bound endpoint (the real port for "tcp://...:*"), for devices to connect to.
   std::string endpoint() const;
-  // Serves until stop(). Never throws for what a peer sends.
+  // Serves until stop(), then writes a snapshot. Never throws for what a peer sends.
   void run();
   void stop() { stop_.store(true); }
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <numeric>
 #include <optional>
@@ -16,6 +17,7 @@
 #include "compression/compressor.h"
 #include "compression/state.h"
 #include "core/rng.h"
+#include "core/sqlite_db.h"
 #include "core/spec.h"
 #include "edge/act_codec.h"
 #include "edge/cloud.h"
@@ -58,6 +60,7 @@ DeviceConfig parse_device_config(const std::string& toml_text, const std::vector
                     {"backoff_max_ms", &c.backoff_max_ms},
                     {"max_reconnects", &c.max_reconnects},
                     {"max_message_mb", &c.max_message_mb},
+                    {"threads", &c.threads},
                     {"fedavg_every", &c.fedavg_every}},
                    overrides);
   return c;
@@ -79,6 +82,7 @@ void validate(const DeviceConfig& c) {
   need(c.insecure || (!c.cloud_key.empty() && !c.key.empty()), "cloud_key and key must be set (or insecure = true)");
   need(c.batch_size >= 1 && c.batch_size <= 65536, "batch_size: must be in [1, 65536]");
   need(c.save_every >= 1, "save_every: must be >= 1");
+  need(c.threads >= 0 && c.threads <= 1024, "threads: must be in [0, 1024] (0 = one per core)");
   need(c.reply_timeout_ms >= 10, "reply_timeout_ms: must be >= 10");
   need(c.backoff_initial_ms >= 1 && c.backoff_max_ms >= c.backoff_initial_ms,
        "backoff: need 1 <= backoff_initial_ms <= backoff_max_ms");
@@ -180,7 +184,9 @@ struct EdgeDevice::Impl {
   zmq::context_t ctx{1};
   std::unique_ptr<zmq::socket_t> sock;
   uint64_t completed = 0;
-  uint64_t fed_done = 0;  // last SplitFed round applied (saved with the progress)
+  uint64_t fed_done = 0;        // last SplitFed round applied (saved with the progress)
+  bool codec_restored = false;  // the progress file held the codec state
+  std::unique_ptr<std::ofstream> step_log;
   uint64_t failures = 0;  // consecutive failed connection attempts
   Summary sum;
   std::function<bool(uint64_t)> drop_hook;
@@ -204,6 +210,7 @@ struct EdgeDevice::Impl {
       cloud_key = net::load_public_key(cfg.cloud_key);
     }
     load_progress();
+    replay_log();
   }
 
   ~Impl() {
@@ -233,8 +240,15 @@ struct EdgeDevice::Impl {
     completed = st.step;
     if (auto it = st.tensors.find("fedavg_round"); it != st.tensors.end() && it->second.numel() == 1)
       fed_done = static_cast<uint64_t>(it->second.item<float>());
-    // The codec state (lowrank basis) is not saved: the next packet carries a new basis.
-    edge->force_basis_refresh();
+    if (st.tensors.count("codec/meta")) {
+      // The codec state as it was after the saved step: the next activation is
+      // the one this device sent (or would have sent) next, byte for byte.
+      edge->codec_state() = codec_state_from_tensors(st.tensors, "codec/");
+      codec_restored = true;
+    } else {
+      // An older progress file without it: the next packet carries a new basis.
+      edge->force_basis_refresh();
+    }
     spdlog::info("event=resumed progress={} step={}", cfg.progress, completed);
   }
 
@@ -251,6 +265,7 @@ struct EdgeDevice::Impl {
     st.step = completed;
     st.tensors["fedavg_round"] = torch::full({1}, static_cast<float>(fed_done));
     for (auto& [k, v] : t) st.tensors[k] = v.detach().to(at::kCPU, at::kFloat).contiguous();
+    for (auto& [k, v] : codec_state_tensors(edge->codec_state(), "codec/")) st.tensors[k] = v;
     const std::string tmp = cfg.progress + ".tmp";
     {
       std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
@@ -261,6 +276,97 @@ struct EdgeDevice::Impl {
     }
     SPARROW_CHECK_T(Error, std::rename(tmp.c_str(), cfg.progress.c_str()) == 0,
                     "cannot replace '" << cfg.progress << "'");
+    truncate_log();  // the progress holds every logged step now
+  }
+
+  // ---- step log ----
+  // progress + ".log": one record per step completed since the progress was
+  // saved, appended before the step's gradient is applied: "SPLG", u64 step,
+  // u32 size, the SplitGradient payload, u32 CRC-32 of (step, payload). A
+  // restart applies them again on top of the saved progress (the same batch,
+  // forward and codec state, the logged gradient), so a kill -9 loses no step
+  // the cloud acknowledged; a torn last record is ignored.
+
+  std::string log_path() const { return cfg.progress + ".log"; }
+
+  void log_step(uint64_t step, const std::vector<uint8_t>& payload) {
+    if (cfg.progress.empty()) return;
+    if (!step_log) {
+      step_log = std::make_unique<std::ofstream>(log_path(), std::ios::binary | std::ios::app);
+      SPARROW_CHECK_T(Error, *step_log, "cannot write '" << log_path() << "'");
+    }
+    const std::string body(payload.begin(), payload.end()), num = std::to_string(step);
+    const uint32_t size = static_cast<uint32_t>(payload.size());
+    const uint32_t crc = static_cast<uint32_t>(sqlite::checksum({&num, &body}));
+    step_log->write("SPLG", 4);
+    step_log->write(reinterpret_cast<const char*>(&step), sizeof step);
+    step_log->write(reinterpret_cast<const char*>(&size), sizeof size);
+    step_log->write(body.data(), static_cast<std::streamsize>(body.size()));
+    step_log->write(reinterpret_cast<const char*>(&crc), sizeof crc);
+    step_log->flush();  // in the kernel's hands: survives a kill -9 of this process
+    SPARROW_CHECK_T(Error, step_log->good(), "cannot write '" << log_path() << "' (disk full?)");
+  }
+
+  // The logged steps after `completed`, in order, up to the first gap or torn record.
+  std::vector<std::pair<uint64_t, std::string>> read_log() const {
+    std::vector<std::pair<uint64_t, std::string>> out;
+    std::ifstream in(log_path(), std::ios::binary);
+    uint64_t expect = completed + 1;
+    for (;;) {
+      char magic[4];
+      uint64_t step = 0;
+      uint32_t size = 0, crc = 0;
+      if (!in.read(magic, 4) || std::string(magic, 4) != "SPLG") break;
+      if (!in.read(reinterpret_cast<char*>(&step), sizeof step) ||
+          !in.read(reinterpret_cast<char*>(&size), sizeof size))
+        break;
+      if (size > limits.max_bytes) break;
+      std::string body(size, '\0');
+      if (!in.read(body.data(), size) || !in.read(reinterpret_cast<char*>(&crc), sizeof crc)) break;
+      const std::string num = std::to_string(step);
+      if (crc != static_cast<uint32_t>(sqlite::checksum({&num, &body}))) break;
+      if (step < expect) continue;  // already in the progress
+      if (step != expect) break;
+      out.emplace_back(step, std::move(body));
+      ++expect;
+    }
+    return out;
+  }
+
+  void truncate_log() {
+    step_log.reset();
+    std::error_code ec;
+    std::filesystem::remove(log_path(), ec);
+  }
+
+  // Applies the logged steps again (at start-up, before any connection).
+  void replay_log() {
+    if (cfg.progress.empty()) return;
+    const auto entries = read_log();
+    if (entries.empty()) return;
+    const int64_t n = data.train.size(), b = static_cast<int64_t>(cfg.batch_size);
+    split->bottom.train(true);
+    uint64_t applied = 0;
+    for (const auto& [step, payload] : entries) {
+      if (step > cfg.steps) break;
+      const auto idx = torch::tensor(batch_indices(n, b, cfg.seed, step), torch::kLong);
+      sgd->zero_grad();
+      edge->forward(data.train.x.index_select(0, idx));
+      if (!payload.empty()) {
+        try {
+          edge->backward(ActPacket::deserialize(reinterpret_cast<const uint8_t*>(payload.data()), payload.size()));
+        } catch (const std::exception& e) {
+          spdlog::warn("event=log_replay_stopped step={} error=\"{}\"", step, e.what());
+          break;
+        }
+        sgd->step();
+        sgd->zero_grad();
+      }
+      completed = step;
+      ++applied;
+    }
+    spdlog::info("event=log_replayed steps={} step={}", applied, completed);
+    save_progress();
   }
 
   // ---- transport ----
@@ -422,14 +528,19 @@ struct EdgeDevice::Impl {
 
   Summary run() {
     const uint64_t cloud = connect();
-    if (cloud > completed) {
+    if (cloud == completed + 1 && (codec_restored || !edge->codec().lowrank())) {
+      // The device died after the cloud applied this step but before its own
+      // progress held it: the step is done again from the saved state, and the
+      // cloud answers its repeat with the reply it kept. Nothing is lost.
+      spdlog::info("event=redo step={} msg=\"the cloud applied it; its reply comes from the cloud's cache\"", cloud);
+    } else if (cloud > completed) {
       spdlog::warn(
           "event=behind_cloud device_step={} cloud_step={} msg=\"the bottom lost the updates of steps {}..{}\"",
           completed, cloud, completed + 1, cloud);
       sum.skipped += cloud - completed;
       completed = cloud;
     }
-    SPARROW_CHECK_T(Error, cloud == completed,
+    SPARROW_CHECK_T(Error, cloud == completed || cloud == completed + 1,
                     "the cloud is at step " << cloud << " but this device completed step " << completed
                                             << " (the cloud lost the session's steps?)");
     split->bottom.train(true);
@@ -465,16 +576,21 @@ struct EdgeDevice::Impl {
                         "): " + e.what());
           }
         }
+        const ActPacket gradient =
+            g.payload.empty() ? ActPacket{} : ActPacket::deserialize(g.payload.data(), g.payload.size());
+        log_step(step, g.payload);
         if (!g.payload.empty()) {
-          edge->backward(ActPacket::deserialize(g.payload.data(), g.payload.size()));
+          edge->backward(gradient);
           sgd->step();
           sgd->zero_grad();
         }
         completed = step;
         loss_sum += g.loss;
         ++loss_steps;
-        if (cfg.fedavg_every > 0 && completed % cfg.fedavg_every == 0) average(completed / cfg.fedavg_every);
-        if (completed % cfg.save_every == 0) save_progress();
+        const bool averaged = cfg.fedavg_every > 0 && completed % cfg.fedavg_every == 0;
+        if (averaged) average(completed / cfg.fedavg_every);
+        // After an average too: the log never reaches across one.
+        if (averaged || completed % cfg.save_every == 0) save_progress();
         if (completed % 10 == 0 || completed == cfg.steps)
           spdlog::info("event=step step={} loss={:.4f} bytes_up={} bytes_down={}", completed,
                        loss_sum / static_cast<double>(loss_steps), sum.bytes_up, sum.bytes_down);

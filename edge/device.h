@@ -71,6 +71,10 @@ struct DeviceConfig {
   uint64_t backoff_max_ms = 10000;
   uint64_t max_reconnects = 20;  // consecutive failed attempts before giving up (Error)
   uint64_t max_message_mb = 64;
+  // Compute threads (ATen intra-op and the BLAS); 0 = one per core. Set 1 when
+  // the cloud and devices share a machine: spinning threads of two processes
+  // on the same cores slow both several times over.
+  int64_t threads = 0;
   // SplitFed: every fedavg_every steps the bottom is sent (dense ModelUpdate,
   // weight = training samples) and replaced by the cloud's average over its
   // fedavg_devices devices. 0: off. The cloud must have SplitFed on.

@@ -55,14 +55,18 @@ int main(int argc, char** argv) {
   spdlog::set_level(spdlog::level::from_str(log_level));
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
-  sparrow::core::configure_threads(1);
-  spdlog::info("event=threads msg=\"{}\"", sparrow::core::threads_summary(1));
   if (const std::string w = sparrow::core::blas_warning(); !w.empty()) spdlog::warn("event=blas msg=\"{}\"", w);
+  // Before any compute, after the config (its `threads` key).
+  auto threads = [](int64_t n) {
+    sparrow::core::configure_threads(1, static_cast<int>(n));
+    spdlog::info("event=threads msg=\"{}\"", sparrow::core::threads_summary(1));
+  };
   try {
     if (*serve) {
       // --insecure before validation, which otherwise demands key and allow.
       if (serve_insecure) serve_overrides.push_back("insecure=true");
       sparrow::edge::CloudConfig cfg = sparrow::edge::load_cloud_config(serve_config, serve_overrides);
+      threads(cfg.threads);
       sparrow::edge::CloudServer cloud(cfg);
       g_cloud.store(&cloud);
       cloud.run();
@@ -78,6 +82,7 @@ int main(int argc, char** argv) {
     }
     if (insecure) overrides.push_back("insecure=true");
     sparrow::edge::DeviceConfig cfg = sparrow::edge::load_device_config(config_path, overrides);
+    threads(cfg.threads);
     sparrow::edge::DeviceData data = sparrow::edge::load_device_data(cfg);
     sparrow::edge::EdgeDevice device(cfg, std::move(data));
     g_device.store(&device);

@@ -128,6 +128,8 @@ class CloudHalf {
   ModelPart& top() { return top_; }
   // The basis this cloud half holds for its device (lowrank codecs).
   const CodecState& peer_state() const { return peer_; }
+  // Puts back a basis saved from peer_state() (the cloud's state store).
+  void restore_peer_state(CodecState s) { peer_ = std::move(s); }
 
  private:
   ModelPart top_;

@@ -1,5 +1,6 @@
 #include "tests/sparrow_test.h"
 
+#include <sqlite3.h>
 #include <torch/torch.h>
 #include <unistd.h>
 
@@ -50,6 +51,7 @@ CloudConfig cloud_config() {
   CloudConfig c;
   c.listen = "tcp://127.0.0.1:*";
   c.insecure = true;
+  c.state = "";  // in memory; the state-file tests name a file
   c.model = "mlp";
   c.cut = "fc1";
   c.seed = kSeed;
@@ -475,4 +477,107 @@ TEST_CASE("edge net: a restarted cloud gets a fresh lowrank basis") {
   CHECK(c.errors_sent == 1);
   CHECK(c.steps_applied == 2);
   fs::remove(dc.progress);
+}
+
+TEST_CASE("edge net: a cloud restarted on its state file keeps the top, the momentum and the device's basis") {
+  // Reference: one cloud for the whole run.
+  const DeviceData data = make_data(12);
+  std::map<std::string, at::Tensor> ref_top, ref_bottom;
+  {
+    RunningCloud cloud(cloud_config());
+    DeviceConfig dc = device_config(cloud.server.endpoint(), "keep");
+    dc.codec = "lowrank:rank=2,beta=0.9,refresh=10";  // steps 2..10 send P only, against the basis of step 1
+    dc.steps = 7;
+    EdgeDevice device(dc, data);
+    device.run();
+    ref_bottom = device.bottom_weights();
+    cloud.join();
+    ref_top = cloud.server.top_weights();
+    fs::remove(dc.progress);
+  }
+  const std::string state = temp_path("cloud_state.db");
+  CloudConfig cc = cloud_config();
+  cc.state = state;
+  cc.checkpoint_every = 3;  // a snapshot mid-run, and log entries after it
+  auto cloud = std::make_unique<RunningCloud>(cc);
+  const std::string endpoint = cloud->server.endpoint();
+  DeviceConfig dc = device_config(endpoint, "keep");
+  dc.codec = "lowrank:rank=2,beta=0.9,refresh=10";
+  dc.steps = 7;
+  dc.reply_timeout_ms = 500;
+  EdgeDevice device(dc, data);
+  bool replaced = false;
+  device.set_drop_hook([&](uint64_t step) {
+    if (step != 5 || replaced) return false;
+    replaced = true;
+    for (int i = 0; i < 2000 && cloud->server.counters().steps_applied < 5; ++i)
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    cloud.reset();  // step 5 was applied; its reply is lost with the connection
+    CloudConfig again = cc;
+    again.listen = endpoint;
+    cloud = std::make_unique<RunningCloud>(again);
+    return true;
+  });
+  const auto s = device.run();
+  CHECK(s.steps == 7);
+  CHECK(s.skipped == 0);
+  const auto c = cloud->server.counters();
+  CHECK(c.errors_sent == 0);  // the cached-basis packets of steps 6 and 7 decode against the kept basis
+  CHECK(c.duplicates == 1);   // step 5 again: answered from the kept reply
+  CHECK(c.steps_applied == 2);
+  cloud->join();
+  CHECK(same_weights(cloud->server.top_weights(), ref_top));
+  CHECK(same_weights(device.bottom_weights(), ref_bottom));
+  // A second cloud on the file while one runs is refused; so is another model.
+  CHECK_THROWS_WITH_AS(CloudServer{cc}, doctest::Contains("in use by another process"), sparrow::ConfigError);
+  cloud.reset();
+  CloudConfig other = cc;
+  other.cut = "fc2";
+  CHECK_THROWS_WITH_AS(CloudServer{other}, doctest::Contains("belongs to a cloud of"), sparrow::ConfigError);
+  fs::remove(dc.progress);
+  fs::remove(state);
+  fs::remove(state + "-wal");
+}
+
+TEST_CASE("edge net: a damaged or empty cloud state file is refused with a clear message") {
+  const std::string state = temp_path("damaged.db");
+  CloudConfig cc = cloud_config();
+  cc.state = state;
+  { CloudServer first(cc); }  // writes the initial snapshot
+  REQUIRE(fs::exists(state));
+  {
+    // Flip one float of the stored top inside the snapshot blob.
+    sqlite3* db = nullptr;
+    REQUIRE(sqlite3_open(state.c_str(), &db) == SQLITE_OK);
+    REQUIRE(sqlite3_exec(db,
+                         "UPDATE cloud_snapshot SET top = CAST(substr(top, 1, length(top) - 5) || X'7f' || "
+                         "substr(top, length(top) - 3) AS BLOB)",
+                         nullptr, nullptr, nullptr) == SQLITE_OK);
+    sqlite3_close(db);
+  }
+  CHECK_THROWS_WITH_AS(CloudServer{cc}, doctest::Contains("checksum does not match"), sparrow::FormatError);
+  fs::remove(state);
+  fs::remove(state + "-wal");
+  std::ofstream(state).close();  // 0 bytes
+  CHECK_THROWS_WITH_AS(CloudServer{cc}, doctest::Contains("exists but is empty"), sparrow::ConfigError);
+  std::ofstream(state) << "not a database, just some text that is long enough to have a header";
+  CHECK_THROWS_AS(CloudServer{cc}, sparrow::FormatError);
+  fs::remove(state);
+}
+
+TEST_CASE("edge net: the codec state round-trips bit for bit") {
+  sparrow::edge::CodecState s;
+  s.basis = torch::randn({12, 3});
+  s.sketch = torch::randn({12, 3});
+  s.basis_id = 0x12345u;
+  s.steps = (uint64_t{1} << 40) + 77;
+  s.refresh_next = true;
+  const auto back = sparrow::edge::deserialize_codec_state(sparrow::edge::serialize_codec_state(s));
+  CHECK(torch::equal(back.basis, s.basis));
+  CHECK(torch::equal(back.sketch, s.sketch));
+  CHECK_FALSE(back.tracker.defined());
+  CHECK(back.basis_id == s.basis_id);
+  CHECK(back.steps == s.steps);
+  CHECK(back.refresh_next);
+  CHECK_THROWS_AS(sparrow::edge::deserialize_codec_state("junk"), sparrow::FormatError);
 }

@@ -24,7 +24,11 @@
 #include <zmq.hpp>
 
 #include "core/model_digest.h"
+#include "compression/state.h"
 #include "core/models.h"
+#include "edge/cloud.h"
+#include "edge/cloud_store.h"
+#include "edge/split.h"
 #include "server/server.h"
 #include "tests/integration/process.h"
 #include "wire/net.h"
@@ -578,7 +582,8 @@ TEST_CASE("integration: sparrow-edge honours --insecure and stops cleanly on SIG
   const std::string dir = fresh_dir("edge_cli");
   const std::string kEdgeBin = kBin + "/sparrow-edge";
   // No key and no allow-list: only --insecure makes this config valid.
-  std::ofstream(dir + "/cloud.toml") << "listen = \"tcp://127.0.0.1:0\"\nmodel = \"cnn\"\ncut = \"conv2\"\n";
+  std::ofstream(dir + "/cloud.toml") << "listen = \"tcp://127.0.0.1:0\"\nmodel = \"cnn\"\ncut = \"conv2\"\nstate = \""
+                                     << dir << "/cloud.db\"\n";
   CHECK(run_tool({kEdgeBin, "serve", "--config", dir + "/cloud.toml"}, dir + "/secure.log") == 2);
   Process cloud({kEdgeBin, "serve", "--config", dir + "/cloud.toml", "--insecure"}, dir + "/cloud.log");
   REQUIRE_MESSAGE(cloud.wait_for_log("event=listening", 60s), cloud.log());
@@ -598,5 +603,105 @@ TEST_CASE("integration: sparrow-edge honours --insecure and stops cleanly on SIG
   const auto rc = device.wait(30s);
   CHECK_MESSAGE(rc == std::optional<int>(130), device.log());
   CHECK(device.log().find("Interrupted system call") == std::string::npos);
+  fs::remove_all(dir);
+}
+
+namespace {
+
+// The split run of the kill -9 test: cloud and device configs in `dir`.
+void write_split_configs(const std::string& dir) {
+  write_file(dir + "/cloud.toml",
+             "listen = \"tcp://127.0.0.1:0\"\ninsecure = true\nmodel = \"mlp\"\ncut = \"fc1\"\n"
+             "seed = 3\nlr = 0.05\nmomentum = 0.9\ncheckpoint_every = 50\nthreads = 1\nstate = \"" +
+                 dir + "/cloud.db\"\n");
+  write_file(dir + "/device.toml",
+             "insecure = true\ndevice_id = \"d1\"\nmodel = \"mlp\"\ncut = \"fc1\"\nseed = 3\nlr = 0.05\n"
+             "momentum = 0.9\ncodec = \"lowrank:rank=4,beta=0.9,refresh=7\"\nbatch_size = 32\nsteps = 600\n"
+             "data = \"fashion-mnist\"\npartition = \"iid\"\nclients = 10\nindex = 2\neval_samples = 0\n"
+             "save_every = 150\nreply_timeout_ms = 400\nbackoff_initial_ms = 20\nbackoff_max_ms = 100\n"
+             "max_reconnects = 200\nthreads = 1\nprogress = \"" +
+                 dir + "/progress.bin\"\n");
+}
+
+std::unique_ptr<Process> start_edge(const std::string& dir, bool cloud, const std::string& log,
+                                    const std::string& endpoint) {
+  std::vector<std::string> argv{kBin + "/sparrow-edge"};
+  if (cloud) argv.push_back("serve");
+  argv.insert(argv.end(), {"--config", dir + (cloud ? "/cloud.toml" : "/device.toml"), "--set",
+                           std::string(cloud ? "listen=" : "cloud=") + endpoint});
+  return std::make_unique<Process>(argv, dir + "/" + log);
+}
+
+// The top from the cloud's last snapshot and the bottom from the device's progress.
+std::pair<Weights, Weights> split_result(const std::string& dir) {
+  std::optional<sparrow::edge::CloudSnapshot> snap;
+  {
+    const sparrow::edge::Split split = sparrow::edge::split_model(sparrow::core::make_model("mlp", 3), "fc1");
+    sparrow::edge::CloudStore store(
+        dir + "/cloud.db", "mlp;cut=fc1",
+        sparrow::edge::bottom_digest(split.bottom.parameter_names(), split.bottom.parameters()), false);
+    snap = store.snapshot();
+  }
+  REQUIRE(snap.has_value());
+  std::ifstream in(dir + "/progress.bin", std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const auto progress = sparrow::compression::State::deserialize(bytes);
+  CHECK(progress.step == 600);
+  return {sparrow::compression::deserialize_weights(snap->top), progress.tensors};
+}
+
+bool same(const Weights& a, const Weights& b) {
+  if (a.size() != b.size()) return false;
+  for (const auto& [k, v] : a)
+    if (!b.count(k) || !torch::equal(v, b.at(k))) return false;
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("integration: kill -9 of the split cloud and of the device loses no acknowledged step") {
+  const std::string ref = fresh_dir("split_ref"), dir = fresh_dir("split_kill");
+  write_split_configs(ref);
+  write_split_configs(dir);
+  // The reference: the same run, never interrupted.
+  {
+    auto cloud = start_edge(ref, true, "cloud.log", "tcp://127.0.0.1:0");
+    const std::string endpoint = server_endpoint(*cloud);
+    auto device = start_edge(ref, false, "device.log", endpoint);
+    REQUIRE_MESSAGE(device->wait(240s) == std::optional<int>(0), device->log());
+    cloud->signal(SIGTERM);
+    REQUIRE(cloud->wait(60s) == std::optional<int>(0));
+  }
+  auto cloud = start_edge(dir, true, "cloud1.log", "tcp://127.0.0.1:0");
+  const std::string endpoint = server_endpoint(*cloud);
+  auto device = start_edge(dir, false, "device1.log", endpoint);
+  // The cloud dies mid-run (between snapshots: its log holds the steps since).
+  REQUIRE_MESSAGE(device->wait_for_log("event=step step=170 ", 240s), device->log());
+  cloud->signal(SIGKILL);
+  REQUIRE(cloud->wait(30s) == std::optional<int>(137));
+  cloud = start_edge(dir, true, "cloud2.log", endpoint);
+  REQUIRE_MESSAGE(cloud->wait_for_log("event=listening", 60s), cloud->log());
+  CHECK_MESSAGE(cloud->log().find("event=state_restored") != std::string::npos, cloud->log());
+  // Then the device dies (between progress saves: its step log holds the rest).
+  REQUIRE_MESSAGE(device->wait_for_log("event=step step=390 ", 240s), device->log());
+  device->signal(SIGKILL);
+  REQUIRE(device->wait(30s) == std::optional<int>(137));
+  device = start_edge(dir, false, "device2.log", endpoint);
+  REQUIRE_MESSAGE(device->wait(240s) == std::optional<int>(0), device->log());
+  const std::string dlog = device->log();
+  CHECK_MESSAGE(dlog.find("event=resumed") != std::string::npos, dlog);
+  CHECK_MESSAGE(dlog.find("\"skipped\":0") != std::string::npos, dlog);
+  cloud->signal(SIGTERM);
+  REQUIRE(cloud->wait(60s) == std::optional<int>(0));
+  // The cloud applied its log again; the device its step log (and maybe redid a step).
+  const std::string clog = cloud->log();
+  CHECK_MESSAGE(std::regex_search(clog, std::regex("event=state_restored .* replayed=[1-9]")), clog);
+  CHECK_MESSAGE(std::regex_search(dlog, std::regex("event=log_replayed steps=[1-9]")), dlog);
+  // Byte for byte the model of the run that was never interrupted.
+  const auto [top_ref, bottom_ref] = split_result(ref);
+  const auto [top, bottom] = split_result(dir);
+  CHECK(same(top, top_ref));
+  CHECK(same(bottom, bottom_ref));
+  fs::remove_all(ref);
   fs::remove_all(dir);
 }
