@@ -1,6 +1,9 @@
 #include "core/sqlite_db.h"
 
+#include <fcntl.h>
 #include <sqlite3.h>
+#include <sys/file.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <filesystem>
@@ -10,6 +13,23 @@
 namespace sparrow::sqlite {
 
 Db::Db(const std::string& path, const OpenOptions& o) : path_(path), what_(o.what) {
+  try {
+    open(o);
+  } catch (...) {
+    close();
+    throw;
+  }
+}
+
+void Db::close() {
+  if (db_) sqlite3_close_v2(db_);
+  db_ = nullptr;
+  if (lock_fd_ >= 0) ::close(lock_fd_);
+  lock_fd_ = -1;
+}
+
+void Db::open(const OpenOptions& o) {
+  const std::string& path = path_;
   // An existing file of 0 bytes is not a new store: it lost its content (or is
   // a placeholder). Starting afresh over it would hide that.
   std::error_code ec;
@@ -19,6 +39,15 @@ Db::Db(const std::string& path, const OpenOptions& o) : path_(path), what_(o.wha
                            "afresh, remove the file");
   const int rc = sqlite3_open_v2(path.c_str(), &db_, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, nullptr);
   if (rc != SQLITE_OK) fail("open", rc);
+  if (o.exclusive) {
+    // One writer process per file, held until close. flock() locks are apart
+    // from the fcntl() locks SQLite uses, so `sqlite3 FILE ".backup ..."` still
+    // reads the file while it is held.
+    lock_fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    SPARROW_CHECK_T(Error, lock_fd_ >= 0, what_ << " '" << path << "': cannot open it to lock it");
+    SPARROW_CHECK_T(ConfigError, ::flock(lock_fd_, LOCK_EX | LOCK_NB) == 0,
+                    what_ << " '" << path << "' is in use by another process (locked)");
+  }
   sqlite3_extended_result_codes(db_, 1);
   sqlite3_busy_timeout(db_, o.exclusive ? 0 : 5000);
   {
@@ -48,18 +77,11 @@ Db::Db(const std::string& path, const OpenOptions& o) : path_(path), what_(o.wha
                     what_ << " '" << path << "' is an SQLite database of something else (" << t.i64(0)
                           << " tables, none of this store's): use another path");
   }
-  if (o.exclusive) exec("PRAGMA locking_mode=EXCLUSIVE");
   exec("PRAGMA journal_mode=WAL");
   exec(o.fsync ? "PRAGMA synchronous=FULL" : "PRAGMA synchronous=NORMAL");
-  if (o.exclusive) {
-    // The first write takes the lock, held until close: a second process fails here.
-    exec("BEGIN IMMEDIATE; COMMIT");
-  }
 }
 
-Db::~Db() {
-  if (db_) sqlite3_close_v2(db_);
-}
+Db::~Db() { close(); }
 
 void Db::fail(const std::string& what, int rc) const {
   const std::string detail = db_ ? sqlite3_errmsg(db_) : sqlite3_errstr(rc);

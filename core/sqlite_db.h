@@ -18,7 +18,7 @@ struct OpenOptions {
   std::vector<std::string> tables;  // this store's tables: a database holding only others is refused
   int schema_version = 1;           // user_version written; a newer file is refused
   bool fsync = true;                // synchronous=FULL (survives power loss) or NORMAL (survives a process crash)
-  bool exclusive = false;           // hold the file's lock for the process's life (a second writer is refused)
+  bool exclusive = false;           // one process at a time: a second one is refused (flock, held until close)
 };
 
 class Db {
@@ -26,7 +26,7 @@ class Db {
   // Opens or creates `path`. Refused (ConfigError/FormatError, naming the file
   // and what to do): an existing file of 0 bytes, a file that is not SQLite, a
   // newer schema, a failed quick_check, an SQLite database of something else,
-  // and (exclusive) a file another process holds. Then WAL journal mode.
+  // and (exclusive) a file another Db holds. Then WAL journal mode.
   Db(const std::string& path, const OpenOptions& options);
   ~Db();
   Db(const Db&) = delete;
@@ -41,8 +41,11 @@ class Db {
   const std::string& what() const { return what_; }
 
  private:
+  void open(const OpenOptions& o);
+  void close();
   std::string path_, what_;
   sqlite3* db_ = nullptr;
+  int lock_fd_ = -1;
   int found_version_ = 0;
 };
 
