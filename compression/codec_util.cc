@@ -73,9 +73,9 @@ size_t value_bytes(ValueType vt, uint64_t n) {
   throw FormatError("unknown value type " + std::to_string(static_cast<int>(vt)));
 }
 
-void pack_values(const float* src, uint64_t n, ValueType vt, std::vector<uint8_t>& out) {
+void pack_values(const float* src, uint64_t n, ValueType vt, Bytes& out) {
   const size_t base = out.size();
-  out.resize(base + value_bytes(vt, n));
+  out.resize_uninitialized(base + value_bytes(vt, n));  // every new byte is written below
   uint8_t* dst = out.data() + base;
   if (n == 0) return;
   switch (vt) {

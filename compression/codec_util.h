@@ -28,7 +28,7 @@ uint64_t step_key(const Context& ctx, uint64_t step);
 // ---- values -----------------------------------------------------------------
 size_t value_bytes(ValueType vt, uint64_t n);
 // Appends n packed values of src to out (kSign: bit i set when src[i] < 0).
-void pack_values(const float* src, uint64_t n, ValueType vt, std::vector<uint8_t>& out);
+void pack_values(const float* src, uint64_t n, ValueType vt, Bytes& out);
 // Unpacks n values; kSign gives ±magnitude. bytes must hold value_bytes(vt, n).
 void unpack_values(const uint8_t* bytes, uint64_t n, ValueType vt, float magnitude, float* dst);
 ValueType parse_value_type(const std::string& text);  // "fp32" | "fp16" | "bf16"

@@ -33,9 +33,13 @@ class DenseCompressor final : public Compressor {
 
 void decode_dense_add(const Encoded& e, float* out, float weight) {
   const uint64_t n = static_cast<uint64_t>(e.numel());
-  if (e.value_type == ValueType::kF32 && weight == 1.0f) {
+  if (e.value_type == ValueType::kF32) {  // straight from the bytes (a view of the received frame)
     const float* v = reinterpret_cast<const float*>(e.values.data());
-    for (uint64_t i = 0; i < n; ++i) out[i] += v[i];
+    if (weight == 1.0f) {
+      for (uint64_t i = 0; i < n; ++i) out[i] += v[i];
+    } else {
+      for (uint64_t i = 0; i < n; ++i) out[i] += weight * v[i];
+    }
     return;
   }
   constexpr uint64_t kChunk = 4096;

@@ -50,9 +50,13 @@ void check_values(const Encoded& e, uint64_t n, const char* what) {
   const size_t want = detail::value_bytes(e.value_type, n);
   SPARROW_CHECK_T(FormatError, e.values.size() == want,
                   what << ": " << e.values.size() << " value bytes, expected " << want);
+  // Scanned once per update: the parser's verdict holds until the bytes change.
+  const uint64_t tag = (n << 3) | (static_cast<uint64_t>(e.value_type) + 1);
+  if (e.values.checked(tag)) return;
   if (e.value_type == ValueType::kF32) check_finite_f32(e.values.data(), n, what);
   if (e.value_type == ValueType::kF16 || e.value_type == ValueType::kBF16)
     check_finite_16(e.values.data(), n, e.value_type, what);
+  e.values.set_checked(tag);
 }
 
 void check_scales(const Encoded& e, size_t want, const char* what) {

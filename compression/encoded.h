@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "compression/bytes.h"
+
 namespace sparrow::compression {
 
 // Layout of Encoded::values / indices / scales / params per format.
@@ -54,7 +56,7 @@ struct Encoded {
   std::vector<uint32_t> params;
   std::vector<float> scales;
   std::vector<uint8_t> indices;
-  std::vector<uint8_t> values;
+  Bytes values;  // may view a received frame (wire::parse with an owner)
 
   int64_t numel() const;
   // Bytes of tensor payload (values + indices + scales + params); the wire adds

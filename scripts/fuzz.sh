@@ -7,16 +7,16 @@
 # other than sparrow::Error or a hang stops it with the input saved as
 # build-fuzz/crash-* (reproduce: build-fuzz/bin/fuzz_<target> <file>).
 #
-#   scripts/fuzz.sh [--seconds N] [--targets wire,allow_list,config]
+#   scripts/fuzz.sh [--seconds N] [--targets wire,allow_list,key_file,act,config]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=300
-targets=wire,allow_list,config
+targets=wire,allow_list,key_file,act,config
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --seconds) seconds="$2"; shift 2 ;;
     --targets) targets="$2"; shift 2 ;;
-    *) echo "usage: scripts/fuzz.sh [--seconds N] [--targets wire,allow_list,config]" >&2; exit 2 ;;
+    *) echo "usage: scripts/fuzz.sh [--seconds N] [--targets wire,allow_list,key_file,act,config]" >&2; exit 2 ;;
   esac
 done
 if ! command -v clang++ >/dev/null; then
@@ -36,16 +36,20 @@ for t in "${list[@]}"; do
   corpus="$build/corpus/$t"
   mkdir -p "$corpus"
   if [[ "$t" == wire ]]; then cp -n tests/wire/golden/*.bin "$corpus"/ 2>/dev/null || true; fi
-  if [[ "$t" == config && -z "$(ls -A "$corpus")" ]]; then  # the examples, each for both parsers
+  if [[ "$t" == key_file ]]; then cp -n fuzz/seeds/key/* "$corpus"/ 2>/dev/null || true; fi
+  seed_env=()
+  if [[ "$t" == act ]]; then seed_env=(env SPARROW_FUZZ_SEED_DIR="$corpus"); fi
+  if [[ "$t" == config && -z "$(ls -A "$corpus")" ]]; then  # the examples, each for every parser
     i=0
-    for f in examples/*.toml; do
-      { printf '\x00'; cat "$f"; } >"$corpus/sim_$i.toml"
-      { printf '\x01'; cat "$f"; } >"$corpus/server_$i.toml"
+    for f in examples/*.toml examples/*/*.toml; do
+      for p in 0 1 2 3 4; do
+        { printf "\\x0$p"; cat "$f"; } >"$corpus/p${p}_$i.toml"
+      done
       i=$((i + 1))
     done
   fi
   echo "fuzz.sh: fuzz_$t for ${seconds}s (corpus $corpus)"
-  if ! "$build/bin/fuzz_$t" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=4096 -max_len=65536 \
+  if ! "${seed_env[@]}" "$build/bin/fuzz_$t" -max_total_time="$seconds" -timeout=10 -rss_limit_mb=4096 -max_len=65536 \
       -artifact_prefix="$build/" -print_final_stats=1 "$corpus" 2>"$build/fuzz_$t.log"; then
     echo "fuzz.sh: fuzz_$t found a problem; see $build/fuzz_$t.log and $build/crash-*" >&2
     tail -40 "$build/fuzz_$t.log" >&2

@@ -61,7 +61,7 @@ compression::Encoded dense_encoded(const at::Tensor& t) {
   e.shape = c.sizes().vec();
   e.value_type = compression::ValueType::kF32;
   const size_t bytes = static_cast<size_t>(c.numel()) * sizeof(float);
-  e.values.resize(bytes);
+  e.values.resize_uninitialized(bytes);
   if (bytes) std::memcpy(e.values.data(), c.data_ptr<float>(), bytes);
   return e;
 }
@@ -522,12 +522,14 @@ struct Server::Impl {
       try {
         if (!job.parsed) {
           try {
-            job.parsed = wire::parse(job.frame.data(), job.frame.size(), limits);
+            // The frame outlives the parse: a dense update's values stay where
+            // they arrived until the update has been folded.
+            auto frame = std::make_shared<zmq::message_t>(std::move(job.frame));
+            job.parsed = wire::parse(frame->data(), frame->size(), limits, frame);
           } catch (const wire::ProtocolError& e) {
             reply_error(job.routing_id, e.code(), e.what());
             continue;
           }
-          job.frame = zmq::message_t();
         }
         if (auto* u = std::get_if<wire::ModelUpdate>(&job.parsed->body))
           handle_update(w, job.routing_id, std::move(*u));

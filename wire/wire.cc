@@ -135,6 +135,13 @@ flatbuffers::Offset<flatbuffers::Vector<T>> vector_or_absent(flatbuffers::FlatBu
   return b.CreateVector(v.data(), v.size());
 }
 
+flatbuffers::Offset<flatbuffers::Vector<uint8_t>> vector_or_absent(flatbuffers::FlatBufferBuilder& b, const c::Bytes& v,
+                                                                   size_t align) {
+  if (v.empty()) return 0;
+  b.ForceVectorAlignment(v.size(), 1, align);
+  return b.CreateVector(v.data(), v.size());
+}
+
 flatbuffers::Offset<flatbuffers::String> string_or_absent(flatbuffers::FlatBufferBuilder& b, const std::string& s) {
   if (s.empty()) return 0;
   return b.CreateString(s);
@@ -329,7 +336,7 @@ uint64_t checked_numel(const std::vector<int64_t>& shape, uint64_t budget, const
   return n;
 }
 
-NamedTensor tensor_of(const fb::EncodedTensor& t, size_t i, uint64_t& budget) {
+NamedTensor tensor_of(const fb::EncodedTensor& t, size_t i, uint64_t& budget, const Owner& owner) {
   NamedTensor out;
   out.name = std::string(text_of(t.name(), "tensor " + std::to_string(i) + "'s name"));
   if (out.name.empty()) fail(ErrorCode::kMalformed, "tensor " + std::to_string(i) + " has no name");
@@ -360,7 +367,13 @@ NamedTensor tensor_of(const fb::EncodedTensor& t, size_t i, uint64_t& budget) {
   e.params = vector_of(t.params());
   e.scales = vector_of(t.scales());
   e.indices = bytes_of(t.indices());
-  e.values = bytes_of(t.values());
+  // Values in place when the frame's owner keeps it alive: validate() and the
+  // aggregator read them where they arrived (aligned: the builder aligns them).
+  const auto* tv = t.values();
+  if (owner && tv && tv->size() > 0 && reinterpret_cast<uintptr_t>(tv->data()) % kValuesAlign == 0)
+    e.values = c::Bytes::view(tv->data(), tv->size(), owner);
+  else if (tv)
+    e.values.assign(tv->data(), tv->data() + tv->size());
   try {
     c::validate(e);
   } catch (const sparrow::Error& err) {
@@ -372,14 +385,14 @@ NamedTensor tensor_of(const fb::EncodedTensor& t, size_t i, uint64_t& budget) {
 // A vector of tensors, names unique within it; `budget` is the message's
 // remaining element allowance (shared by all its tensor vectors).
 std::vector<NamedTensor> tensors_of(const flatbuffers::Vector<flatbuffers::Offset<fb::EncodedTensor>>* tensors,
-                                    uint64_t& budget) {
+                                    uint64_t& budget, const Owner& owner) {
   std::vector<NamedTensor> out;
   if (!tensors) return out;
   out.reserve(tensors->size());
   std::unordered_set<std::string_view> names;
   for (flatbuffers::uoffset_t i = 0; i < tensors->size(); ++i) {
     const fb::EncodedTensor& t = *tensors->Get(i);
-    out.push_back(tensor_of(t, i, budget));
+    out.push_back(tensor_of(t, i, budget, owner));
     // A view into the verified buffer, which outlives this function.
     if (!names.insert(std::string_view(t.name()->c_str(), t.name()->size())).second)
       fail(ErrorCode::kMalformed, "duplicate tensor name '" + out.back().name + "'");
@@ -396,14 +409,14 @@ std::string bounded_text(const flatbuffers::String* s, const std::string& what, 
   return std::string(v);
 }
 
-ModelUpdate update_of(const fb::ModelUpdate& u, uint64_t max_elements) {
+ModelUpdate update_of(const fb::ModelUpdate& u, uint64_t max_elements, const Owner& owner) {
   ModelUpdate out;
   out.round = u.round();
   out.num_samples = u.num_samples();
   out.client_id = std::string(text_of(u.client_id(), "client_id"));
   uint64_t budget = max_elements;
-  out.tensors = tensors_of(u.tensors(), budget);
-  out.control_delta = tensors_of(u.control_delta(), budget);
+  out.tensors = tensors_of(u.tensors(), budget, owner);
+  out.control_delta = tensors_of(u.control_delta(), budget, owner);
   if (const auto* metrics = u.metrics()) {
     out.metrics.reserve(metrics->size());
     std::unordered_set<std::string_view> keys;
@@ -470,7 +483,7 @@ TrainSettings train_of(const fb::TrainSettings* t) {
   return out;
 }
 
-Task task_of(const fb::Task& t, uint64_t max_elements) {
+Task task_of(const fb::Task& t, uint64_t max_elements, const Owner& owner) {
   Task out;
   out.round = t.round();
   const auto enc = static_cast<uint8_t>(t.model_encoding());
@@ -479,12 +492,12 @@ Task task_of(const fb::Task& t, uint64_t max_elements) {
   out.model_encoding = static_cast<ModelEncoding>(enc);
   out.base_round = t.base_round();
   uint64_t budget = max_elements;
-  out.weights = tensors_of(t.weights(), budget);
+  out.weights = tensors_of(t.weights(), budget, owner);
   out.train = train_of(t.train());
   out.compression = bounded_text(t.compression(), "compression");
   out.seed = t.seed();
-  out.shared = tensors_of(t.shared(), budget);
-  out.control = tensors_of(t.control(), budget);
+  out.shared = tensors_of(t.shared(), budget, owner);
+  out.control = tensors_of(t.control(), budget, owner);
   out.deadline_ms = t.deadline_ms();
   return out;
 }
@@ -538,7 +551,7 @@ const T& body_or_fail(const T* p, const char* name) {
   return *p;
 }
 
-Message parse_verified(const uint8_t* buf, size_t size, const ParseLimits& limits) {
+Message parse_verified(const uint8_t* buf, size_t size, const ParseLimits& limits, const Owner& owner) {
   const auto [major, minor] = peek_version(buf, size);
   if (major != kProtocolMajor) {
     std::ostringstream os;
@@ -560,7 +573,7 @@ Message parse_verified(const uint8_t* buf, size_t size, const ParseLimits& limit
     case fb::Body::ModelUpdate: {
       const fb::ModelUpdate* u = m->body_as_ModelUpdate();
       if (!u) fail(ErrorCode::kMalformed, "ModelUpdate body missing");
-      out.body = update_of(*u, limits.max_elements);
+      out.body = update_of(*u, limits.max_elements, owner);
       return out;
     }
     case fb::Body::Error: {
@@ -576,7 +589,7 @@ Message parse_verified(const uint8_t* buf, size_t size, const ParseLimits& limit
       out.body = welcome_of(body_or_fail(m->body_as_Welcome(), "Welcome"));
       return out;
     case fb::Body::Task:
-      out.body = task_of(body_or_fail(m->body_as_Task(), "Task"), limits.max_elements);
+      out.body = task_of(body_or_fail(m->body_as_Task(), "Task"), limits.max_elements, owner);
       return out;
     case fb::Body::Ack:
       out.body = Ack{body_or_fail(m->body_as_Ack(), "Ack").round()};
@@ -665,7 +678,9 @@ Message parse(const void* data, size_t size, size_t max_bytes) {
   return parse(data, size, limits);
 }
 
-Message parse(const void* data, size_t size, const ParseLimits& limits) {
+Message parse(const void* data, size_t size, const ParseLimits& limits) { return parse(data, size, limits, nullptr); }
+
+Message parse(const void* data, size_t size, const ParseLimits& limits, Owner owner) {
   if (!data || size == 0) fail(ErrorCode::kMalformed, "empty message");
   if (size > limits.max_bytes || size >= FLATBUFFERS_MAX_BUFFER_SIZE)
     fail(ErrorCode::kOversize, "message of " + std::to_string(size) + " bytes exceeds the limit of " +
@@ -683,13 +698,13 @@ Message parse(const void* data, size_t size, const ParseLimits& limits) {
   try {
     // The verifier (rightly) insists on aligned scalars; realign a misaligned
     // frame instead of refusing it.
-    if (reinterpret_cast<uintptr_t>(bytes) % alignof(uint64_t) == 0) return parse_verified(bytes, size, limits);
+    if (reinterpret_cast<uintptr_t>(bytes) % alignof(uint64_t) == 0) return parse_verified(bytes, size, limits, owner);
     struct alignas(kValuesAlign) Block {
       uint8_t b[kValuesAlign];
     };
     std::unique_ptr<Block[]> copy(new Block[(size + kValuesAlign - 1) / kValuesAlign]);
     std::memcpy(copy.get(), bytes, size);
-    return parse_verified(reinterpret_cast<const uint8_t*>(copy.get()), size, limits);
+    return parse_verified(reinterpret_cast<const uint8_t*>(copy.get()), size, limits, nullptr);
   } catch (const std::bad_alloc&) {
     fail(ErrorCode::kInternal, "out of memory parsing a message of " + std::to_string(size) + " bytes");
   }

@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <exception>
 #include <optional>
 #include <string>
@@ -192,6 +193,11 @@ std::string serialize(const Message& m);
 //                    build does not know
 // `data` needs no particular alignment (a misaligned buffer is copied first).
 Message parse(const void* data, size_t size, const ParseLimits& limits);
+// Keeps the frame alive: tensors' values are then views into it
+// (compression::Bytes::view), not copies, so a large dense update is verified
+// and folded where it arrived. `owner` must keep [data, data + size) unchanged.
+using Owner = std::shared_ptr<const void>;
+Message parse(const void* data, size_t size, const ParseLimits& limits, Owner owner);
 Message parse(const void* data, size_t size, size_t max_bytes = kDefaultMaxMessageBytes);
 inline Message parse(const std::string& bytes, const ParseLimits& limits = {}) {
   return parse(bytes.data(), bytes.size(), limits);

@@ -2,6 +2,8 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
+#include <memory>
 #include <set>
 
 #include "compression/codec_util.h"
@@ -69,7 +71,7 @@ TEST_CASE("index coding: malformed streams are rejected") {
 TEST_CASE("values: fp16/bf16/sign packing") {
   std::vector<float> v = {0.0f, 1.0f, -2.5f, 65504.0f, 1e-3f, -0.0f, 3.14159f};
   for (ValueType vt : {ValueType::kF32, ValueType::kF16, ValueType::kBF16}) {
-    std::vector<uint8_t> bytes;
+    Bytes bytes;
     pack_values(v.data(), v.size(), vt, bytes);
     CHECK(bytes.size() == value_bytes(vt, v.size()));
     std::vector<float> out(v.size());
@@ -77,7 +79,7 @@ TEST_CASE("values: fp16/bf16/sign packing") {
     const float tol = vt == ValueType::kF32 ? 0.0f : (vt == ValueType::kF16 ? 1e-3f : 8e-3f);
     for (size_t i = 0; i < v.size(); ++i) CHECK(std::abs(out[i] - v[i]) <= tol * std::abs(v[i]) + 1e-6f);
   }
-  std::vector<uint8_t> bits;
+  Bytes bits;
   pack_values(v.data(), v.size(), ValueType::kSign, bits);
   CHECK(bits.size() == 1);
   std::vector<float> out(v.size());
@@ -123,4 +125,49 @@ TEST_CASE("decode_add: a malformed update leaves the running sum untouched") {
     CHECK_THROWS_AS(decode_add(bad, sum, 1.0f), FormatError);
     CHECK(at::equal(before, sum));
   }
+}
+
+TEST_CASE("Bytes: a view reads in place, keeps its owner alive and is copied on write") {
+  auto frame = std::make_shared<std::vector<uint8_t>>(std::vector<uint8_t>{1, 2, 3, 4, 5, 6, 7, 8});
+  std::weak_ptr<std::vector<uint8_t>> alive = frame;
+  Bytes v = Bytes::view(frame->data() + 2, 4, frame);
+  const uint8_t* where = frame->data() + 2;
+  frame.reset();
+  REQUIRE_FALSE(alive.expired());  // the view holds the frame
+  CHECK(v.is_view());
+  CHECK(static_cast<const Bytes&>(v).data() == where);  // no copy to read
+  CHECK(v == Bytes{3, 4, 5, 6});
+  Bytes copy = v;  // a copy is another view of the same bytes
+  CHECK(copy.is_view());
+  v.set_checked(42);
+  CHECK(v.checked(42));
+  v[0] = 9;  // a write: own storage, memo cleared, the frame untouched
+  CHECK_FALSE(v.is_view());
+  CHECK_FALSE(v.checked(42));
+  CHECK(v == Bytes{9, 4, 5, 6});
+  CHECK(copy == Bytes{3, 4, 5, 6});
+  copy.clear();
+  CHECK(alive.expired());  // the last view gone: the frame is freed
+  Bytes big;
+  big.resize_uninitialized(size_t{8} << 20);  // a large block (huge-page backed where allowed)
+  big.assign(size_t{8} << 20, 7);
+  CHECK(big.size() == (size_t{8} << 20));
+  CHECK(big[12345] == 7);
+  big.resize(16);
+  big.resize(20);
+  CHECK(big[19] == 0);  // as std::vector: new bytes are zero
+}
+
+TEST_CASE("validate scans an update's values once until they change") {
+  std::vector<float> x(1000, 1.0f);
+  Encoded e;
+  e.format = Format::kDense;
+  e.shape = {1000};
+  pack_values(x.data(), x.size(), ValueType::kF32, e.values);
+  validate(e);
+  CHECK(e.values.checked((uint64_t{1000} << 3) | 1));  // the memo: fp32, 1000 values
+  validate(e);                                         // no second scan
+  // Any write through Bytes clears the memo, so a NaN written afterwards is caught.
+  reinterpret_cast<float*>(e.values.data())[10] = std::nanf("");
+  CHECK_THROWS_AS(validate(e), sparrow::FormatError);
 }

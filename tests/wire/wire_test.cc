@@ -1027,3 +1027,36 @@ TEST_CASE("wire: session and split messages with bad fields are refused") {
   std::get<SplitGradient>(g.body).loss = std::nan("");
   expect_rejected(serialize(g), ErrorCode::kMalformed, "loss is not finite");
 }
+
+TEST_CASE("parse with an owner: dense values are views into the frame, decoded the same") {
+  compression::register_builtins();
+  auto none = compression::make_compressor("none");
+  compression::State st;
+  at::manual_seed(5);
+  const at::Tensor x = at::randn({300, 7});
+  ModelUpdate u;
+  u.round = 3;
+  u.client_id = "c";
+  u.num_samples = 10;
+  u.tensors = {{"w", none->encode(x, st, {})}};
+  Message m;
+  m.body = u;
+  const auto frame = std::make_shared<const std::string>(serialize(m));
+  const Message copied = parse(*frame);
+  const Message viewed = parse(frame->data(), frame->size(), ParseLimits{}, frame);
+  const auto& cv = std::get<ModelUpdate>(copied.body).tensors.at(0).tensor.values;
+  const auto& vv = std::get<ModelUpdate>(viewed.body).tensors.at(0).tensor.values;
+  CHECK_FALSE(cv.is_view());
+  REQUIRE(vv.is_view());
+  CHECK(vv.data() >= reinterpret_cast<const uint8_t*>(frame->data()));
+  CHECK(vv.data() + vv.size() <= reinterpret_cast<const uint8_t*>(frame->data()) + frame->size());
+  CHECK(at::equal(compression::decode(std::get<ModelUpdate>(viewed.body).tensors.at(0).tensor), x));
+  // A NaN in the frame is refused in place as it is when copied.
+  std::string bad = *frame;
+  const size_t at = static_cast<size_t>(vv.data() - reinterpret_cast<const uint8_t*>(frame->data())) + 8;
+  const float nan = std::nanf("");
+  std::memcpy(bad.data() + at, &nan, 4);
+  const auto bad_frame = std::make_shared<const std::string>(bad);
+  CHECK_THROWS_AS(parse(bad_frame->data(), bad_frame->size(), ParseLimits{}, bad_frame), ProtocolError);
+  CHECK_THROWS_AS(parse(bad), ProtocolError);
+}
