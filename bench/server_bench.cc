@@ -454,6 +454,42 @@ double bare_transfer_s(const std::string& bytes, bool curve, int repeat) {
   return median(t);
 }
 
+// Baseline for an acknowledged ingest: the same bytes DEALER -> ROUTER over
+// bare ZeroMQ, a receiving thread (polling, as the server's I/O thread does)
+// answers each message with a 16-byte Ack; median seconds from send to Ack.
+double bare_acked_s(const std::string& bytes, int repeat) {
+  zmq::context_t sctx(1), cctx(1);
+  zmq::socket_t r(sctx, zmq::socket_type::router), d(cctx, zmq::socket_type::dealer);
+  net::set_limits(r, bytes.size() + 1024);
+  net::set_limits(d, bytes.size() + 1024);
+  r.bind("tcp://127.0.0.1:*");
+  d.connect(r.get(zmq::sockopt::last_endpoint));
+  std::thread receiver([&] {
+    for (int i = 0; i < repeat; ++i) {
+      zmq::message_t id, m;
+      for (;;) {
+        zmq::pollitem_t item{static_cast<void*>(r), 0, ZMQ_POLLIN, 0};
+        zmq::poll(&item, 1, std::chrono::milliseconds(2));
+        if (item.revents & ZMQ_POLLIN) break;
+      }
+      if (!r.recv(id) || !r.recv(m)) return;
+      const std::string ack(16, 'a');
+      r.send(id, zmq::send_flags::sndmore);
+      r.send(zmq::buffer(ack), zmq::send_flags::none);
+    }
+  });
+  std::vector<double> t;
+  for (int i = 0; i < repeat; ++i) {
+    const auto t0 = Clock::now();
+    send_bytes(d, bytes);
+    zmq::message_t ack;
+    SPARROW_CHECK(d.recv(ack) && ack.size() == 16, "bare acknowledged transfer failed");
+    t.push_back(seconds(t0, Clock::now()));
+  }
+  receiver.join();
+  return median(t);
+}
+
 int bench_dense(const ServerBenchOptions& o, const fs::path& dir) {
   const int64_t n = 25000000;  // 100 MB of fp32
   at::manual_seed(4);
@@ -469,7 +505,8 @@ int bench_dense(const ServerBenchOptions& o, const fs::path& dir) {
   (void)bytes2;
   // The server's own work on the same update in this process (no transport):
   // wire::parse (verification + copy out of the frame) and the aggregation.
-  double parse_s = 0, parse_copy_s = 0, add_s = 0, bare_s = 0, bare_curve_s = 0;
+  double parse_s = 0, parse_copy_s = 0, add_s = 0, bare_s = 0, bare_curve_s = 0, bare_acked = 0;
+  bool in_place = false;
   {
     wire::ModelUpdate u;
     u.round = 1;
@@ -481,8 +518,9 @@ int bench_dense(const ServerBenchOptions& o, const fs::path& dir) {
     limits.max_bytes = b.size() + 1;
     aggregation::StreamingAggregator agg({{"w", {5000, 5000}}});
     std::vector<double> tp, tc, ta;
-    // The frame as the server's worker holds it: values stay in it (views).
-    const auto frame = std::make_shared<const std::string>(b);
+    // The frame as the server's worker holds it (a ZeroMQ message, whose data
+    // sits where libzmq puts it): values stay in it (views).
+    const auto frame = std::make_shared<zmq::message_t>(b.data(), b.size());
     for (int r = 0; r < o.repeat; ++r) {
       auto t0 = Clock::now();
       (void)wire::parse(b, limits);  // the values copied out (without an owner)
@@ -491,6 +529,7 @@ int bench_dense(const ServerBenchOptions& o, const fs::path& dir) {
       wire::Message m = wire::parse(frame->data(), frame->size(), limits, frame);
       tp.push_back(seconds(t0, Clock::now()));
       auto& mu = std::get<wire::ModelUpdate>(m.body);
+      in_place = mu.tensors[0].tensor.values.is_view();
       aggregation::EncodedUpdate eu{{"w", std::move(mu.tensors[0].tensor)}};
       t0 = Clock::now();
       agg.add(eu, 100.0);
@@ -500,6 +539,7 @@ int bench_dense(const ServerBenchOptions& o, const fs::path& dir) {
     parse_copy_s = median(tc);
     add_s = median(ta);
     bare_s = bare_transfer_s(b, false, o.repeat);
+    bare_acked = bare_acked_s(b, o.repeat);
     bare_curve_s = bare_transfer_s(b, true, o.repeat);
   }
   const double mb = static_cast<double>(bytes) / 1e6;
@@ -507,9 +547,12 @@ int bench_dense(const ServerBenchOptions& o, const fs::path& dir) {
             << ",\"repeat\":" << o.repeat << ",\"workers\":" << o.workers << ",\"seconds\":" << json_number(plain_s)
             << ",\"mb_per_s\":" << json_number(mb / plain_s) << ",\"curve_seconds\":" << json_number(curve_s)
             << ",\"curve_mb_per_s\":" << json_number(mb / curve_s) << ",\"parse_s\":" << json_number(parse_s)
+            << ",\"parse_in_place\":" << (in_place ? "true" : "false")
             << ",\"parse_copy_s\":" << json_number(parse_copy_s) << ",\"aggregate_s\":" << json_number(add_s)
             << ",\"bare_zmq_mb_per_s\":" << json_number(mb / bare_s)
             << ",\"bare_curve_mb_per_s\":" << json_number(mb / bare_curve_s)
+            << ",\"bare_acked_mb_per_s\":" << json_number(mb / bare_acked)
+            << ",\"vs_bare_acked\":" << json_number(bare_acked / plain_s)
             << ",\"vs_bare\":" << json_number(bare_s / plain_s)
             << ",\"curve_vs_bare\":" << json_number(bare_curve_s / curve_s) << "}" << std::endl;
   return 0;
@@ -525,7 +568,8 @@ int bench_server(const ServerBenchOptions& o) {
                       "--cases: unknown case '" << c << "' (ingest, dense)");
   }
   raise_nofile();
-  spdlog::set_level(spdlog::level::warn);  // 1,000 Hellos would log 1,000 lines
+  // 1,000 Hellos would log 1,000 lines; SPARROW_BENCH_DEBUG=1 shows them.
+  spdlog::set_level(std::getenv("SPARROW_BENCH_DEBUG") ? spdlog::level::debug : spdlog::level::warn);
   TempDir dir(o.tmp);
   int rc = 0;
   const std::string cases = "," + o.cases + ",";

@@ -408,6 +408,18 @@ struct Server::Impl {
     outbox.emplace_back(routing_id, std::move(bytes));
   }
   void reply(const std::string& routing_id, const wire::Message& m) { send_bytes(routing_id, wire::serialize(m)); }
+  // Until the I/O thread has handed every queued reply to ZeroMQ, or `limit`.
+  void wait_outbox_drained(std::chrono::milliseconds limit) {
+    const auto until = Clock::now() + limit;
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> g(out_mu);
+        if (outbox.empty()) return;
+      }
+      if (Clock::now() >= until) return;
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
   void reply_error(const std::string& routing_id, ErrorCode code, const std::string& text,
                    std::optional<uint64_t> r = std::nullopt) {
     n.rejected[static_cast<size_t>(code) & 7]++;
@@ -761,7 +773,7 @@ struct Server::Impl {
       dirty_clients.insert(u.client_id);
       --in_flight;
     }
-    cv.notify_all();
+    // The reply is queued before the round thread is woken (it may close the round).
     if (error.empty()) {
       reply(rid, msg(wire::Ack{u.round}));
       spdlog::debug("event=update_accepted client={} round={}", u.client_id, u.round);
@@ -769,6 +781,7 @@ struct Server::Impl {
       spdlog::warn("event=update_rejected client={} round={} error=\"{}\"", u.client_id, u.round, error);
       reply_error(rid, ErrorCode::kRejected, "update rejected: " + error, u.round);
     }
+    cv.notify_all();
   }
 
   // Verifies and adds one update to a worker's partial; all-or-nothing.
@@ -957,6 +970,9 @@ struct Server::Impl {
       n.abandoned++;
       return true;
     }
+    // Acks first: the round's Acks leave before the aggregation and the
+    // checkpoint take the cores (on a small machine they would wait behind them).
+    wait_outbox_drained(std::chrono::milliseconds(50));
     // 5. Aggregate.
     aggregation::Accumulator agg = aggregator->make_accumulator(shapes);
     agg.reset(aggregator->clip());

@@ -27,6 +27,8 @@ constexpr char kIdentifier[] = "SPRW";
 constexpr size_t kHeaderBytes = 12;
 // Payload vectors are 16-byte aligned so fp32/fp16 values can be read in place.
 constexpr size_t kValuesAlign = 16;
+// Alignment a received value vector needs to be read in place (fp32 values).
+constexpr size_t kViewAlign = alignof(float);
 // Our nesting is Message > ModelUpdate > [EncodedTensor] > EncodedTensor > vector
 // (5 levels); anything much deeper is an attack, not a message.
 constexpr flatbuffers::uoffset_t kMaxDepth = 16;
@@ -368,9 +370,11 @@ NamedTensor tensor_of(const fb::EncodedTensor& t, size_t i, uint64_t& budget, co
   e.scales = vector_of(t.scales());
   e.indices = bytes_of(t.indices());
   // Values in place when the frame's owner keeps it alive: validate() and the
-  // aggregator read them where they arrived (aligned: the builder aligns them).
+  // aggregator read them where they arrived. The widest value read in place is
+  // fp32, so 4-byte alignment is enough; asking for the builder's 16 would copy
+  // every large ZeroMQ message, whose data sits 8 bytes past a 16-byte boundary.
   const auto* tv = t.values();
-  if (owner && tv && tv->size() > 0 && reinterpret_cast<uintptr_t>(tv->data()) % kValuesAlign == 0)
+  if (owner && tv && tv->size() > 0 && reinterpret_cast<uintptr_t>(tv->data()) % kViewAlign == 0)
     e.values = c::Bytes::view(tv->data(), tv->size(), owner);
   else if (tv)
     e.values.assign(tv->data(), tv->data() + tv->size());
