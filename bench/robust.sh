@@ -34,7 +34,7 @@ trap 'rm -rf "$out"' EXIT
 run() {
   local agg=$2 attack=$3 adv=$4 dp=$5 seed=$6
   local err=0
-  "$SIM" --config "$BASE" --set out="$out/$1" --set rounds="$rounds" --set seed="$seed" \
+  "$SIM" --config "$BASE" --force --set out="$out/$1" --set rounds="$rounds" --set seed="$seed" \
     --set aggregator="$agg" --set attack="$attack" --set adversaries="$adv" --set dp="$dp" \
     "${extra[@]}" > "$out/$1.out" 2> "$out/$1.err" || err=$?
   python3 - "$out/$1" "$agg" "$attack" "$adv" "$dp" "$seed" "$err" <<'PY'

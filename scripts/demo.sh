@@ -9,5 +9,5 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 scripts/build.sh >/dev/null
 BUILD_DIR=${SPARROW_BUILD_DIR:-build}
-"$BUILD_DIR/bin/sparrow-sim" --config examples/dgc_mnist.toml "$@"
+"$BUILD_DIR/bin/sparrow-sim" --config examples/dgc_mnist.toml --force "$@"
 "$BUILD_DIR/bin/sparrow-sim" report runs/dgc_mnist >&2

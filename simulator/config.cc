@@ -229,4 +229,14 @@ std::string to_toml(const SimConfig& c) {
   return top + profiles;
 }
 
+std::vector<std::string> config_differences(const SimConfig& a, const SimConfig& b) {
+  const Reader ra(a), rb(b);
+  std::vector<std::string> out;
+  for (const std::string& key : ra.f.keys()) {
+    const std::string va = ra.f.toml_value(key), vb = rb.f.toml_value(key);
+    if (va != vb) out.push_back(key + " (" + va + " -> " + vb + ")");
+  }
+  return out;
+}
+
 }  // namespace sparrow::simulator

@@ -84,5 +84,8 @@ SimConfig parse_config_string(const std::string& toml_text, const std::vector<st
 
 // The complete effective config as TOML; parse_config_string(to_toml(c)) == c.
 std::string to_toml(const SimConfig& c);
+// The keys whose values differ, each as "key (value in a -> value in b)", in
+// to_toml's order; empty when a == b.
+std::vector<std::string> config_differences(const SimConfig& a, const SimConfig& b);
 
 }  // namespace sparrow::simulator

@@ -1,13 +1,18 @@
 // sparrow-sim: runs a federated-learning experiment described by a TOML file.
 //
-//   sparrow-sim --config FILE.toml [--set key=value]... [--resume RUN_DIR]
+//   sparrow-sim --config FILE.toml [--set key=value]... [--force] [--resume RUN_DIR]
 //   sparrow-sim report RUN_DIR [--compare OTHER_RUN_DIR]...
 //
 // Progress goes to stderr (one line redrawn with \r on a terminal, one line per
 // round otherwise); the LAST stdout line is a JSON summary. Exit codes: 0 done,
-// 2 bad command line or config, 1 any other failure.
+// 2 bad command line or config, 1 any other failure, 130 interrupted (Ctrl-C or
+// SIGTERM: the run stops after the current round, checkpoints it and prints
+// the --resume command; a second signal exits at once).
 
+#include <signal.h>
 #include <unistd.h>
+
+#include <atomic>
 
 #include <CLI/CLI.hpp>
 #include <chrono>
@@ -27,6 +32,23 @@
 
 namespace {
 
+volatile sig_atomic_t g_stop = 0;
+
+void on_signal(int) {
+  if (g_stop) _exit(130);  // a second Ctrl-C: the last checkpoint stands
+  g_stop = 1;
+  const char msg[] = "\nsparrow-sim: stopping after this round (Ctrl-C again to quit at once)\n";
+  (void)!write(2, msg, sizeof msg - 1);
+}
+
+void install_signal_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+}
+
 std::string clock_text(double s) {
   if (!std::isfinite(s) || s < 0) return "--:--";
   const long t = static_cast<long>(s + 0.5);
@@ -45,9 +67,12 @@ int main(int argc, char** argv) {
   CLI::App app{"sparrow-sim: simulate a federated-learning experiment"};
   std::string config_path, resume_dir;
   std::vector<std::string> overrides;
+  bool force = false;
   app.add_option("--config", config_path, "experiment TOML file");
   app.add_option("--set", overrides, "override a config key (key=value); repeatable")->take_all();
   app.add_option("--resume", resume_dir, "continue the run in RUN_DIR after its last completed round");
+  app.add_flag("--force", force, "start afresh in a run folder that already holds a run (replacing it)");
+  app.set_version_flag("--version", std::string("sparrow-sim ") + SPARROW_VERSION);
   std::string report_dir;
   std::vector<std::string> compare;
   auto* report = app.add_subcommand("report", "plot accuracy against rounds and against uplink bytes (SVG)");
@@ -86,32 +111,51 @@ int main(int argc, char** argv) {
       }
       cfg = load_config(config_path, overrides);
     }
+    const std::filesystem::path run_db = std::filesystem::path(cfg.out) / "run.db";
+    if (!resume && !force && std::filesystem::exists(run_db)) {
+      std::cerr << "sparrow-sim: config error: the run folder " << cfg.out
+                << " already holds a run (run.db): continue it with --resume " << cfg.out
+                << ", start it over with --force, or set another out = \"...\" (--set out=DIR)\n";
+      return 2;
+    }
     sparrow::core::configure_threads(cfg.workers, cfg.threads);
     std::cerr << "sparrow-sim: " << sparrow::core::threads_summary(cfg.workers) << '\n';
     if (const std::string w = sparrow::core::blas_warning(); !w.empty()) std::cerr << "sparrow-sim: " << w << '\n';
     const auto start = std::chrono::steady_clock::now();
     Simulator sim(cfg, resume);
-    std::cerr << "sparrow-sim: training " << sim.training_mode() << '\n';
+    std::cerr << "sparrow-sim: run folder " << cfg.out << (resume ? " (resumed)" : "") << "; training "
+              << sim.training_mode() << '\n';
+    install_signal_handlers();
     const int first = sim.completed_rounds();
     const bool tty = isatty(2) != 0;
-    sim.run([&](const RoundMetrics& m) {
+    double last_acc = NAN;
+    auto progress = [&](const RoundMetrics& m) {
       const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       const int done = m.round - first, total = cfg.rounds - first;
       const double eta = done > 0 ? el / done * (total - done) : NAN;
       const int width = 30, filled = total > 0 ? width * done / total : width;
       std::string bar(filled, '#');
       bar.resize(width, '.');
+      if (!std::isnan(m.accuracy)) last_acc = m.accuracy;
+      // The last known accuracy (evaluations run every eval_every rounds).
+      const std::string acc = std::isnan(last_acc) ? "  -   " : (std::to_string(last_acc * 100).substr(0, 5) + "%");
       char line[256];
       std::snprintf(line, sizeof line, "[%s] round %d/%d  acc %s  train_loss %.4f  ETA %s", bar.c_str(), m.round,
-                    cfg.rounds,
-                    std::isnan(m.accuracy) ? "  -   " : (std::to_string(m.accuracy * 100).substr(0, 5) + "%").c_str(),
-                    m.train_loss, clock_text(eta).c_str());
+                    cfg.rounds, acc.c_str(), m.train_loss, clock_text(eta).c_str());
       if (tty)
         std::cerr << '\r' << line << "\033[K" << std::flush;
       else
         std::cerr << line << '\n';
-    });
+    };
+    while (!sim.done() && !g_stop) progress(sim.run_round());
     if (tty) std::cerr << '\n';
+    if (!sim.done()) {
+      sim.checkpoint_now();
+      std::cerr << "sparrow-sim: interrupted after round " << sim.completed_rounds() << " of " << cfg.rounds
+                << " (checkpointed); continue with: sparrow-sim --resume " << cfg.out << '\n';
+      std::cout << summary_json(sim.summary()) << std::endl;
+      return 130;
+    }
     std::cout << summary_json(sim.summary()) << std::endl;
     return 0;
   } catch (const sparrow::ConfigError& e) {

@@ -828,8 +828,13 @@ Simulator::Simulator(SimConfig cfg, bool resume) : impl_(std::make_unique<Impl>(
     old.out = s.cfg.out;
     old.checkpoint_every = s.cfg.checkpoint_every;  // only changes when state is written
     old.threads = s.cfg.threads;                    // only changes the speed
-    SPARROW_CHECK_T(ConfigError, old == s.cfg,
-                    "resume: the config differs from " << prev.string() << " in more than rounds");
+    if (!(old == s.cfg)) {
+      std::string keys;
+      for (const std::string& d : config_differences(old, s.cfg)) keys += (keys.empty() ? "" : ", ") + d;
+      if (keys.empty()) keys = "(a key to_toml does not write)";
+      throw ConfigError("resume: the config differs from " + prev.string() + " in " + keys +
+                        "; a resumed run may change only rounds, checkpoint_every and threads");
+    }
   }
   compression::register_builtins();
   s.compressor = compression::make_compressor(s.cfg.compression);
@@ -872,6 +877,10 @@ void Simulator::run(const std::function<void(const RoundMetrics&)>& progress) {
 }
 
 void Simulator::wait_for_checkpoint() { impl_->store->wait_written(); }
+
+void Simulator::checkpoint_now() {
+  if (impl_->round > 0) impl_->checkpoint(impl_->round, /*wait=*/true);
+}
 
 bool Simulator::done() const { return impl_->round >= impl_->cfg.rounds; }
 int Simulator::completed_rounds() const { return impl_->round; }

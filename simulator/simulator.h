@@ -120,6 +120,9 @@ class Simulator {
   // store's background writer are durable (run_round() does not wait, except
   // after the last round). Benchmarks use it to charge that work to the round.
   void wait_for_checkpoint();
+  // Checkpoints the last completed round now and waits until it is durable
+  // (an interrupted run stops between rounds; --resume continues from here).
+  void checkpoint_now();
   int completed_rounds() const;
 
   Summary summary() const;

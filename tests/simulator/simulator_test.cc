@@ -19,6 +19,7 @@
 #include "core/models.h"
 #include "simulator/config.h"
 #include "simulator/simulator.h"
+#include "tests/integration/process.h"
 
 using namespace sparrow::simulator;
 namespace fs = std::filesystem;
@@ -558,4 +559,75 @@ TEST_CASE("simulator resume refuses a damaged run database") {
   }
   c.rounds = 3;
   CHECK_THROWS_WITH_AS(Simulator(c, true), doctest::Contains("is damaged"), sparrow::FormatError);
+}
+
+namespace {
+
+std::string slurp(const std::string& path) {
+  std::ifstream f(path);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+// Runs a command through the shell; its exit status, stdout+stderr in *out.
+int shell(const std::string& cmd, std::string* out) {
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  REQUIRE(p != nullptr);
+  char buf[4096];
+  size_t n;
+  while ((n = fread(buf, 1, sizeof buf, p)) > 0) out->append(buf, n);
+  const int st = pclose(p);
+  return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+}  // namespace
+
+TEST_CASE(
+    "sparrow-sim: Ctrl-C checkpoints and exits 130, a used run folder needs --resume or --force, "
+    "resume names the changed keys") {
+  TempDir d("cli_interrupt");
+  const std::string cfg = d.path + ".toml", log = d.path + ".log";
+  std::ofstream(cfg) << "dataset = \"synthetic:alpha=1,beta=1\"\nmodel = \"logreg\"\nclients = 4\n"
+                        "clients_per_round = 2\nrounds = 1000000\neval_every = 1000000\nout = \""
+                     << d.path << "\"\n";
+  const std::string bin = std::string(SPARROW_BIN_DIR) + "/sparrow-sim";
+  {
+    sparrow::testing::Process sim({bin, "--config", cfg}, log);
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (slurp(log).find("round 3/") == std::string::npos && std::chrono::steady_clock::now() < until)
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    sim.signal(SIGINT);
+    CHECK(sim.wait(std::chrono::seconds(60)) == std::optional<int>(130));
+  }
+  const std::string text = slurp(log);
+  const auto at = text.find("interrupted after round ");
+  REQUIRE(at != std::string::npos);
+  const int done = std::stoi(text.substr(at + 24));
+  CHECK(done >= 3);
+  CHECK(text.find("continue with: sparrow-sim --resume " + d.path) != std::string::npos);
+
+  std::string out;
+  CHECK(shell(bin + " --config " + cfg, &out) == 2);  // the folder holds a run
+  CHECK(out.find("--resume " + d.path) != std::string::npos);
+  CHECK(out.find("--force") != std::string::npos);
+  CHECK(fs::exists(fs::path(d.path) / "run.db"));  // untouched
+
+  out.clear();
+  CHECK(shell(bin + " --resume " + d.path + " --set lr=0.5 --set momentum=0.5", &out) == 2);
+  CHECK(out.find("lr (") != std::string::npos);
+  CHECK(out.find("momentum (") != std::string::npos);
+
+  out.clear();
+  CHECK(shell(bin + " --resume " + d.path + " --set rounds=" + std::to_string(done + 2), &out) == 0);
+  CHECK(out.find("{\"rounds\":" + std::to_string(done + 2) + ",") != std::string::npos);
+
+  out.clear();
+  CHECK(shell(bin + " --config " + cfg + " --force --set rounds=2", &out) == 0);
+  CHECK(out.find("{\"rounds\":2,") != std::string::npos);
+  out.clear();
+  CHECK(shell(bin + " --version", &out) == 0);
+  CHECK(out.rfind("sparrow-sim ", 0) == 0);
+  std::remove(cfg.c_str());
+  std::remove(log.c_str());
 }
