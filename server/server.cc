@@ -301,8 +301,12 @@ struct Server::Impl {
       p.agg->reset(aggregator->clip());
     }
 
-    open_store();
+    // The socket first: a server that cannot listen (port taken, bad
+    // endpoint) leaves the database as it was, not with a new run in it.
     bind();
+    open_store();
+    spdlog::info("event=listening endpoint={} curve={} run_id={} model={} digest={} round={}", endpoint,
+                 cfg.insecure ? 0 : 1, run_id, cfg.model, digest, completed.load());
   }
 
   void open_store() {
@@ -397,8 +401,6 @@ struct Server::Impl {
       throw ConfigError("listen: cannot bind '" + cfg.listen + "': " + e.what());
     }
     endpoint = router.get(zmq::sockopt::last_endpoint);
-    spdlog::info("event=listening endpoint={} curve={} run_id={} model={} digest={} round={}", endpoint,
-                 cfg.insecure ? 0 : 1, run_id, cfg.model, digest, completed.load());
   }
 
   // ---- replies ----------------------------------------------------------------

@@ -1,6 +1,9 @@
 #include "server/store.h"
 
+#include <fcntl.h>
 #include <sqlite3.h>
+#include <sys/file.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <cmath>
@@ -113,9 +116,11 @@ int64_t checkpoint_checksum(const Checkpoint& c) {
 struct ServerStore::Impl {
   std::string path;
   sqlite3* db = nullptr;
+  int lock_fd = -1;              // flock: one server per database
   std::vector<int64_t> damaged;  // latest_checkpoint's skipped rounds
   ~Impl() {
     if (db) sqlite3_close_v2(db);
+    if (lock_fd >= 0) ::close(lock_fd);
   }
   void exec(const char* sql) {
     char* err = nullptr;
@@ -142,6 +147,15 @@ std::unique_ptr<ServerStore> ServerStore::open(const std::string& path) {
   impl->path = path;
   const int rc = sqlite3_open_v2(path.c_str(), &impl->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, nullptr);
   if (rc != SQLITE_OK) throw_sqlite(impl->db, path, "open", rc);
+  // One server per database, held until the store closes. flock() locks are
+  // apart from SQLite's fcntl() locks: `sparrow-server status` and
+  // `sqlite3 DB .backup` still read the file while a server holds it.
+  impl->lock_fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  SPARROW_CHECK_T(Error, impl->lock_fd >= 0, "server database '" << path << "': cannot open it to lock it");
+  SPARROW_CHECK_T(ConfigError, ::flock(impl->lock_fd, LOCK_EX | LOCK_NB) == 0,
+                  "server database '" << path
+                                      << "' is in use by another sparrow-server (locked); stop that server or use "
+                                         "another db");
   sqlite3_extended_result_codes(impl->db, 1);
   sqlite3_busy_timeout(impl->db, 5000);
   {

@@ -194,7 +194,7 @@ TEST_CASE("a round aggregates updates into the weighted average") {
   CHECK(c.rounds_completed == 1);
   CHECK(c.rejected() == 0);
   // The checkpoint holds exactly these bytes.
-  auto store = ServerStore::open(server.config().db);
+  auto store = ServerStore::open_readonly(server.config().db);
   CHECK(store->latest_checkpoint()->weights == serialize_weights(g));
   CHECK(store->rounds().at(0).updates == 2);
   CHECK(store->clients().size() == 2);
@@ -380,7 +380,7 @@ TEST_CASE("restart resumes after the last completed round with identical weights
     run.join();
     REQUIRE_FALSE(run.error);
     bytes = serialize_weights(server.global_weights());
-    auto store = ServerStore::open(cfg.db);
+    auto store = ServerStore::open_readonly(cfg.db);
     CHECK(store->latest_checkpoint()->round == 2);
     CHECK(store->latest_checkpoint()->weights == bytes);
   }
@@ -440,7 +440,7 @@ TEST_CASE("downlink compression sends the compressed delta to clients one round 
   Server again(cfg, tiny_weights());
   CHECK(again.completed_rounds() == 2);
   CHECK(serialize_weights(again.global_weights()) == bytes);
-  auto store = ServerStore::open(cfg.db);
+  auto store = ServerStore::open_readonly(cfg.db);
   auto ck = store->latest_checkpoint();
   REQUIRE(ck.has_value());
   CHECK_FALSE(ck->broadcast.empty());
@@ -569,7 +569,7 @@ TEST_CASE("CURVE admits allow-listed keys only") {
   a.expect<wire::Ack>();
   run.join();
   REQUIRE_FALSE(run.error);
-  auto store = ServerStore::open(cfg.db);
+  auto store = ServerStore::open_readonly(cfg.db);
   auto clients = store->clients();
   REQUIRE(clients.size() == 1);
   CHECK(clients[0].public_key == good.public_key);  // bound to its key
@@ -601,7 +601,7 @@ TEST_CASE("a median round ignores one outlier client; central DP clips and repor
     REQUIRE_FALSE(run.error);
     const Weights w0 = tiny_weights();
     for (const auto& [k, v] : server.global_weights()) CHECK(at::allclose(v, w0.at(k) + 0.2f, 1e-5, 1e-6));
-    auto store = ServerStore::open(server.config().db);
+    auto store = ServerStore::open_readonly(server.config().db);
     CHECK(store->metrics(1).at("aggregate.kept") == 3);
   }
   SUBCASE("central dp") {
@@ -627,7 +627,7 @@ TEST_CASE("a median round ignores one outlier client; central DP clips and repor
     // (clip(big) + small) / m with m = clients_per_round = 2, sample counts ignored.
     for (const auto& [k, v] : server.global_weights())
       CHECK(at::allclose(v, w0.at(k) + (0.25f + 0.1f) / 2, 1e-5, 1e-6));
-    auto store = ServerStore::open(server.config().db);
+    auto store = ServerStore::open_readonly(server.config().db);
     const auto m = store->metrics(1);
     CHECK(m.at("aggregate.clipped") == 1);
     CHECK(m.count("dp.epsilon") == 0);  // noise 0: no guarantee to report
@@ -660,7 +660,7 @@ TEST_CASE("the adaptive DP clip is checkpointed and a restarted server continues
     a.expect<wire::Ack>();
     run.join();
     REQUIRE_FALSE(run.error);
-    saved = ServerStore::open(cfg.db)->latest_checkpoint()->aggregator;
+    saved = ServerStore::open_readonly(cfg.db)->latest_checkpoint()->aggregator;
   }
   aggregation::Aggregator check("mean", cfg.dp, 1, 0);
   check.deserialize_state(saved);
@@ -678,7 +678,7 @@ TEST_CASE("the adaptive DP clip is checkpointed and a restarted server continues
   a.expect<wire::Ack>();
   run.join();
   REQUIRE_FALSE(run.error);
-  CHECK(ServerStore::open(cfg.db)->metrics(2).at("aggregate.clip") == doctest::Approx(std::exp(-0.2 * 0.5)));
+  CHECK(ServerStore::open_readonly(cfg.db)->metrics(2).at("aggregate.clip") == doctest::Approx(std::exp(-0.2 * 0.5)));
 }
 
 TEST_CASE("one CURVE key is one client: other ids from the same key are refused, also after a restart") {
@@ -729,4 +729,20 @@ TEST_CASE("one CURVE key is one client: other ids from the same key are refused,
   h.model_digest = restarted.model_digest();
   sybil.send(message(h));
   CHECK(sybil.expect_error().message.find("bound to client id 'a'") != std::string::npos);
+}
+
+TEST_CASE("a second server on the same database is refused; a server that cannot bind writes no run") {
+  ServerConfig cfg = base_config("lock");
+  Server first(cfg, tiny_weights());
+  std::string what;
+  try {
+    Server second(cfg, tiny_weights());
+  } catch (const ConfigError& e) {
+    what = e.what();
+  }
+  CHECK(what.find("in use by another sparrow-server") != std::string::npos);
+  ServerConfig busy = base_config("nobind");
+  busy.listen = first.endpoint();  // taken
+  CHECK_THROWS_AS(Server(busy, tiny_weights()), ConfigError);
+  CHECK_FALSE(fs::exists(busy.db));
 }
