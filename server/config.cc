@@ -18,7 +18,7 @@ namespace {
 // One table of keys drives reading, overriding, writing and the run identity.
 void bind_all(core::FlatConfig& f, ServerConfig& c) {
   f.bind("listen", &c.listen);
-  f.bind("server_key", &c.server_key);
+  f.bind("key", &c.server_key);  // this server's own .key_secret (as `key` in the client and edge configs)
   f.bind("allow", &c.allow);
   f.bind("max_message_mb", &c.max_message_mb);
   f.bind("heartbeat_ms", &c.heartbeat_ms);
@@ -161,7 +161,7 @@ void validate(const ServerConfig& c) {
   if (c.eval_every < 0) bad("eval_every", "must be >= 0 (0 = off)");
   if (c.eval_batch < 1) bad("eval_batch", "must be >= 1");
   if (!c.insecure && c.server_key.empty())
-    bad("server_key", "is required (the server's .key_secret file; `sparrow-server keygen`) unless --insecure");
+    bad("key", "is required (the server's .key_secret file; `sparrow-server keygen`) unless --insecure");
   if (!c.insecure && c.allow.empty())
     bad("allow", "is required (allow-list file or directory of client .key files) unless --insecure");
 }
@@ -171,7 +171,16 @@ ServerConfig parse_server_config(const std::string& toml_text, const std::vector
   ServerConfig c;
   core::FlatConfig f(source);
   bind_all(f, c);
+  // `server_key` is the old name of `key` (configs written before the key
+  // names were made the same in every program keep working).
+  std::string old_name;
+  f.bind("server_key", &old_name);
   f.read(toml_text, overrides);
+  if (!old_name.empty()) {
+    f.check("server_key", c.server_key.empty() || c.server_key == old_name,
+            "is the old name of `key`, which is also set: keep only `key`");
+    c.server_key = old_name;
+  }
   return c;
 }
 

@@ -120,25 +120,36 @@ int status(const std::string& db, bool json) {
 
 int keygen(const std::string& out, const std::string& name, int clients) {
   namespace net = sparrow::net;
+  const std::string allow = out + "/allow.txt";
+  SPARROW_CHECK_T(sparrow::ConfigError, clients <= 0 || !std::ifstream(allow).good(),
+                  "keygen: '" << allow << "' exists; not overwritten");
   net::KeyPair server = net::generate_keypair();
   net::write_keypair(out, name, server);
-  std::cout << out << "/" << name << ".key_secret  (server; keep private)\n"
-            << out << "/" << name << ".key         (server public key; give to clients)\n";
-  if (clients <= 0) return 0;
-  // The allow-list names the clients' public key files (relative to its own directory).
-  const std::string allow = out + "/allow.txt";
-  SPARROW_CHECK_T(sparrow::ConfigError, !std::ifstream(allow).good(),
-                  "keygen: '" << allow << "' exists; not overwritten");
-  std::ofstream list(allow);
-  list << "# sparrow-server allow-list: one client public key (Z85) or .key file per line\n";
-  for (int i = 1; i <= clients; ++i) {
-    const std::string cname = "client" + std::to_string(i);
-    net::write_keypair(out, cname, net::generate_keypair());
-    list << cname << ".key\n";
-    std::cout << out << "/" << cname << ".key_secret  (client " << i << "; give it to that client only)\n";
+  const std::string secret = out + "/" + name + ".key_secret", pub = out + "/" + name + ".key";
+  std::cout << secret << "  (" << name << "'s secret key: keep it private, on that machine only)\n"
+            << pub << "  (" << name << "'s public key: give it to the clients)\n";
+  if (clients > 0) {
+    // The allow-list names the clients' public key files (relative to its own directory).
+    std::ofstream list(allow);
+    list << "# sparrow-server allow-list: one client public key (Z85) or .key file per line\n";
+    for (int i = 1; i <= clients; ++i) {
+      const std::string cname = "client" + std::to_string(i);
+      net::write_keypair(out, cname, net::generate_keypair());
+      list << cname << ".key\n";
+      std::cout << out << "/" << cname << ".key_secret  (client " << i
+                << "'s secret key: give it to that client only)\n";
+    }
+    std::cout << allow << "  (allow-list of the clients' public keys)\n";
   }
-  std::cout << allow << "  (allow-list: set allow = \"" << allow << "\" and server_key = \"" << out << "/" << name
-            << ".key_secret\")\n";
+  // The same key names in every program: `key` is the program's own secret
+  // key, `allow` the keys it admits, `server_key`/`cloud_key` the peer's public key.
+  std::cout << "\n# sparrow-server config (or sparrow-edge serve's cloud config):\n"
+            << "key = \"" << secret << "\"\n";
+  if (clients > 0) std::cout << "allow = \"" << allow << "\"\n";
+  const std::string client_key = clients > 0 ? out + "/client1.key_secret" : "CLIENT.key_secret";
+  std::cout << "\n# sparrow-client config" << (clients > 1 ? " (client 1; the others use their own key file)" : "")
+            << ":\nserver_key = \"" << pub << "\"\nkey = \"" << client_key << "\"\n"
+            << "\n# sparrow-edge device config:\ncloud_key = \"" << pub << "\"\nkey = \"" << client_key << "\"\n";
   return 0;
 }
 

@@ -274,7 +274,7 @@ TEST_CASE("robust: local DP clips the whole update and adds seeded noise") {
   CHECK(at::equal(u.at("a"), at::full({3, 4}, 3.0)));  // the input map's tensors are not modified
 }
 
-TEST_CASE("robust: epsilon grows with rounds and shrinks with noise; +inf without DP") {
+TEST_CASE("robust: epsilon grows with rounds and shrinks with noise, +inf without DP") {
   Aggregator none("mean", "none", 10, 0);
   CHECK(std::isinf(none.epsilon(10, 0.1, 1)));
   Aggregator a("mean", "central:clip=1,noise=1", 10, 0), b("mean", "central:clip=1,noise=2", 10, 0);

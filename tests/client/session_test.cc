@@ -653,3 +653,11 @@ TEST_CASE("client config: strict keys and overrides") {
   CHECK_THROWS_WITH_AS(client::parse_session_config(base, {"dp=central:clip=1,noise=1"}), doctest::Contains("server"),
                        ConfigError);
 }
+
+TEST_CASE("examples/service/client.toml is a valid client config") {
+  const client::SessionConfig c = client::load_session_config(
+      std::string(SPARROW_SOURCE_DIR) + "/examples/service/client.toml", {"key=keys/client2.key_secret", "index=1"});
+  CHECK(c.server_key == "keys/server.key");
+  CHECK(c.key == "keys/client2.key_secret");
+  CHECK(c.data.index == 1);
+}

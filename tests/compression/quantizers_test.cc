@@ -181,7 +181,7 @@ TEST_CASE("qsgd: unbiased") {
   CHECK((mean - x).pow(2).sum().item<double>() <= 2.0 * bound / K);
 }
 
-TEST_CASE("qsgd: error is at most one level; many levels reproduce x") {
+TEST_CASE("qsgd: error is at most one level, many levels reproduce x") {
   const at::Tensor x = randn_det({5, 300}, 3);
   for (int64_t S : {1, 2, 16, 255, 1 << 20, 1 << 24}) {
     CAPTURE(S);

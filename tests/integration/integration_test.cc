@@ -66,6 +66,15 @@ int run_tool(const std::vector<std::string>& argv, const std::string& log) {
 void keygen(const std::string& dir, int clients) {
   REQUIRE(run_tool({kServerBin, "keygen", "--out", dir + "/keys", "--clients", std::to_string(clients)},
                    dir + "/keygen.log") == 0);
+  // keygen prints the config lines the server and client configs below use,
+  // with the key names those configs take.
+  std::ifstream in(dir + "/keygen.log");
+  const std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  for (const std::string& line :
+       {"key = \"" + dir + "/keys/server.key_secret\"", "allow = \"" + dir + "/keys/allow.txt\"",
+        "server_key = \"" + dir + "/keys/server.key\"", "key = \"" + dir + "/keys/client1.key_secret\"",
+        "cloud_key = \"" + dir + "/keys/server.key\""})
+    CHECK_MESSAGE(log.find("\n" + line + "\n") != std::string::npos, line);
 }
 
 void write_file(const std::string& path, const std::string& text) {
@@ -78,7 +87,7 @@ std::string server_toml(const std::string& dir, const std::string& extra) {
   const std::string path = dir + "/server.toml";
   write_file(path,
              "listen = \"tcp://127.0.0.1:*\"\n"
-             "server_key = \"" +
+             "key = \"" +
                  dir + "/keys/server.key_secret\"\nallow = \"" + dir + "/keys/allow.txt\"\ndb = \"" + dir +
                  "/server.db\"\nmodel = \"mlp\"\n" + extra);
   return path;

@@ -70,9 +70,21 @@ TEST_CASE("server config rejects wrong types and bad values") {
 
 TEST_CASE("server config needs keys unless insecure") {
   ServerConfig c = parse_server_config("");
-  CHECK(what_of([&] { validate(c); }).find("server_key") != std::string::npos);
+  CHECK(what_of([&] { validate(c); }).find("config key 'key'") != std::string::npos);
   c.server_key = "k.key_secret";
   CHECK(what_of([&] { validate(c); }).find("allow") != std::string::npos);
+}
+
+TEST_CASE("server config: `key` is the server's own key file, `server_key` its old name") {
+  CHECK(parse_server_config("key = \"a.key_secret\"\n").server_key == "a.key_secret");
+  CHECK(parse_server_config("server_key = \"b.key_secret\"\n").server_key == "b.key_secret");
+  CHECK(parse_server_config("key = \"a\"\nserver_key = \"a\"\n").server_key == "a");
+  CHECK_THROWS_AS(parse_server_config("key = \"a\"\nserver_key = \"b\"\n"), ConfigError);
+  // The effective config names it `key` only.
+  ServerConfig c = parse_server_config("server_key = \"b.key_secret\"\n");
+  const std::string t = to_toml(c);
+  CHECK(t.find("key = \"b.key_secret\"") != std::string::npos);
+  CHECK(t.find("server_key") == std::string::npos);
 }
 
 TEST_CASE("server config identity ignores operational keys") {
@@ -107,4 +119,11 @@ TEST_CASE("server config checks aggregator and dp, and they are part of the iden
   CHECK(identity_text(a).find("dp") == std::string::npos);
   CHECK(config_hash(a) != config_hash(parse_server_config("aggregator = \"median\"\n")));
   CHECK(config_hash(a) != config_hash(parse_server_config("dp = \"central:clip=1,noise=1\"\n")));
+}
+
+TEST_CASE("examples/service/server.toml is a valid server config") {
+  ServerConfig c = load_server_config(std::string(SPARROW_SOURCE_DIR) + "/examples/service/server.toml");
+  CHECK(c.server_key == "keys/server.key_secret");
+  CHECK(c.allow == "keys/allow.txt");
+  CHECK_NOTHROW(validate(c));
 }

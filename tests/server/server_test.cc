@@ -575,7 +575,7 @@ TEST_CASE("CURVE admits allow-listed keys only") {
   CHECK(clients[0].public_key == good.public_key);  // bound to its key
 }
 
-TEST_CASE("a median round ignores one outlier client; central DP clips and reports epsilon") {
+TEST_CASE("a median round ignores one outlier client, central DP clips and reports epsilon") {
   SUBCASE("median") {
     ServerConfig cfg = base_config("median");
     cfg.clients_per_round = 3;
@@ -731,7 +731,7 @@ TEST_CASE("one CURVE key is one client: other ids from the same key are refused,
   CHECK(sybil.expect_error().message.find("bound to client id 'a'") != std::string::npos);
 }
 
-TEST_CASE("a second server on the same database is refused; a server that cannot bind writes no run") {
+TEST_CASE("a second server on the same database is refused, a server that cannot bind writes no run") {
   ServerConfig cfg = base_config("lock");
   Server first(cfg, tiny_weights());
   std::string what;

@@ -448,7 +448,7 @@ TEST_CASE("simulator: every attack runs and is reproducible") {
   }
 }
 
-TEST_CASE("simulator: central DP reports epsilon; resume reproduces the adaptive clip") {
+TEST_CASE("simulator: central DP reports epsilon, resume reproduces the adaptive clip") {
   TempDir full("dp_full"), part("dp_part");
   SimConfig c = tiny(full.path);
   c.dp = "central:clip=0.5,noise=0.8,adaptive=1,count_noise=1";
@@ -481,7 +481,7 @@ TEST_CASE("simulator: central DP reports epsilon; resume reproduces the adaptive
   CHECK(csv.find(",0.5\n") != std::string::npos);  // round 1's clip column
 }
 
-TEST_CASE("simulator: local DP noises each client's update; epsilon counts participations") {
+TEST_CASE("simulator: local DP noises each client's update, epsilon counts participations") {
   TempDir d("ldp"), d2("ldp_off");
   SimConfig c = tiny(d.path);
   c.dp = "local:clip=0.1,noise=1";
