@@ -1,5 +1,7 @@
 #include "client/data_folder.h"
 
+#include <spdlog/spdlog.h>
+
 #include <torch/torch.h>
 
 #include <cstring>
@@ -169,10 +171,15 @@ core::Dataset load_data_folder(const std::string& dir) {
                     "data: folder '" << dir << "' needs both x.npy and y.npy");
     npy::Array x;
     try {
-      x = npy::read((d / "x.npy").string());
+      x = npy::read((d / "x.npy").string(), /*convert_float64=*/true);
     } catch (const FormatError& e) {
       throw FormatError("data: " + (d / "x.npy").string() + ": " + e.what());
     }
+    if (x.from_float64)
+      spdlog::info(
+          "event=data_converted file={} from=float64 to=float32 msg=\"numpy's default dtype; save x.astype('float32') "
+          "to skip this\"",
+          (d / "x.npy").string());
     SPARROW_CHECK_T(FormatError, x.shape.size() >= 2,
                     "data: " << (d / "x.npy").string() << " must be [N, ...] with at least 2 dimensions");
     out.x = at::from_blob(x.data.data(), x.shape, at::kFloat).clone();

@@ -1,6 +1,7 @@
 #include "core/npy.h"
 
 #include <cstdio>
+#include <cmath>
 #include <cstring>
 #include <fstream>
 #include <limits>
@@ -61,7 +62,7 @@ std::vector<int64_t> parse_shape(const std::string& tuple) {
 
 }  // namespace
 
-Array parse(const std::string& bytes) {
+Array parse(const std::string& bytes, bool convert_float64) {
   SPARROW_CHECK_T(FormatError, bytes.size() >= 10 && std::memcmp(bytes.data(), kMagic, 6) == 0,
                   "npy: not a .npy file (bad magic)");
   const int major = static_cast<unsigned char>(bytes[6]);
@@ -79,8 +80,11 @@ Array parse(const std::string& bytes) {
   SPARROW_CHECK_T(FormatError, header_start + header_len <= bytes.size(), "npy: truncated header");
   const std::string header = bytes.substr(header_start, header_len);
   const std::string descr = dict_value(header, "descr");
-  SPARROW_CHECK_T(FormatError, descr == "<f4" || descr == "=f4" || descr == "f4",
-                  "npy: dtype '" << descr << "' is not supported; expected float32 ('<f4')");
+  const bool f64 = convert_float64 && (descr == "<f8" || descr == "=f8" || descr == "f8");
+  SPARROW_CHECK_T(FormatError, f64 || descr == "<f4" || descr == "=f4" || descr == "f4",
+                  "npy: dtype '" << descr << "' is not supported; expected float32 ('<f4')"
+                                 << (convert_float64 ? " or float64 ('<f8')" : ""));
+  const uint64_t width = f64 ? 8 : 4;
   const std::string fortran = dict_value(header, "fortran_order");
   SPARROW_CHECK_T(FormatError, fortran == "False", "npy: Fortran-order arrays are not supported");
   const std::string shape_text = dict_value(header, "shape");
@@ -95,22 +99,35 @@ Array parse(const std::string& bytes) {
     numel *= static_cast<uint64_t>(d);
   }
   const size_t data_start = header_start + header_len;
-  const uint64_t want = numel * 4;
+  const uint64_t want = numel * width;
   SPARROW_CHECK_T(FormatError, bytes.size() - data_start == want,
                   "npy: data section has " << (bytes.size() - data_start) << " bytes, shape needs " << want
                                            << (bytes.size() - data_start < want ? " (truncated file)" : ""));
   a.data.resize(numel);
-  if (numel) std::memcpy(a.data.data(), bytes.data() + data_start, want);
+  if (!f64) {
+    if (numel) std::memcpy(a.data.data(), bytes.data() + data_start, want);
+    return a;
+  }
+  a.from_float64 = true;
+  const char* src = bytes.data() + data_start;
+  for (uint64_t i = 0; i < numel; ++i) {
+    double v;
+    std::memcpy(&v, src + i * 8, 8);
+    const float f = static_cast<float>(v);
+    SPARROW_CHECK_T(FormatError, std::isfinite(f) || !std::isfinite(v),
+                    "npy: float64 value " << v << " at index " << i << " does not fit float32");
+    a.data[i] = f;
+  }
   return a;
 }
 
-Array read(const std::string& path) {
+Array read(const std::string& path, bool convert_float64) {
   std::ifstream in(path, std::ios::binary);
   SPARROW_CHECK_T(FormatError, in.good(), "npy: cannot open '" << path << "'");
   std::ostringstream ss;
   ss << in.rdbuf();
   try {
-    return parse(ss.str());
+    return parse(ss.str(), convert_float64);
   } catch (const FormatError& e) {
     throw FormatError(std::string(e.what()) + " (file '" + path + "')");
   }

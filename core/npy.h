@@ -11,12 +11,15 @@ namespace sparrow::npy {
 
 struct Array {
   std::vector<int64_t> shape;
-  std::vector<float> data;  // numel(shape) values, C order
+  std::vector<float> data;   // numel(shape) values, C order
+  bool from_float64 = false;  // the file held float64, converted (only with convert_float64)
 };
 
-// Parses a whole .npy file image held in memory.
-Array parse(const std::string& bytes);
-Array read(const std::string& path);
+// Parses a whole .npy file image held in memory. With convert_float64, a
+// float64 ('<f8') array (numpy's default dtype) is also read, rounded to
+// float32; a finite value outside float32's range is a FormatError.
+Array parse(const std::string& bytes, bool convert_float64 = false);
+Array read(const std::string& path, bool convert_float64 = false);
 
 // Serialises as format 1.0 ('<f4', fortran_order False).
 std::string serialize(const std::vector<int64_t>& shape, const float* data);

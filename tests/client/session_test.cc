@@ -576,6 +576,19 @@ TEST_CASE("data folder: x.npy and y.npy load and bad files are refused") {
   CHECK(d.y[2].item<int64_t>() == 9);
   CHECK(d.x.flatten()[14].item<float>() == doctest::Approx(1.0f / 13.0f));
 
+  // float64 samples (numpy's default dtype) are converted.
+  {
+    std::string body;
+    for (float v : x) {
+      const double dv = v;
+      body.append(reinterpret_cast<const char*>(&dv), 8);
+    }
+    write_npy_raw(dir + "/x.npy", "<f8", "(4, 784)", body);
+    const core::Dataset d64 = client::load_client_data(dc, "mlp");
+    CHECK(at::equal(d64.x, d.x));
+    npy::write(dir + "/x.npy", {4, 784}, x.data());
+  }
+
   // uint8 labels work too.
   write_npy_raw(dir + "/y.npy", "|u1", "(4,)", std::string("\x01\x02\x03\x04", 4));
   CHECK(client::load_client_data(dc, "mlp").y[3].item<int64_t>() == 4);

@@ -1,5 +1,7 @@
 #include "tests/sparrow_test.h"
 
+#include <cstring>
+
 #include <cstdio>
 #include <fstream>
 
@@ -32,6 +34,30 @@ TEST_CASE("npy: file write and read") {
   CHECK(a.data == data);
   std::remove(path.c_str());
   CHECK_THROWS_AS(npy::read("does-not-exist.npy"), FormatError);
+}
+
+TEST_CASE("npy: float64 (numpy's default) is converted only when asked, out-of-range values refused") {
+  std::vector<float> data = {1, 2, 3, 4};
+  std::string f64 = npy::serialize({2, 2}, data.data());
+  // The same header as '<f8' with 8-byte values.
+  f64.replace(f64.find("<f4"), 3, "<f8");
+  const size_t start = f64.size() - 16;
+  std::string body;
+  for (double v : {0.1, -2.5, 1e-30, 3.0}) body.append(reinterpret_cast<const char*>(&v), 8);
+  f64 = f64.substr(0, start) + body;
+  CHECK_THROWS_AS(npy::parse(f64), FormatError);  // not without the option
+  const npy::Array a = npy::parse(f64, /*convert_float64=*/true);
+  CHECK(a.from_float64);
+  CHECK(a.shape == std::vector<int64_t>{2, 2});
+  CHECK(a.data[0] == 0.1f);
+  CHECK(a.data[1] == -2.5f);
+  CHECK(a.data[3] == 3.0f);
+  CHECK_FALSE(npy::parse(npy::serialize({2, 2}, data.data()), true).from_float64);
+  std::string big = f64;
+  const double huge = 1e300;
+  std::memcpy(&big[start + 8], &huge, 8);
+  CHECK_THROWS_WITH_AS(npy::parse(big, true), doctest::Contains("does not fit float32"), FormatError);
+  CHECK_THROWS_AS(npy::parse(f64.substr(0, f64.size() - 1), true), FormatError);  // truncated
 }
 
 TEST_CASE("npy: rejects malformed input") {
