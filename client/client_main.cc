@@ -1,8 +1,8 @@
 // sparrow-client: one federated-learning client (docs/client.md).
 //   sparrow-client --config client.toml [--set key=value ...] [--insecure]
-// Exit status: 0 when the server finished the run or the client was stopped
-// (SIGINT/SIGTERM), 1 for a configuration or data problem, 2 when the server
-// refused the client or the session failed.
+// Exit status (core/cli.h, the same in every program): 0 when the server
+// finished the run, 2 for a bad command line, config or data, 1 when the server
+// refused the client or the session failed, 130 when stopped by SIGINT/SIGTERM.
 
 #include <spdlog/spdlog.h>
 
@@ -12,6 +12,7 @@
 #include <iostream>
 #include <memory>
 
+#include "core/cli.h"
 #include "core/error_text.h"
 #include "client/data_folder.h"
 #include "client/session.h"
@@ -39,9 +40,9 @@ int main(int argc, char** argv) {
   app.add_option("--config", config_path, "client TOML file")->required();
   app.add_option("--set", overrides, "override a config key (key=value); repeatable");
   app.add_flag("--insecure", insecure, "plain TCP without CURVE (testing only)");
-  app.add_option("--log-level", log_level, "trace|debug|info|warn|error|off");
-  CLI11_PARSE(app, argc, argv);
-  spdlog::set_level(spdlog::level::from_str(log_level));
+  sparrow::cli::add_common_options(app, "sparrow-client", &log_level);
+  if (const int rc = sparrow::cli::parse(app, argc, argv); rc >= 0) return rc;
+  sparrow::cli::setup_logging("sparrow-client", log_level);
 
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
@@ -56,18 +57,24 @@ int main(int argc, char** argv) {
     sparrow::core::Dataset data = sparrow::client::load_client_data(cfg.data, cfg.model);
     spdlog::info("data: {} samples from '{}'", data.size(), cfg.data.data);
     session = std::make_unique<sparrow::client::ClientSession>(cfg, std::move(data));
-  } catch (const sparrow::Error& e) {
-    std::cerr << "sparrow-client: " << sparrow::core::error_text(e) << "\n";
-    return 1;
+  } catch (const sparrow::ConfigError& e) {
+    spdlog::error("event=config_error msg=\"{}\"", sparrow::core::error_text(e));
+    return sparrow::cli::kBadInput;
+  } catch (const sparrow::FormatError& e) {
+    spdlog::error("event=bad_input msg=\"{}\"", sparrow::core::error_text(e));
+    return sparrow::cli::kBadInput;
+  } catch (const std::exception& e) {
+    spdlog::error("event=fatal msg=\"{}\"", sparrow::core::error_text(e));
+    return sparrow::cli::kFailure;
   }
   g_session.store(session.get());
   if (g_stop_requested.load()) session->stop();  // a signal before the session existed
-  int status = 0;
+  int status = sparrow::cli::kOk;
   try {
-    session->run();
+    if (!session->run()) status = sparrow::cli::kInterrupted;  // stopped by a signal
   } catch (const std::exception& e) {
-    std::cerr << "sparrow-client: " << sparrow::core::error_text(e) << "\n";
-    status = 2;
+    spdlog::error("event=fatal msg=\"{}\"", sparrow::core::error_text(e));
+    status = sparrow::cli::kFailure;
   }
   g_session.store(nullptr);
   const auto c = session->counters();

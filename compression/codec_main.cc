@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <iostream>
 
+#include "core/cli.h"
 #include "core/error_text.h"
 #include "compression/compressor.h"
 #include "compression/tour.h"
@@ -106,12 +107,10 @@ int main(int argc, char** argv) {
   tour->add_option("--batch", batch, "batch size of the gradient step")->check(CLI::PositiveNumber);
   tour->add_option("--seed", seed, "seed for the model and the compressors");
 
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int rc = app.exit(e);
-    return rc == 0 ? 0 : 2;
-  }
+  std::string log_level = "warn";
+  sparrow::cli::add_common_options(app, "sparrow-codec", &log_level);
+  if (const int rc = sparrow::cli::parse(app, argc, argv); rc >= 0) return rc;
+  sparrow::cli::setup_logging("sparrow-codec", log_level);
   try {
     if (*tour) return sparrow::compression::run_tour(data_dir, batch, seed, std::cout);
     if (method.empty() || in.empty()) {

@@ -11,7 +11,7 @@ namespace sparrow::npy {
 
 struct Array {
   std::vector<int64_t> shape;
-  std::vector<float> data;   // numel(shape) values, C order
+  std::vector<float> data;    // numel(shape) values, C order
   bool from_float64 = false;  // the file held float64, converted (only with convert_float64)
 };
 

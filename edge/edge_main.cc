@@ -11,6 +11,7 @@
 #include <csignal>
 #include <iostream>
 
+#include "core/cli.h"
 #include "core/error_text.h"
 #include "core/error.h"
 #include "core/threads.h"
@@ -38,7 +39,7 @@ int main(int argc, char** argv) {
   app.add_option("--config,-c", config_path, "device TOML config");
   app.add_flag("--insecure", insecure, "plain TCP without CurveZMQ (logs a warning)");
   app.add_option("--set", overrides, "override a config key: key=value (repeatable)");
-  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
+  sparrow::cli::add_common_options(app, "sparrow-edge", &log_level);
 
   auto* serve = app.add_subcommand("serve", "run the cloud half (one ROUTER socket, the top model)");
   std::string serve_config;
@@ -47,12 +48,8 @@ int main(int argc, char** argv) {
   serve->add_option("--config,-c", serve_config, "cloud TOML config")->required();
   serve->add_flag("--insecure", serve_insecure, "plain TCP without CurveZMQ (logs a warning)");
   serve->add_option("--set", serve_overrides, "override a config key: key=value (repeatable)");
-  CLI11_PARSE(app, argc, argv);
-
-  auto logger = spdlog::stderr_color_mt("sparrow-edge");
-  spdlog::set_default_logger(logger);
-  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e level=%l %v");
-  spdlog::set_level(spdlog::level::from_str(log_level));
+  if (const int rc = sparrow::cli::parse(app, argc, argv); rc >= 0) return rc;
+  sparrow::cli::setup_logging("sparrow-edge", log_level);
   std::signal(SIGINT, on_signal);
   std::signal(SIGTERM, on_signal);
   if (const std::string w = sparrow::core::blas_warning(); !w.empty()) spdlog::warn("event=blas msg=\"{}\"", w);
@@ -92,12 +89,15 @@ int main(int argc, char** argv) {
     return 0;
   } catch (const sparrow::ConfigError& e) {
     spdlog::error("event=config_error msg=\"{}\"", sparrow::core::error_text(e));
-    return 2;
+    return sparrow::cli::kBadInput;
+  } catch (const sparrow::FormatError& e) {  // damaged state file or data: nothing was done
+    spdlog::error("event=bad_input msg=\"{}\"", sparrow::core::error_text(e));
+    return sparrow::cli::kBadInput;
   } catch (const sparrow::edge::Stopped&) {
     spdlog::info("event=stopped msg=\"progress saved\"");
-    return 130;
+    return sparrow::cli::kInterrupted;
   } catch (const std::exception& e) {
     spdlog::error("event=fatal msg=\"{}\"", sparrow::core::error_text(e));
-    return 1;
+    return sparrow::cli::kFailure;
   }
 }

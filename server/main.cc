@@ -14,6 +14,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "core/cli.h"
 #include "core/error_text.h"
 #include "core/error.h"
 #include "core/threads.h"
@@ -164,7 +165,7 @@ int main(int argc, char** argv) {
   app.add_option("--config,-c", config_path, "server TOML config");
   app.add_flag("--insecure", insecure, "plain TCP without CurveZMQ (logs a warning)");
   app.add_option("--set", overrides, "override a config key: key=value (repeatable)");
-  app.add_option("--log-level", log_level, "trace, debug, info, warn, error")->capture_default_str();
+  sparrow::cli::add_common_options(app, "sparrow-server", &log_level);
 
   auto* kg = app.add_subcommand("keygen", "write CurveZMQ key pairs for the server and N clients");
   std::string kg_out, kg_name = "server";
@@ -178,12 +179,8 @@ int main(int argc, char** argv) {
   bool st_json = false;
   st->add_option("--db", st_db, "database file")->required();
   st->add_flag("--json", st_json, "one JSON object");
-  CLI11_PARSE(app, argc, argv);
-
-  auto logger = spdlog::stderr_color_mt("sparrow-server");
-  spdlog::set_default_logger(logger);
-  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e level=%l %v");
-  spdlog::set_level(spdlog::level::from_str(log_level));
+  if (const int rc = sparrow::cli::parse(app, argc, argv); rc >= 0) return rc;
+  sparrow::cli::setup_logging("sparrow-server", log_level);
   try {
     if (*kg) return keygen(kg_out, kg_name, kg_clients);
     if (*st) return status(st_db, st_json);
@@ -203,12 +200,17 @@ int main(int argc, char** argv) {
     std::signal(SIGTERM, on_signal);
     server.run();
     g_server.store(nullptr);
-    return 0;
+    // Stopped by a signal before the last round: interrupted (the last
+    // completed round is on disk; the same config resumes after it).
+    return server.completed_rounds() >= cfg.rounds ? sparrow::cli::kOk : sparrow::cli::kInterrupted;
   } catch (const sparrow::ConfigError& e) {
     spdlog::error("event=config_error msg=\"{}\"", sparrow::core::error_text(e));
-    return 2;
+    return sparrow::cli::kBadInput;
+  } catch (const sparrow::FormatError& e) {  // a damaged database or data file: nothing was done
+    spdlog::error("event=bad_input msg=\"{}\"", sparrow::core::error_text(e));
+    return sparrow::cli::kBadInput;
   } catch (const std::exception& e) {
     spdlog::error("event=fatal msg=\"{}\"", sparrow::core::error_text(e));
-    return 1;
+    return sparrow::cli::kFailure;
   }
 }

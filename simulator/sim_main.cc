@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "core/cli.h"
 #include "core/error_text.h"
 #include "core/error.h"
 #include "simulator/config.h"
@@ -72,18 +73,15 @@ int main(int argc, char** argv) {
   app.add_option("--set", overrides, "override a config key (key=value); repeatable")->take_all();
   app.add_option("--resume", resume_dir, "continue the run in RUN_DIR after its last completed round");
   app.add_flag("--force", force, "start afresh in a run folder that already holds a run (replacing it)");
-  app.set_version_flag("--version", std::string("sparrow-sim ") + SPARROW_VERSION);
+  std::string log_level = "info";
+  sparrow::cli::add_common_options(app, "sparrow-sim", &log_level);
   std::string report_dir;
   std::vector<std::string> compare;
   auto* report = app.add_subcommand("report", "plot accuracy against rounds and against uplink bytes (SVG)");
   report->add_option("run_dir", report_dir, "the run folder (holds metrics.csv)")->required();
   report->add_option("--compare", compare, "other run folders to overlay")->take_all();
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    const int rc = app.exit(e);
-    return rc == 0 ? 0 : 2;
-  }
+  if (const int rc = sparrow::cli::parse(app, argc, argv); rc >= 0) return rc;
+  sparrow::cli::setup_logging("sparrow-sim", log_level);
   if (*report) {
     try {
       for (const std::string& path : write_report(report_dir, compare)) std::cout << path << '\n';
@@ -160,7 +158,10 @@ int main(int argc, char** argv) {
     return 0;
   } catch (const sparrow::ConfigError& e) {
     std::cerr << "sparrow-sim: config error: " << sparrow::core::error_text(e) << '\n';
-    return 2;
+    return sparrow::cli::kBadInput;
+  } catch (const sparrow::FormatError& e) {  // data or run folder files that cannot be read
+    std::cerr << "sparrow-sim: bad input: " << sparrow::core::error_text(e) << '\n';
+    return sparrow::cli::kBadInput;
   } catch (const std::exception& e) {
     std::cerr << "sparrow-sim: " << sparrow::core::error_text(e) << '\n';
     return 1;

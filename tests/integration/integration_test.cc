@@ -714,3 +714,25 @@ TEST_CASE("integration: kill -9 of the split cloud and of the device loses no ac
   fs::remove_all(ref);
   fs::remove_all(dir);
 }
+
+TEST_CASE("every program: --version, --log-level, and the same exit status for a bad command line or config") {
+  const std::string dir = fresh_dir("cli");
+  std::ofstream(dir + "/bad.toml") << "no_such_key = 1\n";
+  for (const std::string name : {"sparrow-server", "sparrow-client", "sparrow-edge", "sparrow-sim", "sparrow-codec"}) {
+    INFO(name);
+    const std::string bin = kBin + "/" + name, log = dir + "/" + name + ".log";
+    CHECK(run_tool({bin, "--version"}, log) == 0);
+    std::ifstream in(log);
+    std::string line;
+    std::getline(in, line);
+    CHECK(line == name + " 0.1.0");
+    CHECK(run_tool({bin, "--no-such-option"}, log) == 2);
+    CHECK(run_tool({bin, "--log-level", "loud"}, log) == 2);
+    std::ifstream lin(log);
+    const std::string text((std::istreambuf_iterator<char>(lin)), std::istreambuf_iterator<char>());
+    CHECK(text.find("--log-level") != std::string::npos);  // the usage error names the option
+    CHECK(run_tool({bin, "--log-level", "debug", "--version"}, log) == 0);
+    if (name != "sparrow-codec") CHECK(run_tool({bin, "--config", dir + "/bad.toml"}, log) == 2);
+  }
+  fs::remove_all(dir);
+}
