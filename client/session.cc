@@ -63,6 +63,7 @@ void bind_all(core::FlatConfig& f, SessionConfig& c) {
   f.bind("device", &c.device);
   f.bind("backoff_initial_ms", &c.backoff_initial_ms);
   f.bind("backoff_max_ms", &c.backoff_max_ms);
+  f.bind("give_up_s", &c.give_up_s);
   f.bind("dp", &c.dp);
 }
 
@@ -86,6 +87,7 @@ void check_session_config(const core::FlatConfig& f, const SessionConfig& c) {
   f.check("max_message_mb", c.max_message_mb >= 1 && c.max_message_mb <= 2047, "must be in [1, 2047]");
   f.check("backoff_initial_ms", c.backoff_initial_ms >= 1, "must be >= 1");
   f.check("backoff_max_ms", c.backoff_max_ms >= c.backoff_initial_ms, "must be >= backoff_initial_ms");
+  f.check("give_up_s", std::isfinite(c.give_up_s) && c.give_up_s >= 0, "must be >= 0 (0 = never give up)");
   try {
     const aggregation::DpSpec d = aggregation::DpSpec::parse(c.dp);
     f.check("dp", d.mode != aggregation::DpSpec::Mode::kCentral,
@@ -176,6 +178,11 @@ struct ClientSession::Impl {
 
   zmq::context_t ctx;
   std::unique_ptr<zmq::socket_t> sock;
+  std::unique_ptr<net::HandshakeMonitor> monitor;  // of `sock`
+  // Handshakes failing since (no success, no Welcome in between), and why.
+  std::optional<Clock::time_point> failing_since;
+  std::string failure_cause;
+  bool handshake_ok = false;  // on the current connection
   bool welcomed = false;
   wire::Welcome welcome;
   uint32_t hb_ms = 1000;
@@ -312,14 +319,45 @@ struct ClientSession::Impl {
     sock = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::dealer);
     if (!cfg.insecure) net::make_curve_client(*sock, own_keys, server_key);
     net::set_limits(*sock, max_bytes, static_cast<int>(cfg.heartbeat_ms));
+    monitor = std::make_unique<net::HandshakeMonitor>(ctx, *sock);
+    handshake_ok = false;
     sock->connect(cfg.server);
     welcomed = false;
     pending_round.reset();
   }
 
   void close_socket() {
+    monitor.reset();
     if (sock) sock->close();
     sock.reset();
+  }
+
+  // Reads the socket monitor: a handshake that fails again and again has a
+  // cause the server cannot tell us in a message (it never gets one from us).
+  void check_handshakes() {
+    if (!monitor) return;
+    using Kind = net::HandshakeMonitor::Kind;
+    for (const auto& e : monitor->drain()) {
+      if (e.kind == Kind::kConnected) {
+        handshake_ok = false;
+      } else if (e.kind == Kind::kSucceeded) {
+        handshake_ok = true;
+        failing_since.reset();
+      } else if (e.kind == Kind::kRefused || e.kind == Kind::kMismatch || e.kind == Kind::kFailed ||
+                 (e.kind == Kind::kDisconnected && !handshake_ok)) {
+        const std::string cause = net::HandshakeMonitor::client_cause(e, !cfg.insecure);
+        // A refusal or a mismatch says more than the disconnect that follows it.
+        if (e.kind != Kind::kDisconnected || failure_cause.empty()) {
+          if (cause != failure_cause) spdlog::warn("event=handshake_failed server={} msg=\"{}\"", cfg.server, cause);
+          failure_cause = cause;
+        }
+        if (!failing_since) failing_since = Clock::now();
+      }
+    }
+    if (failing_since && cfg.give_up_s > 0 &&
+        Clock::now() - *failing_since >= std::chrono::duration<double>(cfg.give_up_s))
+      throw Error("gave up after " + std::to_string(static_cast<int64_t>(cfg.give_up_s)) +
+                  " s of failed handshakes with " + cfg.server + ": " + failure_cause);
   }
 
   // Never blocks: a full queue (or no peer) counts as a failed send.
@@ -397,6 +435,7 @@ struct ClientSession::Impl {
     last_rx = Clock::now();
     if (!send_hello()) return Outcome::kReconnect;
     while (!self.stop_.load()) {
+      check_handshakes();
       const auto now = Clock::now();
       const auto silence = last_rx + std::chrono::milliseconds(3 * static_cast<int64_t>(hb_ms));
       if (now >= silence) {
@@ -472,6 +511,8 @@ struct ClientSession::Impl {
 
   Outcome on_welcome(const wire::Welcome& w) {
     ++n.welcomes;
+    failing_since.reset();
+    failure_cause.clear();
     welcome = w;
     welcomed = true;
     backoff_attempt = 0;

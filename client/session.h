@@ -61,6 +61,10 @@ struct SessionConfig {
   std::string device = "cpu";                // "cpu" or "cuda[:N]" (training only)
   uint32_t backoff_initial_ms = 200;         // first reconnect delay
   uint32_t backoff_max_ms = 30000;           // cap of the exponential backoff
+  // Give up (an Error naming the likely cause) when every handshake with the
+  // server has failed for this long: a refused key, a wrong server_key, plain
+  // TCP against CURVE. 0 = retry forever. An unreachable server is retried.
+  double give_up_s = 60;
   std::string dp = "none";  // local DP: "none" or "local:clip=C,noise=Z[,delta=]" (docs/aggregation.md)
 };
 

@@ -11,6 +11,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -48,6 +49,39 @@ constexpr uint64_t kDpTag = 0x64702020;      // "dp  "
 // larger ones are parsed by the pool so the I/O thread keeps serving.
 constexpr size_t kInlineParseBytes = size_t{64} << 10;
 constexpr auto kPollInterval = std::chrono::milliseconds(2);
+
+// At most one log line per key and period: admit() returns how many events of
+// that key came since the last admitted one (1 the first time), or nullopt.
+class RateLimiter {
+ public:
+  explicit RateLimiter(std::chrono::seconds period = std::chrono::seconds(60)) : period_(period) {}
+  std::optional<uint64_t> admit(const std::string& key) {
+    std::lock_guard<std::mutex> g(mu_);
+    const auto now = std::chrono::steady_clock::now();
+    auto it = seen_.find(key);
+    if (it == seen_.end()) {
+      if (seen_.size() >= 10000) seen_.clear();  // a flood of distinct keys cannot grow it without bound
+      seen_[key] = Entry{0, now};
+      return uint64_t{1};
+    }
+    Entry& e = it->second;
+    ++e.count;  // events since the last admitted one
+    if (now - e.last < period_) return std::nullopt;
+    const uint64_t n = e.count;
+    e.count = 0;
+    e.last = now;
+    return n;
+  }
+
+ private:
+  struct Entry {
+    uint64_t count = 0;
+    std::chrono::steady_clock::time_point last;
+  };
+  std::chrono::seconds period_;
+  std::mutex mu_;
+  std::map<std::string, Entry> seen_;
+};
 constexpr auto kRoundTick = std::chrono::milliseconds(20);
 
 const double kNaN = std::numeric_limits<double>::quiet_NaN();
@@ -211,6 +245,8 @@ struct Server::Impl {
   zmq::context_t ctx{1};
   std::unique_ptr<net::ZapHandler> zap;
   zmq::socket_t router;
+  std::unique_ptr<net::HandshakeMonitor> monitor;  // of `router` (CURVE only), read by the I/O thread
+  RateLimiter mismatch_log;
   std::string endpoint;
   std::string public_key;
   wire::ParseLimits limits;
@@ -383,17 +419,30 @@ struct Server::Impl {
       public_key = keys.public_key;
       std::set<std::string> allowed = net::load_allow_list(cfg.allow);
       spdlog::info("event=allow_list path={} keys={}", cfg.allow, allowed.size());
-      zap = std::make_unique<net::ZapHandler>(ctx, std::move(allowed),
-                                              [](const std::string& key, const std::string& addr, bool ok) {
-                                                if (ok)
-                                                  spdlog::debug("event=zap key={} address={} admitted=1", key, addr);
-                                                else
-                                                  spdlog::warn("event=zap key={} address={} admitted=0", key, addr);
-                                              });
+      // A refused client retries every ~100 ms: one warning per key and
+      // minute (with the count since the last one), the rest at debug.
+      auto limiter = std::make_shared<RateLimiter>();
+      zap = std::make_unique<net::ZapHandler>(
+          ctx, std::move(allowed), [limiter](const std::string& key, const std::string& addr, bool ok) {
+            if (ok) {
+              spdlog::debug("event=zap key={} address={} admitted=1", key, addr);
+              return;
+            }
+            if (const auto n = limiter->admit(key))
+              spdlog::warn(
+                  "event=zap key={} address={} admitted=0 refused_since_last_warning={} msg=\"key not on "
+                  "the allow-list\"",
+                  key, addr, *n);
+            else
+              spdlog::debug("event=zap key={} address={} admitted=0", key, addr);
+          });
       net::make_curve_server(router, keys);
     }
     net::set_limits(router, cfg.max_message_bytes(), cfg.heartbeat_ms);
     router.set(zmq::sockopt::router_mandatory, 1);
+    // Peers that speak plain TCP to a CURVE server never reach the ZAP
+    // handler: the socket monitor is where they show.
+    if (!cfg.insecure) monitor = std::make_unique<net::HandshakeMonitor>(ctx, router);
     try {
       net::check_endpoint("listen", cfg.listen, /*for_bind=*/true);
       router.bind(cfg.listen);
@@ -474,8 +523,24 @@ struct Server::Impl {
         spdlog::error("event=io_error error=\"{}\"", e.what());
       }
       flush_outbox();
+      log_handshake_failures();
     }
     flush_outbox();
+  }
+
+  void log_handshake_failures() {
+    if (!monitor) return;
+    using Kind = net::HandshakeMonitor::Kind;
+    for (const auto& e : monitor->drain()) {
+      if (e.kind != Kind::kMismatch && e.kind != Kind::kFailed) continue;
+      const char* what = e.kind == Kind::kMismatch ? "plain TCP peer on a CURVE server (client without keys?)"
+                                                   : "handshake failed (a client with a wrong server_key, or "
+                                                     "without CURVE)";
+      // The address libzmq reports is the listening endpoint: one key per kind.
+      if (const auto n = mismatch_log.admit(what))
+        spdlog::warn("event=handshake_failed endpoint={} failures_since_last_warning={} msg=\"{}\"", e.address, *n,
+                     what);
+    }
   }
 
   bool receive_one() {

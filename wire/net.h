@@ -26,6 +26,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "wire/wire.h"
 
@@ -115,6 +116,43 @@ void set_limits(zmq::socket_t& socket, uint64_t max_message_bytes, int heartbeat
 // The Z85 CURVE public key of the peer that sent `frame` (its User-Id property
 // as the ZapHandler set it); empty on a plain-TCP connection.
 std::string peer_key(const zmq::message_t& frame);
+
+// Handshake outcomes of one socket's connections, read from libzmq's socket
+// monitor (an inproc PAIR): what a peer cannot see from messages alone, e.g.
+// that the other side refused its CURVE key or speaks plain TCP. Not
+// thread-safe: the thread that owns the socket polls it.
+class HandshakeMonitor {
+ public:
+  enum class Kind {
+    kConnected,     // a TCP connection (client side) or accepted one (server side)
+    kSucceeded,     // the ZMTP/CURVE handshake completed
+    kRefused,       // the peer's ZAP handler refused the key (code in `value`, e.g. 400)
+    kMismatch,      // one side speaks CURVE, the other plain TCP
+    kFailed,        // any other handshake failure (e.g. a CURVE box that does not open)
+    kDisconnected,  // the connection closed
+  };
+  struct Event {
+    Kind kind;
+    uint32_t value = 0;   // ZAP status or libzmq protocol error code
+    std::string address;  // the endpoint or peer address libzmq reports
+  };
+
+  HandshakeMonitor(zmq::context_t& ctx, zmq::socket_t& socket);
+  ~HandshakeMonitor();
+  HandshakeMonitor(const HandshakeMonitor&) = delete;
+  HandshakeMonitor& operator=(const HandshakeMonitor&) = delete;
+
+  // For zmq::poll next to the socket's own item.
+  zmq::pollitem_t pollitem();
+  // The events queued so far, without waiting.
+  std::vector<Event> drain();
+  // A sentence naming the likely cause of a failed handshake, for a client.
+  static std::string client_cause(const Event& e, bool curve);
+
+ private:
+  zmq::socket_t* watched_;
+  zmq::socket_t pair_;
+};
 
 // One wire::Message as one frame. send_to() prefixes the ROUTER routing id.
 // Both return false when the message could not be queued (ZMQ_DONTWAIT and the

@@ -514,6 +514,52 @@ TEST_CASE("session: CURVE handshake with key files") {
   CHECK_THROWS_AS(ClientSession(cfg, make_data()), ConfigError);
 }
 
+TEST_CASE("session: failed handshakes give up with the likely cause (refused key, wrong server_key, plain TCP)") {
+  const std::string dir = temp_dir("giveup");
+  const net::KeyPair server_keys = net::generate_keypair(), client_keys = net::generate_keypair(),
+                     other = net::generate_keypair();
+  net::write_keypair(dir + "/keys", "server", server_keys);
+  net::write_keypair(dir + "/keys", "other", other);
+  net::write_keypair(dir + "/keys", "alice", client_keys);
+  auto gives_up = [&](FakeServer& server, client::SessionConfig cfg) {
+    cfg.give_up_s = 1.5;
+    cfg.heartbeat_ms = 300;
+    ClientSession session(cfg, make_data());
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string what;
+    try {
+      session.run();
+    } catch (const Error& e) {
+      what = e.what();
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    CHECK(s < 15);
+    CHECK_FALSE(server.recv(10).has_value());  // no Hello ever got through
+    return what;
+  };
+  client::SessionConfig curve;
+  {
+    FakeServer server(&server_keys, {other.public_key});  // alice is not on the list
+    curve = config(server, dir);
+    curve.insecure = false;
+    curve.server_key = dir + "/keys/server.key";
+    curve.key = dir + "/keys/alice.key_secret";
+    CHECK(gives_up(server, curve).find("allow-list") != std::string::npos);
+  }
+  {
+    FakeServer server(&server_keys, {client_keys.public_key});
+    client::SessionConfig c = curve;
+    c.server = server.endpoint;
+    c.server_key = dir + "/keys/other.key";  // not the server's key
+    CHECK(gives_up(server, c).find("server_key") != std::string::npos);
+  }
+  {
+    FakeServer server(&server_keys, {client_keys.public_key});
+    client::SessionConfig c = config(server, dir);  // insecure
+    CHECK(gives_up(server, c).find("requires CurveZMQ") != std::string::npos);
+  }
+}
+
 TEST_CASE("session: the server refusing the Hello ends run with an error") {
   const std::string dir = temp_dir("refused");
   FakeServer server;

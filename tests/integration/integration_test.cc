@@ -420,6 +420,14 @@ TEST_CASE("integration: a client with an unlisted key is refused") {
   const std::string rlog = rogue->log();
   CHECK(rlog.find("welcome:") == std::string::npos);
   CHECK(rlog.find("task received") == std::string::npos);
+  // The rogue retried many times; the server warned once (rate-limited per key).
+  size_t warnings = 0;
+  for (size_t at = slog.find("level=warning event=zap"); at != std::string::npos;
+       at = slog.find("level=warning event=zap", at + 1))
+    ++warnings;
+  CHECK(warnings == 1);
+  // The rogue says why it cannot get in.
+  CHECK(rlog.find("allow-list") != std::string::npos);
   rogue->signal(SIGTERM);
   CHECK(rogue->wait(15s).has_value());
   CHECK(good->wait(15s) == 0);
