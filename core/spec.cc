@@ -50,6 +50,7 @@ Spec Spec::parse(const std::string& text) {
 }
 
 double Spec::get_double(const std::string& key, double def) {
+  asked_.insert(key);
   auto it = values_.find(key);
   if (it == values_.end()) return def;
   consumed_.insert(key);
@@ -68,6 +69,7 @@ double Spec::require_double(const std::string& key) {
 }
 
 int64_t Spec::get_int(const std::string& key, int64_t def) {
+  asked_.insert(key);
   auto it = values_.find(key);
   if (it == values_.end()) return def;
   consumed_.insert(key);
@@ -81,6 +83,7 @@ int64_t Spec::get_int(const std::string& key, int64_t def) {
 }
 
 bool Spec::get_bool(const std::string& key, bool def) {
+  asked_.insert(key);
   auto it = values_.find(key);
   if (it == values_.end()) return def;
   consumed_.insert(key);
@@ -91,6 +94,7 @@ bool Spec::get_bool(const std::string& key, bool def) {
 }
 
 std::string Spec::get_string(const std::string& key, const std::string& def) {
+  asked_.insert(key);
   auto it = values_.find(key);
   if (it == values_.end()) return def;
   consumed_.insert(key);
@@ -104,8 +108,11 @@ void Spec::check_all_consumed() const {
     if (!unknown.empty()) unknown += ", ";
     unknown += kv.first;
   }
-  SPARROW_CHECK_T(ConfigError, unknown.empty(),
-                  "spec '" << text_ << "': unknown key(s) for method '" << method_ << "': " << unknown);
+  if (unknown.empty()) return;
+  std::string known;
+  for (const auto& k : asked_) known += (known.empty() ? "" : ", ") + k;
+  throw ConfigError("spec '" + text_ + "': unknown key(s) for method '" + method_ + "': " + unknown + " (" +
+                    (known.empty() ? std::string("it takes no keys") : "its keys: " + known) + ")");
 }
 
 }  // namespace sparrow

@@ -19,7 +19,10 @@ class Spec {
 
   const std::string& method() const { return method_; }
   const std::string& text() const { return text_; }
-  bool has(const std::string& key) const { return values_.count(key) != 0; }
+  bool has(const std::string& key) const {
+    asked_.insert(key);
+    return values_.count(key) != 0;
+  }
 
   // Typed getters mark the key consumed; a missing key returns the default,
   // a malformed value throws ConfigError naming the key.
@@ -37,6 +40,7 @@ class Spec {
   std::string method_;
   std::map<std::string, std::string> values_;
   std::set<std::string> consumed_;
+  mutable std::set<std::string> asked_;  // every key a getter or has() asked for: the method's keys
 };
 
 }  // namespace sparrow

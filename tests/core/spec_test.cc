@@ -46,3 +46,20 @@ TEST_CASE("spec: errors") {
     CHECK(std::string(e.what()).find("bogus") != std::string::npos);
   }
 }
+
+TEST_CASE("spec: an unknown key is refused with the method's keys listed") {
+  Spec s = Spec::parse("topk:ratio=0.01,ration=2");
+  s.get_double("ratio", 0.1);
+  s.get_bool("exact", false);
+  (void)s.has("values");
+  std::string what;
+  try {
+    s.check_all_consumed();
+  } catch (const ConfigError& e) {
+    what = e.what();
+  }
+  CHECK(what.find("unknown key(s) for method 'topk': ration") != std::string::npos);
+  CHECK(what.find("its keys: exact, ratio, values") != std::string::npos);
+  Spec none = Spec::parse("sign:x=1");
+  CHECK_THROWS_WITH_AS(none.check_all_consumed(), doctest::Contains("it takes no keys"), ConfigError);
+}
