@@ -17,6 +17,7 @@
 #include "client/data_folder.h"
 #include "client/session.h"
 #include "core/error.h"
+#include "core/models.h"
 #include "core/threads.h"
 
 namespace {
@@ -56,6 +57,8 @@ int main(int argc, char** argv) {
     if (const std::string w = sparrow::core::blas_warning(); !w.empty()) spdlog::warn("{}", w);
     sparrow::core::Dataset data = sparrow::client::load_client_data(cfg.data, cfg.model);
     spdlog::info("data: {} samples from '{}'", data.size(), cfg.data.data);
+    // The model against the data, before any connection: one forward pass.
+    sparrow::client::check_model_on_data(*sparrow::core::make_model(cfg.model, 0), data, cfg.model);
     session = std::make_unique<sparrow::client::ClientSession>(cfg, std::move(data));
   } catch (const sparrow::ConfigError& e) {
     spdlog::error("event=config_error msg=\"{}\"", sparrow::core::error_text(e));

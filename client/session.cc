@@ -33,6 +33,7 @@ using Clock = std::chrono::steady_clock;
 constexpr const char* kSoftware = "sparrow-client 0.1.0";
 constexpr int64_t kStateKey = 0;              // one client per state database
 constexpr uint64_t kBackoffTag = 0x626b6f66;  // "bkof"
+constexpr uint64_t kHoldoutTag = 0x686f6c64;  // "hold"
 constexpr int kPollSliceMs = 100;             // stop() is noticed within this
 
 // Meta keys of the state database (state/store.h set_meta).
@@ -64,6 +65,7 @@ void bind_all(core::FlatConfig& f, SessionConfig& c) {
   f.bind("backoff_initial_ms", &c.backoff_initial_ms);
   f.bind("backoff_max_ms", &c.backoff_max_ms);
   f.bind("give_up_s", &c.give_up_s);
+  f.bind("holdout", &c.holdout);
   f.bind("dp", &c.dp);
 }
 
@@ -88,6 +90,7 @@ void check_session_config(const core::FlatConfig& f, const SessionConfig& c) {
   f.check("backoff_initial_ms", c.backoff_initial_ms >= 1, "must be >= 1");
   f.check("backoff_max_ms", c.backoff_max_ms >= c.backoff_initial_ms, "must be >= backoff_initial_ms");
   f.check("give_up_s", std::isfinite(c.give_up_s) && c.give_up_s >= 0, "must be >= 0 (0 = never give up)");
+  f.check("holdout", std::isfinite(c.holdout) && c.holdout >= 0 && c.holdout <= 0.5, "must be in [0, 0.5] (0 = off)");
   try {
     const aggregation::DpSpec d = aggregation::DpSpec::parse(c.dp);
     f.check("dp", d.mode != aggregation::DpSpec::Mode::kCentral,
@@ -154,6 +157,7 @@ struct ClientSession::Impl {
   ClientSession& self;
   SessionConfig cfg;
   core::Dataset data;
+  core::Dataset holdout;  // empty unless cfg.holdout > 0
   at::Device device{at::kCPU};
   std::shared_ptr<core::Model> replica;
   std::vector<std::string> names;  // model order
@@ -230,9 +234,14 @@ struct ClientSession::Impl {
     }
     digest = core::model_digest(*replica);
     data = check_data_for_model(std::move(d), cfg.model);
+    if (cfg.holdout > 0) split_holdout();
     if (!device.is_cpu()) {
       data.x = data.x.to(device);
       data.y = data.y.to(device);
+      if (holdout.size() > 0) {
+        holdout.x = holdout.x.to(device);
+        holdout.y = holdout.y.to(device);
+      }
     }
 
     if (cfg.insecure) {
@@ -311,6 +320,23 @@ struct ClientSession::Impl {
       initial_seed = seed;
     }
     return initial;
+  }
+
+  // The holdout: a fixed share of the samples (the same for the same client_id
+  // and data), never trained on.
+  void split_holdout() {
+    const int64_t n = data.size();
+    const auto k = static_cast<int64_t>(std::llround(cfg.holdout * static_cast<double>(n)));
+    SPARROW_CHECK_T(ConfigError, k >= 1 && k < n,
+                    "holdout: " << cfg.holdout << " of " << n << " samples holds out " << k
+                                << "; need at least 1 to evaluate on and 1 to train on");
+    at::Generator g = at::detail::createCPUGenerator(rng::derive(rng::hash_name(cfg.client_id), kHoldoutTag));
+    const at::Tensor perm = at::randperm(n, g, at::TensorOptions().dtype(at::kLong));
+    holdout.x = data.x.index_select(0, perm.slice(0, 0, k));
+    holdout.y = data.y.index_select(0, perm.slice(0, 0, k));
+    data.x = data.x.index_select(0, perm.slice(0, k));
+    data.y = data.y.index_select(0, perm.slice(0, k));
+    spdlog::info("event=holdout samples={} train_samples={}", k, n - k);
   }
 
   // ---- transport ----
@@ -665,6 +691,9 @@ struct ClientSession::Impl {
     if (!trainer || !same_train_config(trainer->config(), tc)) trainer = std::make_unique<LocalTrainer>(replica, tc);
     // Work on a copy: a failure below leaves the persisted state as it was.
     state::ClientState next = st.deep_copy();
+    // The model received, on data it was never trained on (federated evaluation).
+    std::optional<std::pair<double, double>> held;
+    if (holdout.size() > 0) held = trainer->evaluate(base, holdout.x, holdout.y);
     const auto t0 = Clock::now();
     TrainResult tr = trainer->train(base, data.x, data.y, task.seed, scaffold ? &next.control : nullptr,
                                     scaffold ? &server_control : nullptr);
@@ -675,6 +704,10 @@ struct ClientSession::Impl {
     u.client_id = cfg.client_id;
     u.num_samples = static_cast<uint64_t>(tr.num_samples);
     u.metrics = {{"train_loss", tr.mean_loss}, {"train_seconds", secs}};
+    if (held) {
+      u.metrics.emplace_back("eval_loss", held->first);
+      u.metrics.emplace_back("eval_accuracy", held->second);
+    }
     Weights outgoing = tr.delta;
     if (ldp.mode == aggregation::DpSpec::Mode::kLocal) {
       // The noise must be unknown to the server: drawn from this device's own

@@ -65,6 +65,10 @@ struct SessionConfig {
   // server has failed for this long: a refused key, a wrong server_key, plain
   // TCP against CURVE. 0 = retry forever. An unreachable server is retried.
   double give_up_s = 60;
+  // Share of this client's samples held out of training (chosen once, from the
+  // client_id): before training each task the client evaluates the model it
+  // received on them and reports eval_loss / eval_accuracy. 0 = off.
+  double holdout = 0;
   std::string dp = "none";  // local DP: "none" or "local:clip=C,noise=Z[,delta=]" (docs/aggregation.md)
 };
 

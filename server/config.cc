@@ -49,6 +49,7 @@ void bind_all(core::FlatConfig& f, ServerConfig& c) {
   f.bind("keep_checkpoints", &c.keep_checkpoints);
   f.bind("eval_every", &c.eval_every);
   f.bind("data_dir", &c.data_dir);
+  f.bind("eval_data", &c.eval_data);
   f.bind("eval_batch", &c.eval_batch);
 }
 

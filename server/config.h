@@ -53,6 +53,10 @@ struct ServerConfig {
   // Optional server-side evaluation (forward passes on the Fashion-MNIST test split).
   int eval_every = 0;  // 0 = off (no dataset needed)
   std::string data_dir = "/usr/share/datasets/fashion-mnist";
+  // Evaluate on the user's data instead: a folder in the format sparrow-client
+  // reads (x.npy + y.npy or MNIST-format IDX). Its test split (a test/
+  // subfolder or t10k files) when it has one, else every sample in it.
+  std::string eval_data;
   int eval_batch = 1000;
 
   // Derived.

@@ -25,6 +25,7 @@
 #include "compression/compressor.h"
 #include "compression/lowrank.h"
 #include "compression/state.h"
+#include "core/data_folder.h"
 #include "core/datasets.h"
 #include "core/error.h"
 #include "core/model_digest.h"
@@ -310,7 +311,19 @@ struct Server::Impl {
       numel += global.at(nm).numel();
     }
     digest = core::model_digest(global);
-    if (eval_model) test = core::load_fashion_mnist(cfg.data_dir, "test");
+    if (eval_model) {
+      if (cfg.eval_data.empty()) {
+        test = core::load_fashion_mnist(cfg.data_dir, "test");
+      } else {
+        std::optional<core::Dataset> t = core::load_data_folder_test(cfg.eval_data);
+        test = t ? std::move(*t) : core::load_data_folder(cfg.eval_data);
+      }
+      // The model against the evaluation data before the first round.
+      test = core::check_data_for_model(std::move(test), cfg.model);
+      core::check_model_on_data(*eval_model, test, cfg.model);
+      spdlog::info("event=eval_data samples={} source=\"{}\"", test.size(),
+                   cfg.eval_data.empty() ? cfg.data_dir + " (test split)" : cfg.eval_data);
+    }
 
     opt = std::make_unique<aggregation::ServerOptimizer>(cfg.server_optimizer);
     Spec up = Spec::parse(cfg.compression);
@@ -1126,6 +1139,13 @@ struct Server::Impl {
       for (const auto& [k, v] : metric_sum) metrics["client." + k] = v / metric_weight;
     row.train_loss = metrics.count("client.train_loss") ? metrics["client.train_loss"] : kNaN;
     row.eval_loss = row.eval_accuracy = kNaN;
+    // Clients with a holdout evaluated the model they received (federated
+    // evaluation, weighted by their samples); the server's own evaluation,
+    // when it runs, takes precedence in the round row.
+    if (metrics.count("client.eval_accuracy")) {
+      row.eval_accuracy = metrics["client.eval_accuracy"];
+      row.eval_loss = metrics.count("client.eval_loss") ? metrics["client.eval_loss"] : kNaN;
+    }
     if (eval_model && (r % static_cast<uint64_t>(cfg.eval_every) == 0 || r == static_cast<uint64_t>(cfg.rounds))) {
       auto [loss, acc] = evaluate();
       row.eval_loss = loss;

@@ -23,6 +23,7 @@ namespace {
 void bind_fields(core::FlatConfig& f, SimConfig& c) {
   f.bind("seed", &c.seed);
   f.bind("dataset", &c.dataset);
+  f.bind("test_fraction", &c.test_fraction);
   f.bind("data_dir", &c.data_dir);
   f.bind("partition", &c.partition);
   f.bind("clients", &c.clients);
@@ -144,7 +145,11 @@ void check_robust(const core::FlatConfig& f, const SimConfig& c) {
 // Cross-key validation, after the file and the overrides.
 void finish(const core::FlatConfig& f, SimConfig& c, std::optional<double> alpha) {
   f.check_finite();
-  spec_method(f, "dataset", c.dataset, {"fashion-mnist", "synthetic"});
+  if (c.dataset.rfind("folder:", 0) == 0)  // a path, not a spec
+    f.check("dataset", c.dataset.size() > 7, "'folder:PATH' needs a path");
+  else
+    spec_method(f, "dataset", c.dataset, {"fashion-mnist", "synthetic"});
+  f.check("test_fraction", c.test_fraction > 0 && c.test_fraction < 1, "must be in (0, 1)");
   const std::string pmethod = spec_method(f, "partition", c.partition, {"iid", "dirichlet", "shards", "quantity"});
   if (alpha) fold_alpha(f, c, pmethod, *alpha);
   f.check("clients", c.clients >= 1, "must be >= 1");

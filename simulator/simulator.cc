@@ -22,6 +22,7 @@
 #include "client/trainer.h"
 #include "compression/compressor.h"
 #include "compression/lowrank.h"
+#include "core/data_folder.h"
 #include "core/datasets.h"
 #include "core/error.h"
 #include "core/models.h"
@@ -220,7 +221,8 @@ struct Simulator::Impl {
   std::map<std::string, at::Tensor> acp_shared;  // ACP: next round's shared factor per tensor
 
   at::Device device{at::kCPU};
-  std::string training;  // how clients are trained, for the log
+  std::string training;   // how clients are trained, for the log
+  std::string data_note;  // where a folder dataset's training and test samples came from
   // Memory for one worker's stacked batched-client state (automatic client_batch).
   static constexpr int64_t kBatchBudget = int64_t{1} << 30;
 
@@ -235,6 +237,10 @@ struct Simulator::Impl {
   explicit Impl(SimConfig c) : cfg(std::move(c)), dir(cfg.out), cost(std::max(1, cfg.workers)) {}
 
   void load_data() {
+    if (cfg.dataset.rfind("folder:", 0) == 0) {  // a path is no spec (it may hold ',' or '=')
+      load_folder(cfg.dataset.substr(7));
+      return;
+    }
     Spec ds = Spec::parse(cfg.dataset);
     if (ds.method() == "fashion-mnist") {
       ds.check_all_consumed();
@@ -266,8 +272,60 @@ struct Simulator::Impl {
       test_x = at::cat(txs);
       test_y = at::cat(tys);
     } else {
-      throw ConfigError("dataset: unknown dataset '" + cfg.dataset + "' (known: fashion-mnist, synthetic)");
+      throw ConfigError("dataset: unknown dataset '" + cfg.dataset +
+                        "' (known: fashion-mnist, synthetic, folder:PATH)");
     }
+    store_client_major();
+  }
+
+  // The user's data: PATH in the format sparrow-client reads (x.npy + y.npy or
+  // MNIST-format IDX), partitioned over the clients like Fashion-MNIST. The
+  // test set is the folder's own (a test/ subfolder, or t10k IDX files), or
+  // else `test_fraction` of the samples, drawn with the run's seed and held out
+  // of training.
+  void load_folder(const std::string& path) {
+    SPARROW_CHECK_T(ConfigError, !path.empty(), "dataset: 'folder:PATH' needs a path");
+    const std::string model = cfg.model == "logreg" ? "torchscript:" : cfg.model;  // logreg: any features
+    core::Dataset tr = core::check_data_for_model(core::load_data_folder(path), model);
+    std::optional<core::Dataset> te = core::load_data_folder_test(path);
+    std::string test_from =
+        path + (std::filesystem::is_directory(std::filesystem::path(path) / "test") ? "/test" : " (t10k files)");
+    if (te) {
+      te = core::check_data_for_model(std::move(*te), model);
+      SPARROW_CHECK_T(ConfigError, te->x.sizes().slice(1) == tr.x.sizes().slice(1),
+                      "dataset: test samples of " << path << " have another shape than the training samples");
+    } else {
+      const int64_t n = tr.size();
+      const auto hold = static_cast<int64_t>(std::llround(cfg.test_fraction * static_cast<double>(n)));
+      SPARROW_CHECK_T(ConfigError, hold >= 1 && hold < n,
+                      "dataset: " << path << " has no test split (test/ or t10k files) and test_fraction = "
+                                  << cfg.test_fraction << " of " << n << " samples holds out " << hold
+                                  << ": need at least 1 test and 1 training sample");
+      at::Generator g = at::detail::createCPUGenerator(rng::derive(cfg.seed, kPartitionTag) ^ 0x7e57u);
+      const at::Tensor perm = at::randperm(n, g, at::TensorOptions().dtype(at::kLong));
+      core::Dataset held;
+      held.x = tr.x.index_select(0, perm.slice(0, 0, hold));
+      held.y = tr.y.index_select(0, perm.slice(0, 0, hold));
+      tr.x = tr.x.index_select(0, perm.slice(0, hold));
+      tr.y = tr.y.index_select(0, perm.slice(0, hold));
+      te = std::move(held);
+      test_from =
+          std::to_string(hold) + " samples held out (test_fraction = " + std::to_string(cfg.test_fraction) + ")";
+    }
+    SPARROW_CHECK_T(
+        ConfigError, tr.size() >= cfg.clients,
+        "clients: " << cfg.clients << " clients but " << path << " has " << tr.size() << " training samples");
+    auto parts = core::partition(tr.y, cfg.clients, cfg.partition, rng::derive(cfg.seed, kPartitionTag));
+    train_x = tr.x;
+    train_y = tr.y;
+    test_x = te->x;
+    test_y = te->y;
+    for (auto& p : parts) client_idx.push_back(at::tensor(p, at::kLong));
+    data_note = std::to_string(tr.size()) + " training samples from " + path + ", test set: " + test_from;
+    store_client_major();
+  }
+
+  void store_client_major() {
     // Client-major storage, once: no per-round copy of each client's samples.
     int64_t off = 0;
     for (const auto& idx : client_idx) {
@@ -327,6 +385,14 @@ struct Simulator::Impl {
     for (int w = 0; w < cfg.workers; ++w) {
       Worker wk;
       wk.model = make_sim_model(cfg.model, cfg.seed, input_dim, classes);
+      if (w == 0) {
+        // The model against the data before the first round: one forward pass.
+        core::Dataset probe;
+        probe.x = train_x.slice(0, 0, 4);
+        probe.y = train_y.slice(0, 0, 4);
+        const int64_t max_label = std::max(train_y.max().item<int64_t>(), test_y.max().item<int64_t>());
+        core::check_model_on_data(*wk.model, probe, cfg.model, max_label);
+      }
       wk.model->to(device);
       wk.trainer = std::make_unique<client::LocalTrainer>(wk.model, train_config());
       wk.batch = 1;
@@ -351,6 +417,7 @@ struct Simulator::Impl {
                      "' cannot be batched: client_batch = " + std::to_string(cfg.client_batch) + " ignored)";
         else
           training = "one client at a time on " + cfg.device;
+        if (!data_note.empty()) training += "; data: " + data_note;
         names = wk.trainer->names();
         for (const auto& n : names) {
           const at::Tensor& t = global.at(n);

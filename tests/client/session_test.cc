@@ -720,3 +720,28 @@ TEST_CASE("examples/service/client.toml is a valid client config") {
   CHECK(c.key == "keys/client2.key_secret");
   CHECK(c.data.index == 1);
 }
+
+TEST_CASE("session: a holdout is never trained on and reports the received model's accuracy on it") {
+  const std::string dir = temp_dir("holdout");
+  FakeServer server;
+  client::SessionConfig cfg = config(server, dir);
+  cfg.holdout = 0.25;
+  ClientSession session(cfg, make_data(16));
+  Running run(session);
+  CHECK(server.expect<wire::Hello>().num_samples == 12);  // 4 of 16 held out
+  server.welcome();
+  const Weights w = model_weights(3);
+  server.send(full_task(1, w, 11));
+  const wire::ModelUpdate u = server.expect<wire::ModelUpdate>();
+  CHECK(u.num_samples == 12);
+  std::map<std::string, double> m(u.metrics.begin(), u.metrics.end());
+  REQUIRE(m.count("eval_accuracy"));
+  REQUIRE(m.count("eval_loss"));
+  CHECK(m["eval_accuracy"] >= 0);
+  CHECK(m["eval_accuracy"] <= 1);
+  CHECK(std::isfinite(m["eval_loss"]));
+  server.send(wire::Ack{1});
+  finish(server, run);
+  cfg.holdout = 0.7;
+  CHECK_THROWS_AS(client::parse_session_config("client_id = \"c\"\ninsecure = true\nholdout = 0.7\n"), ConfigError);
+}

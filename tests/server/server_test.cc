@@ -10,6 +10,7 @@
 #include "compression/compressor.h"
 #include "compression/lowrank.h"
 #include "core/error.h"
+#include "core/npy.h"
 #include "server/server.h"
 #include "server/store.h"
 #include "wire/net.h"
@@ -138,13 +139,14 @@ struct FakeClient {
     send(message(h));
     return expect<wire::Welcome>();
   }
-  void update(uint64_t round, const Weights& delta, uint64_t samples) {
+  void update(uint64_t round, const Weights& delta, uint64_t samples,
+              std::vector<std::pair<std::string, double>> metrics = {{"train_loss", 1.0}}) {
     wire::ModelUpdate u;
     u.round = round;
     u.client_id = id;
     u.num_samples = samples;
     for (const auto& [k, v] : delta) u.tensors.push_back({k, dense(v)});
-    u.metrics = {{"train_loss", 1.0}};
+    u.metrics = std::move(metrics);
     send(message(u));
   }
 };
@@ -745,4 +747,45 @@ TEST_CASE("a second server on the same database is refused, a server that cannot
   busy.listen = first.endpoint();  // taken
   CHECK_THROWS_AS(Server(busy, tiny_weights()), ConfigError);
   CHECK_FALSE(fs::exists(busy.db));
+}
+
+TEST_CASE("clients' holdout evaluations fill the round's accuracy when the server does not evaluate") {
+  Server server(base_config("fedeval"), tiny_weights());
+  zmq::context_t ctx;
+  FakeClient a(ctx, server.endpoint(), "a"), b(ctx, server.endpoint(), "b");
+  Running run(server);
+  a.hello(server.model_digest(), 1);
+  b.hello(server.model_digest(), 3);
+  (void)a.expect<wire::Task>();
+  (void)b.expect<wire::Task>();
+  Weights d = scaled(tiny_weights(), 0.1f);
+  a.update(1, d, 1, {{"train_loss", 1.0}, {"eval_accuracy", 0.2}, {"eval_loss", 2.0}});
+  b.update(1, d, 3, {{"train_loss", 1.0}, {"eval_accuracy", 0.6}, {"eval_loss", 1.0}});
+  CHECK(a.expect<wire::Ack>().round == 1);
+  CHECK(b.expect<wire::Ack>().round == 1);
+  run.join();
+  REQUIRE_FALSE(run.error);
+  auto store = ServerStore::open_readonly(server.config().db);
+  const auto r = store->rounds().at(0);
+  CHECK(r.eval_accuracy == doctest::Approx((0.2 * 1 + 0.6 * 3) / 4));  // weighted by samples
+  CHECK(r.eval_loss == doctest::Approx((2.0 * 1 + 1.0 * 3) / 4));
+}
+
+TEST_CASE("the server evaluates on the user's data folder, checked against the model first") {
+  const std::string dir = "server_test_evaldata";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  at::Tensor x = at::rand({8, 784}).contiguous(), y = at::arange(8, at::kFloat).contiguous();
+  npy::write(dir + "/x.npy", {8, 784}, x.data_ptr<float>());
+  npy::write(dir + "/y.npy", {8}, y.data_ptr<float>());
+  ServerConfig cfg = base_config("evaldata");
+  cfg.model = "mlp";
+  cfg.eval_every = 1;
+  cfg.eval_data = dir;
+  CHECK_NOTHROW(Server(cfg, Weights{}));
+  y.fill_(12);  // labels the 10-class model cannot have
+  npy::write(dir + "/y.npy", {8}, y.data_ptr<float>());
+  cfg.db = fresh_db("evaldata2");
+  CHECK_THROWS_WITH_AS(Server(cfg, Weights{}), doctest::Contains("label"), ConfigError);
+  fs::remove_all(dir);
 }

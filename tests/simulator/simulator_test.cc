@@ -1,5 +1,6 @@
 #include "tests/sparrow_test.h"
 
+#include <torch/script.h>
 #include <torch/torch.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -17,6 +18,7 @@
 #include "core/datasets.h"
 #include "core/error.h"
 #include "core/models.h"
+#include "core/npy.h"
 #include "simulator/config.h"
 #include "simulator/simulator.h"
 #include "tests/integration/process.h"
@@ -630,4 +632,75 @@ TEST_CASE(
   CHECK(out.rfind("sparrow-sim ", 0) == 0);
   std::remove(cfg.c_str());
   std::remove(log.c_str());
+}
+
+namespace {
+
+// x.npy [n, 784] with pixels from (i, label) and y.npy labels i % 10 (float32
+// whole numbers, which the loader accepts).
+void write_folder(const std::string& dir, int64_t n, int64_t seed) {
+  fs::create_directories(dir);
+  at::manual_seed(seed);
+  at::Tensor y = at::arange(n, at::kFloat).fmod(10);
+  at::Tensor x = at::rand({n, 784}) * 0.1 + y.unsqueeze(1) / 10;  // learnable: brightness = label
+  x = x.contiguous();
+  sparrow::npy::write(dir + "/x.npy", {n, 784}, x.data_ptr<float>());
+  sparrow::npy::write(dir + "/y.npy", {n}, y.data_ptr<float>());
+}
+
+void save_linear_script(const std::string& path, int64_t in, int64_t classes) {
+  torch::jit::Module m("Linear");
+  m.register_parameter("weight", torch::zeros({classes, in}).requires_grad_(), false);
+  m.register_parameter("bias", torch::zeros({classes}).requires_grad_(), false);
+  m.define(R"(
+def forward(self, x):
+    return torch.matmul(x.flatten(1), self.weight.t()) + self.bias
+)");
+  m.save(path);
+}
+
+}  // namespace
+
+TEST_CASE("simulator: a folder dataset trains, holds out a test share or uses test/, and the model is checked") {
+  TempDir d("folder_data");
+  const std::string data = d.path + "_data";
+  write_folder(data, 200, 1);
+  SimConfig c = tiny(d.path);
+  c.dataset = "folder:" + data;
+  c.model = "mlp";
+  c.partition = "iid";
+  c.clients = 4;
+  c.clients_per_round = 4;
+  c.rounds = 3;
+  c.eval_every = 1;
+  c.lr = 0.1;
+  {
+    Simulator sim(c);
+    CHECK(sim.training_mode().find("160 training samples from " + data) != std::string::npos);
+    CHECK(sim.training_mode().find("40 samples held out") != std::string::npos);
+    sim.run();
+    CHECK(std::isfinite(sim.summary().accuracy));
+    size_t n = 0;
+    for (const auto& p : sim.partition()) n += p.size();
+    CHECK(n == 160);
+  }
+  write_folder(data + "/test", 30, 2);
+  {
+    Simulator sim(c);
+    CHECK(sim.training_mode().find("200 training samples") != std::string::npos);
+    CHECK(sim.training_mode().find("test set: " + data + "/test") != std::string::npos);
+  }
+  // A TorchScript model with 7 classes for labels up to 9, and one that cannot
+  // take 784 features: clear errors before the first round.
+  const std::string seven = d.path + "_seven.pt", narrow = d.path + "_narrow.pt";
+  save_linear_script(seven, 784, 7);
+  save_linear_script(narrow, 5, 10);
+  c.model = "torchscript:" + seven;
+  CHECK_THROWS_WITH_AS(Simulator(c, false), doctest::Contains("has 7 outputs (classes) but the data has label 9"),
+                       sparrow::ConfigError);
+  c.model = "torchscript:" + narrow;
+  CHECK_THROWS_WITH_AS(Simulator(c, false), doctest::Contains("cannot take the data"), sparrow::ConfigError);
+  fs::remove_all(data);
+  std::remove(seven.c_str());
+  std::remove(narrow.c_str());
 }
