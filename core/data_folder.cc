@@ -226,8 +226,14 @@ void check_model_on_data(Model& model, const Dataset& d, const std::string& name
     out = model.forward(x);
     model.train(was_training);
   } catch (const std::exception& e) {
-    std::string why = error_text(e);
-    if (const auto nl = why.find('\n'); nl != std::string::npos) why = why.substr(0, nl);
+    // One line: a TorchScript failure's reason is its last "RuntimeError: ..."
+    // line (the first says only that the interpreter failed).
+    const std::string text = error_text(e);
+    std::string why = text.substr(0, text.find('\n'));
+    for (size_t at = text.find("Error: "); at != std::string::npos; at = text.find("Error: ", at + 1)) {
+      const size_t begin = at + 7, end = text.find('\n', begin);
+      why = text.substr(begin, end == std::string::npos ? std::string::npos : end - begin);
+    }
     throw ConfigError("model '" + name + "' cannot take the data: a forward pass on " + std::to_string(b) +
                       " samples of shape " + shape_text(x.sizes().slice(1)) + " failed: " + why);
   }

@@ -2,6 +2,7 @@
 //   sparrow-server --config server.toml [--insecure] [--set key=value]...
 //   sparrow-server keygen --out DIR [--name NAME] [--clients N]
 //   sparrow-server status --db FILE [--json]
+//   sparrow-server export --db FILE [--out DIR]
 #include <CLI/CLI.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
@@ -16,6 +17,7 @@
 
 #include "core/cli.h"
 #include "core/error_text.h"
+#include "core/export.h"
 #include "core/error.h"
 #include "core/threads.h"
 #include "server/config.h"
@@ -55,6 +57,27 @@ std::string json_string(const std::string& s) {
     }
   }
   return out + "\"";
+}
+
+// The newest intact checkpoint's global model, as model.pt and .npy files.
+int export_model(const std::string& db, const std::string& out) {
+  auto store = sparrow::server::ServerStore::open_readonly(db);
+  const auto run = store->run();
+  SPARROW_CHECK_T(sparrow::ConfigError, run.has_value(), "export: '" << db << "' holds no run");
+  // The run's identity text holds `model = "..."` (server/config.cc).
+  std::string model;
+  std::istringstream lines(run->config);
+  for (std::string line; std::getline(lines, line);)
+    if (line.rfind("model = \"", 0) == 0 && line.size() >= 10) model = line.substr(9, line.size() - 10);
+  if (model.empty()) model = sparrow::server::ServerConfig{}.model;  // the default is not written
+  const auto ck = store->latest_checkpoint();
+  SPARROW_CHECK_T(sparrow::ConfigError, ck.has_value(), "export: '" << db << "' has no intact checkpoint yet");
+  const auto r = sparrow::core::export_model(model, sparrow::server::deserialize_weights(ck->weights), out);
+  spdlog::info("event=exported db={} round={} model={} parameters={}", db, ck->round, model, r.npy.size());
+  if (!r.note.empty()) spdlog::warn("event=export_note msg=\"{}\"", r.note);
+  if (!r.torchscript.empty()) std::cout << r.torchscript << "\n";
+  std::cout << out << "/weights/\n";
+  return 0;
 }
 
 int status(const std::string& db, bool json) {
@@ -174,6 +197,11 @@ int main(int argc, char** argv) {
   kg->add_option("--name", kg_name, "server key name")->capture_default_str();
   kg->add_option("--clients", kg_clients, "client key pairs to write")->check(CLI::Range(0, 100000));
 
+  auto* ex = app.add_subcommand("export", "write the global model as TorchScript (model.pt) and .npy weights");
+  std::string ex_db, ex_out = "export";
+  ex->add_option("--db", ex_db, "database file")->required();
+  ex->add_option("--out", ex_out, "output folder")->capture_default_str();
+
   auto* st = app.add_subcommand("status", "print rounds, clients and the latest metrics of a server database");
   std::string st_db;
   bool st_json = false;
@@ -184,6 +212,7 @@ int main(int argc, char** argv) {
   try {
     if (*kg) return keygen(kg_out, kg_name, kg_clients);
     if (*st) return status(st_db, st_json);
+    if (*ex) return export_model(ex_db, ex_out);
     if (config_path.empty()) {
       std::cerr << "sparrow-server: --config FILE is required (or a subcommand: keygen, status)\n";
       return 2;

@@ -2,6 +2,7 @@
 //
 //   sparrow-sim --config FILE.toml [--set key=value]... [--force] [--resume RUN_DIR]
 //   sparrow-sim report RUN_DIR [--compare OTHER_RUN_DIR]...
+//   sparrow-sim export RUN_DIR [--out DIR]
 //
 // Progress goes to stderr (one line redrawn with \r on a terminal, one line per
 // round otherwise); the LAST stdout line is a JSON summary. Exit codes: 0 done,
@@ -25,6 +26,7 @@
 
 #include "core/cli.h"
 #include "core/error_text.h"
+#include "core/export.h"
 #include "core/error.h"
 #include "simulator/config.h"
 #include "simulator/report.h"
@@ -80,8 +82,35 @@ int main(int argc, char** argv) {
   auto* report = app.add_subcommand("report", "plot accuracy against rounds and against uplink bytes (SVG)");
   report->add_option("run_dir", report_dir, "the run folder (holds metrics.csv)")->required();
   report->add_option("--compare", compare, "other run folders to overlay")->take_all();
+  std::string export_dir, export_out;
+  auto* exp = app.add_subcommand("export", "write a run's global model as TorchScript (model.pt) and .npy weights");
+  exp->add_option("run_dir", export_dir, "the run folder")->required();
+  exp->add_option("--out", export_out, "output folder (default RUN_DIR/export)");
   if (const int rc = sparrow::cli::parse(app, argc, argv); rc >= 0) return rc;
   sparrow::cli::setup_logging("sparrow-sim", log_level);
+  if (*exp) {
+    try {
+      const SimConfig rc = load_config((std::filesystem::path(export_dir) / "config.toml").string());
+      auto [weights, round] = load_run_model(export_dir);
+      const std::string out = export_out.empty() ? (std::filesystem::path(export_dir) / "export").string() : export_out;
+      const sparrow::core::ExportResult r = sparrow::core::export_model(rc.model, weights, out);
+      std::cerr << "sparrow-sim: exported the global model after round " << round << " of " << export_dir << " ("
+                << rc.model << ", " << r.npy.size() << " parameters)\n";
+      if (!r.note.empty()) std::cerr << "sparrow-sim: " << r.note << "\n";
+      if (!r.torchscript.empty()) std::cout << r.torchscript << "\n";
+      std::cout << (std::filesystem::path(out) / "weights").string() << "/\n";
+      return sparrow::cli::kOk;
+    } catch (const sparrow::ConfigError& e) {
+      std::cerr << "sparrow-sim export: " << sparrow::core::error_text(e) << '\n';
+      return sparrow::cli::kBadInput;
+    } catch (const sparrow::FormatError& e) {
+      std::cerr << "sparrow-sim export: " << sparrow::core::error_text(e) << '\n';
+      return sparrow::cli::kBadInput;
+    } catch (const std::exception& e) {
+      std::cerr << "sparrow-sim export: " << sparrow::core::error_text(e) << '\n';
+      return sparrow::cli::kFailure;
+    }
+  }
   if (*report) {
     try {
       for (const std::string& path : write_report(report_dir, compare)) std::cout << path << '\n';

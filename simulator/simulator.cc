@@ -945,6 +945,22 @@ void Simulator::run(const std::function<void(const RoundMetrics&)>& progress) {
 
 void Simulator::wait_for_checkpoint() { impl_->store->wait_written(); }
 
+std::pair<std::map<std::string, at::Tensor>, int> load_run_model(const std::string& run_dir) {
+  const fs::path cs = fs::path(run_dir) / "client_state.db";
+  SPARROW_CHECK_T(ConfigError, fs::exists(cs), "export: " << run_dir << " holds no run (no client_state.db)");
+  auto store = state::ClientStateStore::open(cs.string());
+  const std::optional<std::string> round = store->get_meta("checkpoint.round");
+  const std::optional<std::string> global = store->get_meta("checkpoint.global");
+  SPARROW_CHECK_T(ConfigError, round && global, "export: " << run_dir << " has no checkpoint yet");
+  int r = 0;
+  try {
+    r = std::stoi(*round);
+  } catch (const std::exception&) {
+    throw FormatError("export: bad checkpoint round '" + *round + "' in " + cs.string());
+  }
+  return {deserialize_weights(*global), r};
+}
+
 void Simulator::checkpoint_now() {
   if (impl_->round > 0) impl_->checkpoint(impl_->round, /*wait=*/true);
 }

@@ -96,6 +96,11 @@ std::string summary_json(const Summary& s);
 // in FedProx's Synthetic experiments; one parameter pair "fc.weight"/"fc.bias").
 std::shared_ptr<core::Model> make_sim_model(const std::string& name, uint64_t seed, int64_t input_dim, int64_t classes);
 
+// The global model of a run folder's last checkpoint and its round: what
+// `sparrow-sim export` writes out. ConfigError for a folder without a run or a
+// checkpoint, FormatError for a damaged one.
+std::pair<std::map<std::string, at::Tensor>, int> load_run_model(const std::string& run_dir);
+
 class Simulator {
  public:
   using Weights = std::map<std::string, at::Tensor>;

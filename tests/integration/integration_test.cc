@@ -2,6 +2,8 @@
 // binaries on loopback under CurveZMQ (ports from tcp://127.0.0.1:*), plus a raw
 // DEALER in this process for the malformed-message attacks.
 #include "tests/sparrow_test.h"
+
+#include <torch/script.h>
 // (sparrow_test.h first: glog/doctest CHECK clash.)
 
 #include <sqlite3.h>
@@ -416,6 +418,19 @@ TEST_CASE("integration: a client with an unlisted key is refused") {
   CHECK(slog.find("event=hello client=c1 ") != std::string::npos);
   CHECK(slog.find("event=hello client=c2 ") == std::string::npos);
   CHECK(slog.find("event=round_completed round=1 updates=1") != std::string::npos);
+  // The trained model out of the database: TorchScript with the checkpoint's weights.
+  REQUIRE(run_tool({kServerBin, "export", "--db", dir + "/server.db", "--out", dir + "/export"}, dir + "/export.log") ==
+          0);
+  {
+    torch::jit::Module m = torch::jit::load(dir + "/export/model.pt");
+    const Weights w = sparrow::server::deserialize_weights(Db(dir + "/server.db").checkpoint(1));
+    size_t n = 0;
+    for (const auto& p : m.named_parameters(true)) {
+      CHECK(at::equal(p.value, w.at(p.name)));
+      ++n;
+    }
+    CHECK(n == w.size());
+  }
   // The rogue never got past the handshake: no Welcome, no task.
   const std::string rlog = rogue->log();
   CHECK(rlog.find("welcome:") == std::string::npos);

@@ -627,6 +627,20 @@ TEST_CASE(
   out.clear();
   CHECK(shell(bin + " --config " + cfg + " --force --set rounds=2", &out) == 0);
   CHECK(out.find("{\"rounds\":2,") != std::string::npos);
+  // The trained model out: TorchScript + .npy, equal to the run's global model.
+  out.clear();
+  CHECK(shell(bin + " export " + d.path + " --out " + d.path + "/x", &out) == 0);
+  {
+    const auto [w, round] = load_run_model(d.path);
+    CHECK(round == 2);
+    torch::jit::Module m = torch::jit::load(d.path + "/x/model.pt");
+    const at::Tensor x = at::randn({3, 60});
+    const at::Tensor want = at::linear(x, w.at("fc.weight"), w.at("fc.bias"));
+    CHECK(at::allclose(m.forward({x}).toTensor(), want, 1e-5, 1e-6));
+    CHECK(fs::exists(d.path + "/x/weights/fc.weight.npy"));
+  }
+  out.clear();
+  CHECK(shell(bin + " export " + d.path + "_missing", &out) == 2);
   out.clear();
   CHECK(shell(bin + " --version", &out) == 0);
   CHECK(out.rfind("sparrow-sim ", 0) == 0);

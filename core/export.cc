@@ -1,0 +1,153 @@
+#include "core/export.h"
+
+#include <torch/script.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <filesystem>
+
+#include "core/error.h"
+#include "core/error_text.h"
+#include "core/npy.h"
+
+namespace sparrow::core {
+namespace fs = std::filesystem;
+namespace {
+
+using Weights = std::map<std::string, at::Tensor>;
+
+const at::Tensor& need(const Weights& w, const std::string& name, const std::vector<int64_t>& shape) {
+  auto it = w.find(name);
+  SPARROW_CHECK_T(ConfigError, it != w.end(), "export: the weights lack '" << name << "'");
+  SPARROW_CHECK_T(
+      ConfigError, shape.empty() || it->second.sizes().vec() == shape,
+      "export: '" << name << "' has shape " << it->second.sizes() << ", the model needs " << at::IntArrayRef(shape));
+  return it->second;
+}
+
+at::Tensor param(const at::Tensor& t) { return t.detach().to(at::kCPU, at::kFloat).contiguous().clone(); }
+
+// A submodule holding weight and bias with a forward of the given body.
+torch::jit::Module layer(const std::string& kind, const at::Tensor& weight, const at::Tensor& bias,
+                         const std::string& forward) {
+  torch::jit::Module m(kind);
+  m.register_parameter("weight", param(weight), false);
+  m.register_parameter("bias", param(bias), false);
+  m.define(forward);
+  return m;
+}
+
+const char* kLinear = R"(
+def forward(self, x):
+    return torch.linear(x, self.weight, self.bias)
+)";
+const char* kConv5x5 = R"(
+def forward(self, x):
+    return torch.conv2d(x, self.weight, self.bias, [1, 1], [2, 2])
+)";
+
+torch::jit::Module linear(const Weights& w, const std::string& name, int64_t in, int64_t out) {
+  return layer("Linear", need(w, name + ".weight", {out, in}), need(w, name + ".bias", {out}), kLinear);
+}
+
+torch::jit::Module builtin(const std::string& model, const Weights& w) {
+  torch::jit::Module net(model == "cnn" ? "SparrowCnn" : model == "mlp" ? "SparrowMlp" : "SparrowLogReg");
+  if (model == "mlp") {
+    SPARROW_CHECK_T(ConfigError, w.size() == 6, "export: mlp has 6 parameters, the weights " << w.size());
+    net.register_module("fc1", linear(w, "fc1", 784, 200));
+    net.register_module("fc2", linear(w, "fc2", 200, 200));
+    net.register_module("fc3", linear(w, "fc3", 200, 10));
+    net.define(R"(
+def forward(self, x):
+    h = x.reshape([x.size(0), -1])
+    h = torch.relu(self.fc1.forward(h))
+    h = torch.relu(self.fc2.forward(h))
+    return self.fc3.forward(h)
+)");
+  } else if (model == "cnn") {
+    SPARROW_CHECK_T(ConfigError, w.size() == 8, "export: cnn has 8 parameters, the weights " << w.size());
+    net.register_module("conv1",
+                        layer("Conv2d", need(w, "conv1.weight", {32, 1, 5, 5}), need(w, "conv1.bias", {32}), kConv5x5));
+    net.register_module(
+        "conv2", layer("Conv2d", need(w, "conv2.weight", {64, 32, 5, 5}), need(w, "conv2.bias", {64}), kConv5x5));
+    net.register_module("fc1", linear(w, "fc1", 7 * 7 * 64, 512));
+    net.register_module("fc2", linear(w, "fc2", 512, 10));
+    net.define(R"(
+def forward(self, x):
+    h = x.reshape([x.size(0), 1, 28, 28])
+    h = torch.max_pool2d(torch.relu(self.conv1.forward(h)), [2, 2])
+    h = torch.max_pool2d(torch.relu(self.conv2.forward(h)), [2, 2])
+    h = torch.relu(self.fc1.forward(h.flatten(1)))
+    return self.fc2.forward(h)
+)");
+  } else {  // logreg: one linear layer on the flattened input
+    SPARROW_CHECK_T(ConfigError, w.size() == 2, "export: logreg has 2 parameters, the weights " << w.size());
+    const at::Tensor& wt = need(w, "fc.weight", {});
+    SPARROW_CHECK_T(ConfigError, wt.dim() == 2, "export: logreg's fc.weight must be 2-D");
+    net.register_module("fc", linear(w, "fc", wt.size(1), wt.size(0)));
+    net.define(R"(
+def forward(self, x):
+    return self.fc.forward(x.reshape([x.size(0), -1]))
+)");
+  }
+  return net;
+}
+
+// The user's module with these weights (Sparrow names its parameters with '.'
+// replaced by '_', core/models.h).
+torch::jit::Module scripted(const std::string& file, const Weights& w) {
+  torch::jit::Module m;
+  try {
+    m = torch::jit::load(file, torch::kCPU);
+  } catch (const std::exception& e) {
+    throw ConfigError("export: TorchScript model file '" + file + "' could not be loaded: " + error_text(e));
+  }
+  size_t n = 0;
+  torch::NoGradGuard g;
+  for (const auto& p : m.named_parameters(/*recurse=*/true)) {
+    std::string key = p.name;
+    std::replace(key.begin(), key.end(), '.', '_');
+    const at::Tensor& v = need(w, key, p.value.sizes().vec());
+    p.value.copy_(v.to(at::kCPU, p.value.scalar_type()));
+    ++n;
+  }
+  SPARROW_CHECK_T(ConfigError, n == w.size(),
+                  "export: '" << file << "' has " << n << " parameters, the weights " << w.size());
+  return m;
+}
+
+}  // namespace
+
+void save_torchscript(const std::string& model, const Weights& weights, const std::string& path) {
+  torch::jit::Module m;
+  if (model.rfind("torchscript:", 0) == 0)
+    m = scripted(model.substr(12), weights);
+  else if (model == "mlp" || model == "cnn" || model == "logreg")
+    m = builtin(model, weights);
+  else
+    throw ConfigError("export: no TorchScript form for model '" + model + "'");
+  const std::string tmp = path + ".tmp";
+  m.save(tmp);
+  fs::rename(tmp, path);
+}
+
+ExportResult export_model(const std::string& model, const Weights& weights, const std::string& dir) {
+  SPARROW_CHECK_T(ConfigError, !weights.empty(), "export: no weights");
+  fs::create_directories(fs::path(dir) / "weights");
+  ExportResult r;
+  for (const auto& [name, t] : weights) {
+    const at::Tensor v = t.detach().to(at::kCPU, at::kFloat).contiguous();
+    const std::string path = (fs::path(dir) / "weights" / (name + ".npy")).string();
+    npy::write(path, v.sizes().vec(), v.data_ptr<float>());
+    r.npy.push_back(path);
+  }
+  if (model.rfind("resnet", 0) == 0) {
+    r.note = "resnet: .npy weights only (its BatchNorm running statistics are not part of the global model)";
+    return r;
+  }
+  r.torchscript = (fs::path(dir) / "model.pt").string();
+  save_torchscript(model, weights, r.torchscript);
+  return r;
+}
+
+}  // namespace sparrow::core

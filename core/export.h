@@ -1,0 +1,34 @@
+#pragma once
+// Getting a trained model out (`sparrow-sim export`, `sparrow-server export`):
+// the global weights as one .npy file per parameter, and as a TorchScript
+// module that anyone with PyTorch can load (`torch.jit.load("model.pt")`)
+// and call: forward(x) returns the logits, exactly as Sparrow computes them.
+
+#include <ATen/ATen.h>
+
+#include <map>
+#include <string>
+#include <vector>
+
+namespace sparrow::core {
+
+struct ExportResult {
+  std::string torchscript;       // path of model.pt, empty when none was written
+  std::vector<std::string> npy;  // one path per parameter
+  std::string note;              // why no TorchScript was written, when it was not
+};
+
+// Writes `weights` of `model` into `dir` (created): dir/weights/NAME.npy per
+// parameter, and dir/model.pt for mlp, cnn, logreg (linear on the flattened
+// input) and torchscript:FILE (that module with these weights). resnet gets
+// .npy files only (its BatchNorm statistics are not part of the global model),
+// said in `note`. ConfigError when the weights do not match the model.
+ExportResult export_model(const std::string& model, const std::map<std::string, at::Tensor>& weights,
+                          const std::string& dir);
+
+// The TorchScript module export_model() writes (not saved): for tests and
+// for programs that want it in memory.
+void save_torchscript(const std::string& model, const std::map<std::string, at::Tensor>& weights,
+                      const std::string& path);
+
+}  // namespace sparrow::core

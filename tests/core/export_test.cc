@@ -1,0 +1,84 @@
+#include "tests/sparrow_test.h"
+
+#include <torch/script.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+
+#include "core/error.h"
+#include "core/export.h"
+#include "core/models.h"
+#include "core/npy.h"
+
+namespace fs = std::filesystem;
+using sparrow::ConfigError;
+using sparrow::core::export_model;
+using sparrow::core::make_model;
+
+namespace {
+
+std::map<std::string, at::Tensor> weights_of(sparrow::core::Model& m) {
+  std::map<std::string, at::Tensor> w;
+  for (const auto& p : m.named_parameters(true)) w[p.key()] = p.value().detach().clone();
+  return w;
+}
+
+}  // namespace
+
+TEST_CASE("export: mlp and cnn as TorchScript compute what Sparrow computes, and .npy per parameter") {
+  for (const std::string name : {"mlp", "cnn"}) {
+    CAPTURE(name);
+    const std::string dir = "export_test_" + name;
+    fs::remove_all(dir);
+    auto m = make_model(name, 3);
+    const auto w = weights_of(*m);
+    const auto r = export_model(name, w, dir);
+    REQUIRE(fs::exists(r.torchscript));
+    CHECK(r.npy.size() == w.size());
+    torch::jit::Module loaded = torch::jit::load(r.torchscript);
+    at::manual_seed(1);
+    const at::Tensor x = at::randn({5, 1, 28, 28});
+    m->eval();
+    c10::NoGradGuard g;
+    const at::Tensor want = m->forward(x);
+    const at::Tensor got = loaded.forward({x}).toTensor();
+    CHECK(at::allclose(got, want, 1e-4, 1e-5));
+    // The .npy files hold the same numbers.
+    const auto a = sparrow::npy::read(dir + "/weights/fc1.weight.npy");
+    CHECK(a.shape == w.at("fc1.weight").sizes().vec());
+    CHECK(at::equal(at::from_blob(const_cast<float*>(a.data.data()), a.shape, at::kFloat), w.at("fc1.weight")));
+    fs::remove_all(dir);
+  }
+}
+
+TEST_CASE("export: refuses weights of another model, resnet gets .npy only") {
+  auto mlp = make_model("mlp", 1);
+  CHECK_THROWS_AS(export_model("cnn", weights_of(*mlp), "export_test_bad"), ConfigError);
+  auto rn = make_model("resnet", 1);
+  const auto r = export_model("resnet", weights_of(*rn), "export_test_resnet");
+  CHECK(r.torchscript.empty());
+  CHECK(r.note.find("BatchNorm") != std::string::npos);
+  CHECK_FALSE(r.npy.empty());
+  fs::remove_all("export_test_bad");
+  fs::remove_all("export_test_resnet");
+}
+
+TEST_CASE("export: a TorchScript model gets the trained weights") {
+  torch::jit::Module net("Net");
+  torch::jit::Module fc("Fc");
+  fc.register_parameter("weight", torch::zeros({3, 4}), false);
+  fc.register_parameter("bias", torch::zeros({3}), false);
+  fc.define("def forward(self, x):\n    return torch.linear(x, self.weight, self.bias)\n");
+  net.register_module("fc", fc);
+  net.define("def forward(self, x):\n    return self.fc.forward(x)\n");
+  net.save("export_test_user.pt");
+  std::map<std::string, at::Tensor> w = {{"fc_weight", at::randn({3, 4})}, {"fc_bias", at::randn({3})}};
+  const auto r = export_model("torchscript:export_test_user.pt", w, "export_test_user");
+  torch::jit::Module loaded = torch::jit::load(r.torchscript);
+  const at::Tensor x = at::randn({2, 4});
+  CHECK(at::allclose(loaded.forward({x}).toTensor(), at::linear(x, w["fc_weight"], w["fc_bias"])));
+  w.erase("fc_bias");
+  CHECK_THROWS_AS(export_model("torchscript:export_test_user.pt", w, "export_test_user"), ConfigError);
+  fs::remove_all("export_test_user");
+  std::remove("export_test_user.pt");
+}
