@@ -83,14 +83,28 @@ constexpr const char* kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e",
 
 struct Series {
   std::string label;
-  std::vector<std::pair<double, double>> points;  // (x, accuracy), evaluated rounds only
+  std::vector<std::pair<double, double>> points;  // (x, y): evaluated rounds only for accuracy and test loss
+  bool dashed = false;                            // e.g. the training loss next to the test loss
+  int color = -1;                                 // index into kColors; -1 = the series' position
 };
 
 struct PlotSpec {
   std::string title, x_label, y_label;
   bool log_x = false;
   std::vector<Series> series;
+  bool fraction = true;  // y in [0, 1] (accuracy): the axis never leaves it
 };
+
+// The y axis around the data (a 6% margin), not 0..1 whatever the data: a run
+// between 70% and 85% fills the plot. Never below 0 for non-negative data,
+// never above 1 for fractions.
+std::pair<double, double> y_range(double ymin, double ymax, bool fraction) {
+  const double pad = std::max((ymax - ymin) * 0.06, fraction ? 0.01 : std::max(1e-3, std::abs(ymax) * 0.05));
+  double lo = ymin - pad, hi = ymax + pad;
+  if (ymin >= 0) lo = std::max(0.0, lo);
+  if (fraction) hi = std::min(1.0, hi);
+  return {lo, hi};
+}
 
 std::string num(double v) {
   char buf[32];
@@ -116,8 +130,13 @@ std::string render(const PlotSpec& spec) {
     // Rounds: start the axis at 0 (or below, for odd data) with whole-number steps.
     xt = empty ? linear_ticks(0, 1, 6, 1) : linear_ticks(std::min(0.0, xmin), xmax, 6, 1);
   }
-  // Accuracy: 0..1 for fractions; up to the data for percentages.
-  std::vector<Tick> yt = empty ? linear_ticks(0, 1) : linear_ticks(std::min(0.0, ymin), std::max(1.0, ymax));
+  std::vector<Tick> yt;
+  if (empty) {
+    yt = linear_ticks(0, 1);
+  } else {
+    const auto [lo, hi] = y_range(ymin, ymax, spec.fraction);
+    yt = linear_ticks(lo, hi);
+  }
   double x0 = xt.front().value, x1 = xt.back().value, y0 = yt.front().value, y1 = yt.back().value;
   auto fx = [&](double x) {
     double t = spec.log_x ? (std::log10(x) - std::log10(x0)) / (std::log10(x1) - std::log10(x0)) : (x - x0) / (x1 - x0);
@@ -170,9 +189,10 @@ std::string render(const PlotSpec& spec) {
   // One polyline per run, a marker per evaluated point.
   for (size_t i = 0; i < spec.series.size(); ++i) {
     const Series& s = spec.series[i];
-    const char* color = kColors[i % (sizeof(kColors) / sizeof(kColors[0]))];
+    const size_t ci = s.color >= 0 ? static_cast<size_t>(s.color) : i;
+    const char* color = kColors[ci % (sizeof(kColors) / sizeof(kColors[0]))];
     o << "<g class=\"series\">\n<polyline class=\"run\" fill=\"none\" stroke=\"" << color
-      << "\" stroke-width=\"2\" points=\"";
+      << "\" stroke-width=\"2\"" << (s.dashed ? " stroke-dasharray=\"6 4\"" : "") << " points=\"";
     for (size_t k = 0; k < s.points.size(); ++k) {
       o << (k ? " " : "") << num(fx(s.points[k].first)) << "," << num(fy(s.points[k].second));
     }
@@ -187,7 +207,8 @@ std::string render(const PlotSpec& spec) {
   o << "<g class=\"legend\">\n";
   for (size_t i = 0; i < spec.series.size(); ++i) {
     const Series& s = spec.series[i];
-    const char* color = kColors[i % (sizeof(kColors) / sizeof(kColors[0]))];
+    const size_t ci = s.color >= 0 ? static_cast<size_t>(s.color) : i;
+    const char* color = kColors[ci % (sizeof(kColors) / sizeof(kColors[0]))];
     double y = kTop + 10 + 20 * static_cast<double>(i);
     std::string label = s.label;
     if (label.size() > 24) {
@@ -198,7 +219,8 @@ std::string render(const PlotSpec& spec) {
     if (s.points.empty()) label += " (no data)";
     o << "<g class=\"legend-entry\">"
       << "<line x1=\"" << num(kRight + 15) << "\" y1=\"" << num(y) << "\" x2=\"" << num(kRight + 40) << "\" y2=\""
-      << num(y) << "\" stroke=\"" << color << "\" stroke-width=\"2\"/>"
+      << num(y) << "\" stroke=\"" << color << "\" stroke-width=\"2\"" << (s.dashed ? " stroke-dasharray=\"6 4\"" : "")
+      << "/>"
       << "<circle cx=\"" << num(kRight + 27.5) << "\" cy=\"" << num(y) << "\" r=\"3\" fill=\"" << color << "\"/>"
       << "<text x=\"" << num(kRight + 46) << "\" y=\"" << num(y + 4) << "\">" << xml_escape(label) << "</text></g>\n";
   }
@@ -265,33 +287,50 @@ std::vector<MetricsRow> read_metrics(const std::string& run_dir) {
   return rows;
 }
 
-std::vector<std::string> write_report(const std::string& run_dir, const std::vector<std::string>& compare) {
+std::vector<std::string> write_report(const std::string& run_dir, const std::vector<std::string>& compare,
+                                      const std::string& out_dir) {
   // Read and check everything first: bad input writes nothing.
   std::vector<std::string> dirs{run_dir};
   dirs.insert(dirs.end(), compare.begin(), compare.end());
   PlotSpec by_round{"Accuracy vs round", "round", "accuracy", false, {}};
   PlotSpec by_bytes{"Accuracy vs cumulative uplink bytes", "cumulative uplink bytes (log scale)", "accuracy", true, {}};
+  PlotSpec loss{"Loss vs round (solid: test, dashed: training)", "round", "loss", false, {}};
+  loss.fraction = false;
+  int color = 0;
   for (const std::string& dir : dirs) {
     std::vector<MetricsRow> rows = read_metrics(dir);
     Series r{run_label(dir), {}}, b{r.label, {}};
+    Series test{r.label + " test", {}, false, color}, train{r.label + " train", {}, true, color};
     double cumulative = 0;
     for (const MetricsRow& row : rows) {
       cumulative += row.bytes_up;
+      if (std::isfinite(row.train_loss)) train.points.emplace_back(row.round, row.train_loss);
+      if (row.has_loss && std::isfinite(row.loss)) test.points.emplace_back(row.round, row.loss);
       if (!row.has_accuracy) continue;
       r.points.emplace_back(row.round, row.accuracy);
       if (cumulative > 0) b.points.emplace_back(cumulative, row.accuracy);  // log axis: nothing at 0 bytes
     }
     by_round.series.push_back(std::move(r));
     by_bytes.series.push_back(std::move(b));
+    loss.series.push_back(std::move(test));
+    loss.series.push_back(std::move(train));
+    ++color;
   }
   if (dirs.size() == 1) {
     by_round.title += " (" + by_round.series[0].label + ")";
     by_bytes.title += " (" + by_bytes.series[0].label + ")";
   }
-  std::vector<std::string> paths{(fs::path(run_dir) / "accuracy_vs_round.svg").string(),
-                                 (fs::path(run_dir) / "accuracy_vs_bytes.svg").string()};
+  const fs::path out = out_dir.empty() ? fs::path(run_dir) : fs::path(out_dir);
+  if (!out_dir.empty()) {
+    std::error_code ec;
+    fs::create_directories(out, ec);
+    SPARROW_CHECK_T(ConfigError, !ec, "report: cannot create '" << out_dir << "': " << ec.message());
+  }
+  std::vector<std::string> paths{(out / "accuracy_vs_round.svg").string(), (out / "accuracy_vs_bytes.svg").string(),
+                                 (out / "loss_vs_round.svg").string()};
   write_file(paths[0], render(by_round));
   write_file(paths[1], render(by_bytes));
+  write_file(paths[2], render(loss));
   return paths;
 }
 

@@ -8,10 +8,12 @@
 // Contract of write_report:
 //  - Reads run_dir/metrics.csv and, to overlay several runs, each compare dir's
 //    metrics.csv; every run is labelled by its folder name.
-//  - Writes run_dir/accuracy_vs_round.svg and run_dir/accuracy_vs_bytes.svg
-//    (x = cumulative uplink bytes, log scale, SI units: 1 KB = 1000 B) and returns
-//    their paths in that order. Each run is one polyline through its evaluated
-//    rounds with a marker per point; rows with an empty accuracy cell are skipped.
+//  - Writes accuracy_vs_round.svg, accuracy_vs_bytes.svg (x = cumulative uplink
+//    bytes, log scale, SI units: 1 KB = 1000 B) and loss_vs_round.svg (test loss
+//    solid, training loss dashed, one colour per run) into run_dir or out_dir,
+//    and returns their paths in that order. Each run is one polyline through its
+//    evaluated rounds with a marker per point; rows with an empty accuracy cell
+//    are skipped. The y axis is scaled to the data (accuracy stays within [0, 1]).
 //  - All inputs are read and checked before anything is written, so bad input
 //    changes nothing. A missing metrics.csv throws ConfigError (the user named a
 //    wrong folder); a malformed one (empty, missing header columns, wrong field
@@ -45,8 +47,11 @@ struct MetricsRow {
 // Parses run_dir/metrics.csv under the contract above (errors included).
 std::vector<MetricsRow> read_metrics(const std::string& run_dir);
 
-// Writes the two SVG plots; see the contract above. Returns their paths.
-std::vector<std::string> write_report(const std::string& run_dir, const std::vector<std::string>& compare = {});
+// Writes the SVG plots (accuracy vs round, accuracy vs cumulative uplink
+// bytes, test and training loss vs round) into out_dir (default: run_dir);
+// see the contract above. Returns their paths in that order.
+std::vector<std::string> write_report(const std::string& run_dir, const std::vector<std::string>& compare = {},
+                                      const std::string& out_dir = "");
 
 // Exposed for tests and for anyone drawing more plots.
 namespace report_detail {

@@ -82,6 +82,8 @@ int main(int argc, char** argv) {
   auto* report = app.add_subcommand("report", "plot accuracy against rounds and against uplink bytes (SVG)");
   report->add_option("run_dir", report_dir, "the run folder (holds metrics.csv)")->required();
   report->add_option("--compare", compare, "other run folders to overlay")->take_all();
+  std::string report_out;
+  report->add_option("--out", report_out, "folder for the plots (default: the run folder)");
   std::string export_dir, export_out;
   auto* exp = app.add_subcommand("export", "write a run's global model as TorchScript (model.pt) and .npy weights");
   exp->add_option("run_dir", export_dir, "the run folder")->required();
@@ -113,7 +115,7 @@ int main(int argc, char** argv) {
   }
   if (*report) {
     try {
-      for (const std::string& path : write_report(report_dir, compare)) std::cout << path << '\n';
+      for (const std::string& path : write_report(report_dir, compare, report_out)) std::cout << path << '\n';
       return 0;
     } catch (const sparrow::ConfigError& e) {
       std::cerr << "sparrow-sim report: " << sparrow::core::error_text(e) << '\n';

@@ -158,10 +158,11 @@ TEST_CASE("report writes two well-formed plots of one run") {
   TempRun run("single");
   run.write(synthetic_csv(10, 2, 250000));  // 5 evaluated rounds, 250 KB .. 2.5 MB cumulative
   std::vector<std::string> paths = write_report(run.str());
-  REQUIRE(paths.size() == 2);
+  REQUIRE(paths.size() == 3);
   CHECK(paths[0] == (run.dir / "accuracy_vs_round.svg").string());
   CHECK(paths[1] == (run.dir / "accuracy_vs_bytes.svg").string());
-  for (const std::string& p : paths) {
+  CHECK(paths[2] == (run.dir / "loss_vs_round.svg").string());
+  for (const std::string& p : {paths[0], paths[1]}) {
     REQUIRE(fs::exists(p));
     std::string svg = slurp(p);
     std::string why;
@@ -236,7 +237,7 @@ TEST_CASE("report overlays runs labelled by folder name") {
   a.write(synthetic_csv(6, 1, 1e6));
   b.write(synthetic_csv(6, 3, 1e4));
   std::vector<std::string> paths = write_report(a.str(), {b.str() + "/"});
-  for (const std::string& p : paths) {
+  for (const std::string& p : {paths[0], paths[1]}) {
     std::string svg = slurp(p);
     std::string why;
     CHECK_MESSAGE(well_formed(svg, &why), p << ": " << why);
@@ -309,4 +310,31 @@ TEST_CASE("report accepts diverged losses and unevaluated runs") {
   CHECK_MESSAGE(well_formed(svg, &why), why);
   CHECK(contains(svg, "(no data)"));
   CHECK(point_count(polylines(svg).at(0)) == 0);
+}
+
+TEST_CASE("report: loss plot (test and training), y axis scaled to the data, --out folder") {
+  TempRun run("lossplot");
+  // Accuracy 0.7 .. 0.85 over 10 rounds, every round evaluated.
+  std::ostringstream o;
+  o << kHeader;
+  for (int r = 1; r <= 10; ++r)
+    o << r << "," << 0.7 + 0.15 * (r - 1) / 9 << "," << 1.0 / r << "," << 1.2 / r << ",1000,4000,0.5,0.01,10,0\n";
+  run.write(o.str());
+  const fs::path out = run.dir / "plots";
+  std::vector<std::string> paths = write_report(run.str(), {}, out.string());
+  REQUIRE(paths.size() == 3);
+  for (const std::string& p : paths) CHECK(fs::path(p).parent_path() == out);
+  CHECK_FALSE(fs::exists(run.dir / "accuracy_vs_round.svg"));  // only in --out
+  const std::string acc = slurp(paths[0]), loss = slurp(paths[2]);
+  std::string why;
+  CHECK_MESSAGE(well_formed(loss, &why), why);
+  // Accuracy ticks start near the data, not at 0.
+  CHECK_FALSE(contains(acc, ">0.0</text>"));
+  CHECK(contains(acc, ">0.70</text>"));
+  // Loss: a test and a training series per run, the training one dashed.
+  CHECK(polylines(loss).size() == 2);
+  CHECK(count(loss, "stroke-dasharray") == 2);  // the line and its legend entry
+  CHECK(contains(loss, ">lossplot test</text>"));
+  CHECK(contains(loss, ">lossplot train</text>"));
+  CHECK(contains(loss, ">loss</text>"));
 }
