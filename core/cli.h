@@ -27,6 +27,7 @@ inline std::string version_text(const std::string& program) { return program + "
 
 // --version and --log-level on `app`; `level` holds the default.
 inline void add_common_options(CLI::App& app, const std::string& program, std::string* level) {
+  app.fallthrough();  // `PROGRAM SUBCOMMAND --log-level debug` works as well
   app.set_version_flag("--version", version_text(program));
   app.add_option("--log-level", *level, "trace, debug, info, warn, error, off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}))

@@ -3,6 +3,7 @@
 //   sparrow-server keygen --out DIR [--name NAME] [--clients N]
 //   sparrow-server status --db FILE [--json]
 //   sparrow-server export --db FILE [--out DIR]
+//   sparrow-server try [--clients 3] [--rounds 5] [--dir sparrow-try]
 #include <CLI/CLI.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
@@ -23,6 +24,7 @@
 #include "server/config.h"
 #include "server/server.h"
 #include "server/store.h"
+#include "server/try.h"
 #include "wire/net.h"
 
 namespace {
@@ -33,6 +35,9 @@ extern "C" void on_signal(int) {
   sparrow::server::Server* s = g_server.load();
   if (s) s->stop();  // stores to an atomic flag only: async-signal-safe
 }
+
+std::atomic<bool> g_try_stop{false};
+extern "C" void on_try_signal(int) { g_try_stop.store(true); }
 
 std::string num(double v) {
   if (!std::isfinite(v)) return "null";
@@ -202,6 +207,17 @@ int main(int argc, char** argv) {
   ex->add_option("--db", ex_db, "database file")->required();
   ex->add_option("--out", ex_out, "output folder")->capture_default_str();
 
+  auto* tr = app.add_subcommand("try", "a server and N clients on this machine, keys and data shards made for you");
+  sparrow::server::TryOptions try_opts;
+  tr->add_option("--clients", try_opts.clients, "clients to start")->capture_default_str();
+  tr->add_option("--rounds", try_opts.rounds, "rounds to run")->capture_default_str();
+  tr->add_option("--dir", try_opts.dir, "folder for keys, configs, database and logs")->capture_default_str();
+  tr->add_option("--model", try_opts.model, "model")->capture_default_str();
+  tr->add_option("--compression", try_opts.compression, "what clients send")->capture_default_str();
+  tr->add_option("--shards", try_opts.shards, "Fashion-MNIST is cut into this many shards; client i takes shard i")
+      ->capture_default_str();
+  tr->add_flag("--force", try_opts.force, "replace an earlier try in --dir");
+
   auto* st = app.add_subcommand("status", "print rounds, clients and the latest metrics of a server database");
   std::string st_db;
   bool st_json = false;
@@ -213,8 +229,13 @@ int main(int argc, char** argv) {
     if (*kg) return keygen(kg_out, kg_name, kg_clients);
     if (*st) return status(st_db, st_json);
     if (*ex) return export_model(ex_db, ex_out);
+    if (*tr) {
+      std::signal(SIGINT, on_try_signal);
+      std::signal(SIGTERM, on_try_signal);
+      return sparrow::server::run_try(try_opts, g_try_stop);
+    }
     if (config_path.empty()) {
-      std::cerr << "sparrow-server: --config FILE is required (or a subcommand: keygen, status)\n";
+      std::cerr << "sparrow-server: --config FILE is required (or a subcommand: keygen, status, export, try)\n";
       return 2;
     }
     sparrow::server::ServerConfig cfg = sparrow::server::load_server_config(config_path, overrides);

@@ -191,8 +191,8 @@ std::string render(const PlotSpec& spec) {
     const Series& s = spec.series[i];
     const size_t ci = s.color >= 0 ? static_cast<size_t>(s.color) : i;
     const char* color = kColors[ci % (sizeof(kColors) / sizeof(kColors[0]))];
-    o << "<g class=\"series\">\n<polyline class=\"run\" fill=\"none\" stroke=\"" << color
-      << "\" stroke-width=\"2\"" << (s.dashed ? " stroke-dasharray=\"6 4\"" : "") << " points=\"";
+    o << "<g class=\"series\">\n<polyline class=\"run\" fill=\"none\" stroke=\"" << color << "\" stroke-width=\"2\""
+      << (s.dashed ? " stroke-dasharray=\"6 4\"" : "") << " points=\"";
     for (size_t k = 0; k < s.points.size(); ++k) {
       o << (k ? " " : "") << num(fx(s.points[k].first)) << "," << num(fy(s.points[k].second));
     }

@@ -759,3 +759,28 @@ TEST_CASE("every program: --version, --log-level, and the same exit status for a
   }
   fs::remove_all(dir);
 }
+
+TEST_CASE("integration: sparrow-server try runs a server and its clients to the end, and stops cleanly on Ctrl-C") {
+  const std::string dir = fresh_dir("try");
+  REQUIRE(run_tool({kServerBin, "try", "--clients", "2", "--rounds", "2", "--dir", dir + "/a"}, dir + "/a.log") == 0);
+  {
+    Db db(dir + "/a/server.db");
+    const auto rounds = db.rounds();
+    REQUIRE(rounds.size() == 2);
+    CHECK(rounds[1].updates == 2);
+    CHECK(rounds[1].eval_accuracy > 0.1);  // evaluated on the test split
+  }
+  std::ifstream in(dir + "/a.log");
+  const std::string log((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  CHECK(log.find("2 of 2 rounds, 4 updates accepted") != std::string::npos);
+  // An earlier try is not replaced silently.
+  CHECK(run_tool({kServerBin, "try", "--dir", dir + "/a"}, dir + "/again.log") == 2);
+  // Ctrl-C: the server stops, the clients are stopped, exit 130.
+  Process t({kServerBin, "try", "--clients", "2", "--rounds", "1000", "--dir", dir + "/b"}, dir + "/b.log");
+  REQUIRE(t.wait_for_log("everything is in", 60s));
+  std::this_thread::sleep_for(1s);
+  t.signal(SIGINT);
+  CHECK(t.wait(60s) == std::optional<int>(130));
+  CHECK(t.log().find("client(s) failed") == std::string::npos);
+  fs::remove_all(dir);
+}
