@@ -184,7 +184,9 @@ struct ClientSession::Impl {
   std::unique_ptr<zmq::socket_t> sock;
   std::unique_ptr<net::HandshakeMonitor> monitor;  // of `sock`
   // Handshakes failing since (no success, no Welcome in between), and why.
-  std::optional<Clock::time_point> failing_since;
+  std::optional<Clock::time_point> failing_since, last_failure;
+  int failures = 0;
+  bool decisive = false;  // the server refused the key, or the security mechanisms differ
   std::string failure_cause;
   bool handshake_ok = false;  // on the current connection
   bool welcomed = false;
@@ -369,6 +371,9 @@ struct ClientSession::Impl {
       } else if (e.kind == Kind::kSucceeded) {
         handshake_ok = true;
         failing_since.reset();
+        last_failure.reset();
+        failures = 0;
+        decisive = false;
       } else if (e.kind == Kind::kRefused || e.kind == Kind::kMismatch || e.kind == Kind::kFailed ||
                  (e.kind == Kind::kDisconnected && !handshake_ok)) {
         const std::string cause = net::HandshakeMonitor::client_cause(e, !cfg.insecure);
@@ -377,11 +382,28 @@ struct ClientSession::Impl {
           if (cause != failure_cause) spdlog::warn("event=handshake_failed server={} msg=\"{}\"", cfg.server, cause);
           failure_cause = cause;
         }
-        if (!failing_since) failing_since = Clock::now();
+        const auto now = Clock::now();
+        if (!failing_since) failing_since = now;
+        last_failure = now;
+        ++failures;
+        decisive = decisive || e.kind == Kind::kRefused || e.kind == Kind::kMismatch;
       }
     }
-    if (failing_since && cfg.give_up_s > 0 &&
-        Clock::now() - *failing_since >= std::chrono::duration<double>(cfg.give_up_s))
+    const auto now = Clock::now();
+    // Failures that stopped (the server went away: "connection refused" makes
+    // no handshake events) are not a handshake problem: forget them. The
+    // window covers the longest reconnect backoff and a silence timeout.
+    const auto stale = std::chrono::milliseconds(static_cast<int64_t>(cfg.backoff_max_ms) + 3 * hb_ms + 5000);
+    if (last_failure && now - *last_failure > stale) {
+      failing_since.reset();
+      last_failure.reset();
+      failures = 0;
+      decisive = false;
+    }
+    // A refused key or a security mismatch is certain; a handshake that just
+    // closes must have happened a few times.
+    if (failing_since && cfg.give_up_s > 0 && (decisive || failures >= 3) &&
+        now - *failing_since >= std::chrono::duration<double>(cfg.give_up_s))
       throw Error("gave up after " + std::to_string(static_cast<int64_t>(cfg.give_up_s)) +
                   " s of failed handshakes with " + cfg.server + ": " + failure_cause);
   }
@@ -538,6 +560,9 @@ struct ClientSession::Impl {
   Outcome on_welcome(const wire::Welcome& w) {
     ++n.welcomes;
     failing_since.reset();
+    last_failure.reset();
+    failures = 0;
+    decisive = false;
     failure_cause.clear();
     welcome = w;
     welcomed = true;

@@ -185,13 +185,13 @@ struct RoundContext {
 struct Partial {
   std::unique_ptr<aggregation::Accumulator> agg;
   Weights control_sum;
-  std::map<std::string, double> metric_sum;  // Σ w·metric
-  double metric_weight = 0;
+  std::map<std::string, double> metric_sum;     // Σ w·metric
+  std::map<std::string, double> metric_weight;  // Σ w over the updates that carry the metric
   void reset(double clip) {
     agg->reset(clip);
     control_sum.clear();
     metric_sum.clear();
-    metric_weight = 0;
+    metric_weight.clear();
   }
 };
 
@@ -546,9 +546,10 @@ struct Server::Impl {
     using Kind = net::HandshakeMonitor::Kind;
     for (const auto& e : monitor->drain()) {
       if (e.kind != Kind::kMismatch && e.kind != Kind::kFailed) continue;
-      const char* what = e.kind == Kind::kMismatch ? "plain TCP peer on a CURVE server (client without keys?)"
-                                                   : "handshake failed (a client with a wrong server_key, or "
-                                                     "without CURVE)";
+      const char* what = e.kind == Kind::kMismatch
+                             ? "plain TCP peer on a CURVE server (client without keys?)"
+                             : "handshake failed or closed early (a client with a wrong server_key, a peer "
+                               "without CURVE, or a port probe)";
       // The address libzmq reports is the listening endpoint: one key per kind.
       if (const auto n = mismatch_log.admit(what))
         spdlog::warn("event=handshake_failed endpoint={} failures_since_last_warning={} msg=\"{}\"", e.address, *n,
@@ -892,8 +893,10 @@ struct Server::Impl {
       else
         it->second.add_(d);
     }
-    for (const auto& [k, v] : u.metrics) p.metric_sum[k] += weight * v;
-    p.metric_weight += weight;
+    for (const auto& [k, v] : u.metrics) {
+      p.metric_sum[k] += weight * v;
+      p.metric_weight[k] += weight;  // per metric: not every client reports every metric
+    }
   }
 
   // ---- round thread ------------------------------------------------------------------
@@ -1057,8 +1060,7 @@ struct Server::Impl {
     aggregation::Accumulator agg = aggregator->make_accumulator(shapes);
     agg.reset(aggregator->clip());
     Weights control_sum;
-    std::map<std::string, double> metric_sum;
-    double metric_weight = 0;
+    std::map<std::string, double> metric_sum, metric_weight;
     for (auto& p : partials) {
       agg.merge(*p.agg);
       for (const auto& [k, v] : p.control_sum) {
@@ -1069,7 +1071,7 @@ struct Server::Impl {
           it->second.add_(v);
       }
       for (const auto& [k, v] : p.metric_sum) metric_sum[k] += v;
-      metric_weight += p.metric_weight;
+      for (const auto& [k, v] : p.metric_weight) metric_weight[k] += v;
     }
     if (agg.total_weight() <= 0) {
       n.abandoned++;
@@ -1135,8 +1137,8 @@ struct Server::Impl {
     row.started = started;
     row.selected = static_cast<int64_t>(chosen.size());
     std::map<std::string, double> metrics;
-    if (metric_weight > 0)
-      for (const auto& [k, v] : metric_sum) metrics["client." + k] = v / metric_weight;
+    for (const auto& [k, v] : metric_sum)
+      if (metric_weight[k] > 0) metrics["client." + k] = v / metric_weight[k];
     row.train_loss = metrics.count("client.train_loss") ? metrics["client.train_loss"] : kNaN;
     row.eval_loss = row.eval_accuracy = kNaN;
     // Clients with a holdout evaluated the model they received (federated
@@ -1306,6 +1308,7 @@ Server::~Server() {
     impl_->router.set(zmq::sockopt::linger, 1000);
   } catch (const zmq::error_t&) {
   }
+  impl_->monitor.reset();  // stop monitoring before the socket goes (its events would find no reader)
   impl_->router.close();
   impl_->zap.reset();
 }

@@ -1,5 +1,6 @@
 #include "server/try.h"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
 #include <sys/wait.h>
@@ -41,19 +42,74 @@ std::string client_binary() {
   return bin.string();
 }
 
+// fork + exec with only async-signal-safe calls in the child (the parent has
+// threads): argv and the log's descriptor are made before the fork.
 pid_t spawn(const std::vector<std::string>& argv, const std::string& log) {
+  std::vector<char*> args;
+  for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+  args.push_back(nullptr);
+  const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  SPARROW_CHECK_T(Error, fd >= 0, "try: cannot write " << log);
   const pid_t pid = ::fork();
-  SPARROW_CHECK(pid >= 0, "try: fork failed");
   if (pid == 0) {
-    FILE* f = std::freopen(log.c_str(), "w", stderr);
-    if (f) ::dup2(::fileno(stderr), 1);
-    std::vector<char*> args;
-    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
+    ::dup2(fd, 1);  // the copies do not inherit O_CLOEXEC
+    ::dup2(fd, 2);
     ::execv(args[0], args.data());
     _exit(127);
   }
+  ::close(fd);
+  SPARROW_CHECK(pid >= 0, "try: fork failed");
   return pid;
+}
+
+// The client processes: stopped and reaped on every way out.
+struct Children {
+  std::vector<pid_t> pids;
+  std::vector<int> status;  // per pid, -1 while running: exit code, or 128 + signal
+  Children() = default;
+  Children(const Children&) = delete;
+  Children& operator=(const Children&) = delete;
+  ~Children() {
+    for (size_t i = 0; i < pids.size(); ++i)
+      if (status[i] < 0) ::kill(pids[i], SIGTERM);
+    for (size_t i = 0; i < pids.size(); ++i)
+      if (status[i] < 0) ::waitpid(pids[i], nullptr, 0);
+  }
+  void add(pid_t p) {
+    pids.push_back(p);
+    status.push_back(-1);
+  }
+  void signal_running(int sig) {
+    for (size_t i = 0; i < pids.size(); ++i)
+      if (status[i] < 0) ::kill(pids[i], sig);
+  }
+  // Reaps the clients that exited; returns how many are still running.
+  size_t poll() {
+    size_t running = 0;
+    for (size_t i = 0; i < pids.size(); ++i) {
+      if (status[i] >= 0) continue;
+      int st = 0;
+      if (::waitpid(pids[i], &st, WNOHANG) == pids[i])
+        status[i] = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + (WIFSIGNALED(st) ? WTERMSIG(st) : 0);
+      else
+        ++running;
+    }
+    return running;
+  }
+};
+
+// Only what `try` writes, so --force never removes anything else in the folder.
+void remove_earlier_try(const fs::path& dir) {
+  fs::remove_all(dir / "keys");
+  std::vector<fs::path> ours;
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    const std::string n = entry.path().filename().string();
+    const bool client_file =
+        n.rfind("client", 0) == 0 && (n.find(".toml") != std::string::npos || n.find(".db") != std::string::npos ||
+                                      n.find(".log") != std::string::npos);
+    if (n.rfind("server.db", 0) == 0 || n == "server.toml" || client_file) ours.push_back(entry.path());
+  }
+  for (const auto& p : ours) fs::remove(p);
 }
 
 }  // namespace
@@ -66,7 +122,7 @@ int run_try(const TryOptions& o, std::atomic<bool>& stop) {
   if (fs::exists(dir / "server.db")) {
     SPARROW_CHECK_T(ConfigError, o.force,
                     "try: " << dir.string() << " holds an earlier try: remove it, pick another --dir, or --force");
-    fs::remove_all(dir);
+    remove_earlier_try(dir);
   }
   fs::create_directories(dir / "keys");
   const std::string client_bin = client_binary();
@@ -96,7 +152,7 @@ int run_try(const TryOptions& o, std::atomic<bool>& stop) {
   Server server(cfg);
   write(dir / "server.toml", to_toml(cfg));  // what ran, for `sparrow-server --config` later
 
-  std::vector<pid_t> pids;
+  Children kids;
   for (int i = 1; i <= o.clients; ++i) {
     const std::string n = std::to_string(i);
     write(dir / ("client" + n + ".toml"),
@@ -105,49 +161,65 @@ int run_try(const TryOptions& o, std::atomic<bool>& stop) {
               n + "\"\nmodel = \"" + o.model + "\"\ndata = \"fashion-mnist\"\npartition = \"iid\"\nclients = " +
               std::to_string(o.shards) + "\nindex = " + std::to_string(i - 1) + "\nstate_db = \"" +
               (dir / ("client" + n + ".db")).string() + "\"\n");
-    pids.push_back(spawn({client_bin, "--config", (dir / ("client" + n + ".toml")).string()},
-                         (dir / ("client" + n + ".log")).string()));
+    kids.add(spawn({client_bin, "--config", (dir / ("client" + n + ".toml")).string()},
+                   (dir / ("client" + n + ".log")).string()));
   }
   std::cerr << "sparrow-server try: a server and " << o.clients << " clients on " << server.endpoint() << ", "
             << o.rounds << " rounds of " << o.model << " with " << o.compression << "; everything is in "
             << dir.string() << " (Ctrl-C stops it)\n";
 
-  // A signal only sets `stop`; this thread turns it into Server::stop().
-  std::atomic<bool> over{false};
+  // This thread turns a signal (which only sets `stop`) into Server::stop(),
+  // and stops the server when a client dies before the run is over (the
+  // server would wait for it forever): its log says why.
+  std::atomic<bool> over{false}, client_died{false};
   std::thread watcher([&] {
-    while (!stop.load() && !over.load()) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    if (stop.load()) server.stop();
+    while (!stop.load() && !over.load()) {
+      if (kids.poll() < kids.pids.size()) {
+        client_died.store(true);
+        break;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    if (!over.load()) server.stop();
   });
-  int rc = cli::kOk;
   try {
     server.run();
   } catch (...) {
     over.store(true);
     watcher.join();
-    for (pid_t p : pids) ::kill(p, SIGTERM);
-    for (pid_t p : pids) ::waitpid(p, nullptr, 0);
-    throw;
+    throw;  // ~Children stops and reaps the clients
   }
   const bool finished = server.completed_rounds() >= cfg.rounds;
   over.store(true);
   watcher.join();
-  // Clients exit on the server's Bye "run finished"; after a Ctrl-C they are told to stop.
-  if (!finished)
-    for (pid_t p : pids) ::kill(p, SIGTERM);
-  int failed = 0;
-  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(30);
-  for (pid_t p : pids) {
-    int st = 0;
-    while (::waitpid(p, &st, WNOHANG) == 0) {
-      if (std::chrono::steady_clock::now() > until) {
-        ::kill(p, SIGKILL);
-        ::waitpid(p, &st, 0);
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  // Clients exit on the server's Bye "run finished"; otherwise (Ctrl-C, a
+  // client died) they are told to stop. A client that never heard the Bye
+  // (it was reconnecting) is told to stop after a grace period.
+  bool termed = !finished;
+  if (termed) kids.signal_running(SIGTERM);
+  const auto grace = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  const auto until = grace + std::chrono::seconds(20);
+  while (kids.poll() > 0) {
+    const auto now = std::chrono::steady_clock::now();
+    if (!termed && now > grace) {
+      kids.signal_running(SIGTERM);
+      termed = true;
     }
-    const int code = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + (WIFSIGNALED(st) ? WTERMSIG(st) : 0);
-    if (code != (finished ? 0 : cli::kInterrupted)) ++failed;
+    if (now > until) kids.signal_running(SIGKILL);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  // 0 after the run, or a stop by our SIGTERM (130 from the client's handler,
+  // 143 when it came before the client installed one) are clean.
+  int failed = 0;
+  std::string first_failed;
+  for (size_t i = 0; i < kids.pids.size(); ++i) {
+    const int code = kids.status[i];
+    const bool clean = code == 0 || (termed && (code == cli::kInterrupted || code == 128 + SIGTERM));
+    if (clean) continue;
+    ++failed;
+    if (first_failed.empty())
+      first_failed =
+          (dir / ("client" + std::to_string(i + 1) + ".log")).string() + " (exit " + std::to_string(code) + ")";
   }
   const Counters c = server.counters();
   std::string accuracy;
@@ -164,11 +236,11 @@ int run_try(const TryOptions& o, std::atomic<bool>& stop) {
             << (failed ? ", " + std::to_string(failed) + " client(s) failed" : "") << ". Server database: " << cfg.db
             << " (sparrow-server status --db " << cfg.db << "); client logs: " << (dir / "client*.log").string()
             << "\n";
-  if (!finished)
-    rc = cli::kInterrupted;
-  else if (failed)
-    rc = cli::kFailure;
-  return rc;
+  if (client_died.load() || (finished && failed)) {
+    std::cerr << "sparrow-server try: a client stopped early; see " << first_failed << "\n";
+    return cli::kFailure;
+  }
+  return finished ? cli::kOk : cli::kInterrupted;
 }
 
 }  // namespace sparrow::server

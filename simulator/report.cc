@@ -102,7 +102,8 @@ std::pair<double, double> y_range(double ymin, double ymax, bool fraction) {
   const double pad = std::max((ymax - ymin) * 0.06, fraction ? 0.01 : std::max(1e-3, std::abs(ymax) * 0.05));
   double lo = ymin - pad, hi = ymax + pad;
   if (ymin >= 0) lo = std::max(0.0, lo);
-  if (fraction) hi = std::min(1.0, hi);
+  if (fraction && ymax <= 1) hi = std::min(1.0, hi);  // percentages (> 1) keep their own scale
+  if (!(lo < hi)) hi = lo + 1;
   return {lo, hi};
 }
 

@@ -47,6 +47,7 @@ void on_signal(int) {
 void install_signal_handlers() {
   struct sigaction sa {};
   sa.sa_handler = on_signal;
+  sa.sa_flags = SA_RESTART;  // an interrupted write of the progress line is resumed, not failed
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);

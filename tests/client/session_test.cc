@@ -742,6 +742,5 @@ TEST_CASE("session: a holdout is never trained on and reports the received model
   CHECK(std::isfinite(m["eval_loss"]));
   server.send(wire::Ack{1});
   finish(server, run);
-  cfg.holdout = 0.7;
   CHECK_THROWS_AS(client::parse_session_config("client_id = \"c\"\ninsecure = true\nholdout = 0.7\n"), ConfigError);
 }

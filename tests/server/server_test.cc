@@ -750,23 +750,31 @@ TEST_CASE("a second server on the same database is refused, a server that cannot
 }
 
 TEST_CASE("clients' holdout evaluations fill the round's accuracy when the server does not evaluate") {
-  Server server(base_config("fedeval"), tiny_weights());
+  ServerConfig cfg = base_config("fedeval");
+  cfg.clients_per_round = 3;
+  cfg.quorum = 3;
+  Server server(cfg, tiny_weights());
   zmq::context_t ctx;
-  FakeClient a(ctx, server.endpoint(), "a"), b(ctx, server.endpoint(), "b");
+  FakeClient a(ctx, server.endpoint(), "a"), b(ctx, server.endpoint(), "b"), c(ctx, server.endpoint(), "c");
   Running run(server);
   a.hello(server.model_digest(), 1);
   b.hello(server.model_digest(), 3);
+  c.hello(server.model_digest(), 4);
   (void)a.expect<wire::Task>();
   (void)b.expect<wire::Task>();
+  (void)c.expect<wire::Task>();
   Weights d = scaled(tiny_weights(), 0.1f);
   a.update(1, d, 1, {{"train_loss", 1.0}, {"eval_accuracy", 0.2}, {"eval_loss", 2.0}});
   b.update(1, d, 3, {{"train_loss", 1.0}, {"eval_accuracy", 0.6}, {"eval_loss", 1.0}});
+  c.update(1, d, 4, {{"train_loss", 3.0}});  // no holdout: not part of the accuracy
   CHECK(a.expect<wire::Ack>().round == 1);
   CHECK(b.expect<wire::Ack>().round == 1);
+  CHECK(c.expect<wire::Ack>().round == 1);
   run.join();
   REQUIRE_FALSE(run.error);
   auto store = ServerStore::open_readonly(server.config().db);
   const auto r = store->rounds().at(0);
+  CHECK(r.train_loss == doctest::Approx((1.0 * 1 + 1.0 * 3 + 3.0 * 4) / 8));
   CHECK(r.eval_accuracy == doctest::Approx((0.2 * 1 + 0.6 * 3) / 4));  // weighted by samples
   CHECK(r.eval_loss == doctest::Approx((2.0 * 1 + 1.0 * 3) / 4));
 }
