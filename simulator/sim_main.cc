@@ -7,8 +7,9 @@
 // Progress goes to stderr (one line redrawn with \r on a terminal, one line per
 // round otherwise); the LAST stdout line is a JSON summary. Exit codes: 0 done,
 // 2 bad command line or config, 1 any other failure, 130 interrupted (Ctrl-C or
-// SIGTERM: the run stops after the current round, checkpoints it and prints
-// the --resume command; a second signal exits at once).
+// SIGTERM: the clients in training finish, the unfinished round is given up,
+// the last completed round is checkpointed and the --resume command printed;
+// a second signal exits at once).
 
 #include <signal.h>
 #include <unistd.h>
@@ -36,11 +37,13 @@
 namespace {
 
 volatile sig_atomic_t g_stop = 0;
+std::atomic<sparrow::simulator::Simulator*> g_sim{nullptr};
 
 void on_signal(int) {
   if (g_stop) _exit(130);  // a second Ctrl-C: the last checkpoint stands
   g_stop = 1;
-  const char msg[] = "\nsparrow-sim: stopping after this round (Ctrl-C again to quit at once)\n";
+  if (auto* s = g_sim.load()) s->request_stop();  // stores atomics only
+  const char msg[] = "\nsparrow-sim: stopping after the clients in training (Ctrl-C again to quit at once)\n";
   (void)!write(2, msg, sizeof msg - 1);
 }
 
@@ -177,7 +180,13 @@ int main(int argc, char** argv) {
       else
         std::cerr << line << '\n';
     };
-    while (!sim.done() && !g_stop) progress(sim.run_round());
+    g_sim.store(&sim);
+    while (!sim.done() && !g_stop) {
+      const RoundMetrics m = sim.run_round();
+      if (sim.interrupted()) break;  // the round was given up: it does not count
+      progress(m);
+    }
+    g_sim.store(nullptr);
     if (tty) std::cerr << '\n';
     if (!sim.done()) {
       sim.checkpoint_now();

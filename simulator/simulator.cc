@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -125,6 +126,7 @@ struct ClientResult {
   double train_loss = 0;
   uint64_t bytes_up = 0;
   bool kept = false;
+  bool trained = false;      // false for the clients a stop in the middle of the round skipped
   state::ClientState state;  // moved into the store once encoded
 };
 
@@ -221,8 +223,11 @@ struct Simulator::Impl {
   std::map<std::string, at::Tensor> acp_shared;  // ACP: next round's shared factor per tensor
 
   at::Device device{at::kCPU};
-  std::string training;   // how clients are trained, for the log
-  std::string data_note;  // where a folder dataset's training and test samples came from
+  std::atomic<bool> stop_requested{false};
+  std::atomic<int64_t> stop_after{0};  // clients still to finish after a stop request
+  bool interrupted = false;            // the last run_round() was stopped in the middle
+  std::string training;                // how clients are trained, for the log
+  std::string data_note;               // where a folder dataset's training and test samples came from
   // Memory for one worker's stacked batched-client state (automatic client_batch).
   static constexpr int64_t kBatchBudget = int64_t{1} << 30;
 
@@ -630,6 +635,7 @@ struct Simulator::Impl {
     // Clients in ascending id, in passes of up to wk.batch; each pass trains,
     // then its clients are encoded and aggregated one by one in id order.
     for (size_t j0 = 0; j0 < ids.size(); j0 += wk.batch) {
+      if (stop_now()) return;  // a stop: the round is given up after the clients in training
       const size_t j1 = std::min(ids.size(), j0 + wk.batch);
       std::vector<client::ClientJob> jobs;
       for (size_t j = j0; j < j1; ++j) {
@@ -668,14 +674,19 @@ struct Simulator::Impl {
           out[j]->train_s = secs * static_cast<double>(trained[j - j0].num_samples) / work;
       }
       for (size_t j = j0; j < j1; ++j) {
+        out[j]->trained = true;
         if (attacks(ids[j]) && attack.kind == AttackSpec::Kind::kAlie) {
           wk.deferred.push_back({out[j], std::move(trained[j - j0])});  // sent once the round's pool is known
           continue;
         }
         finish_client(wk, t, *out[j], trained[j - j0], ctxs);
+        stop_after.fetch_sub(1);
       }
     }
   }
+
+  // request_stop(): stop once `stop_after` more clients have finished.
+  bool stop_now() const { return stop_requested.load() && stop_after.load() <= 0; }
 
   // Encodes one trained client's update with its compressor state, puts its
   // state into the store, and folds the update (as a server parses it) into
@@ -735,6 +746,8 @@ struct Simulator::Impl {
     SPARROW_CHECK(round < cfg.rounds, "all " << cfg.rounds << " rounds are done");
     const int t = round;
     const auto t0 = Clock::now();
+    // What the store holds now is where a stop in this round goes back to.
+    store->mark();
     const std::vector<int64_t> ids = select_clients(t);
     count_participations(ids);
     store->prefetch(ids);  // loaded on the store's thread while the first clients train
@@ -771,6 +784,18 @@ struct Simulator::Impl {
       for (auto& x : th) x.join();
       for (auto& e : errs)
         if (e) std::rethrow_exception(e);
+    }
+    const bool all_trained =
+        std::all_of(results.begin(), results.end(), [](const ClientResult& r) { return r.trained; });
+    if (!all_trained) {
+      // Stopped in the middle: the round did not happen. The client states
+      // its clients put are forgotten, so a checkpoint now is the state after
+      // round t (and --resume runs round t + 1 as an uninterrupted run would).
+      store->rollback_to_mark();
+      interrupted = true;
+      RoundMetrics m;
+      m.round = t;
+      return m;
     }
     send_alie(t, n_sel);
     // Measured times feed the cost model in client-id order.
@@ -934,14 +959,25 @@ Simulator::Simulator(SimConfig cfg, bool resume) : impl_(std::make_unique<Impl>(
 
 Simulator::~Simulator() = default;
 
-RoundMetrics Simulator::run_round() { return impl_->step(); }
+RoundMetrics Simulator::run_round() {
+  impl_->interrupted = false;
+  return impl_->step();
+}
 
 void Simulator::run(const std::function<void(const RoundMetrics&)>& progress) {
   while (!done()) {
     RoundMetrics m = run_round();
+    if (impl_->interrupted) return;
     if (progress) progress(m);
   }
 }
+
+void Simulator::request_stop(int64_t after_clients) noexcept {
+  impl_->stop_after.store(after_clients);
+  impl_->stop_requested.store(true);
+}
+
+bool Simulator::interrupted() const { return impl_->interrupted; }
 
 void Simulator::wait_for_checkpoint() { impl_->store->wait_written(); }
 

@@ -117,7 +117,15 @@ class Simulator {
   Simulator& operator=(const Simulator&) = delete;
 
   // Runs the next round and checkpoints it. Error when all rounds are done.
+  // After request_stop() it may stop in the middle: then interrupted() is
+  // true, the round did not happen (no metrics row, no client state of it is
+  // kept) and completed_rounds() is unchanged.
   RoundMetrics run_round();
+  // From any thread (a signal handler too: it only stores atomics): stop the
+  // current round once `after_clients` more clients have finished training
+  // (0: after the clients in training now). run() returns then.
+  void request_stop(int64_t after_clients = 0) noexcept;
+  bool interrupted() const;
   // Runs the remaining rounds; `progress` (may be empty) after each.
   void run(const std::function<void(const RoundMetrics&)>& progress = {});
   bool done() const;

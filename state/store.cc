@@ -237,6 +237,7 @@ struct Batch {
   // commits once the batch is closed by a flush. Otherwise closed at birth.
   bool closed = true;
   bool begun = false;
+  bool restart = false;  // rolled back to a mark: the writer starts the transaction over
   std::deque<int64_t> todo;
 };
 
@@ -323,6 +324,10 @@ struct ClientStateStore::Impl {
   bool writing = false;
   std::exception_ptr error;  // a failed background write, not yet reported
   std::deque<int64_t> prefetch_ids;
+  // mark(): the open batch's rows then (empty: none was open), and the number
+  // of closed batches handed off so far (a flush in between voids the mark).
+  std::optional<std::map<int64_t, Snapshot>> marked;
+  uint64_t closes = 0, marked_closes = 0;
   std::vector<Snapshot> graveyard;  // evicted states for the background thread to free
   bool stop = false;
   Stats stats;
@@ -372,6 +377,7 @@ struct ClientStateStore::Impl {
       for (auto& [k, v] : staged_meta) b.meta[k] = std::move(v);
       staged_meta.clear();
       b.closed = true;
+      ++closes;
       cv.notify_all();
       return;
     }
@@ -483,7 +489,8 @@ struct ClientStateStore::Impl {
     for (;;) {
       cv.wait(lock, [&] {
         return stop || !prefetch_ids.empty() || !graveyard.empty() ||
-               (!queue.empty() && !error && (queue.front().closed || !queue.front().todo.empty()));
+               (!queue.empty() && !error &&
+                (queue.front().closed || queue.front().restart || !queue.front().todo.empty()));
       });
       if (!graveyard.empty()) {
         std::vector<Snapshot> dead;
@@ -553,6 +560,14 @@ struct ClientStateStore::Impl {
   // there is nothing to do now.
   bool stream_step(std::unique_lock<std::mutex>& lock) {
     Batch& b = queue.front();  // stays in place (deque): only this thread pops it
+    if (b.restart) {           // rollback_to_mark(): everything written so far goes
+      lock.unlock();
+      rollback_if_open(bg);
+      lock.lock();
+      b.begun = false;
+      b.restart = false;
+      return true;
+    }
     if (!b.closed && b.todo.empty()) return false;
     std::exception_ptr failed;
     if (!b.begun) {
@@ -717,6 +732,47 @@ void ClientStateStore::put_owned(int64_t client, std::shared_ptr<const ClientSta
   m.insert(client, std::move(copy), /*is_dirty=*/true);
   if (!m.options.explicit_flush && m.dirty.size() >= m.options.write_batch) m.hand_off(lock);
   m.evict(lock);
+}
+
+void ClientStateStore::mark() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& m = *impl_;
+  SPARROW_CHECK(m.streaming(), "client state store: mark() needs background + explicit_flush");
+  m.marked = m.front_open() || (!m.queue.empty() && !m.queue.back().closed) ? m.queue.back().rows
+                                                                            : std::map<int64_t, Snapshot>{};
+  m.marked_closes = m.closes;
+}
+
+void ClientStateStore::rollback_to_mark() {
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  Impl& m = *impl_;
+  SPARROW_CHECK(m.marked.has_value() && m.marked_closes == m.closes,
+                "client state store: rollback_to_mark() without a mark since the last flush");
+  std::map<int64_t, Snapshot> keep = std::move(*m.marked);
+  m.marked.reset();
+  m.prefetch_ids.clear();
+  if (m.queue.empty() || m.queue.back().closed) return;  // nothing put since the mark
+  Batch& b = m.queue.back();
+  // The cache must not answer with a state the rollback forgets.
+  for (const auto& [id, st] : b.rows) {
+    auto k = keep.find(id);
+    if (k != keep.end() && k->second == st) continue;
+    auto it = m.index.find(id);
+    if (it == m.index.end()) continue;
+    m.mark_clean(*it->second);
+    m.bytes -= it->second->bytes;
+    m.lru.erase(it->second);
+    m.index.erase(it);
+  }
+  m.queued_bytes -= b.bytes;
+  b.rows = std::move(keep);
+  b.bytes = 0;
+  for (const auto& [id, st] : b.rows) b.bytes += st->approx_bytes();
+  m.queued_bytes += b.bytes;
+  b.todo.clear();
+  for (const auto& [id, st] : b.rows) b.todo.push_back(id);
+  if (b.begun) b.restart = true;  // only the front batch is ever begun
+  m.cv.notify_all();
 }
 
 void ClientStateStore::flush() {

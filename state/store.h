@@ -96,6 +96,13 @@ class ClientStateStore {
   // Waits until everything handed off so far is in the database (hands off
   // nothing itself); throws a background write failure like flush().
   void wait_written();
+  // Checkpoint mode (background + explicit_flush) only: mark() remembers the
+  // states put since the last flush; rollback_to_mark() forgets every put()
+  // after the mark, written to the open transaction or not, as if it had not
+  // happened (the simulator's stop in the middle of a round). A flush between
+  // the two, or a rollback without a mark, is an Error.
+  void mark();
+  void rollback_to_mark();
   // Background mode: loads these clients into the cache ahead of get(), as
   // far as the cache has room. A hint: errors are ignored (get() reports them).
   void prefetch(const std::vector<int64_t>& clients);

@@ -606,3 +606,39 @@ TEST_CASE("store refuses an empty file, another program's database and a damaged
     CHECK_THROWS_AS(ClientStateStore::open(db.path(), {}), sparrow::FormatError);
   }
 }
+
+TEST_CASE("store rollback_to_mark forgets the puts after the mark, written or not") {
+  TempDb db("mark");
+  ClientStateStore::Options opt;
+  opt.background = true;
+  opt.explicit_flush = true;
+  {
+    auto store = ClientStateStore::open(db.path(), opt);
+    CHECK_THROWS_AS(store->rollback_to_mark(), sparrow::Error);  // no mark
+    store->put(1, small_state(1));
+    store->put(2, small_state(2));
+    store->set_meta("round", "1");
+    store->flush();                  // the checkpoint of "round 1"
+    store->put(1, small_state(11));  // "round 2", not checkpointed yet
+    store->mark();                   // "round 3" starts
+    store->put(1, small_state(21));
+    store->put(3, small_state(23));
+    store->put(2, small_state(22));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the writer has written some of them
+    (void)store->get(2);                                          // and the cache holds the new value
+    store->rollback_to_mark();
+    check_equal(*store->get(1), small_state(11));  // round 2's value stays
+    check_equal(*store->get(2), small_state(2));   // the checkpoint's value
+    CHECK_FALSE(store->get(3).has_value());
+    store->set_meta("round", "2");
+    store->flush();                                              // the checkpoint of round 2
+    CHECK_THROWS_AS(store->rollback_to_mark(), sparrow::Error);  // the mark is gone
+  }
+  ClientStateStore::Options ropt;
+  ropt.cache_bytes = 0;
+  auto reader = ClientStateStore::open(db.path(), ropt);
+  check_equal(*reader->get(1), small_state(11));
+  check_equal(*reader->get(2), small_state(2));
+  CHECK_FALSE(reader->get(3).has_value());
+  CHECK(reader->get_meta("round") == std::optional<std::string>("2"));
+}
