@@ -93,6 +93,78 @@ def forward(self, x):
   return net;
 }
 
+// ResNet-8 (core/models.cc). The global model holds no BatchNorm running
+// statistics (they are buffers, never aggregated), so every BatchNorm
+// normalises with the statistics of the batch it is given, as the model does
+// in training mode: evaluate it on batches, not on single samples.
+torch::jit::Module conv_nobias(const at::Tensor& w, int64_t stride, int64_t pad) {
+  torch::jit::Module m("Conv2d");
+  m.register_parameter("weight", param(w), false);
+  m.define("def forward(self, x):\n    return torch.conv2d(x, self.weight, None, [" + std::to_string(stride) + ", " +
+           std::to_string(stride) + "], [" + std::to_string(pad) + ", " + std::to_string(pad) + "])\n");
+  return m;
+}
+
+torch::jit::Module batch_norm(const Weights& w, const std::string& name, int64_t channels) {
+  return layer("BatchNorm2d", need(w, name + ".weight", {channels}), need(w, name + ".bias", {channels}), R"(
+def forward(self, x):
+    return torch.batch_norm(x, self.weight, self.bias, None, None, True, 0.0, 1e-5, False)
+)");
+}
+
+torch::jit::Module basic_block(const Weights& w, const std::string& name, int64_t in, int64_t out, int64_t stride) {
+  torch::jit::Module b("BasicBlock");
+  b.register_module("conv1", conv_nobias(need(w, name + ".conv1.weight", {out, in, 3, 3}), stride, 1));
+  b.register_module("bn1", batch_norm(w, name + ".bn1", out));
+  b.register_module("conv2", conv_nobias(need(w, name + ".conv2.weight", {out, out, 3, 3}), 1, 1));
+  b.register_module("bn2", batch_norm(w, name + ".bn2", out));
+  if (stride != 1 || in != out) {
+    b.register_module("down_conv", conv_nobias(need(w, name + ".downsample.0.weight", {out, in, 1, 1}), stride, 0));
+    b.register_module("down_bn", batch_norm(w, name + ".downsample.1", out));
+    b.define(R"(
+def forward(self, x):
+    h = torch.relu(self.bn1.forward(self.conv1.forward(x)))
+    h = self.bn2.forward(self.conv2.forward(h))
+    return torch.relu(h + self.down_bn.forward(self.down_conv.forward(x)))
+)");
+  } else {
+    b.define(R"(
+def forward(self, x):
+    h = torch.relu(self.bn1.forward(self.conv1.forward(x)))
+    h = self.bn2.forward(self.conv2.forward(h))
+    return torch.relu(h + x)
+)");
+  }
+  return b;
+}
+
+torch::jit::Module resnet8(const Weights& w) {
+  const at::Tensor& stem = need(w, "conv1.weight", {});
+  SPARROW_CHECK_T(ConfigError, stem.dim() == 4 && stem.size(0) == 16,
+                  "export: resnet's conv1.weight is " << stem.sizes());
+  const int64_t in = stem.size(1);
+  torch::jit::Module net("SparrowResNet8");
+  net.register_module("conv1", conv_nobias(need(w, "conv1.weight", {16, in, 3, 3}), 1, 1));
+  net.register_module("bn1", batch_norm(w, "bn1", 16));
+  net.register_module("layer1", basic_block(w, "layer1", 16, 16, 1));
+  net.register_module("layer2", basic_block(w, "layer2", 16, 32, 2));
+  net.register_module("layer3", basic_block(w, "layer3", 32, 64, 2));
+  net.register_module("fc", linear(w, "fc", 64, 10));
+  std::string image = in == 1 ? "    if x.dim() == 2:\n        x = x.reshape([x.size(0), 1, 28, 28])\n" : "";
+  net.define("def forward(self, x):\n" + image + R"(    h = torch.relu(self.bn1.forward(self.conv1.forward(x)))
+    h = self.layer3.forward(self.layer2.forward(self.layer1.forward(h)))
+    return self.fc.forward(torch.adaptive_avg_pool2d(h, [1, 1]).flatten(1))
+)");
+  size_t expected = 0;
+  for (const auto& p : net.named_parameters(true)) {
+    (void)p;
+    ++expected;
+  }
+  SPARROW_CHECK_T(ConfigError, expected == w.size(),
+                  "export: resnet has " << expected << " parameters, the weights " << w.size());
+  return net;
+}
+
 // The user's module with these weights (Sparrow names its parameters with '.'
 // replaced by '_', core/models.h).
 torch::jit::Module scripted(const std::string& file, const Weights& w) {
@@ -124,6 +196,8 @@ void save_torchscript(const std::string& model, const Weights& weights, const st
     m = scripted(model.substr(12), weights);
   else if (model == "mlp" || model == "cnn" || model == "logreg")
     m = builtin(model, weights);
+  else if (model.rfind("resnet", 0) == 0)
+    m = resnet8(weights);
   else
     throw ConfigError("export: no TorchScript form for model '" + model + "'");
   const std::string tmp = path + ".tmp";
@@ -141,10 +215,10 @@ ExportResult export_model(const std::string& model, const Weights& weights, cons
     npy::write(path, v.sizes().vec(), v.data_ptr<float>());
     r.npy.push_back(path);
   }
-  if (model.rfind("resnet", 0) == 0) {
-    r.note = "resnet: .npy weights only (its BatchNorm running statistics are not part of the global model)";
-    return r;
-  }
+  if (model.rfind("resnet", 0) == 0)
+    r.note =
+        "resnet: the global model has no BatchNorm running statistics, so model.pt normalises each batch with "
+        "its own statistics (evaluate on batches, not single samples)";
   r.torchscript = (fs::path(dir) / "model.pt").string();
   save_torchscript(model, weights, r.torchscript);
   return r;

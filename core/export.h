@@ -19,10 +19,11 @@ struct ExportResult {
 };
 
 // Writes `weights` of `model` into `dir` (created): dir/weights/NAME.npy per
-// parameter, and dir/model.pt for mlp, cnn, logreg (linear on the flattened
-// input) and torchscript:FILE (that module with these weights). resnet gets
-// .npy files only (its BatchNorm statistics are not part of the global model),
-// said in `note`. ConfigError when the weights do not match the model.
+// parameter, and dir/model.pt for mlp, cnn, resnet, logreg (linear on the
+// flattened input) and torchscript:FILE (that module with these weights).
+// resnet's BatchNorm layers normalise with each batch's statistics (the global
+// model has no running statistics), said in `note`. ConfigError when the
+// weights do not match the model.
 ExportResult export_model(const std::string& model, const std::map<std::string, at::Tensor>& weights,
                           const std::string& dir);
 

@@ -51,16 +51,26 @@ TEST_CASE("export: mlp and cnn as TorchScript compute what Sparrow computes, and
   }
 }
 
-TEST_CASE("export: refuses weights of another model, resnet gets .npy only") {
+TEST_CASE("export: refuses weights of another model; resnet normalises with batch statistics") {
   auto mlp = make_model("mlp", 1);
   CHECK_THROWS_AS(export_model("cnn", weights_of(*mlp), "export_test_bad"), ConfigError);
-  auto rn = make_model("resnet", 1);
-  const auto r = export_model("resnet", weights_of(*rn), "export_test_resnet");
-  CHECK(r.torchscript.empty());
-  CHECK(r.note.find("BatchNorm") != std::string::npos);
-  CHECK_FALSE(r.npy.empty());
+  for (const std::string name : {"resnet", "resnet:in_channels=3"}) {
+    CAPTURE(name);
+    auto rn = make_model(name, 1);
+    const auto r = export_model(name, weights_of(*rn), "export_test_resnet");
+    REQUIRE_FALSE(r.torchscript.empty());
+    CHECK(r.note.find("BatchNorm") != std::string::npos);
+    CHECK(r.npy.size() == weights_of(*rn).size());
+    torch::jit::Module loaded = torch::jit::load(r.torchscript);
+    const int64_t ch = name == "resnet" ? 1 : 3;
+    at::manual_seed(2);
+    const at::Tensor x = at::randn({6, ch, 28, 28});
+    rn->train();  // batch statistics, as the export
+    c10::NoGradGuard g;
+    CHECK(at::allclose(loaded.forward({x}).toTensor(), rn->forward(x), 1e-4, 1e-5));
+    fs::remove_all("export_test_resnet");
+  }
   fs::remove_all("export_test_bad");
-  fs::remove_all("export_test_resnet");
 }
 
 TEST_CASE("export: a TorchScript model gets the trained weights") {
