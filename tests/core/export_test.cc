@@ -51,7 +51,7 @@ TEST_CASE("export: mlp and cnn as TorchScript compute what Sparrow computes, and
   }
 }
 
-TEST_CASE("export: refuses weights of another model; resnet normalises with batch statistics") {
+TEST_CASE("export: refuses weights of another model, resnet normalises with batch statistics") {
   auto mlp = make_model("mlp", 1);
   CHECK_THROWS_AS(export_model("cnn", weights_of(*mlp), "export_test_bad"), ConfigError);
   for (const std::string name : {"resnet", "resnet:in_channels=3"}) {
