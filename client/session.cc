@@ -332,12 +332,7 @@ struct ClientSession::Impl {
     SPARROW_CHECK_T(ConfigError, k >= 1 && k < n,
                     "holdout: " << cfg.holdout << " of " << n << " samples holds out " << k
                                 << "; need at least 1 to evaluate on and 1 to train on");
-    at::Generator g = at::detail::createCPUGenerator(rng::derive(rng::hash_name(cfg.client_id), kHoldoutTag));
-    const at::Tensor perm = at::randperm(n, g, at::TensorOptions().dtype(at::kLong));
-    holdout.x = data.x.index_select(0, perm.slice(0, 0, k));
-    holdout.y = data.y.index_select(0, perm.slice(0, 0, k));
-    data.x = data.x.index_select(0, perm.slice(0, k));
-    data.y = data.y.index_select(0, perm.slice(0, k));
+    holdout = core::hold_out(data, k, rng::derive(rng::hash_name(cfg.client_id), kHoldoutTag));
     spdlog::info("event=holdout samples={} train_samples={}", k, n - k);
   }
 
@@ -360,6 +355,13 @@ struct ClientSession::Impl {
     sock.reset();
   }
 
+  void clear_failures() {
+    failing_since.reset();
+    last_failure.reset();
+    failures = 0;
+    decisive = false;
+  }
+
   // Reads the socket monitor: a handshake that fails again and again has a
   // cause the server cannot tell us in a message (it never gets one from us).
   void check_handshakes() {
@@ -370,10 +372,7 @@ struct ClientSession::Impl {
         handshake_ok = false;
       } else if (e.kind == Kind::kSucceeded) {
         handshake_ok = true;
-        failing_since.reset();
-        last_failure.reset();
-        failures = 0;
-        decisive = false;
+        clear_failures();
       } else if (e.kind == Kind::kRefused || e.kind == Kind::kMismatch || e.kind == Kind::kFailed ||
                  (e.kind == Kind::kDisconnected && !handshake_ok)) {
         const std::string cause = net::HandshakeMonitor::client_cause(e, !cfg.insecure);
@@ -394,12 +393,7 @@ struct ClientSession::Impl {
     // no handshake events) are not a handshake problem: forget them. The
     // window covers the longest reconnect backoff and a silence timeout.
     const auto stale = std::chrono::milliseconds(static_cast<int64_t>(cfg.backoff_max_ms) + 3 * hb_ms + 5000);
-    if (last_failure && now - *last_failure > stale) {
-      failing_since.reset();
-      last_failure.reset();
-      failures = 0;
-      decisive = false;
-    }
+    if (last_failure && now - *last_failure > stale) clear_failures();
     // A refused key or a security mismatch is certain; a handshake that just
     // closes must have happened a few times.
     if (failing_since && cfg.give_up_s > 0 && (decisive || failures >= 3) &&
@@ -559,10 +553,7 @@ struct ClientSession::Impl {
 
   Outcome on_welcome(const wire::Welcome& w) {
     ++n.welcomes;
-    failing_since.reset();
-    last_failure.reset();
-    failures = 0;
-    decisive = false;
+    clear_failures();
     failure_cause.clear();
     welcome = w;
     welcomed = true;

@@ -12,7 +12,6 @@
 
 #include "core/error.h"
 #include "core/error_text.h"
-#include "core/idx.h"
 #include "core/models.h"
 #include "core/npy.h"
 #include "core/partition.h"
@@ -187,9 +186,7 @@ Dataset load_data_folder(const std::string& dir) {
     out.x = at::from_blob(x.data.data(), x.shape, at::kFloat).clone();
     out.y = read_npy_labels((d / "y.npy").string());
   } else if (fs::exists(d / "train-images-idx3-ubyte") || fs::exists(d / "train-images-idx3-ubyte.gz")) {
-    ImageSplit s = load_mnist_format(dir, "train");
-    out.x = s.images;
-    out.y = s.labels;
+    out = load_fashion_mnist(dir, "train");  // any MNIST-format folder
   } else {
     throw ConfigError("data: folder '" + dir +
                       "' holds neither x.npy + y.npy nor train-images-idx3-ubyte[.gz] + "
@@ -204,13 +201,20 @@ std::optional<Dataset> load_data_folder_test(const std::string& dir) {
   const fs::path d(dir);
   if (fs::is_directory(d / "test")) return load_data_folder((d / "test").string());
   if (fs::exists(d / "t10k-images-idx3-ubyte") || fs::exists(d / "t10k-images-idx3-ubyte.gz")) {
-    ImageSplit s = load_mnist_format(dir, "test");
-    Dataset out;
-    out.x = s.images;
-    out.y = s.labels;
-    return out;
+    return load_fashion_mnist(dir, "test");
   }
   return std::nullopt;
+}
+
+Dataset hold_out(Dataset& d, int64_t k, uint64_t seed) {
+  at::Generator g = at::detail::createCPUGenerator(seed);
+  const at::Tensor perm = at::randperm(d.size(), g, at::TensorOptions().dtype(at::kLong));
+  Dataset held;
+  held.x = d.x.index_select(0, perm.slice(0, 0, k));
+  held.y = d.y.index_select(0, perm.slice(0, 0, k));
+  d.x = d.x.index_select(0, perm.slice(0, k));
+  d.y = d.y.index_select(0, perm.slice(0, k));
+  return held;
 }
 
 void check_model_on_data(Model& model, const Dataset& d, const std::string& name, int64_t max_label) {

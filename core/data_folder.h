@@ -30,6 +30,10 @@ Dataset load_data_folder(const std::string& dir);
 // t10k-labels-idx1-ubyte[.gz] next to the train files. nullopt when neither.
 std::optional<Dataset> load_data_folder_test(const std::string& dir);
 
+// Moves `k` samples of `d`, drawn with `seed`, out of it into the returned set
+// (0 < k < N is the caller's to check): a holdout or a test share.
+Dataset hold_out(Dataset& d, int64_t k, uint64_t seed);
+
 // One forward pass of `model` (named `name` in messages) on the first few
 // samples of `d` (already through check_data_for_model): the TorchScript
 // contract (docs/data-and-models.md) is that forward(x[B, ...]) returns

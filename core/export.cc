@@ -53,7 +53,6 @@ torch::jit::Module linear(const Weights& w, const std::string& name, int64_t in,
 torch::jit::Module builtin(const std::string& model, const Weights& w) {
   torch::jit::Module net(model == "cnn" ? "SparrowCnn" : model == "mlp" ? "SparrowMlp" : "SparrowLogReg");
   if (model == "mlp") {
-    SPARROW_CHECK_T(ConfigError, w.size() == 6, "export: mlp has 6 parameters, the weights " << w.size());
     net.register_module("fc1", linear(w, "fc1", 784, 200));
     net.register_module("fc2", linear(w, "fc2", 200, 200));
     net.register_module("fc3", linear(w, "fc3", 200, 10));
@@ -65,7 +64,6 @@ def forward(self, x):
     return self.fc3.forward(h)
 )");
   } else if (model == "cnn") {
-    SPARROW_CHECK_T(ConfigError, w.size() == 8, "export: cnn has 8 parameters, the weights " << w.size());
     net.register_module("conv1",
                         layer("Conv2d", need(w, "conv1.weight", {32, 1, 5, 5}), need(w, "conv1.bias", {32}), kConv5x5));
     net.register_module(
@@ -81,7 +79,6 @@ def forward(self, x):
     return self.fc2.forward(h)
 )");
   } else {  // logreg: one linear layer on the flattened input
-    SPARROW_CHECK_T(ConfigError, w.size() == 2, "export: logreg has 2 parameters, the weights " << w.size());
     const at::Tensor& wt = need(w, "fc.weight", {});
     SPARROW_CHECK_T(ConfigError, wt.dim() == 2, "export: logreg's fc.weight must be 2-D");
     net.register_module("fc", linear(w, "fc", wt.size(1), wt.size(0)));
@@ -155,13 +152,6 @@ torch::jit::Module resnet8(const Weights& w) {
     h = self.layer3.forward(self.layer2.forward(self.layer1.forward(h)))
     return self.fc.forward(torch.adaptive_avg_pool2d(h, [1, 1]).flatten(1))
 )");
-  size_t expected = 0;
-  for (const auto& p : net.named_parameters(true)) {
-    (void)p;
-    ++expected;
-  }
-  SPARROW_CHECK_T(ConfigError, expected == w.size(),
-                  "export: resnet has " << expected << " parameters, the weights " << w.size());
   return net;
 }
 
@@ -174,17 +164,13 @@ torch::jit::Module scripted(const std::string& file, const Weights& w) {
   } catch (const std::exception& e) {
     throw ConfigError("export: TorchScript model file '" + file + "' could not be loaded: " + error_text(e));
   }
-  size_t n = 0;
   torch::NoGradGuard g;
   for (const auto& p : m.named_parameters(/*recurse=*/true)) {
     std::string key = p.name;
     std::replace(key.begin(), key.end(), '.', '_');
     const at::Tensor& v = need(w, key, p.value.sizes().vec());
     p.value.copy_(v.to(at::kCPU, p.value.scalar_type()));
-    ++n;
   }
-  SPARROW_CHECK_T(ConfigError, n == w.size(),
-                  "export: '" << file << "' has " << n << " parameters, the weights " << w.size());
   return m;
 }
 
@@ -200,6 +186,15 @@ void save_torchscript(const std::string& model, const Weights& weights, const st
     m = resnet8(weights);
   else
     throw ConfigError("export: no TorchScript form for model '" + model + "'");
+  // Every module above took each of its parameters from `weights` (need()):
+  // the same count means none of the weights was left over.
+  size_t n = 0;
+  for (const auto& p : m.named_parameters(/*recurse=*/true)) {
+    (void)p;
+    ++n;
+  }
+  SPARROW_CHECK_T(ConfigError, n == weights.size(),
+                  "export: model '" << model << "' has " << n << " parameters, the weights " << weights.size());
   const std::string tmp = path + ".tmp";
   m.save(tmp);
   fs::rename(tmp, path);

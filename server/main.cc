@@ -69,12 +69,8 @@ int export_model(const std::string& db, const std::string& out) {
   auto store = sparrow::server::ServerStore::open_readonly(db);
   const auto run = store->run();
   SPARROW_CHECK_T(sparrow::ConfigError, run.has_value(), "export: '" << db << "' holds no run");
-  // The run's identity text holds `model = "..."` (server/config.cc).
-  std::string model;
-  std::istringstream lines(run->config);
-  for (std::string line; std::getline(lines, line);)
-    if (line.rfind("model = \"", 0) == 0 && line.size() >= 10) model = line.substr(9, line.size() - 10);
-  if (model.empty()) model = sparrow::server::ServerConfig{}.model;  // the default is not written
+  // The run's identity text is TOML of the server's own keys (server/config.cc).
+  const std::string model = sparrow::server::parse_server_config(run->config).model;
   const auto ck = store->latest_checkpoint();
   SPARROW_CHECK_T(sparrow::ConfigError, ck.has_value(), "export: '" << db << "' has no intact checkpoint yet");
   const auto r = sparrow::core::export_model(model, sparrow::server::deserialize_weights(ck->weights), out);
@@ -158,16 +154,10 @@ int keygen(const std::string& out, const std::string& name, int clients) {
   std::cout << secret << "  (" << name << "'s secret key: keep it private, on that machine only)\n"
             << pub << "  (" << name << "'s public key: give it to the clients)\n";
   if (clients > 0) {
-    // The allow-list names the clients' public key files (relative to its own directory).
-    std::ofstream list(allow);
-    list << "# sparrow-server allow-list: one client public key (Z85) or .key file per line\n";
-    for (int i = 1; i <= clients; ++i) {
-      const std::string cname = "client" + std::to_string(i);
-      net::write_keypair(out, cname, net::generate_keypair());
-      list << cname << ".key\n";
-      std::cout << out << "/" << cname << ".key_secret  (client " << i
+    net::write_client_keys(out, clients);
+    for (int i = 1; i <= clients; ++i)
+      std::cout << out << "/client" << i << ".key_secret  (client " << i
                 << "'s secret key: give it to that client only)\n";
-    }
     std::cout << allow << "  (allow-list of the clients' public keys)\n";
   }
   // The same key names in every program: `key` is the program's own secret

@@ -51,6 +51,10 @@ constexpr uint64_t kDpTag = 0x64702020;      // "dp  "
 constexpr size_t kInlineParseBytes = size_t{64} << 10;
 constexpr auto kPollInterval = std::chrono::milliseconds(2);
 
+constexpr auto kRoundTick = std::chrono::milliseconds(20);
+
+const double kNaN = std::numeric_limits<double>::quiet_NaN();
+
 // At most one log line per key and period: admit() returns how many events of
 // that key came since the last admitted one (1 the first time), or nullopt.
 class RateLimiter {
@@ -83,9 +87,6 @@ class RateLimiter {
   std::mutex mu_;
   std::map<std::string, Entry> seen_;
 };
-constexpr auto kRoundTick = std::chrono::milliseconds(20);
-
-const double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 double unix_now() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
 
@@ -244,10 +245,12 @@ struct Server::Impl {
 
   // Transport.
   zmq::context_t ctx{1};
+  // Declared before `zap`, whose thread uses it: destroyed after it.
+  RateLimiter refused_log;   // refused keys, on the ZAP handler's thread
+  RateLimiter mismatch_log;  // handshake failures, on the I/O thread
   std::unique_ptr<net::ZapHandler> zap;
   zmq::socket_t router;
   std::unique_ptr<net::HandshakeMonitor> monitor;  // of `router` (CURVE only), read by the I/O thread
-  RateLimiter mismatch_log;
   std::string endpoint;
   std::string public_key;
   wire::ParseLimits limits;
@@ -434,14 +437,13 @@ struct Server::Impl {
       spdlog::info("event=allow_list path={} keys={}", cfg.allow, allowed.size());
       // A refused client retries every ~100 ms: one warning per key and
       // minute (with the count since the last one), the rest at debug.
-      auto limiter = std::make_shared<RateLimiter>();
       zap = std::make_unique<net::ZapHandler>(
-          ctx, std::move(allowed), [limiter](const std::string& key, const std::string& addr, bool ok) {
+          ctx, std::move(allowed), [this](const std::string& key, const std::string& addr, bool ok) {
             if (ok) {
               spdlog::debug("event=zap key={} address={} admitted=1", key, addr);
               return;
             }
-            if (const auto n = limiter->admit(key))
+            if (const auto n = refused_log.admit(key))
               spdlog::warn(
                   "event=zap key={} address={} admitted=0 refused_since_last_warning={} msg=\"key not on "
                   "the allow-list\"",

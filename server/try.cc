@@ -129,17 +129,12 @@ int run_try(const TryOptions& o, std::atomic<bool>& stop) {
 
   // Keys: the server's, one per client, and the allow-list naming the clients.
   net::write_keypair((dir / "keys").string(), "server", net::generate_keypair());
-  std::string allow = "# the clients of this try\n";
-  for (int i = 1; i <= o.clients; ++i) {
-    net::write_keypair((dir / "keys").string(), "client" + std::to_string(i), net::generate_keypair());
-    allow += "client" + std::to_string(i) + ".key\n";
-  }
-  write(dir / "keys" / "allow.txt", allow);
+  const std::string allow = net::write_client_keys((dir / "keys").string(), o.clients);
 
   ServerConfig cfg;
   cfg.listen = "tcp://127.0.0.1:0";
   cfg.server_key = (dir / "keys" / "server.key_secret").string();
-  cfg.allow = (dir / "keys" / "allow.txt").string();
+  cfg.allow = allow;
   cfg.db = (dir / "server.db").string();
   cfg.model = o.model;
   cfg.compression = o.compression;

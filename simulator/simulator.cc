@@ -74,6 +74,18 @@ class LogReg final : public core::Model {
 
 double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
+// The round of the checkpoint in a run's client-state store (nullopt: none
+// written); `what` opens the message of a value that is not a round.
+std::optional<int> checkpoint_round(state::ClientStateStore& store, const char* what) {
+  const std::optional<std::string> saved = store.get_meta("checkpoint.round");
+  if (!saved) return std::nullopt;
+  try {
+    return std::stoi(*saved);
+  } catch (const std::exception&) {
+    throw FormatError(std::string(what) + ": bad checkpoint round '" + *saved + "' in " + store.path());
+  }
+}
+
 std::string fmt_double(double v) {
   std::ostringstream os;
   os << std::setprecision(17) << v;
@@ -306,14 +318,7 @@ struct Simulator::Impl {
                       "dataset: " << path << " has no test split (test/ or t10k files) and test_fraction = "
                                   << cfg.test_fraction << " of " << n << " samples holds out " << hold
                                   << ": need at least 1 test and 1 training sample");
-      at::Generator g = at::detail::createCPUGenerator(rng::derive(cfg.seed, kPartitionTag) ^ 0x7e57u);
-      const at::Tensor perm = at::randperm(n, g, at::TensorOptions().dtype(at::kLong));
-      core::Dataset held;
-      held.x = tr.x.index_select(0, perm.slice(0, 0, hold));
-      held.y = tr.y.index_select(0, perm.slice(0, 0, hold));
-      tr.x = tr.x.index_select(0, perm.slice(0, hold));
-      tr.y = tr.y.index_select(0, perm.slice(0, hold));
-      te = std::move(held);
+      te = core::hold_out(tr, hold, rng::derive(cfg.seed, kPartitionTag) ^ 0x7e57u);
       test_from =
           std::to_string(hold) + " samples held out (test_fraction = " + std::to_string(cfg.test_fraction) + ")";
     }
@@ -498,7 +503,7 @@ struct Simulator::Impl {
   }
 
   void load_checkpoint() {
-    const std::optional<std::string> saved = store->get_meta("checkpoint.round");
+    const std::optional<int> saved = checkpoint_round(*store, "resume");
     SPARROW_CHECK_T(ConfigError, saved.has_value(),
                     "resume: no checkpoint in " << store->path() << " (none written yet, or a run folder of an older "
                                                 << "sparrow)");
@@ -508,11 +513,7 @@ struct Simulator::Impl {
                       "resume: checkpoint in " << store->path() << " lacks '" << key << "'");
       return *v;
     };
-    try {
-      round = std::stoi(*saved);
-    } catch (const std::exception&) {
-      throw FormatError("resume: bad checkpoint round '" + *saved + "' in " + store->path());
-    }
+    round = *saved;
     client::Weights g = deserialize_weights(blob("global"));
     SPARROW_CHECK_T(FormatError, g.size() == global.size(), "resume: checkpoint does not match the model");
     for (auto& [k, v] : global) {
@@ -985,16 +986,10 @@ std::pair<std::map<std::string, at::Tensor>, int> load_run_model(const std::stri
   const fs::path cs = fs::path(run_dir) / "client_state.db";
   SPARROW_CHECK_T(ConfigError, fs::exists(cs), "export: " << run_dir << " holds no run (no client_state.db)");
   auto store = state::ClientStateStore::open(cs.string());
-  const std::optional<std::string> round = store->get_meta("checkpoint.round");
+  const std::optional<int> round = checkpoint_round(*store, "export");
   const std::optional<std::string> global = store->get_meta("checkpoint.global");
   SPARROW_CHECK_T(ConfigError, round && global, "export: " << run_dir << " has no checkpoint yet");
-  int r = 0;
-  try {
-    r = std::stoi(*round);
-  } catch (const std::exception&) {
-    throw FormatError("export: bad checkpoint round '" + *round + "' in " + cs.string());
-  }
-  return {deserialize_weights(*global), r};
+  return {deserialize_weights(*global), *round};
 }
 
 void Simulator::checkpoint_now() {

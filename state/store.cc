@@ -358,9 +358,11 @@ struct ClientStateStore::Impl {
   // Nothing handed off and closed is left to write (an open batch may be).
   bool closed_written() const { return queue.empty() || front_open(); }
 
-  // Streaming: the open batch, last in the queue (created when needed).
+  // Streaming: a batch still takes put()s (it is the last in the queue).
+  bool has_open_batch() const { return !queue.empty() && !queue.back().closed; }
+  // Streaming: the open batch (created when needed).
   Batch& open_batch() {
-    if (queue.empty() || queue.back().closed) {
+    if (!has_open_batch()) {
       queue.emplace_back();
       queue.back().closed = false;
     }
@@ -738,8 +740,7 @@ void ClientStateStore::mark() {
   std::lock_guard<std::mutex> lock(impl_->mu);
   Impl& m = *impl_;
   SPARROW_CHECK(m.streaming(), "client state store: mark() needs background + explicit_flush");
-  m.marked = m.front_open() || (!m.queue.empty() && !m.queue.back().closed) ? m.queue.back().rows
-                                                                            : std::map<int64_t, Snapshot>{};
+  m.marked = m.has_open_batch() ? m.queue.back().rows : std::map<int64_t, Snapshot>{};
   m.marked_closes = m.closes;
 }
 
@@ -751,7 +752,7 @@ void ClientStateStore::rollback_to_mark() {
   std::map<int64_t, Snapshot> keep = std::move(*m.marked);
   m.marked.reset();
   m.prefetch_ids.clear();
-  if (m.queue.empty() || m.queue.back().closed) return;  // nothing put since the mark
+  if (!m.has_open_batch()) return;  // nothing put since the mark
   Batch& b = m.queue.back();
   // The cache must not answer with a state the rollback forgets.
   for (const auto& [id, st] : b.rows) {

@@ -108,6 +108,18 @@ void write_keypair(const std::string& dir, const std::string& name, const KeyPai
   write_new_file(base + ".key", cert_text(keys, false), 0644);
 }
 
+std::string write_client_keys(const std::string& dir, int clients) {
+  std::string list = "# sparrow-server allow-list: one client public key (Z85) or .key file per line\n";
+  for (int i = 1; i <= clients; ++i) {
+    const std::string name = "client" + std::to_string(i);
+    write_keypair(dir, name, generate_keypair());
+    list += name + ".key\n";
+  }
+  const std::string allow = (fs::path(dir) / "allow.txt").string();
+  write_new_file(allow, list, 0644);
+  return allow;
+}
+
 KeyPair load_keypair(const std::string& path) {
   const std::string text = read_text(path);
   const auto pub = cert_value(text, "public-key");
@@ -354,10 +366,6 @@ wire::Message error_message(wire::ErrorCode code, const std::string& text, std::
   return m;
 }
 
-}  // namespace sparrow::net
-
-namespace sparrow::net {
-
 namespace {
 std::atomic<uint64_t> g_monitor_id{0};
 }  // namespace
@@ -380,8 +388,6 @@ HandshakeMonitor::~HandshakeMonitor() {
   } catch (...) {
   }
 }
-
-zmq::pollitem_t HandshakeMonitor::pollitem() { return zmq::pollitem_t{pair_.handle(), 0, ZMQ_POLLIN, 0}; }
 
 std::vector<HandshakeMonitor::Event> HandshakeMonitor::drain() {
   std::vector<Event> out;

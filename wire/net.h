@@ -48,6 +48,10 @@ bool is_z85_key(const std::string& z85);
 // Writes DIR/NAME.key (public key) and DIR/NAME.key_secret (both; mode 0600),
 // creating DIR. Refuses (ConfigError) to overwrite an existing file.
 void write_keypair(const std::string& dir, const std::string& name, const KeyPair& keys);
+// Key pairs client1..clientN in `dir` and `dir`/allow.txt, an allow-list naming
+// their public key files (relative to it); returns the allow-list's path.
+// Refuses to replace any existing file (ConfigError).
+std::string write_client_keys(const std::string& dir, int clients);
 
 // Reads a certificate file. load_keypair needs the secret file (ConfigError
 // when the file has no secret-key); load_public_key reads either file.
@@ -142,8 +146,6 @@ class HandshakeMonitor {
   HandshakeMonitor(const HandshakeMonitor&) = delete;
   HandshakeMonitor& operator=(const HandshakeMonitor&) = delete;
 
-  // For zmq::poll next to the socket's own item.
-  zmq::pollitem_t pollitem();
   // The events queued so far, without waiting.
   std::vector<Event> drain();
   // A sentence naming the likely cause of a failed handshake, for a client.
