@@ -188,6 +188,7 @@ struct ClientSession::Impl {
   int failures = 0;
   bool decisive = false;  // the server refused the key, or the security mechanisms differ
   std::string failure_cause;
+  int failure_rank = 0;       // how specific failure_cause is (see check_handshakes)
   bool handshake_ok = false;  // on the current connection
   bool welcomed = false;
   wire::Welcome welcome;
@@ -360,6 +361,8 @@ struct ClientSession::Impl {
     last_failure.reset();
     failures = 0;
     decisive = false;
+    failure_cause.clear();
+    failure_rank = 0;
   }
 
   // Reads the socket monitor: a handshake that fails again and again has a
@@ -376,10 +379,15 @@ struct ClientSession::Impl {
       } else if (e.kind == Kind::kRefused || e.kind == Kind::kMismatch || e.kind == Kind::kFailed ||
                  (e.kind == Kind::kDisconnected && !handshake_ok)) {
         const std::string cause = net::HandshakeMonitor::client_cause(e, !cfg.insecure);
-        // A refusal or a mismatch says more than the disconnect that follows it.
-        if (e.kind != Kind::kDisconnected || failure_cause.empty()) {
+        // A refusal or a mismatch says more than a handshake that just fails,
+        // which says more than the disconnect that follows it: a vaguer event
+        // (the reconnect's handshake can fail either way) never replaces a
+        // more specific cause already seen.
+        const int rank = e.kind == Kind::kRefused || e.kind == Kind::kMismatch ? 2 : e.kind == Kind::kFailed ? 1 : 0;
+        if (failure_cause.empty() || rank >= failure_rank) {
           if (cause != failure_cause) spdlog::warn("event=handshake_failed server={} msg=\"{}\"", cfg.server, cause);
           failure_cause = cause;
+          failure_rank = rank;
         }
         const auto now = Clock::now();
         if (!failing_since) failing_since = now;
@@ -554,7 +562,6 @@ struct ClientSession::Impl {
   Outcome on_welcome(const wire::Welcome& w) {
     ++n.welcomes;
     clear_failures();
-    failure_cause.clear();
     welcome = w;
     welcomed = true;
     backoff_attempt = 0;
