@@ -11,6 +11,7 @@
 #include "core/flat_config.h"
 #include "core/rng.h"
 #include "core/spec.h"
+#include "monitor/http.h"
 
 namespace sparrow::server {
 namespace {
@@ -51,6 +52,8 @@ void bind_all(core::FlatConfig& f, ServerConfig& c) {
   f.bind("data_dir", &c.data_dir);
   f.bind("eval_data", &c.eval_data);
   f.bind("eval_batch", &c.eval_batch);
+  f.bind("http", &c.http);
+  f.bind("http_token", &c.http_token);
 }
 
 // The keys part of the run identity (identity_text), written in bind order.
@@ -93,6 +96,16 @@ void validate(const ServerConfig& c) {
     net::check_endpoint("listen", c.listen, /*for_bind=*/true);
   } catch (const ConfigError& e) {
     bad("listen", e.what());
+  }
+  if (!c.http.empty()) {
+    monitor::HttpAddress a;
+    try {
+      a = monitor::parse_http_address(c.http);
+    } catch (const ConfigError& e) {
+      bad("http", e.what());
+    }
+    if (!a.loopback && c.http_token.empty())
+      bad("http", "is not a loopback address: set http_token to a file holding the dashboard's bearer token");
   }
   if (!(c.max_message_mb > 0 && c.max_message_mb <= 2047)) bad("max_message_mb", "must be in (0, 2047]");
   if (c.heartbeat_ms < 10) bad("heartbeat_ms", "must be >= 10");

@@ -59,6 +59,10 @@ struct ServerConfig {
   std::string eval_data;
   int eval_batch = 1000;
 
+  // Live dashboard (docs/monitoring.md): HOST:PORT of the HTTP endpoint; empty = off.
+  std::string http;
+  std::string http_token;  // file holding the bearer token; required unless `http` is a loopback address
+
   // Derived.
   int effective_min_clients() const { return min_clients > 0 ? min_clients : clients_per_round; }
   double effective_max_round_wait_s() const { return max_round_wait_s > 0 ? max_round_wait_s : 4 * round_deadline_s; }

@@ -1,5 +1,5 @@
 // sparrow-server: the aggregator daemon (docs/server.md).
-//   sparrow-server --config server.toml [--insecure] [--set key=value]...
+//   sparrow-server --config server.toml [--insecure] [--set key=value]... [--http HOST:PORT [--http-token FILE]]
 //   sparrow-server keygen --out DIR [--name NAME] [--clients N]
 //   sparrow-server status --db FILE [--json]
 //   sparrow-server export --db FILE [--out DIR]
@@ -183,6 +183,9 @@ int main(int argc, char** argv) {
   app.add_option("--config,-c", config_path, "server TOML config");
   app.add_flag("--insecure", insecure, "plain TCP without CurveZMQ (logs a warning)");
   app.add_option("--set", overrides, "override a config key: key=value (repeatable)");
+  std::string http, http_token;
+  app.add_option("--http", http, "serve the live dashboard and /metrics on HOST:PORT (e.g. 127.0.0.1:8080)");
+  app.add_option("--http-token", http_token, "file with the dashboard's bearer token (needed off loopback)");
   sparrow::cli::add_common_options(app, "sparrow-server", &log_level);
 
   auto* kg = app.add_subcommand("keygen", "write CurveZMQ key pairs for the server and N clients");
@@ -207,6 +210,7 @@ int main(int argc, char** argv) {
   tr->add_option("--shards", try_opts.shards, "Fashion-MNIST is cut into this many shards; client i takes shard i")
       ->capture_default_str();
   tr->add_flag("--force", try_opts.force, "replace an earlier try in --dir");
+  tr->add_option("--http", try_opts.http, "serve the live dashboard on HOST:PORT (loopback)");
 
   auto* st = app.add_subcommand("status", "print rounds, clients and the latest metrics of a server database");
   std::string st_db;
@@ -230,6 +234,8 @@ int main(int argc, char** argv) {
     }
     sparrow::server::ServerConfig cfg = sparrow::server::load_server_config(config_path, overrides);
     cfg.insecure = insecure;
+    if (!http.empty()) cfg.http = http;
+    if (!http_token.empty()) cfg.http_token = http_token;
     // The decode/aggregate pool runs cfg.workers threads: each gets its share.
     sparrow::core::configure_threads(cfg.workers);
     spdlog::info("event=threads msg=\"{}\"", sparrow::core::threads_summary(cfg.workers));

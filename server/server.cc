@@ -32,6 +32,8 @@
 #include "core/models.h"
 #include "core/rng.h"
 #include "core/spec.h"
+#include "monitor/board.h"
+#include "monitor/http.h"
 #include "server/store.h"
 #include "wire/net.h"
 #include "wire/wire.h"
@@ -288,6 +290,12 @@ struct Server::Impl {
 
   AtomicCounters n;
 
+  // Live dashboard (docs/monitoring.md): the round thread and the session
+  // handlers publish to the board; the HTTP threads only read it.
+  std::shared_ptr<monitor::Board> board = std::make_shared<monitor::Board>();
+  std::unique_ptr<monitor::HttpEndpoint> http;
+  Clock::time_point clients_published{};
+
   // ---- set-up ---------------------------------------------------------------
 
   void init(Weights initial) {
@@ -356,9 +364,85 @@ struct Server::Impl {
     // The socket first: a server that cannot listen (port taken, bad
     // endpoint) leaves the database as it was, not with a new run in it.
     bind();
+    if (!cfg.http.empty()) {
+      http = std::make_unique<monitor::HttpEndpoint>(cfg.http, cfg.http_token, board);
+      spdlog::info("event=http url={} token={}", http->url(), cfg.http_token.empty() ? 0 : 1);
+    }
     open_store();
+    publish_history();
     spdlog::info("event=listening endpoint={} curve={} run_id={} model={} digest={} round={}", endpoint,
                  cfg.insecure ? 0 : 1, run_id, cfg.model, digest, completed.load());
+  }
+
+  // ---- dashboard ------------------------------------------------------------------
+
+  static monitor::RoundPoint point_of(const RoundRow& row, const std::map<std::string, double>& metrics) {
+    monitor::RoundPoint p;
+    p.round = row.round;
+    p.finished = row.finished;
+    auto it = metrics.find("round.seconds");
+    p.duration_s = it != metrics.end() ? it->second : row.finished - row.started;
+    p.accuracy = row.eval_accuracy;
+    p.loss = row.eval_loss;
+    p.train_loss = row.train_loss;
+    p.bytes_up = row.bytes_in;
+    p.bytes_down = row.bytes_out;
+    p.selected = row.selected;
+    p.accepted = row.updates;
+    p.rejected = row.rejected;
+    p.stale = row.stale;
+    p.dropped = std::max<int64_t>(0, row.selected - row.updates);  // selected, no update aggregated
+    it = metrics.find("dp.epsilon");
+    p.epsilon = it != metrics.end() ? it->second : kNaN;
+    return p;
+  }
+
+  // The run and its completed rounds (a resumed run shows its history).
+  void publish_history() {
+    monitor::RunInfo info;
+    info.program = "sparrow-server";
+    info.run_id = run_id;
+    info.model = cfg.model;
+    info.config = to_toml(cfg);
+    info.rounds_total = cfg.rounds;
+    info.started = unix_now();
+    board->set_run(std::move(info));
+    for (const RoundRow& row : store->rounds())
+      if (row.round <= completed.load()) board->add_round(point_of(row, store->metrics(row.round)));
+    board->update_progress([&](monitor::Progress& p) {
+      p.round = completed.load();
+      p.rounds_completed = completed.load();
+    });
+    std::lock_guard<std::mutex> g(mu);
+    publish_clients(true);
+  }
+
+  // Under mu: the client table and the counters, at most every 500 ms unless forced.
+  void publish_clients(bool force = false) {
+    const auto now = Clock::now();
+    if (!force && now - clients_published < std::chrono::milliseconds(500)) return;
+    clients_published = now;
+    std::vector<monitor::ClientInfo> v;
+    v.reserve(clients.size());
+    for (const auto& [id, row] : clients)
+      v.push_back({id, by_client.count(id) > 0, static_cast<double>(row.last_seen), row.updates, row.bytes_up,
+                   row.bytes_down, row.num_samples});
+    board->set_clients(std::move(v));
+    monitor::Totals t;
+    t.bytes_in = n.bytes_in.load();
+    t.bytes_out = n.bytes_out.load();
+    t.messages_in = n.messages_in.load();
+    t.messages_out = n.messages_out.load();
+    t.updates_accepted = n.accepted.load();
+    t.stale = n.stale.load();
+    t.unknown = n.unknown.load();
+    t.send_failures = n.send_failures.load();
+    t.rounds_abandoned = n.abandoned.load();
+    for (size_t i = 0; i < n.rejected.size(); ++i)
+      if (const uint64_t v = n.rejected[i].load()) t.rejected[wire::error_code_name(static_cast<ErrorCode>(i))] = v;
+    board->set_totals(t);
+    const int64_t live = static_cast<int64_t>(sessions.size());
+    board->update_progress([&](monitor::Progress& p) { p.clients_connected = live; });
   }
 
   void open_store() {
@@ -627,7 +711,7 @@ struct Server::Impl {
           }
         }
         if (auto* u = std::get_if<wire::ModelUpdate>(&job.parsed->body))
-          handle_update(w, job.routing_id, std::move(*u));
+          handle_update(w, job.routing_id, std::move(*u), job.size);
         else
           handle_control(job.routing_id, job.key, *job.parsed);
       } catch (const std::exception& e) {
@@ -785,12 +869,14 @@ struct Server::Impl {
       t.weights = rc.full;
     }
     s.last_round = r - 1;  // what the client holds once it applied this task
-    reply(rid, msg(std::move(t)));
+    std::string bytes = wire::serialize(msg(std::move(t)));
+    clients[s.client_id].bytes_down += bytes.size();
+    send_bytes(rid, std::move(bytes));
   }
 
   // ---- updates (workers) -----------------------------------------------------------
 
-  void handle_update(size_t w, const std::string& rid, wire::ModelUpdate u) {
+  void handle_update(size_t w, const std::string& rid, wire::ModelUpdate u, size_t frame_bytes) {
     std::shared_ptr<const RoundContext> rc;
     {
       std::unique_lock<std::mutex> g(mu);
@@ -847,7 +933,9 @@ struct Server::Impl {
         if (sel != selected.end()) sel->second = Status::kDone;
         ++round_accepted;
         row.updates++;
+        row.bytes_up += frame_bytes;
         n.accepted++;
+        board->update_progress([&](monitor::Progress& p) { p.received = round_accepted; });
       } else {
         if (sel != selected.end()) sel->second = Status::kWaiting;  // it may send a good one
         ++round_rejected;
@@ -925,6 +1013,7 @@ struct Server::Impl {
       }
     }
     n_connected = sessions.size();
+    publish_clients();
   }
   std::atomic<uint64_t> n_connected{0};
 
@@ -968,6 +1057,13 @@ struct Server::Impl {
     // 1. Wait for enough live clients.
     {
       std::unique_lock<std::mutex> g(mu);
+      board->update_progress([&](monitor::Progress& p) {
+        p.round = static_cast<int64_t>(r);
+        p.phase = "waiting";
+        p.selected = p.received = 0;
+        p.started = 0;
+        p.deadline = kNaN;
+      });
       bool logged = false;
       for (;;) {
         if (stop.load()) return false;
@@ -1007,6 +1103,14 @@ struct Server::Impl {
         auto bit = by_client.find(cid);
         if (bit != by_client.end()) send_task(bit->second, sessions.at(bit->second), *rc);
       }
+      board->update_progress([&](monitor::Progress& p) {
+        p.phase = "training";
+        p.selected = static_cast<int64_t>(chosen.size());
+        p.received = 0;
+        p.started = started;
+        p.deadline = started + cfg.round_deadline_s;
+      });
+      publish_clients(true);
     }
     spdlog::info("event=round_started round={} selected={} clients=[{}]", r, chosen.size(), join(chosen));
     // 3. Collect until all arrived, or the deadline passed with quorum.
@@ -1044,6 +1148,7 @@ struct Server::Impl {
           break;
         }
         deadline += period;
+        board->update_progress([&](monitor::Progress& p) { p.deadline += cfg.round_deadline_s; });
         spdlog::warn("event=deadline_extended round={} updates={} quorum={}", r, round_accepted, cfg.quorum);
       }
       // 4. Close admissions; wait for updates being folded in.
@@ -1055,6 +1160,7 @@ struct Server::Impl {
       n.abandoned++;
       return true;
     }
+    board->update_progress([](monitor::Progress& p) { p.phase = "aggregating"; });
     // Acks first: the round's Acks leave before the aggregation and the
     // checkpoint take the cores (on a small machine they would wait behind them).
     wait_outbox_drained(std::chrono::milliseconds(50));
@@ -1151,6 +1257,7 @@ struct Server::Impl {
       row.eval_loss = metrics.count("client.eval_loss") ? metrics["client.eval_loss"] : kNaN;
     }
     if (eval_model && (r % static_cast<uint64_t>(cfg.eval_every) == 0 || r == static_cast<uint64_t>(cfg.rounds))) {
+      board->update_progress([](monitor::Progress& p) { p.phase = "evaluating"; });
       auto [loss, acc] = evaluate();
       row.eval_loss = loss;
       row.eval_accuracy = acc;
@@ -1192,6 +1299,15 @@ struct Server::Impl {
     store->commit_round(row, metrics, checkpoint(static_cast<int64_t>(r)), dirty, cfg.keep_checkpoints);
     completed = static_cast<int64_t>(r);
     n.rounds = r;
+    board->add_round(point_of(row, metrics));
+    board->update_progress([&](monitor::Progress& p) {
+      p.rounds_completed = static_cast<int64_t>(r);
+      p.phase = static_cast<int>(r) >= cfg.rounds ? "done" : "waiting";
+    });
+    {
+      std::lock_guard<std::mutex> g(mu);
+      publish_clients(true);
+    }
     spdlog::info(
         "event=round_completed round={} updates={} selected={} rejected={} stale={} train_loss={} eval_loss={} "
         "eval_accuracy={} seconds={:.3f} bytes_in={} bytes_out={}",
@@ -1292,6 +1408,13 @@ struct Server::Impl {
     } catch (const std::exception& e) {
       spdlog::error("event=client_rows_not_saved error=\"{}\"", e.what());
     }
+    const bool finished = completed.load() >= cfg.rounds;
+    board->update_progress([&](monitor::Progress& p) {
+      p.phase = finished ? "done" : "stopped";
+      p.clients_connected = 0;
+    });
+    std::lock_guard<std::mutex> g(mu);
+    publish_clients(true);
   }
 };
 
@@ -1333,6 +1456,11 @@ void Server::run() {
 }
 
 void Server::stop() noexcept { impl_->stop.store(true); }
+const std::string& Server::dashboard_url() const {
+  static const std::string none;
+  return impl_->http ? impl_->http->url() : none;
+}
+
 const std::string& Server::endpoint() const { return impl_->endpoint; }
 const std::string& Server::run_id() const { return impl_->run_id; }
 const std::string& Server::public_key() const { return impl_->public_key; }

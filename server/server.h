@@ -98,6 +98,8 @@ class Server {
   const std::string& endpoint() const;
   // The run id clients see in Welcome.
   const std::string& run_id() const;
+  // The live dashboard's URL ("http://127.0.0.1:8080/"); empty without `http`.
+  const std::string& dashboard_url() const;
   // This server's CURVE public key (Z85); empty when insecure.
   const std::string& public_key() const;
 

@@ -15,7 +15,7 @@
 namespace sparrow::server {
 namespace {
 
-constexpr int kSchemaVersion = 3;  // 2: checkpoints.aggregator; 3: checkpoints.checksum
+constexpr int kSchemaVersion = 4;  // 2: checkpoints.aggregator; 3: checkpoints.checksum; 4: clients.bytes_up/down
 
 [[noreturn]] void throw_sqlite(sqlite3* db, const std::string& path, const std::string& what, int rc) {
   const std::string detail = db ? sqlite3_errmsg(db) : sqlite3_errstr(rc);
@@ -90,7 +90,7 @@ const char* kSchema =
     "PRIMARY KEY(round, name));"
     "CREATE TABLE IF NOT EXISTS clients(client_id TEXT PRIMARY KEY, public_key TEXT, first_seen INTEGER, "
     "last_seen INTEGER, last_selected INTEGER, selected INTEGER, updates INTEGER, rejects INTEGER, "
-    "num_samples INTEGER, software TEXT);"
+    "num_samples INTEGER, software TEXT, bytes_up INTEGER DEFAULT 0, bytes_down INTEGER DEFAULT 0);"
     "CREATE TABLE IF NOT EXISTS checkpoints(round INTEGER PRIMARY KEY, weights BLOB NOT NULL, server_opt BLOB, "
     "control BLOB, broadcast BLOB, downlink_state BLOB, downlink_last BLOB, acp BLOB, rng TEXT, aggregator BLOB, "
     "checksum INTEGER);";
@@ -129,6 +129,15 @@ struct ServerStore::Impl {
     if (rc != SQLITE_OK) throw_sqlite(db, path, std::string("'") + sql + "'", rc);
   }
 };
+
+namespace {
+bool has_column(ServerStore::Impl& impl, const std::string& table, const std::string& column) {
+  Stmt cols(impl.db, impl.path,
+            ("SELECT COUNT(*) FROM pragma_table_info('" + table + "') WHERE name = '" + column + "'").c_str());
+  cols.step();
+  return cols.i64(0) > 0;
+}
+}  // namespace
 
 ServerStore::ServerStore(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 ServerStore::~ServerStore() = default;
@@ -190,14 +199,16 @@ std::unique_ptr<ServerStore> ServerStore::open(const std::string& path) {
   // FULL: a committed round survives power loss too, not only a process crash.
   impl->exec("PRAGMA synchronous=FULL");
   impl->exec(kSchema);
-  // Older databases: columns the checkpoints table lacks (version 1: aggregator;
-  // 2: checksum, NULL for their rows, which are then loaded unverified).
-  for (const char* column : {"aggregator BLOB", "checksum INTEGER"}) {
-    const std::string name = std::string(column).substr(0, std::string(column).find(' '));
-    Stmt cols(impl->db, path,
-              ("SELECT COUNT(*) FROM pragma_table_info('checkpoints') WHERE name = '" + name + "'").c_str());
-    cols.step();
-    if (cols.i64(0) == 0) impl->exec(("ALTER TABLE checkpoints ADD COLUMN " + std::string(column)).c_str());
+  // Older databases: columns their tables lack (version 2: checkpoints.aggregator;
+  // 3: checkpoints.checksum, NULL for their rows, which are then loaded
+  // unverified; 4: the clients' byte counts, 0 for what came before).
+  for (const auto& [table, column] :
+       std::vector<std::pair<std::string, std::string>>{{"checkpoints", "aggregator BLOB"},
+                                                        {"checkpoints", "checksum INTEGER"},
+                                                        {"clients", "bytes_up INTEGER DEFAULT 0"},
+                                                        {"clients", "bytes_down INTEGER DEFAULT 0"}}) {
+    if (!has_column(*impl, table, column.substr(0, column.find(' '))))
+      impl->exec(("ALTER TABLE " + table + " ADD COLUMN " + column).c_str());
   }
   impl->exec(("PRAGMA user_version=" + std::to_string(kSchemaVersion)).c_str());
   return std::unique_ptr<ServerStore>(new ServerStore(std::move(impl)));
@@ -303,7 +314,7 @@ void ServerStore::write_clients(const std::vector<ClientRow>& clients) {
   for (const ClientRow& c : clients) {
     Stmt s(impl_->db, impl_->path,
            "INSERT OR REPLACE INTO clients(client_id, public_key, first_seen, last_seen, last_selected, selected, "
-           "updates, rejects, num_samples, software) VALUES(?,?,?,?,?,?,?,?,?,?)");
+           "updates, rejects, num_samples, software, bytes_up, bytes_down) VALUES(?,?,?,?,?,?,?,?,?,?,?,?)");
     s.bind_text(1, c.client_id)
         .bind_text(2, c.public_key)
         .bind(3, c.first_seen)
@@ -313,7 +324,9 @@ void ServerStore::write_clients(const std::vector<ClientRow>& clients) {
         .bind(7, c.updates)
         .bind(8, c.rejects)
         .bind(9, static_cast<int64_t>(c.num_samples))
-        .bind_text(10, c.software);
+        .bind_text(10, c.software)
+        .bind(11, static_cast<int64_t>(c.bytes_up))
+        .bind(12, static_cast<int64_t>(c.bytes_down));
     s.step();
   }
 }
@@ -380,9 +393,14 @@ std::vector<RoundRow> ServerStore::rounds() {
 }
 
 std::vector<ClientRow> ServerStore::clients() {
-  Stmt s(impl_->db, impl_->path,
-         "SELECT client_id, public_key, first_seen, last_seen, last_selected, selected, updates, rejects, "
-         "num_samples, software FROM clients ORDER BY client_id");
+  // A read-only open of an older database has no byte columns (0 then).
+  const bool bytes = has_column(*impl_, "clients", "bytes_up");
+  const std::string sql =
+      std::string(
+          "SELECT client_id, public_key, first_seen, last_seen, last_selected, selected, updates, rejects, "
+          "num_samples, software") +
+      (bytes ? ", bytes_up, bytes_down" : "") + " FROM clients ORDER BY client_id";
+  Stmt s(impl_->db, impl_->path, sql.c_str());
   std::vector<ClientRow> out;
   while (s.step()) {
     ClientRow c;
@@ -396,6 +414,10 @@ std::vector<ClientRow> ServerStore::clients() {
     c.rejects = s.i64(7);
     c.num_samples = static_cast<uint64_t>(s.i64(8));
     c.software = s.text(9);
+    if (bytes) {
+      c.bytes_up = static_cast<uint64_t>(s.i64(10));
+      c.bytes_down = static_cast<uint64_t>(s.i64(11));
+    }
     out.push_back(c);
   }
   return out;

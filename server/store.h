@@ -7,7 +7,7 @@
 //          train_loss, eval_loss, eval_accuracy)          one row per completed round
 //   metrics(round, name, value)                           per-round named figures
 //   clients(client_id, public_key, first_seen, last_seen, last_selected, selected, updates,
-//           rejects, num_samples, software)               one row per client ever seen
+//           rejects, num_samples, software, bytes_up, bytes_down)   one row per client ever seen
 //   checkpoints(round, weights, server_opt, control, broadcast, downlink_state, downlink_last,
 //               acp, rng)                                 the newest keep_checkpoints rounds
 //
@@ -51,6 +51,8 @@ struct ClientRow {
   int64_t selected = 0, updates = 0, rejects = 0;
   uint64_t num_samples = 0;
   std::string software;
+  uint64_t bytes_up = 0;    // frames of its accepted updates
+  uint64_t bytes_down = 0;  // frames of the tasks sent to it
 };
 
 // Everything needed to continue after round `round` with identical results.
@@ -106,8 +108,9 @@ class ServerStore {
 
   const std::string& path() const;
 
- private:
   struct Impl;
+
+ private:
   void write_clients(const std::vector<ClientRow>& clients);  // inside a transaction
   explicit ServerStore(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;

@@ -144,6 +144,7 @@ int run_try(const TryOptions& o, std::atomic<bool>& stop) {
   cfg.round_deadline_s = 300;
   cfg.eval_every = 1;
   cfg.workers = 1;
+  cfg.http = o.http;
   Server server(cfg);
   write(dir / "server.toml", to_toml(cfg));  // what ran, for `sparrow-server --config` later
 
@@ -162,6 +163,8 @@ int run_try(const TryOptions& o, std::atomic<bool>& stop) {
   std::cerr << "sparrow-server try: a server and " << o.clients << " clients on " << server.endpoint() << ", "
             << o.rounds << " rounds of " << o.model << " with " << o.compression << "; everything is in "
             << dir.string() << " (Ctrl-C stops it)\n";
+  if (!server.dashboard_url().empty())
+    std::cerr << "sparrow-server try: dashboard at " << server.dashboard_url() << "\n";
 
   // This thread turns a signal (which only sets `stop`) into Server::stop(),
   // and stops the server when a client dies before the run is over (the

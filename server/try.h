@@ -17,6 +17,7 @@ struct TryOptions {
   std::string model = "mlp";
   std::string compression = "dgc:ratio=0.01";
   bool force = false;
+  std::string http;  // HOST:PORT of the live dashboard; empty = none
 };
 
 // Runs it; returns the exit status (core/cli.h). `stop` (set by a signal

@@ -11,6 +11,8 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "monitor/page.h"
+#include "simulator/config.h"
 
 namespace sparrow::simulator {
 namespace fs = std::filesystem;
@@ -261,6 +263,7 @@ std::vector<MetricsRow> read_metrics(const std::string& run_dir) {
     col.push_back(it->second);
   }
 
+  const size_t eps_col = index.count("epsilon") ? index.at("epsilon") : header.size();  // optional column
   std::vector<MetricsRow> rows;
   for (size_t line_no = 2; std::getline(f, line); ++line_no) {
     if (trim(line).empty()) continue;
@@ -281,12 +284,58 @@ std::vector<MetricsRow> read_metrics(const std::string& run_dir) {
     cell(7, false, false, &r.real_s);
     cell(8, false, false, &r.clients);
     cell(9, false, false, &r.dropped);
+    r.epsilon = NAN;
+    if (eps_col != header.size() && !parse_cell(path, line_no, "epsilon", cells[eps_col], true, true, &r.epsilon))
+      r.epsilon = NAN;
     SPARROW_CHECK_T(FormatError, r.bytes_up >= 0 && r.bytes_down >= 0, at(path, line_no) << "negative byte count");
     rows.push_back(r);
   }
   SPARROW_CHECK_T(FormatError, !f.bad(), path << ": read error");
   return rows;
 }
+
+namespace {
+
+// A run folder as the dashboard page shows it: its rounds and its config.
+monitor::ReportRun report_run(const std::string& dir, const std::vector<MetricsRow>& rows) {
+  monitor::ReportRun r;
+  r.name = run_label(dir);
+  r.run.program = "sparrow-sim";
+  r.run.run_id = r.name;
+  const fs::path config = fs::path(dir) / "config.toml";
+  std::ifstream in(config, std::ios::binary);
+  if (in) {
+    std::stringstream ss;
+    ss << in.rdbuf();
+    r.run.config = ss.str();
+    try {
+      const SimConfig c = load_config(config.string());
+      r.run.model = c.model;
+      r.run.rounds_total = c.rounds;
+    } catch (const std::exception&) {
+      // A config this version cannot read still shows as text.
+    }
+  }
+  for (const MetricsRow& m : rows) {
+    monitor::RoundPoint p;
+    p.round = static_cast<int64_t>(m.round);
+    p.duration_s = m.real_s;
+    p.accuracy = m.has_accuracy ? m.accuracy : NAN;
+    p.loss = m.has_loss ? m.loss : NAN;
+    p.train_loss = m.train_loss;
+    p.bytes_up = static_cast<uint64_t>(m.bytes_up);
+    p.bytes_down = static_cast<uint64_t>(m.bytes_down);
+    p.selected = static_cast<int64_t>(m.clients);
+    p.dropped = static_cast<int64_t>(m.dropped);
+    p.accepted = p.selected - p.dropped;
+    p.epsilon = m.epsilon;
+    r.rounds.push_back(p);
+  }
+  if (r.run.rounds_total == 0 && !r.rounds.empty()) r.run.rounds_total = r.rounds.back().round;
+  return r;
+}
+
+}  // namespace
 
 std::vector<std::string> write_report(const std::string& run_dir, const std::vector<std::string>& compare,
                                       const std::string& out_dir) {
@@ -298,8 +347,10 @@ std::vector<std::string> write_report(const std::string& run_dir, const std::vec
   PlotSpec loss{"Loss vs round (solid: test, dashed: training)", "round", "loss", false, {}};
   loss.fraction = false;
   int color = 0;
+  std::vector<monitor::ReportRun> page_runs;
   for (const std::string& dir : dirs) {
     std::vector<MetricsRow> rows = read_metrics(dir);
+    page_runs.push_back(report_run(dir, rows));
     Series r{run_label(dir), {}}, b{r.label, {}};
     Series test{r.label + " test", {}, false, color}, train{r.label + " train", {}, true, color};
     double cumulative = 0;
@@ -332,6 +383,8 @@ std::vector<std::string> write_report(const std::string& run_dir, const std::vec
   write_file(paths[0], render(by_round));
   write_file(paths[1], render(by_bytes));
   write_file(paths[2], render(loss));
+  paths.push_back((out / "dashboard.html").string());
+  write_file(paths[3], monitor::report_page(page_runs));
   return paths;
 }
 

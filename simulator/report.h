@@ -11,7 +11,9 @@
 //  - Writes accuracy_vs_round.svg, accuracy_vs_bytes.svg (x = cumulative uplink
 //    bytes, log scale, SI units: 1 KB = 1000 B) and loss_vs_round.svg (test loss
 //    solid, training loss dashed, one colour per run) into run_dir or out_dir,
-//    and returns their paths in that order. Each run is one polyline through its
+//    then dashboard.html (the live dashboard's page with every run's rounds
+//    and config inlined: one self-contained file, docs/monitoring.md), and
+//    returns their paths in that order. Each run is one polyline through its
 //    evaluated rounds with a marker per point; rows with an empty accuracy cell
 //    are skipped. The y axis is scaled to the data (accuracy stays within [0, 1]).
 //  - All inputs are read and checked before anything is written, so bad input
@@ -42,6 +44,7 @@ struct MetricsRow {
   double real_s = 0;
   double clients = 0;
   double dropped = 0;
+  double epsilon = 0;  // NaN when the column is absent or empty (no DP)
 };
 
 // Parses run_dir/metrics.csv under the contract above (errors included).

@@ -1,6 +1,7 @@
 // sparrow-sim: runs a federated-learning experiment described by a TOML file.
 //
 //   sparrow-sim --config FILE.toml [--set key=value]... [--force] [--resume RUN_DIR]
+//               [--http HOST:PORT [--http-token FILE] [--http-linger S]]
 //   sparrow-sim report RUN_DIR [--compare OTHER_RUN_DIR]...
 //   sparrow-sim export RUN_DIR [--out DIR]
 //
@@ -21,6 +22,11 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <sstream>
+#include <thread>
 #include <iostream>
 #include <string>
 #include <vector>
@@ -33,6 +39,8 @@
 #include "simulator/report.h"
 #include "core/threads.h"
 #include "simulator/simulator.h"
+#include "monitor/board.h"
+#include "monitor/http.h"
 
 namespace {
 
@@ -67,6 +75,100 @@ std::string clock_text(double s) {
   return buf;
 }
 
+// The dashboard's view of the simulation: rounds, progress and the clients
+// that trained so far (a population of thousands shows those that took part).
+class SimBoard {
+ public:
+  explicit SimBoard(std::shared_ptr<sparrow::monitor::Board> b) : board_(std::move(b)) {}
+
+  void start(const sparrow::simulator::Simulator& sim) {
+    const auto& cfg = sim.config();
+    sparrow::monitor::RunInfo info;
+    info.program = "sparrow-sim";
+    info.run_id = std::filesystem::path(cfg.out).filename().string();
+    info.model = cfg.model;
+    std::ifstream in(std::filesystem::path(cfg.out) / "config.toml", std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    info.config = ss.str();
+    info.rounds_total = cfg.rounds;
+    info.started = sparrow::monitor::unix_now();
+    board_->set_run(std::move(info));
+    for (const auto& m : sim.history()) board_->add_round(point(m, 0));
+    board_->update_progress([&](sparrow::monitor::Progress& p) {
+      p.round = p.rounds_completed = sim.completed_rounds();
+      p.phase = sim.done() ? "done" : "waiting";
+    });
+  }
+
+  void round_started(int round, int selected) {
+    board_->update_progress([&](sparrow::monitor::Progress& p) {
+      p.round = round;
+      p.phase = "training";
+      p.selected = p.clients_connected = selected;
+      p.received = 0;
+      p.started = sparrow::monitor::unix_now();
+      p.deadline = NAN;
+    });
+  }
+
+  void received(int64_t n) {
+    board_->update_progress([&](sparrow::monitor::Progress& p) {
+      if (p.phase == "training") p.received = n;
+    });
+  }
+
+  void round_done(const sparrow::simulator::RoundMetrics& m, bool last) {
+    const double now = sparrow::monitor::unix_now();
+    board_->add_round(point(m, now));
+    const uint64_t down_each = m.clients > 0 ? m.bytes_down / static_cast<uint64_t>(m.clients) : 0;
+    for (auto& [id, c] : clients_) c.connected = false;
+    for (const auto& p : m.participants) {
+      sparrow::monitor::ClientInfo& c = clients_[p.client];
+      c.id = "client-" + std::to_string(p.client);
+      c.connected = true;  // in this round
+      c.last_seen = now;
+      c.rounds += p.kept ? 1 : 0;
+      c.bytes_up += p.bytes_up;
+      c.bytes_down += down_each;
+      c.samples = static_cast<uint64_t>(p.samples);
+    }
+    std::vector<sparrow::monitor::ClientInfo> v;
+    v.reserve(clients_.size());
+    for (const auto& [id, c] : clients_) v.push_back(c);
+    board_->set_clients(std::move(v));
+    board_->update_progress([&](sparrow::monitor::Progress& p) {
+      p.rounds_completed = m.round;
+      p.received = m.clients - m.dropped;
+      p.phase = last ? "done" : "waiting";
+    });
+  }
+
+  void stopped() {
+    board_->update_progress([](sparrow::monitor::Progress& p) { p.phase = "stopped"; });
+  }
+
+ private:
+  static sparrow::monitor::RoundPoint point(const sparrow::simulator::RoundMetrics& m, double now) {
+    sparrow::monitor::RoundPoint p;
+    p.round = m.round;
+    p.finished = now;
+    p.duration_s = m.real_s;
+    p.accuracy = m.accuracy;
+    p.loss = m.loss;
+    p.train_loss = m.train_loss;
+    p.bytes_up = m.bytes_up;
+    p.bytes_down = m.bytes_down;
+    p.selected = m.clients;
+    p.accepted = m.clients - m.dropped;
+    p.dropped = m.dropped;
+    p.epsilon = m.epsilon;
+    return p;
+  }
+  std::shared_ptr<sparrow::monitor::Board> board_;
+  std::map<int64_t, sparrow::monitor::ClientInfo> clients_;
+};
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -79,6 +181,12 @@ int main(int argc, char** argv) {
   app.add_option("--set", overrides, "override a config key (key=value); repeatable")->take_all();
   app.add_option("--resume", resume_dir, "continue the run in RUN_DIR after its last completed round");
   app.add_flag("--force", force, "start afresh in a run folder that already holds a run (replacing it)");
+  std::string http, http_token;
+  double http_linger = 0;
+  app.add_option("--http", http, "serve the live dashboard and /metrics on HOST:PORT (e.g. 127.0.0.1:8080)");
+  app.add_option("--http-token", http_token, "file with the dashboard's bearer token (needed off loopback)");
+  app.add_option("--http-linger", http_linger, "keep serving the dashboard this many seconds after the run")
+      ->check(CLI::Range(0.0, 86400.0));
   std::string log_level = "info";
   sparrow::cli::add_common_options(app, "sparrow-sim", &log_level);
   std::string report_dir;
@@ -151,6 +259,15 @@ int main(int argc, char** argv) {
                 << ", start it over with --force, or set another out = \"...\" (--set out=DIR)\n";
       return 2;
     }
+    // The dashboard binds before the run starts (a taken port is a config
+    // error that changes nothing) and serves while the simulator builds.
+    auto board = std::make_shared<sparrow::monitor::Board>();
+    std::unique_ptr<sparrow::monitor::HttpEndpoint> endpoint;
+    if (!http.empty()) {
+      endpoint = std::make_unique<sparrow::monitor::HttpEndpoint>(http, http_token, board);
+      std::cerr << "sparrow-sim: dashboard at " << endpoint->url() << '\n';
+    }
+    SimBoard sim_board(board);
     sparrow::core::configure_threads(cfg.workers, cfg.threads);
     std::cerr << "sparrow-sim: " << sparrow::core::threads_summary(cfg.workers) << '\n';
     if (const std::string w = sparrow::core::blas_warning(); !w.empty()) std::cerr << "sparrow-sim: " << w << '\n';
@@ -159,6 +276,23 @@ int main(int argc, char** argv) {
     std::cerr << "sparrow-sim: run folder " << cfg.out << (resume ? " (resumed)" : "") << "; training "
               << sim.training_mode() << '\n';
     install_signal_handlers();
+    sim_board.start(sim);
+    // Clients finished in the round in progress, for the dashboard's progress bar.
+    std::atomic<bool> ticking{endpoint != nullptr};
+    std::thread ticker([&] {
+      while (ticking.load()) {
+        sim_board.received(sim.clients_finished());
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      }
+    });
+    struct Join {
+      std::atomic<bool>& flag;
+      std::thread& t;
+      ~Join() {
+        flag.store(false);
+        if (t.joinable()) t.join();
+      }
+    } join_ticker{ticking, ticker};
     const int first = sim.completed_rounds();
     const bool tty = isatty(2) != 0;
     double last_acc = NAN;
@@ -182,13 +316,16 @@ int main(int argc, char** argv) {
     };
     g_sim.store(&sim);
     while (!sim.done() && !g_stop) {
+      sim_board.round_started(sim.completed_rounds() + 1, cfg.clients_per_round);
       const RoundMetrics m = sim.run_round();
       if (sim.interrupted()) break;  // the round was given up: it does not count
+      sim_board.round_done(m, sim.done());
       progress(m);
     }
     g_sim.store(nullptr);
     if (tty) std::cerr << '\n';
     if (!sim.done()) {
+      sim_board.stopped();
       sim.checkpoint_now();
       std::cerr << "sparrow-sim: interrupted after round " << sim.completed_rounds() << " of " << cfg.rounds
                 << " (checkpointed); continue with: sparrow-sim --resume " << cfg.out << '\n';
@@ -196,6 +333,13 @@ int main(int argc, char** argv) {
       return 130;
     }
     std::cout << summary_json(sim.summary()) << std::endl;
+    if (endpoint && http_linger > 0) {
+      std::cerr << "sparrow-sim: the dashboard stays at " << endpoint->url() << " for " << http_linger
+                << " s (Ctrl-C ends it)\n";
+      const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(http_linger);
+      while (!g_stop && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
     return 0;
   } catch (const sparrow::ConfigError& e) {
     std::cerr << "sparrow-sim: config error: " << sparrow::core::error_text(e) << '\n';

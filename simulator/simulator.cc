@@ -237,6 +237,7 @@ struct Simulator::Impl {
   at::Device device{at::kCPU};
   std::atomic<bool> stop_requested{false};
   std::atomic<int64_t> stop_after{0};  // clients still to finish after a stop request
+  std::atomic<int64_t> finished{0};    // clients of the round in progress that finished training
   bool interrupted = false;            // the last run_round() was stopped in the middle
   std::string training;                // how clients are trained, for the log
   std::string data_note;               // where a folder dataset's training and test samples came from
@@ -682,6 +683,7 @@ struct Simulator::Impl {
         }
         finish_client(wk, t, *out[j], trained[j - j0], ctxs);
         stop_after.fetch_sub(1);
+        finished.fetch_add(1);
       }
     }
   }
@@ -753,6 +755,7 @@ struct Simulator::Impl {
     count_participations(ids);
     store->prefetch(ids);  // loaded on the store's thread while the first clients train
     std::vector<ClientResult> results(ids.size());
+    finished.store(0);
     std::vector<double> jobs;
     for (int64_t c : ids) jobs.push_back(static_cast<double>(client_idx[c].numel()));
     const Assignment as = schedule_lpt(jobs, cost);
@@ -823,6 +826,7 @@ struct Simulator::Impl {
     double loss_w = 0, slowest = 0;
     int64_t samples = 0;
     for (const auto& r : results) {
+      m.participants.push_back({r.client, r.samples, r.bytes_up, r.kept});
       m.bytes_up += r.bytes_up;
       loss_w += r.train_loss * static_cast<double>(r.samples);
       samples += r.samples;
@@ -979,6 +983,8 @@ void Simulator::request_stop(int64_t after_clients) noexcept {
 }
 
 bool Simulator::interrupted() const { return impl_->interrupted; }
+
+int64_t Simulator::clients_finished() const { return impl_->finished.load(); }
 
 void Simulator::wait_for_checkpoint() { impl_->store->wait_written(); }
 

@@ -59,6 +59,14 @@ class Model;
 
 namespace sparrow::simulator {
 
+// One selected client of a round (for the dashboard's client table).
+struct Participant {
+  int64_t client = 0;
+  int64_t samples = 0;    // its training samples
+  uint64_t bytes_up = 0;  // its serialized update
+  bool kept = false;      // aggregated (false: a straggler dropped at the deadline)
+};
+
 struct RoundMetrics {
   int round = 0;            // 1-based
   double accuracy = 0;      // NaN on rounds without evaluation
@@ -74,6 +82,7 @@ struct RoundMetrics {
   double eval_s = 0;        // of real_s, the seconds spent evaluating; not persisted
   double epsilon = 0;       // DP: privacy spent after this round at dp's delta; NaN without DP
   double clip = 0;          // the norm bound the aggregator applied (central DP, normclip); NaN if none
+  std::vector<Participant> participants;  // by client id; not persisted, empty on rounds a resume reloads
 };
 
 struct Summary {
@@ -126,6 +135,9 @@ class Simulator {
   // (0: after the clients in training now). run() returns then.
   void request_stop(int64_t after_clients = 0) noexcept;
   bool interrupted() const;
+  // Clients of the round in progress that finished training so far (any
+  // thread: an atomic read; between rounds, those of the last round).
+  int64_t clients_finished() const;
   // Runs the remaining rounds; `progress` (may be empty) after each.
   void run(const std::function<void(const RoundMetrics&)>& progress = {});
   bool done() const;

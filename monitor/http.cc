@@ -1,0 +1,310 @@
+#include "monitor/http.h"
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+
+#include <httplib.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cctype>
+#include <condition_variable>
+#include <deque>
+#include <fstream>
+#include <functional>
+#include <mutex>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+#include "monitor/page.h"
+
+namespace sparrow::monitor {
+
+namespace {
+
+constexpr size_t kThreads = 4;     // HTTP worker threads
+constexpr size_t kMaxQueued = 64;  // accepted connections waiting for a thread
+constexpr time_t kTimeoutS = 5;    // read/write/keep-alive timeouts
+
+bool loopback_host(const std::string& host) {
+  if (host == "localhost" || host == "::1") return true;
+  in_addr a{};
+  if (inet_pton(AF_INET, host.c_str(), &a) == 1) return (ntohl(a.s_addr) >> 24) == 127;
+  return false;
+}
+
+// A pool whose queue is bounded: when every thread is busy and kMaxQueued
+// connections wait, the accept loop waits too (the kernel's backlog holds the
+// rest), so a flood of connections cannot take the process's descriptors,
+// which the ZeroMQ side needs.
+class BoundedPool : public httplib::TaskQueue {
+ public:
+  BoundedPool(size_t threads, size_t max_queued) : max_(max_queued) {
+    for (size_t i = 0; i < threads; ++i) threads_.emplace_back([this] { work(); });
+  }
+  ~BoundedPool() override = default;
+  void enqueue(std::function<void()> fn) override {
+    std::unique_lock<std::mutex> g(mu_);
+    space_.wait(g, [&] { return queue_.size() < max_ || stop_; });
+    queue_.push_back(std::move(fn));  // after shutdown too: the task closes its socket
+    ready_.notify_one();
+  }
+  void shutdown() override {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      stop_ = true;
+    }
+    ready_.notify_all();
+    space_.notify_all();
+    for (auto& t : threads_) t.join();
+  }
+
+ private:
+  void work() {
+    for (;;) {
+      std::function<void()> fn;
+      {
+        std::unique_lock<std::mutex> g(mu_);
+        ready_.wait(g, [&] { return !queue_.empty() || stop_; });
+        if (queue_.empty()) return;  // stopping, and every queued connection was handled
+        fn = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      space_.notify_one();
+      fn();
+    }
+  }
+  std::mutex mu_;
+  std::condition_variable ready_, space_;
+  std::deque<std::function<void()>> queue_;
+  std::vector<std::thread> threads_;
+  size_t max_;
+  bool stop_ = false;
+};
+
+std::string read_token(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  SPARROW_CHECK_T(ConfigError, in, "http token file " << path << " cannot be read");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  std::string t = ss.str();
+  while (!t.empty() && std::isspace(static_cast<unsigned char>(t.back()))) t.pop_back();
+  while (!t.empty() && std::isspace(static_cast<unsigned char>(t.front()))) t.erase(t.begin());
+  SPARROW_CHECK_T(
+      ConfigError, t.size() >= 16,
+      "http token file " << path << " must hold a token of at least 16 characters (it has " << t.size() << ")");
+  for (char c : t)
+    SPARROW_CHECK_T(ConfigError, c > 0x20 && c < 0x7f,
+                    "http token file " << path << ": the token must be printable ASCII without spaces");
+  return t;
+}
+
+bool same_secret(const std::string& a, const std::string& b) {
+  if (a.size() != b.size()) return false;
+  unsigned char d = 0;
+  for (size_t i = 0; i < a.size(); ++i) d |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return d == 0;
+}
+
+// The host part of a Host header ("127.0.0.1:8080", "[::1]:8080", "localhost").
+std::string host_of(const std::string& h) {
+  if (!h.empty() && h.front() == '[') {
+    const size_t close = h.find(']');
+    return close == std::string::npos ? h : h.substr(1, close - 1);
+  }
+  const size_t colon = h.rfind(':');
+  return colon == std::string::npos ? h : h.substr(0, colon);
+}
+
+bool parse_count(const std::string& s, int64_t lo, int64_t hi, int64_t* out) {
+  if (s.empty() || s.size() > 18) return false;
+  int64_t v = 0;
+  for (char c : s) {
+    if (c < '0' || c > '9') return false;
+    v = v * 10 + (c - '0');
+  }
+  if (v < lo || v > hi) return false;
+  *out = v;
+  return true;
+}
+
+}  // namespace
+
+HttpAddress parse_http_address(const std::string& address) {
+  HttpAddress a;
+  std::string port;
+  if (!address.empty() && address.front() == '[') {
+    const size_t close = address.find(']');
+    SPARROW_CHECK_T(ConfigError, close != std::string::npos && close + 1 < address.size() && address[close + 1] == ':',
+                    "http address '" << address << "': expected [IPv6]:PORT");
+    a.host = address.substr(1, close - 1);
+    port = address.substr(close + 2);
+  } else {
+    const size_t colon = address.rfind(':');
+    SPARROW_CHECK_T(ConfigError, colon != std::string::npos && address.find(':') == colon,
+                    "http address '" << address << "': expected HOST:PORT, e.g. 127.0.0.1:8080");
+    a.host = address.substr(0, colon);
+    port = address.substr(colon + 1);
+  }
+  SPARROW_CHECK_T(ConfigError, !a.host.empty(), "http address '" << address << "': the host is empty");
+  int64_t p = 0;
+  SPARROW_CHECK_T(ConfigError, parse_count(port, 0, 65535, &p),
+                  "http address '" << address << "': the port must be a number from 0 to 65535");
+  a.port = static_cast<int>(p);
+  a.loopback = loopback_host(a.host);
+  return a;
+}
+
+struct HttpEndpoint::Impl {
+  std::shared_ptr<const Board> board;
+  HttpAddress address;
+  std::string token;  // empty: none required
+  std::string page;
+  httplib::Server svr;
+  std::thread thread;
+  int port = 0;
+  std::string url;
+
+  void install() {
+    svr.new_task_queue = [] { return new BoundedPool(kThreads, kMaxQueued); };
+    // SO_REUSEADDR only: httplib's default also sets SO_REUSEPORT, which would
+    // let a second program bind the same port and take half its requests.
+    svr.set_socket_options([](socket_t sock) {
+      int yes = 1;
+      setsockopt(sock, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+    });
+    svr.set_read_timeout(kTimeoutS, 0);
+    svr.set_write_timeout(kTimeoutS, 0);
+    svr.set_keep_alive_timeout(kTimeoutS);
+    svr.set_keep_alive_max_count(100);
+    svr.set_payload_max_length(4096);  // requests are GETs: no body worth reading
+
+    svr.set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+      res.set_header("Cache-Control", "no-store");
+      res.set_header("X-Content-Type-Options", "nosniff");
+      if (req.method != "GET" && req.method != "HEAD") {
+        res.status = 405;
+        res.set_header("Allow", "GET, HEAD");
+        res.set_content("method not allowed: the dashboard is read-only\n", "text/plain");
+        return httplib::Server::HandlerResponse::Handled;
+      }
+      if (token.empty()) {
+        // Loopback without a token: only for requests addressed to a
+        // loopback name, so another site's page cannot rebind its DNS name
+        // to 127.0.0.1 and read the dashboard.
+        if (!loopback_host(host_of(req.get_header_value("Host")))) {
+          res.status = 403;
+          res.set_content("forbidden: the Host header must name a loopback address\n", "text/plain");
+          return httplib::Server::HandlerResponse::Handled;
+        }
+        return httplib::Server::HandlerResponse::Unhandled;
+      }
+      std::string given;
+      const std::string auth = req.get_header_value("Authorization");
+      if (auth.rfind("Bearer ", 0) == 0) given = auth.substr(7);
+      if (given.empty() && req.has_param("token")) given = req.get_param_value("token");
+      if (!same_secret(given, token)) {
+        res.status = 401;
+        res.set_header("WWW-Authenticate", "Bearer realm=\"sparrow\"");
+        res.set_content("unauthorized: send Authorization: Bearer TOKEN (or open the page with ?token=TOKEN)\n",
+                        "text/plain");
+        return httplib::Server::HandlerResponse::Handled;
+      }
+      return httplib::Server::HandlerResponse::Unhandled;
+    });
+    svr.set_error_handler([](const httplib::Request&, httplib::Response& res) {
+      if (!res.body.empty()) return;
+      const char* what = res.status == 404   ? "not found: try /, /metrics or /api/{run,progress,rounds,clients}\n"
+                         : res.status == 413 ? "request too large\n"
+                         : res.status == 414 ? "request URI too long\n"
+                                             : "bad request\n";
+      res.set_content(what, "text/plain");
+    });
+    svr.set_exception_handler([](const httplib::Request&, httplib::Response& res, std::exception_ptr) {
+      res.status = 500;
+      res.set_content("internal error\n", "text/plain");
+    });
+
+    svr.Get("/", [this](const httplib::Request&, httplib::Response& res) {
+      res.set_header("Content-Security-Policy",
+                     "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
+                     "img-src data:; connect-src 'self'");
+      res.set_content(page, "text/html; charset=utf-8");
+    });
+    svr.Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+      res.set_content(board->prometheus(), "text/plain; version=0.0.4; charset=utf-8");
+    });
+    svr.Get("/api/run", [this](const httplib::Request&, httplib::Response& res) {
+      res.set_content(board->run_json(), "application/json");
+    });
+    svr.Get("/api/progress", [this](const httplib::Request&, httplib::Response& res) {
+      res.set_content(board->progress_json(), "application/json");
+    });
+    svr.Get("/api/rounds", [this](const httplib::Request& req, httplib::Response& res) {
+      int64_t since = 0;
+      if (req.has_param("since") && !parse_count(req.get_param_value("since"), 0, INT64_MAX / 16, &since))
+        return bad_request(res, "since must be a round number (an integer >= 0)");
+      res.set_content(board->rounds_json(since), "application/json");
+    });
+    svr.Get("/api/clients", [this](const httplib::Request& req, httplib::Response& res) {
+      int64_t limit = 200;
+      if (req.has_param("limit") && !parse_count(req.get_param_value("limit"), 1, 10000, &limit))
+        return bad_request(res, "limit must be an integer from 1 to 10000");
+      res.set_content(board->clients_json(static_cast<size_t>(limit)), "application/json");
+    });
+  }
+
+  static void bad_request(httplib::Response& res, const std::string& why) {
+    res.status = 400;
+    res.set_content(why + "\n", "text/plain");
+  }
+};
+
+HttpEndpoint::HttpEndpoint(const std::string& address, const std::string& token_file,
+                           std::shared_ptr<const Board> board)
+    : impl_(std::make_unique<Impl>()) {
+  SPARROW_CHECK(board != nullptr, "HttpEndpoint needs a board");
+  impl_->board = std::move(board);
+  impl_->address = parse_http_address(address);
+  if (!token_file.empty()) {
+    impl_->token = read_token(token_file);
+  } else {
+    SPARROW_CHECK_T(ConfigError, impl_->address.loopback,
+                    "http address " << address
+                                    << " is not a loopback address: give a token file (--http-token FILE) so that "
+                                       "only holders of the token can read the dashboard");
+  }
+  impl_->page = dashboard_page();
+  impl_->install();
+  const std::string& host = impl_->address.host;
+  if (host.find(':') != std::string::npos) impl_->svr.set_address_family(AF_INET6);
+  if (impl_->address.port == 0) {
+    impl_->port = impl_->svr.bind_to_any_port(host);
+    SPARROW_CHECK_T(ConfigError, impl_->port > 0, "http: cannot bind " << address);
+  } else {
+    SPARROW_CHECK_T(ConfigError, impl_->svr.bind_to_port(host, impl_->address.port),
+                    "http: cannot bind " << address << " (in use, or not an address of this machine)");
+    impl_->port = impl_->address.port;
+  }
+  const std::string shown = host.find(':') != std::string::npos ? "[" + host + "]" : host;
+  impl_->url = "http://" + shown + ":" + std::to_string(impl_->port) + "/";
+  Impl* im = impl_.get();
+  impl_->thread = std::thread([im] { im->svr.listen_after_bind(); });
+  // stop() is a no-op until the loop runs: wait for it, so that destroying
+  // the endpoint right away cannot leave the thread listening forever.
+  for (int i = 0; i < 5000 && !impl_->svr.is_running(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+
+HttpEndpoint::~HttpEndpoint() {
+  impl_->svr.stop();
+  if (impl_->thread.joinable()) impl_->thread.join();
+}
+
+int HttpEndpoint::port() const { return impl_->port; }
+const std::string& HttpEndpoint::url() const { return impl_->url; }
+
+}  // namespace sparrow::monitor
