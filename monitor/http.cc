@@ -26,9 +26,9 @@ namespace sparrow::monitor {
 
 namespace {
 
-constexpr size_t kThreads = 4;     // HTTP worker threads
+constexpr size_t kThreads = 8;     // HTTP worker threads (each mostly waits on a socket)
 constexpr size_t kMaxQueued = 64;  // accepted connections waiting for a thread
-constexpr time_t kTimeoutS = 5;    // read/write/keep-alive timeouts
+constexpr time_t kTimeoutS = 3;    // read/write/keep-alive timeouts: a slow peer holds a thread this long
 
 bool loopback_host(const std::string& host) {
   if (host == "localhost" || host == "::1") return true;

@@ -18,10 +18,13 @@
 // every request then carries `Authorization: Bearer TOKEN` (or, for opening
 // the page in a browser, `?token=TOKEN`; the page forwards it as the header).
 //
-// The server runs on its own small thread pool; handlers only read the Board
-// (short copies under its lock). Slow or hostile HTTP peers time out after
-// 5 s and can occupy at most the pool's threads: the program's round loop
-// never waits on HTTP.
+// The server runs on its own pool of 8 threads; handlers only read the Board
+// (short copies under its lock). A slow or hostile HTTP peer is cut off after
+// 3 s of silence and occupies at most one thread meanwhile; at most 64 more
+// accepted connections wait for a thread (then the kernel's backlog), so a
+// flood cannot exhaust the process's descriptors. The program's round loop
+// never waits on HTTP; a flood of slow connections can delay the dashboard
+// itself by a few seconds.
 
 #include <memory>
 #include <string>

@@ -5,6 +5,8 @@
 #   scripts/setup.sh --bench   also python3-torch, the plain-PyTorch peer of
 #                              `sparrow-bench sim` (bench/peer_fedavg.py)
 #   scripts/setup.sh --fuzz    also clang (libFuzzer, ASan, UBSan) for scripts/fuzz.sh
+#   scripts/setup.sh --browser also chromium, for the dashboard's browser tests
+#                              (scripts/test.sh --slow and --all install it)
 set -euo pipefail
 
 PACKAGES=(
@@ -28,9 +30,13 @@ PACKAGES=(
   # JIT small-GEMM kernels for the built-in models' CPU training step
   # (core/linear_cpu.h): 1.15-1.5x OpenBLAS on batch-32 Linear layers.
   libxsmm-dev
+  # The live dashboard (docs/monitoring.md): its HTTP server and the charts,
+  # embedded in the binaries at build time.
+  libcpp-httplib-dev libjs-chart.js
 )
 if [[ "${1:-}" == "--bench" ]]; then PACKAGES+=(python3-torch); fi
 if [[ "${1:-}" == "--fuzz" ]]; then PACKAGES+=(clang); fi
+if [[ "${1:-}" == "--browser" ]]; then PACKAGES+=(chromium); fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do

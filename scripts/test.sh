@@ -10,6 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-default}
 scripts/setup.sh
+# The browser tests (labelled slow) drive a headless Chromium.
+if [[ "$mode" == --slow || "$mode" == --all ]]; then scripts/setup.sh --browser; fi
 if [[ "$mode" == --sanitize ]]; then
   cxx=g++
   if command -v clang++ >/dev/null; then cxx=clang++; fi

@@ -9,6 +9,8 @@
 #include <spdlog/spdlog.h>
 
 #include <atomic>
+#include <chrono>
+#include <thread>
 #include <cmath>
 #include <csignal>
 #include <cstdio>
@@ -31,7 +33,9 @@ namespace {
 
 std::atomic<sparrow::server::Server*> g_server{nullptr};
 
+std::atomic<bool> g_signalled{false};
 extern "C" void on_signal(int) {
+  g_signalled.store(true);
   sparrow::server::Server* s = g_server.load();
   if (s) s->stop();  // stores to an atomic flag only: async-signal-safe
 }
@@ -186,6 +190,9 @@ int main(int argc, char** argv) {
   std::string http, http_token;
   app.add_option("--http", http, "serve the live dashboard and /metrics on HOST:PORT (e.g. 127.0.0.1:8080)");
   app.add_option("--http-token", http_token, "file with the dashboard's bearer token (needed off loopback)");
+  double http_linger = 0;
+  app.add_option("--http-linger", http_linger, "keep serving the dashboard this many seconds after the run")
+      ->check(CLI::Range(0.0, 86400.0));
   sparrow::cli::add_common_options(app, "sparrow-server", &log_level);
 
   auto* kg = app.add_subcommand("keygen", "write CurveZMQ key pairs for the server and N clients");
@@ -245,6 +252,14 @@ int main(int argc, char** argv) {
     std::signal(SIGINT, on_signal);
     std::signal(SIGTERM, on_signal);
     server.run();
+    if (http_linger > 0 && !server.dashboard_url().empty() && !g_signalled.load()) {
+      // The run is over (socket closed, database written); its final state
+      // stays on the dashboard for a while. A signal ends it.
+      spdlog::info("event=http_linger url={} seconds={}", server.dashboard_url(), http_linger);
+      const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(http_linger);
+      while (!g_signalled.load() && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
     g_server.store(nullptr);
     // Stopped by a signal before the last round: interrupted (the last
     // completed round is on disk; the same config resumes after it).

@@ -19,6 +19,7 @@
 #include <map>
 #include <memory>
 #include <regex>
+#include <sstream>
 #include <set>
 #include <string>
 #include <thread>
@@ -32,6 +33,7 @@
 #include "edge/cloud_store.h"
 #include "edge/split.h"
 #include "server/server.h"
+#include "tests/http_client.h"
 #include "tests/integration/process.h"
 #include "wire/net.h"
 #include "wire/wire.h"
@@ -792,5 +794,238 @@ TEST_CASE("integration: sparrow-server try runs a server and its clients to the 
   t.signal(SIGINT);
   CHECK(t.wait(60s) == std::optional<int>(130));
   CHECK(t.log().find("client(s) failed") == std::string::npos);
+  fs::remove_all(dir);
+}
+
+// ---- the live dashboard ------------------------------------------------------------
+
+namespace {
+
+// The server's database rows the dashboard shows.
+struct DbRound {
+  int64_t round = 0, selected = 0, updates = 0, rejected = 0, stale = 0;
+  uint64_t bytes_in = 0, bytes_out = 0;
+  double accuracy = NAN, loss = NAN, train_loss = NAN;
+};
+struct DbClient {
+  int64_t updates = 0, last_seen = 0;
+  uint64_t bytes_up = 0, bytes_down = 0, samples = 0;
+};
+
+template <class F>
+void query(const std::string& db_path, const char* sql, F&& row) {
+  sqlite3* db = nullptr;
+  REQUIRE(sqlite3_open_v2(db_path.c_str(), &db, SQLITE_OPEN_READONLY, nullptr) == SQLITE_OK);
+  sqlite3_busy_timeout(db, 5000);
+  sqlite3_stmt* st = nullptr;
+  REQUIRE(sqlite3_prepare_v2(db, sql, -1, &st, nullptr) == SQLITE_OK);
+  while (sqlite3_step(st) == SQLITE_ROW) row(st);
+  sqlite3_finalize(st);
+  sqlite3_close(db);
+}
+
+double column_or_nan(sqlite3_stmt* st, int i) {
+  return sqlite3_column_type(st, i) == SQLITE_NULL ? NAN : sqlite3_column_double(st, i);
+}
+
+std::vector<DbRound> db_rounds(const std::string& path) {
+  std::vector<DbRound> out;
+  query(path,
+        "SELECT round, selected, updates, rejected, stale, bytes_in, bytes_out, eval_accuracy, eval_loss, "
+        "train_loss FROM rounds ORDER BY round",
+        [&](sqlite3_stmt* st) {
+          DbRound r;
+          r.round = sqlite3_column_int64(st, 0);
+          r.selected = sqlite3_column_int64(st, 1);
+          r.updates = sqlite3_column_int64(st, 2);
+          r.rejected = sqlite3_column_int64(st, 3);
+          r.stale = sqlite3_column_int64(st, 4);
+          r.bytes_in = static_cast<uint64_t>(sqlite3_column_int64(st, 5));
+          r.bytes_out = static_cast<uint64_t>(sqlite3_column_int64(st, 6));
+          r.accuracy = column_or_nan(st, 7);
+          r.loss = column_or_nan(st, 8);
+          r.train_loss = column_or_nan(st, 9);
+          out.push_back(r);
+        });
+  return out;
+}
+
+std::map<std::string, DbClient> db_clients(const std::string& path) {
+  std::map<std::string, DbClient> out;
+  query(path, "SELECT client_id, updates, last_seen, bytes_up, bytes_down, num_samples FROM clients",
+        [&](sqlite3_stmt* st) {
+          DbClient c;
+          c.updates = sqlite3_column_int64(st, 1);
+          c.last_seen = sqlite3_column_int64(st, 2);
+          c.bytes_up = static_cast<uint64_t>(sqlite3_column_int64(st, 3));
+          c.bytes_down = static_cast<uint64_t>(sqlite3_column_int64(st, 4));
+          c.samples = static_cast<uint64_t>(sqlite3_column_int64(st, 5));
+          out[reinterpret_cast<const char*>(sqlite3_column_text(st, 0))] = c;
+        });
+  return out;
+}
+
+// The number after "key": in a JSON object's text (NaN for null or absent).
+double json_field(const std::string& obj, const std::string& key) {
+  const size_t at = obj.find("\"" + key + "\":");
+  if (at == std::string::npos) return NAN;
+  const std::string rest = obj.substr(at + key.size() + 3);
+  if (rest.rfind("null", 0) == 0) return NAN;
+  return std::stod(rest);
+}
+
+// The objects of a JSON array of flat objects ("[{...},{...}]").
+std::vector<std::string> json_objects(const std::string& text) {
+  std::vector<std::string> out;
+  const std::regex obj("\\{[^{}]*\\}");
+  for (auto it = std::sregex_iterator(text.begin(), text.end(), obj); it != std::sregex_iterator(); ++it)
+    out.push_back(it->str());
+  return out;
+}
+
+void check_round(const std::string& obj, const DbRound& r) {
+  INFO(obj);
+  CHECK(json_field(obj, "selected") == r.selected);
+  CHECK(json_field(obj, "accepted") == r.updates);
+  CHECK(json_field(obj, "rejected") == r.rejected);
+  CHECK(json_field(obj, "stale") == r.stale);
+  CHECK(json_field(obj, "bytes_up") == static_cast<double>(r.bytes_in));
+  CHECK(json_field(obj, "bytes_down") == static_cast<double>(r.bytes_out));
+  CHECK(json_field(obj, "accuracy") == doctest::Approx(r.accuracy).epsilon(1e-7));
+  CHECK(json_field(obj, "loss") == doctest::Approx(r.loss).epsilon(1e-7));
+}
+
+// A server with the dashboard on a free loopback port, 2 CURVE clients, 3
+// rounds with evaluation; it lingers after the run. Returns the port.
+int run_dashboard_server(const std::string& dir, std::unique_ptr<Process>& server,
+                         std::vector<std::unique_ptr<Process>>& clients) {
+  keygen(dir, 2);
+  server_toml(dir,
+              "rounds = 3\nclients_per_round = 2\nquorum = 2\nround_deadline_s = 60\nlr = 0.05\n"
+              "eval_every = 1\nheartbeat_ms = 500\n");
+  server = std::make_unique<Process>(std::vector<std::string>{kServerBin, "--config", dir + "/server.toml", "--http",
+                                                              "127.0.0.1:0", "--http-linger", "120"},
+                                     dir + "/server.log");
+  const std::string ep = server_endpoint(*server);
+  std::smatch m;
+  const std::string log = server->log();
+  REQUIRE(std::regex_search(log, m, std::regex("event=http url=http://127.0.0.1:(\\d+)/")));
+  const int port = std::stoi(m[1]);
+  for (int i = 1; i <= 2; ++i) clients.push_back(start_client(dir, i, ep, 100, i - 1));
+  {
+    INFO(log_tail(*server));
+    REQUIRE(server->wait_for_log("event=http_linger", 120s));
+  }
+  for (auto& c : clients) CHECK(c->wait(30s) == std::optional<int>(0));
+  return port;
+}
+
+}  // namespace
+
+TEST_CASE("dashboard: the server's API and metrics agree with its database") {
+  const std::string dir = fresh_dir("dash_api");
+  std::unique_ptr<Process> server;
+  std::vector<std::unique_ptr<Process>> clients;
+  const int port = run_dashboard_server(dir, server, clients);
+  using sparrow::testing::http_body;
+  using sparrow::testing::http_get;
+  using sparrow::testing::http_status;
+
+  const std::vector<DbRound> rounds = db_rounds(dir + "/server.db");
+  REQUIRE(rounds.size() == 3);
+  const std::string api_rounds = http_get(port, "/api/rounds");
+  REQUIRE(http_status(api_rounds) == 200);
+  const std::vector<std::string> objs = json_objects(http_body(api_rounds));
+  REQUIRE(objs.size() == 3);
+  for (size_t i = 0; i < 3; ++i) check_round(objs[i], rounds[i]);
+  CHECK(json_objects(http_body(http_get(port, "/api/rounds?since=2"))).size() == 1);
+
+  const std::map<std::string, DbClient> db = db_clients(dir + "/server.db");
+  const std::string api_clients = http_body(http_get(port, "/api/clients"));
+  CHECK(api_clients.find("\"total\":2,\"connected\":0,") != std::string::npos);  // the run is over
+  size_t seen = 0;
+  for (const std::string& c : json_objects(api_clients)) {
+    INFO(c);
+    std::smatch m;
+    REQUIRE(std::regex_search(c, m, std::regex("\"id\":\"([^\"]+)\"")));
+    REQUIRE(db.count(m[1]));
+    const DbClient& d = db.at(m[1]);
+    CHECK(json_field(c, "rounds") == d.updates);
+    CHECK(d.updates == 3);
+    CHECK(json_field(c, "bytes_up") == static_cast<double>(d.bytes_up));
+    CHECK(json_field(c, "bytes_down") == static_cast<double>(d.bytes_down));
+    CHECK(json_field(c, "last_seen") == static_cast<double>(d.last_seen));
+    CHECK(json_field(c, "samples") == static_cast<double>(d.samples));
+    CHECK(d.bytes_up > 3 * 400000);  // three dense MLP updates (~0.8 MB each)
+    ++seen;
+  }
+  CHECK(seen == 2);
+
+  const std::string metrics = http_body(http_get(port, "/metrics"));
+  uint64_t up = 0;
+  for (const auto& r : rounds) up += r.bytes_in;
+  CHECK(metrics.find("sparrow_rounds_completed 3\n") != std::string::npos);
+  CHECK(metrics.find("sparrow_uplink_bytes_total " + std::to_string(up) + "\n") != std::string::npos);
+  CHECK(metrics.find("sparrow_updates_accepted_total 6\n") != std::string::npos);
+  CHECK(metrics.find("sparrow_clients_known 2\n") != std::string::npos);
+  std::smatch acc;
+  REQUIRE(std::regex_search(metrics, acc, std::regex("\nsparrow_accuracy ([0-9.e+-]+)\n")));
+  CHECK(std::stod(acc[1]) == doctest::Approx(rounds[2].accuracy).epsilon(1e-7));
+  CHECK(http_body(http_get(port, "/api/progress")).find("\"phase\":\"done\"") != std::string::npos);
+  // The linger ends on a signal; the run was complete: exit 0.
+  server->signal(SIGTERM);
+  CHECK(server->wait(30s) == std::optional<int>(0));
+  fs::remove_all(dir);
+}
+
+TEST_CASE("dashboard: sparrow-sim serves its run and a taken port is a config error") {
+  const std::string dir = fresh_dir("dash_sim");
+  const std::string sim = kBin + "/sparrow-sim";
+  write_file(dir + "/x.toml",
+             "seed = 3\ndataset = \"synthetic:alpha=0.5,beta=0.5\"\nclients = 30\n"
+             "clients_per_round = 5\nrounds = 4\nmodel = \"logreg\"\nlocal_epochs = 1\n"
+             "batch_size = 10\nlr = 0.05\neval_every = 2\nworkers = 1\nout = \"" +
+                 dir + "/run\"\n");
+  Process p({sim, "--config", dir + "/x.toml", "--http", "127.0.0.1:0", "--http-linger", "120"}, dir + "/sim.log");
+  REQUIRE(p.wait_for_log("dashboard stays at", 120s));
+  std::smatch m;
+  const std::string log = p.log();
+  REQUIRE(std::regex_search(log, m, std::regex("dashboard at http://127.0.0.1:(\\d+)/")));
+  const int port = std::stoi(m[1]);
+  using sparrow::testing::http_body;
+  using sparrow::testing::http_get;
+  const std::vector<std::string> objs = json_objects(http_body(http_get(port, "/api/rounds")));
+  REQUIRE(objs.size() == 4);
+  // The same figures as metrics.csv.
+  std::ifstream csv(dir + "/run/metrics.csv");
+  std::string line;
+  std::getline(csv, line);
+  for (size_t i = 0; i < 4; ++i) {
+    REQUIRE(std::getline(csv, line));
+    INFO(line << "\n" << objs[i]);
+    std::vector<std::string> cells;
+    std::stringstream ss(line);
+    for (std::string c; std::getline(ss, c, ',');) cells.push_back(c);
+    CHECK(json_field(objs[i], "round") == std::stod(cells[0]));
+    if (cells[1].empty())
+      CHECK(std::isnan(json_field(objs[i], "accuracy")));
+    else
+      CHECK(json_field(objs[i], "accuracy") == doctest::Approx(std::stod(cells[1])).epsilon(1e-6));
+    CHECK(json_field(objs[i], "bytes_up") == std::stod(cells[4]));
+    CHECK(json_field(objs[i], "bytes_down") == std::stod(cells[5]));
+    CHECK(json_field(objs[i], "selected") == 5);
+  }
+  const std::string clients = http_body(http_get(port, "/api/clients?limit=1000"));
+  CHECK(json_objects(clients).size() >= 5);                      // every client that trained
+  CHECK(clients.find("\"connected\":5,") != std::string::npos);  // the last round's
+  // A second simulation on the same port: refused before it starts, nothing written.
+  Process q({sim, "--config", dir + "/x.toml", "--set", "out=" + dir + "/run2", "--http",
+             "127.0.0.1:" + std::to_string(port)},
+            dir + "/sim2.log");
+  CHECK(q.wait(60s) == std::optional<int>(2));
+  CHECK(q.log().find("cannot bind") != std::string::npos);
+  CHECK_FALSE(fs::exists(dir + "/run2/run.db"));
+  p.signal(SIGINT);
+  CHECK(p.wait(30s) == std::optional<int>(0));
   fs::remove_all(dir);
 }
