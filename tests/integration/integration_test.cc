@@ -1029,3 +1029,162 @@ TEST_CASE("dashboard: sparrow-sim serves its run and a taken port is a config er
   CHECK(p.wait(30s) == std::optional<int>(0));
   fs::remove_all(dir);
 }
+
+namespace {
+
+// Headless Chromium (scripts/setup.sh --browser): the DOM of `url` after its
+// scripts ran for `ms` of virtual time; optionally a screenshot.
+std::string browser_dom(const std::string& dir, const std::string& url, const std::string& screenshot = "") {
+  const char* candidates[] = {"/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome"};
+  std::string chromium;
+  for (const char* c : candidates)
+    if (fs::exists(c)) chromium = c;
+  REQUIRE_MESSAGE(!chromium.empty(), "no Chromium: install it with scripts/setup.sh --browser");
+  const std::string flags = " --headless --no-sandbox --disable-gpu --hide-scrollbars --virtual-time-budget=6000 ";
+  const std::string dom = dir + "/dom.html";
+  const std::string cmd = chromium + flags + "--dump-dom '" + url + "' > '" + dom + "' 2> '" + dir + "/chromium.err'";
+  REQUIRE(run_tool({"/bin/sh", "-c", cmd}, dir + "/chromium.log") == 0);
+  if (!screenshot.empty()) {
+    const std::string shot = chromium + flags + "--window-size=1400,1900 --screenshot='" + screenshot + "' '" + url +
+                             "' 2>> '" + dir + "/chromium.err'";
+    CHECK(run_tool({"/bin/sh", "-c", shot}, dir + "/chromium-shot.log") == 0);
+    CHECK(fs::exists(screenshot));
+  }
+  std::ifstream in(dom);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+// The points of dataset `index` of chart `chart` in the page's #sparrow-chart-data.
+std::vector<std::pair<double, double>> chart_points(const std::string& dom, const std::string& chart, size_t index) {
+  const std::string open = "id=\"sparrow-chart-data\">";
+  const size_t a = dom.find(open);
+  REQUIRE(a != std::string::npos);
+  const size_t b = dom.find("</script>", a);
+  const std::string json = dom.substr(a + open.size(), b - a - open.size());
+  const size_t c = json.find("\"" + chart + "\":{\"datasets\":[");
+  REQUIRE_MESSAGE(c != std::string::npos, chart);
+  size_t at = c;
+  for (size_t i = 0; i <= index; ++i) {
+    at = json.find("\"points\":[", at + 1);
+    REQUIRE(at != std::string::npos);
+  }
+  const size_t end = json.find("]]", at);
+  const std::string pts =
+      end == std::string::npos || json.find("\"points\":[]", at) == at ? std::string() : json.substr(at, end + 2 - at);
+  std::vector<std::pair<double, double>> out;
+  const std::regex pair("\\[(-?[0-9.eE+-]+),(-?[0-9.eE+-]+)\\]");
+  for (auto it = std::sregex_iterator(pts.begin(), pts.end(), pair); it != std::sregex_iterator(); ++it)
+    out.emplace_back(std::stod((*it)[1]), std::stod((*it)[2]));
+  return out;
+}
+
+// The data-value attributes of the client table's row for `id`.
+std::vector<std::string> table_row(const std::string& dom, const std::string& id) {
+  const size_t a = dom.find("<tr data-client=\"" + id + "\"");
+  REQUIRE_MESSAGE(a != std::string::npos, id);
+  const std::string row = dom.substr(a, dom.find("</tr>", a) - a);
+  std::vector<std::string> out;
+  const std::regex value("data-value=\"([^\"]*)\"");
+  for (auto it = std::sregex_iterator(row.begin(), row.end(), value); it != std::sregex_iterator(); ++it)
+    out.push_back((*it)[1]);
+  return out;
+}
+
+}  // namespace
+
+TEST_SUITE("slow") {
+  TEST_CASE("dashboard in a browser: charts and client table equal the server's database, report page too") {
+    const std::string dir = fresh_dir("dash_browser");
+    std::unique_ptr<Process> server;
+    std::vector<std::unique_ptr<Process>> clients;
+    const int port = run_dashboard_server(dir, server, clients);
+    const std::string shot = (fs::path(kBin).parent_path() / "dashboard-screenshot.png").string();
+    const std::string dom = browser_dom(dir, "http://127.0.0.1:" + std::to_string(port) + "/", shot);
+    INFO(dir << "/dom.html");
+    CHECK(dom.find("data-mode=\"live\"") != std::string::npos);
+    CHECK(dom.find("data-last-round=\"3\"") != std::string::npos);
+
+    const std::vector<DbRound> rounds = db_rounds(dir + "/server.db");
+    REQUIRE(rounds.size() == 3);
+    const auto acc = chart_points(dom, "acc_round", 0);
+    const auto loss = chart_points(dom, "loss_round", 0);
+    const auto acc_bytes = chart_points(dom, "acc_bytes", 0);
+    const auto selected = chart_points(dom, "clients", 0);
+    const auto accepted = chart_points(dom, "clients", 1);
+    const auto rejected = chart_points(dom, "rejected", 0);
+    REQUIRE(acc.size() == 3);
+    REQUIRE(loss.size() == 3);
+    REQUIRE(acc_bytes.size() == 3);
+    REQUIRE(selected.size() == 3);
+    REQUIRE(accepted.size() == 3);
+    REQUIRE(rejected.size() == 3);
+    double cumulative = 0;
+    for (size_t i = 0; i < 3; ++i) {
+      const DbRound& r = rounds[i];
+      cumulative += static_cast<double>(r.bytes_in);
+      CHECK(acc[i].first == r.round);
+      CHECK(acc[i].second == doctest::Approx(r.accuracy).epsilon(1e-7));
+      CHECK(loss[i].second == doctest::Approx(r.loss).epsilon(1e-7));
+      CHECK(acc_bytes[i].first == cumulative);
+      CHECK(acc_bytes[i].second == doctest::Approx(r.accuracy).epsilon(1e-7));
+      CHECK(selected[i].second == r.selected);
+      CHECK(accepted[i].second == r.updates);
+      CHECK(rejected[i].second == r.rejected);
+    }
+    // The client table: columns id, connected, last seen, rounds, uplink, downlink, samples.
+    const std::map<std::string, DbClient> db = db_clients(dir + "/server.db");
+    REQUIRE(db.size() == 2);
+    for (const auto& [id, c] : db) {
+      const std::vector<std::string> cells = table_row(dom, id);
+      REQUIRE(cells.size() == 7);
+      CHECK(cells[0] == id);
+      CHECK(cells[1] == "false");
+      CHECK(std::stod(cells[2]) == c.last_seen);
+      CHECK(std::stoll(cells[3]) == c.updates);
+      CHECK(std::stoull(cells[4]) == c.bytes_up);
+      CHECK(std::stoull(cells[5]) == c.bytes_down);
+      CHECK(std::stoull(cells[6]) == c.samples);
+    }
+    server->signal(SIGTERM);
+    CHECK(server->wait(30s) == std::optional<int>(0));
+
+    // The report page of two simulations: every run's curve, nothing fetched.
+    const std::string sim = kBin + "/sparrow-sim";
+    for (const char* seed : {"3", "4"}) {
+      write_file(dir + "/s" + seed + ".toml",
+                 std::string("seed = ") + seed +
+                     "\ndataset = \"synthetic:alpha=0.5,beta=0.5\"\nclients = 30\nclients_per_round = 5\n"
+                     "rounds = 6\nmodel = \"logreg\"\nbatch_size = 10\nlr = 0.05\neval_every = 2\nworkers = 1\n"
+                     "out = \"" +
+                     dir + "/run" + seed + "\"\n");
+      REQUIRE(run_tool({sim, "--config", dir + "/s" + seed + ".toml"}, dir + "/s" + seed + ".log") == 0);
+    }
+    REQUIRE(run_tool({sim, "report", dir + "/run3", "--compare", dir + "/run4"}, dir + "/report.log") == 0);
+    REQUIRE(fs::exists(dir + "/run3/dashboard.html"));
+    const std::string rdom = browser_dom(dir, "file://" + dir + "/run3/dashboard.html",
+                                         (fs::path(kBin).parent_path() / "report-screenshot.png").string());
+    CHECK(rdom.find("data-mode=\"static\"") != std::string::npos);
+    for (size_t run = 0; run < 2; ++run) {
+      const std::string name = run == 0 ? "run3" : "run4";
+      INFO(name);
+      std::ifstream csv(dir + "/" + name + "/metrics.csv");
+      std::string line;
+      std::getline(csv, line);
+      std::vector<std::pair<double, double>> want;
+      while (std::getline(csv, line)) {
+        std::vector<std::string> cells;
+        std::stringstream ss(line);
+        for (std::string c; std::getline(ss, c, ',');) cells.push_back(c);
+        if (!cells[1].empty()) want.emplace_back(std::stod(cells[0]), std::stod(cells[1]));
+      }
+      const auto got = chart_points(rdom, "acc_round", run);
+      REQUIRE(got.size() == want.size());
+      REQUIRE(want.size() == 3);  // rounds 2, 4, 6
+      for (size_t i = 0; i < want.size(); ++i) {
+        CHECK(got[i].first == want[i].first);
+        CHECK(got[i].second == doctest::Approx(want[i].second).epsilon(1e-6));
+      }
+    }
+    fs::remove_all(dir);
+  }
+}
