@@ -3,7 +3,7 @@
 // stable).
 //
 //   sparrow-bench compress [--elements N] [--repeat R] [--methods a,b,...] [--device cpu|cuda]
-//   sparrow-bench server [--clients C] [--rounds R] [--repeat N] [--cases ingest,dense]
+//   sparrow-bench server [--clients C] [--rounds R] [--repeat N] [--cases ingest,dense,dashboard]
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -281,7 +281,7 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 100));
   server->add_option("--workers", server_opts.workers, "the server's decode/aggregate threads")
       ->check(CLI::Range(1, 256));
-  server->add_option("--cases", server_opts.cases, "comma-separated subset of ingest,dense");
+  server->add_option("--cases", server_opts.cases, "comma-separated subset of ingest,dense,dashboard");
   server->add_option("--tmp", server_opts.tmp, "parent folder of the temporary keys and databases");
   try {
     app.parse(argc, argv);

@@ -17,17 +17,25 @@
 // does) + StreamingAggregator::add (what a worker does), next to a bare
 // compression::decode.
 //
+// "dashboard": the ingest case twice in one run, without and with the live
+// dashboard (--http) and 4 simulated browser tabs polling its endpoints
+// without pause; the round times side by side and each endpoint's latency.
+//
 // "dense": one client sends one dense fp32 update of 25M parameters (100 MB);
 // mb_per_s = update bytes / (send -> Ack), median of `repeat` rounds, over
 // plain TCP and over CURVE.
 
 #include "bench/server_bench.h"
 
+#include "tests/http_client.h"
+
 #include <ATen/ATen.h>
 #include <spdlog/spdlog.h>
 #include <sys/resource.h>
 
 #include <algorithm>
+#include <array>
+#include <mutex>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -172,7 +180,81 @@ double time_per_call_ms(F&& f, int batches, int per) {
   return median(t);
 }
 
-int bench_ingest(const ServerBenchOptions& o, const fs::path& dir) {
+// Browser tabs on the dashboard while the ingest runs (the "dashboard" case).
+// Paced (flood = false): each tab polls as the page does, progress, rounds
+// and /metrics every second and the client table every third second. Flood:
+// each tab polls all four as fast as the server answers. Latencies and
+// response sizes per endpoint.
+class DashboardLoad {
+ public:
+  DashboardLoad(int port, int tabs, bool flood) {
+    for (int t = 0; t < tabs; ++t)
+      threads_.emplace_back([this, port, flood, t] {
+        int64_t since = 0;
+        // Paced tabs start spread over the first second, as tabs opened at different times.
+        if (!flood) pause(std::chrono::milliseconds(97 * t % 1000));
+        for (int cycle = 0; !stop_.load(); ++cycle) {
+          for (size_t e = 0; e < kPaths.size() && !stop_.load(); ++e) {
+            if (!flood && e == 2 && cycle % 3 != 0) continue;
+            std::string path = kPaths[e];
+            if (e == 1) path += std::to_string(since);
+            const auto t0 = Clock::now();
+            const std::string r = testing_get(port, path);
+            const double ms = seconds(t0, Clock::now()) * 1e3;
+            std::lock_guard<std::mutex> g(mu_);
+            ms_[e].push_back(ms);
+            bytes_[e] += r.size();
+            if (r.rfind("HTTP/1.1 200", 0) != 0) ++failed_;
+          }
+          since = 0;  // every poll asks for the whole history: the worst case
+          if (!flood) pause(std::chrono::milliseconds(1000));
+        }
+      });
+  }
+  void pause(std::chrono::milliseconds d) {
+    const auto until = Clock::now() + d;
+    while (!stop_.load() && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ~DashboardLoad() { stop(); }
+  void stop() {
+    stop_ = true;
+    for (auto& t : threads_)
+      if (t.joinable()) t.join();
+  }
+  // {"progress":{"requests":..,"median_ms":..,"p99_ms":..,"bytes":..},...}
+  std::string json() {
+    std::lock_guard<std::mutex> g(mu_);
+    std::ostringstream o;
+    o << "{";
+    for (size_t e = 0; e < kPaths.size(); ++e) {
+      std::vector<double> v = ms_[e];
+      std::sort(v.begin(), v.end());
+      const double p99 = v.empty() ? 0 : v[std::min(v.size() - 1, v.size() * 99 / 100)];
+      o << (e ? "," : "") << "\"" << kNames[e] << "\":{\"requests\":" << v.size()
+        << ",\"median_ms\":" << json_number(v.empty() ? 0 : v[v.size() / 2]) << ",\"p99_ms\":" << json_number(p99)
+        << ",\"bytes_per_response\":" << (v.empty() ? 0 : bytes_[e] / v.size()) << "}";
+    }
+    o << ",\"failed\":" << failed_ << "}";
+    return o.str();
+  }
+
+ private:
+  static std::string testing_get(int port, const std::string& path) { return sparrow::testing::http_get(port, path); }
+  const std::array<std::string, 4> kPaths{"/api/progress", "/api/rounds?since=", "/api/clients?limit=200", "/metrics"};
+  const std::array<const char*, 4> kNames{"progress", "rounds", "clients", "metrics"};
+  std::vector<std::thread> threads_;
+  std::atomic<bool> stop_{false};
+  std::mutex mu_;
+  std::array<std::vector<double>, 4> ms_;
+  std::array<uint64_t, 4> bytes_{};
+  uint64_t failed_ = 0;
+};
+
+// The median round ingest seconds of the last bench_ingest.
+double g_median_round_s = 0;
+
+int bench_ingest(const ServerBenchOptions& o, const fs::path& dir, int tabs = -1, bool flood = false) {
+  // tabs < 0: no dashboard; >= 0: the dashboard on, with that many polling tabs.
   const int C = o.clients;
   // The model: one 1000 x 1000 matrix (2-D, so DGC sparsifies it).
   at::manual_seed(3);
@@ -209,8 +291,17 @@ int bench_ingest(const ServerBenchOptions& o, const fs::path& dir) {
   cfg.quorum = C;
   cfg.workers = o.workers;
   cfg.max_message_mb = 64;
+  if (tabs >= 0) {
+    cfg.http = "127.0.0.1:0";
+    cfg.db = (dir / "ingest-dashboard.db").string();
+  }
 
   RunningServer srv(cfg, weights);
+  std::unique_ptr<DashboardLoad> load;
+  if (tabs > 0) {
+    const std::string url = srv.get().dashboard_url();  // http://127.0.0.1:PORT/
+    load = std::make_unique<DashboardLoad>(std::stoi(url.substr(url.rfind(':') + 1)), tabs, flood);
+  }
   const uint64_t digest = core::model_digest(shapes_map);
   SPARROW_CHECK(digest == srv.get().model_digest(), "model digest differs from the server's");
 
@@ -287,6 +378,7 @@ int bench_ingest(const ServerBenchOptions& o, const fs::path& dir) {
       }
     }
   }
+  if (load) load->stop();
   const server::Counters counters = srv.get().counters();
   if (!srv.error().empty()) std::cerr << "sparrow-bench: server failed: " << srv.error() << "\n";
 
@@ -302,6 +394,7 @@ int bench_ingest(const ServerBenchOptions& o, const fs::path& dir) {
     total_s += d;
   }
   const double ups = median(rate);
+  g_median_round_s = median(round_s);
 
   // Same update, same run: the server's per-update work against a bare decode.
   const std::string bytes = [&] {
@@ -336,7 +429,9 @@ int bench_ingest(const ServerBenchOptions& o, const fs::path& dir) {
 
   std::ostringstream rs;
   for (size_t i = 0; i < round_s.size(); ++i) rs << (i ? "," : "") << json_number(round_s[i]);
-  std::cout << "{\"bench\":\"server\",\"case\":\"ingest\",\"curve\":true,\"clients\":" << C
+  std::cout << "{\"bench\":\"server\",\"case\":\"ingest\",\"dashboard\":" << (tabs >= 0 ? "true" : "false")
+            << ",\"dashboard_tabs\":" << std::max(tabs, 0) << ",\"dashboard_flood\":" << (flood ? "true" : "false")
+            << (load ? ",\"dashboard_load\":" + load->json() : std::string()) << ",\"curve\":true,\"clients\":" << C
             << ",\"rounds\":" << o.rounds << ",\"params\":1000000,\"uplink\":\"" << kUplink << "\",\"downlink\":\""
             << kDownlink << "\",\"workers\":" << o.workers << ",\"update_bytes\":" << update_bytes
             << ",\"connect_s\":" << json_number(connect_s) << ",\"round_ingest_s\":[" << rs.str() << "]"
@@ -564,8 +659,8 @@ int bench_server(const ServerBenchOptions& o) {
   {
     std::stringstream ss(o.cases);
     for (std::string c; std::getline(ss, c, ',');)
-      SPARROW_CHECK_T(ConfigError, c == "ingest" || c == "dense",
-                      "--cases: unknown case '" << c << "' (ingest, dense)");
+      SPARROW_CHECK_T(ConfigError, c == "ingest" || c == "dense" || c == "dashboard",
+                      "--cases: unknown case '" << c << "' (ingest, dense, dashboard)");
   }
   raise_nofile();
   // 1,000 Hellos would log 1,000 lines; SPARROW_BENCH_DEBUG=1 shows them.
@@ -575,6 +670,24 @@ int bench_server(const ServerBenchOptions& o) {
   const std::string cases = "," + o.cases + ",";
   if (cases.find(",ingest,") != std::string::npos) rc |= bench_ingest(o, dir.path);
   if (cases.find(",dense,") != std::string::npos) rc |= bench_dense(o, dir.path);
+  if (cases.find(",dashboard,") != std::string::npos) {
+    // The same ingest without the dashboard, with it and 20 tabs polling at
+    // the page's cadence, and with 4 tabs polling without pause: what
+    // watching a 1,000-client server costs its rounds.
+    TempDir a(o.tmp), b(o.tmp), c(o.tmp);
+    rc |= bench_ingest(o, a.path);
+    const double without = g_median_round_s;
+    rc |= bench_ingest(o, b.path, 20, false);
+    const double paced = g_median_round_s;
+    rc |= bench_ingest(o, c.path, 4, true);
+    const double flood = g_median_round_s;
+    std::cout << "{\"bench\":\"server\",\"case\":\"dashboard\",\"clients\":" << o.clients << ",\"rounds\":" << o.rounds
+              << ",\"round_ingest_s_without\":" << json_number(without)
+              << ",\"round_ingest_s_paced_20_tabs\":" << json_number(paced)
+              << ",\"round_ingest_s_flood_4_tabs\":" << json_number(flood)
+              << ",\"paced_vs_without\":" << json_number(without > 0 ? paced / without : 0.0)
+              << ",\"flood_vs_without\":" << json_number(without > 0 ? flood / without : 0.0) << "}" << std::endl;
+  }
   return rc;
 }
 
