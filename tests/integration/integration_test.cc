@@ -1093,7 +1093,8 @@ std::vector<std::string> table_row(const std::string& dom, const std::string& id
 }  // namespace
 
 TEST_SUITE("slow") {
-  TEST_CASE("dashboard in a browser: charts and client table equal the server's database, report page too") {
+  TEST_CASE(
+      "dashboard in a browser: charts and client table equal the server database and the report page shows both runs") {
     const std::string dir = fresh_dir("dash_browser");
     std::unique_ptr<Process> server;
     std::vector<std::unique_ptr<Process>> clients;

@@ -158,10 +158,17 @@ TEST_CASE("report writes two well-formed plots of one run") {
   TempRun run("single");
   run.write(synthetic_csv(10, 2, 250000));  // 5 evaluated rounds, 250 KB .. 2.5 MB cumulative
   std::vector<std::string> paths = write_report(run.str());
-  REQUIRE(paths.size() == 3);
+  REQUIRE(paths.size() == 4);
   CHECK(paths[0] == (run.dir / "accuracy_vs_round.svg").string());
   CHECK(paths[1] == (run.dir / "accuracy_vs_bytes.svg").string());
   CHECK(paths[2] == (run.dir / "loss_vs_round.svg").string());
+  // The dashboard page with the run inlined (its charts are checked in a browser by the
+  // integration tests).
+  CHECK(paths[3] == (run.dir / "dashboard.html").string());
+  const std::string page = slurp(paths[3]);
+  CHECK(contains(page, "window.SPARROW_STATIC = {"));
+  CHECK(contains(page, "\"name\":\"single"));
+  CHECK(contains(page, "Chart.js v3.9.1"));
   for (const std::string& p : {paths[0], paths[1]}) {
     REQUIRE(fs::exists(p));
     std::string svg = slurp(p);
@@ -322,7 +329,7 @@ TEST_CASE("report: loss plot (test and training), y axis scaled to the data, --o
   run.write(o.str());
   const fs::path out = run.dir / "plots";
   std::vector<std::string> paths = write_report(run.str(), {}, out.string());
-  REQUIRE(paths.size() == 3);
+  REQUIRE(paths.size() == 4);
   for (const std::string& p : paths) CHECK(fs::path(p).parent_path() == out);
   CHECK_FALSE(fs::exists(run.dir / "accuracy_vs_round.svg"));  // only in --out
   const std::string acc = slurp(paths[0]), loss = slurp(paths[2]);
