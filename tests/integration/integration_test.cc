@@ -911,12 +911,22 @@ int run_dashboard_server(const std::string& dir, std::unique_ptr<Process>& serve
   const std::string log = server->log();
   REQUIRE(std::regex_search(log, m, std::regex("event=http url=http://127.0.0.1:(\\d+)/")));
   const int port = std::stoi(m[1]);
+  // Hostile HTTP peers during the run: a connection that never finishes its
+  // request, junk, an oversized request, unknown paths. Each gets its error;
+  // the rounds go on (checked by the callers against the database).
+  const int stalled = sparrow::testing::http_connect(port);
+  CHECK(stalled >= 0);
+  CHECK(::send(stalled, "GET / HTTP/1.1\r\n", 16, MSG_NOSIGNAL) == 16);
+  CHECK(sparrow::testing::http_status(sparrow::testing::http_raw(port, "\x16\x03\x01junk\r\n\r\n")) == 400);
+  CHECK(sparrow::testing::http_status(sparrow::testing::http_get(port, "/" + std::string(20000, 'a'))) == 414);
+  CHECK(sparrow::testing::http_status(sparrow::testing::http_get(port, "/admin")) == 404);
   for (int i = 1; i <= 2; ++i) clients.push_back(start_client(dir, i, ep, 100, i - 1));
   {
     INFO(log_tail(*server));
     REQUIRE(server->wait_for_log("event=http_linger", 120s));
   }
   for (auto& c : clients) CHECK(c->wait(30s) == std::optional<int>(0));
+  ::close(stalled);
   return port;
 }
 
