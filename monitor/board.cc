@@ -77,8 +77,12 @@ void Board::set_clients(std::vector<ClientInfo> clients) {
   std::sort(clients.begin(), clients.end(), [](const ClientInfo& a, const ClientInfo& b) {
     return a.last_seen != b.last_seen ? a.last_seen > b.last_seen : a.id < b.id;
   });
+  size_t connected = 0;
+  for (const auto& c : clients) connected += c.connected;
+  auto snapshot = std::make_shared<const std::vector<ClientInfo>>(std::move(clients));
   std::lock_guard<std::mutex> g(mu_);
-  clients_.swap(clients);
+  clients_.swap(snapshot);
+  clients_connected_ = connected;
 }
 
 void Board::set_totals(const Totals& t) {
@@ -150,14 +154,15 @@ std::string Board::rounds_json(int64_t since) const {
 }
 
 std::string Board::clients_json(size_t limit) const {
-  std::vector<ClientInfo> cs;
-  size_t total, connected = 0;
+  std::shared_ptr<const std::vector<ClientInfo>> all;
+  size_t connected;
   {
     std::lock_guard<std::mutex> g(mu_);
-    total = clients_.size();
-    for (const auto& c : clients_) connected += c.connected;
-    cs.assign(clients_.begin(), clients_.begin() + static_cast<std::ptrdiff_t>(std::min(limit, total)));
+    all = clients_;
+    connected = clients_connected_;
   }
+  const size_t total = all->size();
+  const std::vector<ClientInfo> cs(all->begin(), all->begin() + static_cast<std::ptrdiff_t>(std::min(limit, total)));
   std::ostringstream o;
   o << "{\"total\":" << total << ",\"connected\":" << connected << ",\"clients\":[";
   for (size_t i = 0; i < cs.size(); ++i) {
@@ -187,8 +192,8 @@ std::string Board::prometheus() const {
     p = progress_;
     t = totals_;
     totals = have_totals_;
-    known = clients_.size();
-    for (const auto& c : clients_) connected += c.connected;
+    known = clients_->size();
+    connected = clients_connected_;
     for (const auto& r : rounds_) {
       up += r.bytes_up;
       down += r.bytes_down;
@@ -245,8 +250,8 @@ std::string Board::prometheus() const {
         static_cast<double>(rejected));
   m.one("sparrow_updates_stale_total", "counter", "Stale or repeated updates in the completed rounds.",
         static_cast<double>(stale));
-  m.one("sparrow_updates_dropped_total", "counter", "Stragglers dropped at the deadline (simulator).",
-        static_cast<double>(dropped));
+  m.one("sparrow_updates_dropped_total", "counter",
+        "Selected clients whose update was not aggregated (late, missing or rejected).", static_cast<double>(dropped));
   if (totals) {
     m.one("sparrow_wire_received_bytes_total", "counter", "Bytes of every frame received.",
           static_cast<double>(t.bytes_in));

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -102,7 +103,10 @@ class Board {
   RunInfo run_;
   std::vector<RoundPoint> rounds_;
   Progress progress_;
-  std::vector<ClientInfo> clients_;
+  // The client table as an immutable snapshot: readers take the pointer under
+  // the lock and copy rows after releasing it.
+  std::shared_ptr<const std::vector<ClientInfo>> clients_ = std::make_shared<const std::vector<ClientInfo>>();
+  size_t clients_connected_ = 0;
   Totals totals_;
   bool have_totals_ = false;
 };

@@ -8,6 +8,8 @@
 #include <httplib.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdio>
 #include <chrono>
 #include <cctype>
 #include <condition_variable>
@@ -160,6 +162,7 @@ HttpAddress parse_http_address(const std::string& address) {
 }
 
 struct HttpEndpoint::Impl {
+  std::atomic<bool> done{false};  // listen_after_bind returned
   std::shared_ptr<const Board> board;
   HttpAddress address;
   std::string token;  // empty: none required
@@ -266,7 +269,7 @@ struct HttpEndpoint::Impl {
 
 HttpEndpoint::HttpEndpoint(const std::string& address, const std::string& token_file,
                            std::shared_ptr<const Board> board)
-    : impl_(std::make_unique<Impl>()) {
+    : impl_(std::make_shared<Impl>()) {
   SPARROW_CHECK(board != nullptr, "HttpEndpoint needs a board");
   impl_->board = std::move(board);
   impl_->address = parse_http_address(address);
@@ -292,16 +295,32 @@ HttpEndpoint::HttpEndpoint(const std::string& address, const std::string& token_
   }
   const std::string shown = host.find(':') != std::string::npos ? "[" + host + "]" : host;
   impl_->url = "http://" + shown + ":" + std::to_string(impl_->port) + "/";
-  Impl* im = impl_.get();
-  impl_->thread = std::thread([im] { im->svr.listen_after_bind(); });
+  // The thread owns a reference: if it cannot be joined in time at
+  // destruction (peers holding its pool), it is detached with what it uses.
+  std::shared_ptr<Impl> im = impl_;
+  impl_->thread = std::thread([im] {
+    if (!im->svr.listen_after_bind())
+      std::fprintf(stderr, "sparrow: the dashboard's HTTP server stopped (accept failed); the run goes on\n");
+    im->done = true;
+  });
   // stop() is a no-op until the loop runs: wait for it, so that destroying
   // the endpoint right away cannot leave the thread listening forever.
   for (int i = 0; i < 5000 && !impl_->svr.is_running(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
 }
 
 HttpEndpoint::~HttpEndpoint() {
-  impl_->svr.stop();
-  if (impl_->thread.joinable()) impl_->thread.join();
+  // stop() is a no-op until the loop runs, and the pool's shutdown waits for
+  // connections in progress: repeat stop() and wait at most 5 s, then leave
+  // the thread to finish on its own (it holds the Impl).
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!impl_->done.load() && std::chrono::steady_clock::now() < until) {
+    impl_->svr.stop();
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  if (impl_->done.load())
+    impl_->thread.join();
+  else
+    impl_->thread.detach();
 }
 
 int HttpEndpoint::port() const { return impl_->port; }

@@ -23,8 +23,11 @@
 // 3 s of silence and occupies at most one thread meanwhile; at most 64 more
 // accepted connections wait for a thread (then the kernel's backlog), so a
 // flood cannot exhaust the process's descriptors. The program's round loop
-// never waits on HTTP; a flood of slow connections can delay the dashboard
-// itself by a few seconds.
+// waits on HTTP only for short copies under the board's lock. Limits of cpp-httplib 0.11.4 (docs/monitoring.md): a
+// peer that trickles a byte every few seconds keeps its thread, so 8 of them
+// make the dashboard unavailable (the run goes on); one endless header line
+// is buffered without bound before any check. Off loopback, put a reverse
+// proxy that bounds request headers in front.
 
 #include <memory>
 #include <string>
@@ -58,7 +61,7 @@ class HttpEndpoint {
 
  private:
   struct Impl;
-  std::unique_ptr<Impl> impl_;
+  std::shared_ptr<Impl> impl_;  // shared with the serving thread (see ~HttpEndpoint)
 };
 
 }  // namespace sparrow::monitor

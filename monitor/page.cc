@@ -48,10 +48,19 @@ std::string fill(const std::string& tpl, std::vector<std::pair<std::string, std:
 }
 
 // Inside a <script> element the text may not contain "</" (it would close the
-// element): JSON allows "<\/" for "</".
-std::string script_safe(std::string s) {
-  for (size_t at = 0; (at = s.find("</", at)) != std::string::npos; at += 3) s.replace(at, 2, "<\\/");
-  return s;
+// element) nor "<!--" (it changes how the element ends): every '<' is written
+// as the JSON escape \u003c, which the JSON parser reads back as '<'. '<' only
+// occurs inside JSON strings.
+std::string script_safe(const std::string& s) {
+  std::string out;
+  out.reserve(s.size());
+  for (char c : s) {
+    if (c == '<')
+      out += "\\u003c";
+    else
+      out += c;
+  }
+  return out;
 }
 
 }  // namespace

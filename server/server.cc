@@ -244,6 +244,7 @@ struct Server::Impl {
   // Persistence.
   std::unique_ptr<ServerStore> store;
   std::string run_id;
+  int64_t run_created = 0;  // unix seconds
 
   // Transport.
   zmq::context_t ctx{1};
@@ -391,7 +392,8 @@ struct Server::Impl {
     p.accepted = row.updates;
     p.rejected = row.rejected;
     p.stale = row.stale;
-    p.dropped = std::max<int64_t>(0, row.selected - row.updates);  // selected, no update aggregated
+    p.dropped =
+        std::max<int64_t>(0, row.selected - row.updates);  // selected, no update aggregated (late, missing, rejected)
     it = metrics.find("dp.epsilon");
     p.epsilon = it != metrics.end() ? it->second : kNaN;
     return p;
@@ -405,7 +407,7 @@ struct Server::Impl {
     info.model = cfg.model;
     info.config = to_toml(cfg);
     info.rounds_total = cfg.rounds;
-    info.started = unix_now();
+    info.started = static_cast<double>(run_created);  // the run's, not this process's
     board->set_run(std::move(info));
     for (const RoundRow& row : store->rounds())
       if (row.round <= completed.load()) board->add_round(point_of(row, store->metrics(row.round)));
@@ -468,6 +470,7 @@ struct Server::Impl {
                                    << identity_text(cfg));
     }
     run_id = run->run_id;
+    run_created = run->created;
     for (ClientRow& c : store->clients()) {
       if (!c.public_key.empty()) id_of_key.emplace(c.public_key, c.client_id);  // the first binding stands
       clients[c.client_id] = c;

@@ -394,7 +394,7 @@ std::vector<RoundRow> ServerStore::rounds() {
 
 std::vector<ClientRow> ServerStore::clients() {
   // A read-only open of an older database has no byte columns (0 then).
-  const bool bytes = has_column(*impl_, "clients", "bytes_up");
+  const bool bytes = has_column(*impl_, "clients", "bytes_up") && has_column(*impl_, "clients", "bytes_down");
   const std::string sql =
       std::string(
           "SELECT client_id, public_key, first_seen, last_seen, last_selected, selected, updates, rejects, "

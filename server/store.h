@@ -52,7 +52,7 @@ struct ClientRow {
   uint64_t num_samples = 0;
   std::string software;
   uint64_t bytes_up = 0;    // frames of its accepted updates
-  uint64_t bytes_down = 0;  // frames of the tasks sent to it
+  uint64_t bytes_down = 0;  // frames of the tasks queued to it (sent unless its connection failed)
 };
 
 // Everything needed to continue after round `round` with identical results.

@@ -316,7 +316,9 @@ int main(int argc, char** argv) {
     };
     g_sim.store(&sim);
     while (!sim.done() && !g_stop) {
-      sim_board.round_started(sim.completed_rounds() + 1, cfg.clients_per_round);
+      // The clients this round trains (availability may leave fewer than clients_per_round).
+      sim_board.round_started(sim.completed_rounds() + 1,
+                              static_cast<int>(sim.selection(sim.completed_rounds()).size()));
       const RoundMetrics m = sim.run_round();
       if (sim.interrupted()) break;  // the round was given up: it does not count
       sim_board.round_done(m, sim.done());

@@ -966,6 +966,10 @@ Simulator::~Simulator() = default;
 
 RoundMetrics Simulator::run_round() {
   impl_->interrupted = false;
+  struct Reset {  // 0 between rounds, also when the round throws
+    std::atomic<int64_t>& n;
+    ~Reset() { n.store(0); }
+  } reset{impl_->finished};
   return impl_->step();
 }
 

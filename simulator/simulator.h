@@ -136,7 +136,7 @@ class Simulator {
   void request_stop(int64_t after_clients = 0) noexcept;
   bool interrupted() const;
   // Clients of the round in progress that finished training so far (any
-  // thread: an atomic read; between rounds, those of the last round).
+  // thread: an atomic read; 0 between rounds).
   int64_t clients_finished() const;
   // Runs the remaining rounds; `progress` (may be empty) after each.
   void run(const std::function<void(const RoundMetrics&)>& progress = {});
