@@ -4,6 +4,11 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <netdb.h>
+#include <poll.h>
+#include <unistd.h>
+
+#include <cerrno>
 
 #include <httplib.h>
 
@@ -134,6 +139,151 @@ bool parse_count(const std::string& s, int64_t lo, int64_t hi, int64_t* out) {
   return true;
 }
 
+// ---- the guard ------------------------------------------------------------------
+//
+// cpp-httplib 0.11.4 (Debian's) reads a request line by line into a buffer
+// that grows without bound, and its timeout applies to each read, not to the
+// request: one endless header line would take the process's memory, and a
+// peer trickling a byte every two seconds would keep a thread forever. So
+// peers never talk to it directly. The guard owns the public socket; for each
+// connection it reads the request head under hard limits (8 KB, 3 s in all),
+// answers 431 / 408 / 413 itself when they are broken, and otherwise passes
+// the head (one request per connection, "Connection: close") to httplib on a
+// private loopback port and copies the answer back under a deadline.
+
+constexpr size_t kMaxHead = 8192;
+constexpr auto kHeadDeadline = std::chrono::seconds(3);
+constexpr auto kAnswerDeadline = std::chrono::seconds(10);
+
+using SteadyClock = std::chrono::steady_clock;
+
+int ms_left(SteadyClock::time_point until) {
+  const auto d = std::chrono::duration_cast<std::chrono::milliseconds>(until - SteadyClock::now()).count();
+  return d <= 0 ? 0 : static_cast<int>(std::min<int64_t>(d, 60000));
+}
+
+// Writes all of `data` before `until`; false on error or deadline.
+bool send_all(int fd, const char* data, size_t n, SteadyClock::time_point until) {
+  size_t sent = 0;
+  while (sent < n) {
+    pollfd p{fd, POLLOUT, 0};
+    const int left = ms_left(until);
+    if (left == 0 || ::poll(&p, 1, left) <= 0) return false;
+    const ssize_t k = ::send(fd, data + sent, n - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (k < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+    if (k <= 0) return false;
+    sent += static_cast<size_t>(k);
+  }
+  return true;
+}
+
+void answer(int fd, int status, const char* reason, const std::string& body) {
+  const std::string r = "HTTP/1.1 " + std::to_string(status) + " " + reason +
+                        "\r\nContent-Type: text/plain\r\nContent-Length: " + std::to_string(body.size()) +
+                        "\r\nConnection: close\r\nCache-Control: no-store\r\n\r\n" + body;
+  send_all(fd, r.data(), r.size(), SteadyClock::now() + std::chrono::seconds(1));
+}
+
+std::string lower(std::string s) {
+  for (char& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return s;
+}
+
+// One client connection: read the head, check it, relay it. Closes `fd`.
+void relay(int fd, int upstream_port) {
+  struct Close {
+    int fd;
+    ~Close() { ::close(fd); }
+  } close_client{fd};
+  const auto head_until = SteadyClock::now() + kHeadDeadline;
+  std::string head;
+  char buf[4096];
+  size_t end = std::string::npos;
+  while (end == std::string::npos) {
+    if (head.size() > kMaxHead) return answer(fd, 431, "Request Header Fields Too Large", "request head over 8 KB\n");
+    pollfd p{fd, POLLIN, 0};
+    const int left = ms_left(head_until);
+    if (left == 0 || ::poll(&p, 1, left) <= 0) return answer(fd, 408, "Request Timeout", "request too slow\n");
+    const ssize_t k = ::recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+    if (k < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+    if (k <= 0) return;  // the peer went away
+    head.append(buf, static_cast<size_t>(k));
+    end = head.find("\r\n\r\n");
+  }
+  if (end + 4 > kMaxHead) return answer(fd, 431, "Request Header Fields Too Large", "request head over 8 KB\n");
+  head.resize(end + 2);  // the request line and headers, each ending in CRLF; anything after is dropped
+  // One request per connection; no bodies (the dashboard is read-only).
+  std::string out;
+  size_t pos = 0;
+  bool first = true;
+  while (pos < head.size()) {
+    const size_t eol = head.find("\r\n", pos);
+    const std::string line = head.substr(pos, eol - pos);
+    pos = eol + 2;
+    if (!first) {
+      const std::string name = lower(line.substr(0, line.find(':')));
+      if (name == "connection" || name == "keep-alive") continue;
+      if (name == "transfer-encoding" ||
+          (name == "content-length" && line.find_first_not_of(" 0", line.find(':') + 1) != std::string::npos))
+        return answer(fd, 413, "Payload Too Large", "the dashboard takes no request bodies\n");
+    }
+    first = false;
+    out += line + "\r\n";
+  }
+  out += "Connection: close\r\n\r\n";
+  const int up = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (up < 0) return answer(fd, 503, "Service Unavailable", "busy\n");
+  Close close_up{up};
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(upstream_port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (::connect(up, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0)
+    return answer(fd, 503, "Service Unavailable", "busy\n");
+  const auto until = SteadyClock::now() + kAnswerDeadline;
+  if (!send_all(up, out.data(), out.size(), until)) return;
+  for (;;) {
+    pollfd p{up, POLLIN, 0};
+    const int left = ms_left(until);
+    if (left == 0 || ::poll(&p, 1, left) <= 0) return;
+    const ssize_t k = ::recv(up, buf, sizeof buf, MSG_DONTWAIT);
+    if (k < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+    if (k <= 0) return;  // httplib closed after its answer
+    if (!send_all(fd, buf, static_cast<size_t>(k), until)) return;
+  }
+}
+
+// The public listening socket (SO_REUSEADDR, not SO_REUSEPORT: a second
+// program on the same port fails to start); the port resolved.
+int listen_on(const HttpAddress& addr, int* port) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  const std::string service = std::to_string(addr.port);
+  if (::getaddrinfo(addr.host.c_str(), service.c_str(), &hints, &res) != 0 || !res) return -1;
+  int fd = -1;
+  for (addrinfo* r = res; r && fd < 0; r = r->ai_next) {
+    fd = ::socket(r->ai_family, r->ai_socktype | SOCK_CLOEXEC, r->ai_protocol);
+    if (fd < 0) continue;
+    int yes = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof yes);
+    if (::bind(fd, r->ai_addr, r->ai_addrlen) != 0 || ::listen(fd, 128) != 0) {
+      ::close(fd);
+      fd = -1;
+    }
+  }
+  ::freeaddrinfo(res);
+  if (fd < 0) return -1;
+  sockaddr_storage ss{};
+  socklen_t len = sizeof ss;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&ss), &len);
+  *port = ss.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&ss)->sin6_port)
+                                   : ntohs(reinterpret_cast<sockaddr_in*>(&ss)->sin_port);
+  return fd;
+}
+
 }  // namespace
 
 HttpAddress parse_http_address(const std::string& address) {
@@ -167,10 +317,30 @@ struct HttpEndpoint::Impl {
   HttpAddress address;
   std::string token;  // empty: none required
   std::string page;
-  httplib::Server svr;
+  httplib::Server svr;  // on a private loopback port: only the guard talks to it
   std::thread thread;
+  int upstream_port = 0;
+  // The guard: the public socket, its accept thread and its pool.
+  int listen_fd = -1;
+  std::atomic<bool> stopping{false};
+  std::thread acceptor;
+  std::unique_ptr<BoundedPool> guards;
   int port = 0;
   std::string url;
+
+  void accept_loop() {
+    while (!stopping.load()) {
+      pollfd p{listen_fd, POLLIN, 0};
+      if (::poll(&p, 1, 100) <= 0) continue;
+      const int fd = ::accept4(listen_fd, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd < 0) {
+        if (errno == EMFILE || errno == ENFILE) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        continue;
+      }
+      const int up = upstream_port;
+      guards->enqueue([fd, up] { relay(fd, up); });  // waits while the pool's queue is full
+    }
+  }
 
   void install() {
     svr.new_task_queue = [] { return new BoundedPool(kThreads, kMaxQueued); };
@@ -284,15 +454,12 @@ HttpEndpoint::HttpEndpoint(const std::string& address, const std::string& token_
   impl_->page = dashboard_page();
   impl_->install();
   const std::string& host = impl_->address.host;
-  if (host.find(':') != std::string::npos) impl_->svr.set_address_family(AF_INET6);
-  if (impl_->address.port == 0) {
-    impl_->port = impl_->svr.bind_to_any_port(host);
-    SPARROW_CHECK_T(ConfigError, impl_->port > 0, "http: cannot bind " << address);
-  } else {
-    SPARROW_CHECK_T(ConfigError, impl_->svr.bind_to_port(host, impl_->address.port),
-                    "http: cannot bind " << address << " (in use, or not an address of this machine)");
-    impl_->port = impl_->address.port;
-  }
+  // httplib on a private loopback port; the guard on the public address.
+  impl_->upstream_port = impl_->svr.bind_to_any_port("127.0.0.1");
+  SPARROW_CHECK(impl_->upstream_port > 0, "http: cannot bind a loopback port for the dashboard's server");
+  impl_->listen_fd = listen_on(impl_->address, &impl_->port);
+  SPARROW_CHECK_T(ConfigError, impl_->listen_fd >= 0,
+                  "http: cannot bind " << address << " (in use, or not an address of this machine)");
   const std::string shown = host.find(':') != std::string::npos ? "[" + host + "]" : host;
   impl_->url = "http://" + shown + ":" + std::to_string(impl_->port) + "/";
   // The thread owns a reference: if it cannot be joined in time at
@@ -303,12 +470,17 @@ HttpEndpoint::HttpEndpoint(const std::string& address, const std::string& token_
       std::fprintf(stderr, "sparrow: the dashboard's HTTP server stopped (accept failed); the run goes on\n");
     im->done = true;
   });
-  // stop() is a no-op until the loop runs: wait for it, so that destroying
-  // the endpoint right away cannot leave the thread listening forever.
-  for (int i = 0; i < 5000 && !impl_->svr.is_running(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  impl_->guards = std::make_unique<BoundedPool>(kThreads, kMaxQueued);
+  impl_->acceptor = std::thread([im] { im->accept_loop(); });
 }
 
 HttpEndpoint::~HttpEndpoint() {
+  // The guard first: no new connections; those in progress end within their
+  // deadlines (3 s for the head, 10 s for the answer).
+  impl_->stopping = true;
+  if (impl_->acceptor.joinable()) impl_->acceptor.join();
+  ::close(impl_->listen_fd);
+  impl_->guards->shutdown();
   // stop() is a no-op until the loop runs, and the pool's shutdown waits for
   // connections in progress: repeat stop() and wait at most 5 s, then leave
   // the thread to finish on its own (it holds the Impl).

@@ -918,7 +918,7 @@ int run_dashboard_server(const std::string& dir, std::unique_ptr<Process>& serve
   CHECK(stalled >= 0);
   CHECK(::send(stalled, "GET / HTTP/1.1\r\n", 16, MSG_NOSIGNAL) == 16);
   CHECK(sparrow::testing::http_status(sparrow::testing::http_raw(port, "\x16\x03\x01junk\r\n\r\n")) == 400);
-  CHECK(sparrow::testing::http_status(sparrow::testing::http_get(port, "/" + std::string(20000, 'a'))) == 414);
+  CHECK(sparrow::testing::http_status(sparrow::testing::http_get(port, "/" + std::string(20000, 'a'))) == 431);
   CHECK(sparrow::testing::http_status(sparrow::testing::http_get(port, "/admin")) == 404);
   for (int i = 1; i <= 2; ++i) clients.push_back(start_client(dir, i, ep, 100, i - 1));
   {

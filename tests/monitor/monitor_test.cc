@@ -185,12 +185,60 @@ TEST_CASE("monitor http: pages, API and errors on loopback") {
   CHECK(http_status(http_get(port, "/api/clients?limit=99999999999999999999")) == 400);
   CHECK(http_status(http_raw(port,
                              "POST /api/run HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 2\r\n"
-                             "Connection: close\r\n\r\nhi")) == 405);
+                             "Connection: close\r\n\r\nhi")) == 413);  // no bodies
+  CHECK(http_status(http_raw(port, "POST /api/run HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: 0\r\n\r\n")) == 405);
+  CHECK(http_status(http_raw(port, "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nTransfer-Encoding: chunked\r\n\r\n")) == 413);
   CHECK(http_status(http_raw(port, "DELETE / HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")) == 405);
   CHECK(http_status(http_raw(port, "garbage\r\n\r\n")) == 400);
   CHECK(http_status(http_raw(port, "GET / HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Big: " + std::string(100000, 'x') +
-                                       "\r\nConnection: close\r\n\r\n")) == 400);
-  CHECK(http_status(http_get(port, "/" + std::string(20000, 'a'))) == 414);
+                                       "\r\nConnection: close\r\n\r\n")) == 431);
+  CHECK(http_status(http_get(port, "/" + std::string(20000, 'a'))) == 431);
+  // One endless header line: answered 431 after 8 KB, never buffered whole.
+  {
+    const int fd = http_connect(port);
+    REQUIRE(fd >= 0);
+    const std::string start = "GET / HTTP/1.1\r\nX-Endless: ";
+    ::send(fd, start.data(), start.size(), MSG_NOSIGNAL);
+    const std::string chunk(65536, 'x');
+    size_t sent = 0;
+    for (int i = 0; i < 64; ++i) {  // up to 4 MB, until the server stops reading
+      const ssize_t k = ::send(fd, chunk.data(), chunk.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (k <= 0) break;
+      sent += static_cast<size_t>(k);
+    }
+    std::string got;
+    char buf[4096];
+    for (int i = 0; i < 200; ++i) {
+      pollfd p{fd, POLLIN, 0};
+      if (::poll(&p, 1, 5000) != 1) break;
+      const ssize_t k = ::recv(fd, buf, sizeof buf, 0);
+      if (k <= 0) break;
+      got.append(buf, static_cast<size_t>(k));
+    }
+    CHECK(http_status(got) == 431);
+    ::close(fd);
+  }
+  // A peer trickling its request a byte at a time: cut off at the 3 s head deadline.
+  {
+    const int fd = http_connect(port);
+    REQUIRE(fd >= 0);
+    const auto t0 = std::chrono::steady_clock::now();
+    std::string got;
+    for (char c : std::string("GET /api/run HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaa")) {
+      if (::send(fd, &c, 1, MSG_NOSIGNAL) != 1) break;
+      pollfd p{fd, POLLIN, 0};
+      if (::poll(&p, 1, 300) == 1) break;  // the server answered
+    }
+    char buf[4096];
+    pollfd p{fd, POLLIN, 0};
+    if (::poll(&p, 1, 5000) == 1) {
+      const ssize_t k = ::recv(fd, buf, sizeof buf, 0);
+      if (k > 0) got.assign(buf, static_cast<size_t>(k));
+    }
+    CHECK(http_status(got) == 408);
+    CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(6));
+    ::close(fd);
+  }
   // Another site's page cannot read a loopback dashboard through DNS rebinding.
   CHECK(http_status(http_get(port, "/api/run", "Host: evil.example:80\r\n")) == 403);
   CHECK(http_status(http_get(port, "/api/run", "Host: localhost:" + std::to_string(port) + "\r\n")) == 200);
