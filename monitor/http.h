@@ -10,7 +10,8 @@
 //   GET /api/clients    client table, most recently seen first, ?limit=N (default 200, max 10000)
 //
 // Anything else: 404 for unknown paths, 405 for other methods, 400 for bad
-// query values or malformed requests, 413/414 for oversized ones.
+// query values or malformed requests, 413 for a body, 431 for a head over
+// 8 KB, 408 for a head not complete within 3 s.
 //
 // Access: a loopback address (127.0.0.0/8, ::1, localhost) is open to local
 // users, and requests must name a loopback Host (a web page from elsewhere
@@ -18,16 +19,16 @@
 // every request then carries `Authorization: Bearer TOKEN` (or, for opening
 // the page in a browser, `?token=TOKEN`; the page forwards it as the header).
 //
-// The server runs on its own pool of 8 threads; handlers only read the Board
-// (short copies under its lock). A slow or hostile HTTP peer is cut off after
-// 3 s of silence and occupies at most one thread meanwhile; at most 64 more
-// accepted connections wait for a thread (then the kernel's backlog), so a
-// flood cannot exhaust the process's descriptors. The program's round loop
-// waits on HTTP only for short copies under the board's lock. Limits of cpp-httplib 0.11.4 (docs/monitoring.md): a
-// peer that trickles a byte every few seconds keeps its thread, so 8 of them
-// make the dashboard unavailable (the run goes on); one endless header line
-// is buffered without bound before any check. Off loopback, put a reverse
-// proxy that bounds request headers in front.
+// A guard owns the public socket: it reads each request head under hard
+// limits (8 KB, 3 s in all; 431 / 408 answered by the guard itself, bodies
+// refused with 413) and relays it, one request per connection, to
+// cpp-httplib on a private loopback port, copying the answer back within
+// 10 s. httplib 0.11.4 alone would buffer an endless header line without
+// bound and keep a thread for a peer trickling a byte at a time. Both the
+// guard and httplib have pools of 8 threads with at most 64 connections
+// queued (then the kernel's backlog), so a flood cannot exhaust the
+// process's descriptors. Handlers only read the Board (short copies under
+// its lock): the program's round loop never waits on a peer.
 
 #include <memory>
 #include <string>
