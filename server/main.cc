@@ -19,6 +19,7 @@
 #include <sstream>
 
 #include "core/cli.h"
+#include "core/json.h"
 #include "core/error_text.h"
 #include "core/export.h"
 #include "core/error.h"
@@ -51,22 +52,7 @@ std::string num(double v) {
   return os.str();
 }
 
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (unsigned char c : s) {
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += static_cast<char>(c);
-    } else if (c < 0x20) {
-      char buf[8];
-      std::snprintf(buf, sizeof(buf), "\\u%04x", c);
-      out += buf;
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  return out + "\"";
-}
+using sparrow::json_string;  // core/json.h
 
 // The newest intact checkpoint's global model, as model.pt and .npy files.
 int export_model(const std::string& db, const std::string& out) {
