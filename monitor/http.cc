@@ -182,6 +182,21 @@ void answer(int fd, int status, const char* reason, const std::string& body) {
                         "\r\nContent-Type: text/plain\r\nContent-Length: " + std::to_string(body.size()) +
                         "\r\nConnection: close\r\nCache-Control: no-store\r\n\r\n" + body;
   send_all(fd, r.data(), r.size(), SteadyClock::now() + std::chrono::seconds(1));
+  // A lingering close: closing with unread input would send a reset that can
+  // destroy the answer before the peer reads it. Stop writing, then discard
+  // what the peer still sends (at most 256 KB, 500 ms).
+  ::shutdown(fd, SHUT_WR);
+  const auto until = SteadyClock::now() + std::chrono::milliseconds(500);
+  char buf[4096];
+  for (size_t drained = 0; drained < (256u << 10);) {
+    pollfd p{fd, POLLIN, 0};
+    const int left = ms_left(until);
+    if (left == 0 || ::poll(&p, 1, left) <= 0) break;
+    const ssize_t k = ::recv(fd, buf, sizeof buf, MSG_DONTWAIT);
+    if (k < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+    if (k <= 0) break;
+    drained += static_cast<size_t>(k);
+  }
 }
 
 std::string lower(std::string s) {
