@@ -237,6 +237,24 @@ struct EdgeDevice::Impl {
       params[i].copy_(st.tensors.at("w/" + names[i]));
       sgd->buffers()[i].copy_(st.tensors.at("m/" + names[i]));
     }
+    // Buffers (BatchNorm running statistics): restored when the file has
+    // them; a file of an earlier version has none and they start afresh.
+    size_t restored = 0, buffers = 0;
+    for (auto& b : split->bottom.model()->named_buffers(/*recurse=*/true)) {
+      ++buffers;
+      auto it = st.tensors.find("b/" + b.key());
+      if (it == st.tensors.end()) continue;
+      SPARROW_CHECK_T(
+          FormatError, it->second.sizes() == b.value().sizes(),
+          "progress '" << cfg.progress << "' does not fit the model of '" << label << "' (buffer " << b.key() << ")");
+      b.value().copy_(it->second);
+      ++restored;
+    }
+    if (restored < buffers)
+      spdlog::warn(
+          "event=progress_without_buffers progress={} restored={} buffers={} msg=\"an older progress file: "
+          "BatchNorm statistics start afresh\"",
+          cfg.progress, restored, buffers);
     completed = st.step;
     if (auto it = st.tensors.find("fedavg_round"); it != st.tensors.end() && it->second.numel() == 1)
       fed_done = static_cast<uint64_t>(it->second.item<float>());
@@ -265,6 +283,10 @@ struct EdgeDevice::Impl {
     st.step = completed;
     st.tensors["fedavg_round"] = torch::full({1}, static_cast<float>(fed_done));
     for (auto& [k, v] : t) st.tensors[k] = v.detach().to(at::kCPU, at::kFloat).contiguous();
+    // Buffers (BatchNorm running statistics and counts; counts are exact as
+    // fp32 up to 2^24 steps).
+    for (const auto& b : split->bottom.model()->named_buffers(/*recurse=*/true))
+      st.tensors["b/" + b.key()] = b.value().detach().to(at::kCPU, at::kFloat).contiguous();
     for (auto& [k, v] : codec_state_tensors(edge->codec_state(), "codec/")) st.tensors[k] = v;
     const std::string tmp = cfg.progress + ".tmp";
     {
@@ -705,6 +727,13 @@ EdgeDevice::~EdgeDevice() = default;
 EdgeDevice::Summary EdgeDevice::run() { return impl_->run(); }
 void EdgeDevice::set_drop_hook(std::function<bool(uint64_t)> hook) { impl_->drop_hook = std::move(hook); }
 uint64_t EdgeDevice::completed_steps() const { return impl_->completed; }
+
+std::map<std::string, at::Tensor> EdgeDevice::model_buffers() const {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& b : impl_->split->bottom.model()->named_buffers(/*recurse=*/true))
+    out[b.key()] = b.value().detach().to(at::kCPU).clone();
+  return out;
+}
 
 std::map<std::string, at::Tensor> EdgeDevice::bottom_weights() const {
   return copy_weights(impl_->split->bottom.parameter_names(), impl_->split->bottom.parameters());

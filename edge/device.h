@@ -12,7 +12,8 @@
 // Resume: no reply within reply_timeout_ms -> the socket is closed and reopened
 // after an exponential, capped backoff, Hello again, and the SAME bytes are sent
 // again (the cloud applies a step once and answers a repeat from its cache).
-// Progress (last completed step, bottom weights, bottom momentum) goes to
+// Progress (last completed step, bottom weights, bottom momentum, the model's
+// buffers such as BatchNorm running statistics) goes to
 // `progress` every save_every steps and at the end; a restarted device loads it,
 // asks for a fresh lowrank basis and continues after its last completed step.
 // If the cloud has applied steps the device's file does not hold (the device
@@ -130,6 +131,9 @@ class EdgeDevice {
   uint64_t completed_steps() const;
   // The bottom's parameters (fp32 CPU copies).
   std::map<std::string, at::Tensor> bottom_weights() const;
+  // The model's buffers (BatchNorm running statistics; CPU copies), which the
+  // progress file keeps with the weights.
+  std::map<std::string, at::Tensor> model_buffers() const;
 
  private:
   struct Impl;

@@ -581,3 +581,34 @@ TEST_CASE("edge net: the codec state round-trips bit for bit") {
   CHECK(back.refresh_next);
   CHECK_THROWS_AS(sparrow::edge::deserialize_codec_state("junk"), sparrow::FormatError);
 }
+
+TEST_CASE("edge net: a restarted device keeps its BatchNorm statistics") {
+  // resnet cut after its stem (conv1 + bn1): the device's bottom has a BatchNorm.
+  CloudConfig cc = cloud_config();
+  cc.model = "resnet";
+  cc.cut = "stem";
+  RunningCloud cloud(cc);
+  const DeviceData data = make_data(11);
+  DeviceConfig dc = device_config(cloud.server.endpoint(), "bn");
+  dc.model = "resnet";
+  dc.cut = "stem";
+  dc.steps = 2;
+  std::map<std::string, at::Tensor> trained;
+  {
+    EdgeDevice device(dc, data);
+    CHECK(device.run().steps == 2);
+    trained = device.model_buffers();
+  }
+  REQUIRE(trained.count("bn1.running_mean"));
+  CHECK(trained.at("bn1.num_batches_tracked").item<int64_t>() == 2);
+  CHECK(trained.at("bn1.running_mean").abs().sum().item<double>() > 0);  // training moved them
+  EdgeDevice again(dc, data);
+  CHECK(again.completed_steps() == 2);
+  const std::map<std::string, at::Tensor> restored = again.model_buffers();
+  REQUIRE(restored.size() == trained.size());
+  for (const auto& [k, v] : trained) {
+    INFO(k);
+    CHECK(torch::equal(restored.at(k), v));
+  }
+  fs::remove(dc.progress);
+}
