@@ -97,8 +97,8 @@ int status(const std::string& db, bool json) {
       os << (i ? "," : "") << "{\"client_id\":" << json_string(c.client_id)
          << ",\"public_key\":" << json_string(c.public_key) << ",\"last_seen\":" << c.last_seen
          << ",\"last_selected\":" << c.last_selected << ",\"selected\":" << c.selected << ",\"updates\":" << c.updates
-         << ",\"rejects\":" << c.rejects << ",\"num_samples\":" << c.num_samples
-         << ",\"software\":" << json_string(c.software) << "}";
+         << ",\"rejects\":" << c.rejects << ",\"num_samples\":" << c.num_samples << ",\"bytes_up\":" << c.bytes_up
+         << ",\"bytes_down\":" << c.bytes_down << ",\"software\":" << json_string(c.software) << "}";
     }
     os << "],\"latest_metrics\":{";
     bool first = true;
@@ -121,13 +121,14 @@ int status(const std::string& db, bool json) {
                 static_cast<unsigned long long>(r.bytes_in), static_cast<unsigned long long>(r.bytes_out), r.train_loss,
                 r.eval_loss, r.eval_accuracy);
   std::cout << "\nclients (" << clients.size() << "):\n";
-  std::printf("%-24s %8s %8s %8s %8s %10s  %s\n", "client_id", "selected", "updates", "rejects", "last_sel", "samples",
-              "public_key");
+  std::printf("%-24s %8s %8s %8s %8s %10s %12s %12s  %s\n", "client_id", "selected", "updates", "rejects", "last_sel",
+              "samples", "bytes_up", "bytes_down", "public_key");
   for (const auto& c : clients)
-    std::printf("%-24s %8lld %8lld %8lld %8lld %10llu  %s\n", c.client_id.c_str(), static_cast<long long>(c.selected),
-                static_cast<long long>(c.updates), static_cast<long long>(c.rejects),
-                static_cast<long long>(c.last_selected), static_cast<unsigned long long>(c.num_samples),
-                c.public_key.empty() ? "-" : c.public_key.c_str());
+    std::printf("%-24s %8lld %8lld %8lld %8lld %10llu %12llu %12llu  %s\n", c.client_id.c_str(),
+                static_cast<long long>(c.selected), static_cast<long long>(c.updates),
+                static_cast<long long>(c.rejects), static_cast<long long>(c.last_selected),
+                static_cast<unsigned long long>(c.num_samples), static_cast<unsigned long long>(c.bytes_up),
+                static_cast<unsigned long long>(c.bytes_down), c.public_key.empty() ? "-" : c.public_key.c_str());
   std::cout << "\nlatest metrics (round " << last << "):\n";
   for (const auto& [k, v] : metrics) std::cout << "  " << k << " = " << num(v) << "\n";
   return 0;

@@ -985,6 +985,18 @@ TEST_CASE("dashboard: the server's API and metrics agree with its database") {
   // The linger ends on a signal; the run was complete: exit 0.
   server->signal(SIGTERM);
   CHECK(server->wait(30s) == std::optional<int>(0));
+  // The operator's view has the same per-client bytes.
+  REQUIRE(run_tool({kServerBin, "status", "--db", dir + "/server.db", "--json"}, dir + "/status.json") == 0);
+  {
+    std::ifstream in(dir + "/status.json");
+    const std::string js((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    for (const auto& [id, c] : db) {
+      INFO(id);
+      CHECK(js.find("\"client_id\":\"" + id + "\"") != std::string::npos);
+      CHECK(js.find("\"bytes_up\":" + std::to_string(c.bytes_up) + ",\"bytes_down\":" + std::to_string(c.bytes_down)) !=
+            std::string::npos);
+    }
+  }
   fs::remove_all(dir);
 }
 
