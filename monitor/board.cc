@@ -15,8 +15,6 @@ namespace {
 
 std::string time_json(double t) { return json_number(t, 13); }  // millisecond resolution for unix seconds
 
-std::string count_json(uint64_t v) { return std::to_string(v); }
-
 // A Prometheus label value: \ " and newline escaped.
 std::string label(const std::string& s) {
   std::string out;
@@ -129,9 +127,9 @@ std::string Board::round_json(const RoundPoint& p) {
   o << "{\"round\":" << p.round << ",\"finished\":" << time_json(p.finished)
     << ",\"duration_s\":" << json_number(p.duration_s, 9) << ",\"accuracy\":" << json_number(p.accuracy, 9)
     << ",\"loss\":" << json_number(p.loss, 9) << ",\"train_loss\":" << json_number(p.train_loss, 9)
-    << ",\"bytes_up\":" << count_json(p.bytes_up) << ",\"bytes_down\":" << count_json(p.bytes_down)
-    << ",\"selected\":" << p.selected << ",\"accepted\":" << p.accepted << ",\"rejected\":" << p.rejected
-    << ",\"stale\":" << p.stale << ",\"dropped\":" << p.dropped << ",\"epsilon\":" << json_number(p.epsilon, 9) << '}';
+    << ",\"bytes_up\":" << p.bytes_up << ",\"bytes_down\":" << p.bytes_down << ",\"selected\":" << p.selected
+    << ",\"accepted\":" << p.accepted << ",\"rejected\":" << p.rejected << ",\"stale\":" << p.stale
+    << ",\"dropped\":" << p.dropped << ",\"epsilon\":" << json_number(p.epsilon, 9) << '}';
   return o.str();
 }
 

@@ -377,12 +377,12 @@ struct Server::Impl {
 
   // ---- dashboard ------------------------------------------------------------------
 
-  static monitor::RoundPoint point_of(const RoundRow& row, const std::map<std::string, double>& metrics) {
+  // `seconds` and `epsilon`: the round's round.seconds and dp.epsilon metrics (NaN when absent).
+  static monitor::RoundPoint point_of(const RoundRow& row, double seconds, double epsilon) {
     monitor::RoundPoint p;
     p.round = row.round;
     p.finished = row.finished;
-    auto it = metrics.find("round.seconds");
-    p.duration_s = it != metrics.end() ? it->second : row.finished - row.started;
+    p.duration_s = std::isnan(seconds) ? row.finished - row.started : seconds;
     p.accuracy = row.eval_accuracy;
     p.loss = row.eval_loss;
     p.train_loss = row.train_loss;
@@ -394,9 +394,14 @@ struct Server::Impl {
     p.stale = row.stale;
     p.dropped =
         std::max<int64_t>(0, row.selected - row.updates);  // selected, no update aggregated (late, missing, rejected)
-    it = metrics.find("dp.epsilon");
-    p.epsilon = it != metrics.end() ? it->second : kNaN;
+    p.epsilon = epsilon;
     return p;
+  }
+
+  template <class K>
+  static double value_or_nan(const std::map<K, double>& m, const K& key) {
+    auto it = m.find(key);
+    return it != m.end() ? it->second : kNaN;
   }
 
   // The run and its completed rounds (a resumed run shows its history).
@@ -409,8 +414,12 @@ struct Server::Impl {
     info.rounds_total = cfg.rounds;
     info.started = static_cast<double>(run_created);  // the run's, not this process's
     board->set_run(std::move(info));
+    // Two queries for the whole history, not one per round.
+    const std::map<int64_t, double> seconds = store->metric_series("round.seconds");
+    const std::map<int64_t, double> epsilon = store->metric_series("dp.epsilon");
     for (const RoundRow& row : store->rounds())
-      if (row.round <= completed.load()) board->add_round(point_of(row, store->metrics(row.round)));
+      if (row.round <= completed.load())
+        board->add_round(point_of(row, value_or_nan(seconds, row.round), value_or_nan(epsilon, row.round)));
     board->update_progress([&](monitor::Progress& p) {
       p.round = completed.load();
       p.rounds_completed = completed.load();
@@ -1302,7 +1311,8 @@ struct Server::Impl {
     store->commit_round(row, metrics, checkpoint(static_cast<int64_t>(r)), dirty, cfg.keep_checkpoints);
     completed = static_cast<int64_t>(r);
     n.rounds = r;
-    board->add_round(point_of(row, metrics));
+    board->add_round(point_of(row, value_or_nan(metrics, std::string("round.seconds")),
+                              value_or_nan(metrics, std::string("dp.epsilon"))));
     board->update_progress([&](monitor::Progress& p) {
       p.rounds_completed = static_cast<int64_t>(r);
       p.phase = static_cast<int>(r) >= cfg.rounds ? "done" : "waiting";

@@ -431,4 +431,12 @@ std::map<std::string, double> ServerStore::metrics(int64_t round) {
   return out;
 }
 
+std::map<int64_t, double> ServerStore::metric_series(const std::string& name) {
+  Stmt s(impl_->db, impl_->path, "SELECT round, value FROM metrics WHERE name = ? ORDER BY round");
+  s.bind_text(1, name);
+  std::map<int64_t, double> out;
+  while (s.step()) out[s.i64(0)] = s.real(1);
+  return out;
+}
+
 }  // namespace sparrow::server

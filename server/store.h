@@ -105,6 +105,8 @@ class ServerStore {
   std::vector<RoundRow> rounds();
   std::vector<ClientRow> clients();
   std::map<std::string, double> metrics(int64_t round);
+  // One named metric over every round that has it: round -> value.
+  std::map<int64_t, double> metric_series(const std::string& name);
 
   const std::string& path() const;
 

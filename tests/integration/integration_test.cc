@@ -133,9 +133,15 @@ std::unique_ptr<Process> start_client(const std::string& dir, int i, const std::
 // ---- the server's database (schema: server/store.cc) --------------------------
 
 struct RoundInfo {
-  int64_t round = 0, selected = 0, updates = 0, rejected = 0;
+  int64_t round = 0, selected = 0, updates = 0, rejected = 0, stale = 0;
+  uint64_t bytes_in = 0, bytes_out = 0;
   double eval_loss = std::numeric_limits<double>::quiet_NaN();
   double eval_accuracy = std::numeric_limits<double>::quiet_NaN();
+};
+
+struct ClientInfo {
+  int64_t updates = 0, last_seen = 0;
+  uint64_t bytes_up = 0, bytes_down = 0, samples = 0;
 };
 
 class Db {
@@ -152,8 +158,8 @@ class Db {
     std::vector<RoundInfo> out;
     sqlite3_stmt* st = nullptr;
     REQUIRE(sqlite3_prepare_v2(db_,
-                               "SELECT round, selected, updates, rejected, eval_loss, eval_accuracy FROM rounds "
-                               "ORDER BY round",
+                               "SELECT round, selected, updates, rejected, eval_loss, eval_accuracy, stale, bytes_in, "
+                               "bytes_out FROM rounds ORDER BY round",
                                -1, &st, nullptr) == SQLITE_OK);
     while (sqlite3_step(st) == SQLITE_ROW) {
       RoundInfo r;
@@ -163,7 +169,30 @@ class Db {
       r.rejected = sqlite3_column_int64(st, 3);
       if (sqlite3_column_type(st, 4) != SQLITE_NULL) r.eval_loss = sqlite3_column_double(st, 4);
       if (sqlite3_column_type(st, 5) != SQLITE_NULL) r.eval_accuracy = sqlite3_column_double(st, 5);
+      r.stale = sqlite3_column_int64(st, 6);
+      r.bytes_in = static_cast<uint64_t>(sqlite3_column_int64(st, 7));
+      r.bytes_out = static_cast<uint64_t>(sqlite3_column_int64(st, 8));
       out.push_back(r);
+    }
+    sqlite3_finalize(st);
+    return out;
+  }
+
+  // Client rows by id: what the dashboard's client table shows.
+  std::map<std::string, ClientInfo> clients() {
+    std::map<std::string, ClientInfo> out;
+    sqlite3_stmt* st = nullptr;
+    REQUIRE(sqlite3_prepare_v2(db_,
+                               "SELECT client_id, updates, last_seen, bytes_up, bytes_down, num_samples FROM clients",
+                               -1, &st, nullptr) == SQLITE_OK);
+    while (sqlite3_step(st) == SQLITE_ROW) {
+      ClientInfo c;
+      c.updates = sqlite3_column_int64(st, 1);
+      c.last_seen = sqlite3_column_int64(st, 2);
+      c.bytes_up = static_cast<uint64_t>(sqlite3_column_int64(st, 3));
+      c.bytes_down = static_cast<uint64_t>(sqlite3_column_int64(st, 4));
+      c.samples = static_cast<uint64_t>(sqlite3_column_int64(st, 5));
+      out[reinterpret_cast<const char*>(sqlite3_column_text(st, 0))] = c;
     }
     sqlite3_finalize(st);
     return out;
@@ -801,70 +830,6 @@ TEST_CASE("integration: sparrow-server try runs a server and its clients to the 
 
 namespace {
 
-// The server's database rows the dashboard shows.
-struct DbRound {
-  int64_t round = 0, selected = 0, updates = 0, rejected = 0, stale = 0;
-  uint64_t bytes_in = 0, bytes_out = 0;
-  double accuracy = NAN, loss = NAN, train_loss = NAN;
-};
-struct DbClient {
-  int64_t updates = 0, last_seen = 0;
-  uint64_t bytes_up = 0, bytes_down = 0, samples = 0;
-};
-
-template <class F>
-void query(const std::string& db_path, const char* sql, F&& row) {
-  sqlite3* db = nullptr;
-  REQUIRE(sqlite3_open_v2(db_path.c_str(), &db, SQLITE_OPEN_READONLY, nullptr) == SQLITE_OK);
-  sqlite3_busy_timeout(db, 5000);
-  sqlite3_stmt* st = nullptr;
-  REQUIRE(sqlite3_prepare_v2(db, sql, -1, &st, nullptr) == SQLITE_OK);
-  while (sqlite3_step(st) == SQLITE_ROW) row(st);
-  sqlite3_finalize(st);
-  sqlite3_close(db);
-}
-
-double column_or_nan(sqlite3_stmt* st, int i) {
-  return sqlite3_column_type(st, i) == SQLITE_NULL ? NAN : sqlite3_column_double(st, i);
-}
-
-std::vector<DbRound> db_rounds(const std::string& path) {
-  std::vector<DbRound> out;
-  query(path,
-        "SELECT round, selected, updates, rejected, stale, bytes_in, bytes_out, eval_accuracy, eval_loss, "
-        "train_loss FROM rounds ORDER BY round",
-        [&](sqlite3_stmt* st) {
-          DbRound r;
-          r.round = sqlite3_column_int64(st, 0);
-          r.selected = sqlite3_column_int64(st, 1);
-          r.updates = sqlite3_column_int64(st, 2);
-          r.rejected = sqlite3_column_int64(st, 3);
-          r.stale = sqlite3_column_int64(st, 4);
-          r.bytes_in = static_cast<uint64_t>(sqlite3_column_int64(st, 5));
-          r.bytes_out = static_cast<uint64_t>(sqlite3_column_int64(st, 6));
-          r.accuracy = column_or_nan(st, 7);
-          r.loss = column_or_nan(st, 8);
-          r.train_loss = column_or_nan(st, 9);
-          out.push_back(r);
-        });
-  return out;
-}
-
-std::map<std::string, DbClient> db_clients(const std::string& path) {
-  std::map<std::string, DbClient> out;
-  query(path, "SELECT client_id, updates, last_seen, bytes_up, bytes_down, num_samples FROM clients",
-        [&](sqlite3_stmt* st) {
-          DbClient c;
-          c.updates = sqlite3_column_int64(st, 1);
-          c.last_seen = sqlite3_column_int64(st, 2);
-          c.bytes_up = static_cast<uint64_t>(sqlite3_column_int64(st, 3));
-          c.bytes_down = static_cast<uint64_t>(sqlite3_column_int64(st, 4));
-          c.samples = static_cast<uint64_t>(sqlite3_column_int64(st, 5));
-          out[reinterpret_cast<const char*>(sqlite3_column_text(st, 0))] = c;
-        });
-  return out;
-}
-
 // The number after "key": in a JSON object's text (NaN for null or absent).
 double json_field(const std::string& obj, const std::string& key) {
   const size_t at = obj.find("\"" + key + "\":");
@@ -883,7 +848,7 @@ std::vector<std::string> json_objects(const std::string& text) {
   return out;
 }
 
-void check_round(const std::string& obj, const DbRound& r) {
+void check_round(const std::string& obj, const RoundInfo& r) {
   INFO(obj);
   CHECK(json_field(obj, "selected") == r.selected);
   CHECK(json_field(obj, "accepted") == r.updates);
@@ -891,8 +856,8 @@ void check_round(const std::string& obj, const DbRound& r) {
   CHECK(json_field(obj, "stale") == r.stale);
   CHECK(json_field(obj, "bytes_up") == static_cast<double>(r.bytes_in));
   CHECK(json_field(obj, "bytes_down") == static_cast<double>(r.bytes_out));
-  CHECK(json_field(obj, "accuracy") == doctest::Approx(r.accuracy).epsilon(1e-7));
-  CHECK(json_field(obj, "loss") == doctest::Approx(r.loss).epsilon(1e-7));
+  CHECK(json_field(obj, "accuracy") == doctest::Approx(r.eval_accuracy).epsilon(1e-7));
+  CHECK(json_field(obj, "loss") == doctest::Approx(r.eval_loss).epsilon(1e-7));
 }
 
 // A server with the dashboard on a free loopback port, 2 CURVE clients, 3
@@ -941,7 +906,7 @@ TEST_CASE("dashboard: the server's API and metrics agree with its database") {
   using sparrow::testing::http_get;
   using sparrow::testing::http_status;
 
-  const std::vector<DbRound> rounds = db_rounds(dir + "/server.db");
+  const std::vector<RoundInfo> rounds = Db(dir + "/server.db").rounds();
   REQUIRE(rounds.size() == 3);
   const std::string api_rounds = http_get(port, "/api/rounds");
   REQUIRE(http_status(api_rounds) == 200);
@@ -950,7 +915,7 @@ TEST_CASE("dashboard: the server's API and metrics agree with its database") {
   for (size_t i = 0; i < 3; ++i) check_round(objs[i], rounds[i]);
   CHECK(json_objects(http_body(http_get(port, "/api/rounds?since=2"))).size() == 1);
 
-  const std::map<std::string, DbClient> db = db_clients(dir + "/server.db");
+  const std::map<std::string, ClientInfo> db = Db(dir + "/server.db").clients();
   const std::string api_clients = http_body(http_get(port, "/api/clients"));
   CHECK(api_clients.find("\"total\":2,\"connected\":0,") != std::string::npos);  // the run is over
   size_t seen = 0;
@@ -959,7 +924,7 @@ TEST_CASE("dashboard: the server's API and metrics agree with its database") {
     std::smatch m;
     REQUIRE(std::regex_search(c, m, std::regex("\"id\":\"([^\"]+)\"")));
     REQUIRE(db.count(m[1]));
-    const DbClient& d = db.at(m[1]);
+    const ClientInfo& d = db.at(m[1]);
     CHECK(json_field(c, "rounds") == d.updates);
     CHECK(d.updates == 3);
     CHECK(json_field(c, "bytes_up") == static_cast<double>(d.bytes_up));
@@ -980,7 +945,7 @@ TEST_CASE("dashboard: the server's API and metrics agree with its database") {
   CHECK(metrics.find("sparrow_clients_known 2\n") != std::string::npos);
   std::smatch acc;
   REQUIRE(std::regex_search(metrics, acc, std::regex("\nsparrow_accuracy ([0-9.e+-]+)\n")));
-  CHECK(std::stod(acc[1]) == doctest::Approx(rounds[2].accuracy).epsilon(1e-7));
+  CHECK(std::stod(acc[1]) == doctest::Approx(rounds[2].eval_accuracy).epsilon(1e-7));
   CHECK(http_body(http_get(port, "/api/progress")).find("\"phase\":\"done\"") != std::string::npos);
   // The linger ends on a signal; the run was complete: exit 0.
   server->signal(SIGTERM);
@@ -1127,7 +1092,7 @@ TEST_SUITE("slow") {
     CHECK(dom.find("data-mode=\"live\"") != std::string::npos);
     CHECK(dom.find("data-last-round=\"3\"") != std::string::npos);
 
-    const std::vector<DbRound> rounds = db_rounds(dir + "/server.db");
+    const std::vector<RoundInfo> rounds = Db(dir + "/server.db").rounds();
     REQUIRE(rounds.size() == 3);
     const auto acc = chart_points(dom, "acc_round", 0);
     const auto loss = chart_points(dom, "loss_round", 0);
@@ -1143,19 +1108,19 @@ TEST_SUITE("slow") {
     REQUIRE(rejected.size() == 3);
     double cumulative = 0;
     for (size_t i = 0; i < 3; ++i) {
-      const DbRound& r = rounds[i];
+      const RoundInfo& r = rounds[i];
       cumulative += static_cast<double>(r.bytes_in);
       CHECK(acc[i].first == r.round);
-      CHECK(acc[i].second == doctest::Approx(r.accuracy).epsilon(1e-7));
-      CHECK(loss[i].second == doctest::Approx(r.loss).epsilon(1e-7));
+      CHECK(acc[i].second == doctest::Approx(r.eval_accuracy).epsilon(1e-7));
+      CHECK(loss[i].second == doctest::Approx(r.eval_loss).epsilon(1e-7));
       CHECK(acc_bytes[i].first == cumulative);
-      CHECK(acc_bytes[i].second == doctest::Approx(r.accuracy).epsilon(1e-7));
+      CHECK(acc_bytes[i].second == doctest::Approx(r.eval_accuracy).epsilon(1e-7));
       CHECK(selected[i].second == r.selected);
       CHECK(accepted[i].second == r.updates);
       CHECK(rejected[i].second == r.rejected);
     }
     // The client table: columns id, connected, last seen, rounds, uplink, downlink, samples.
-    const std::map<std::string, DbClient> db = db_clients(dir + "/server.db");
+    const std::map<std::string, ClientInfo> db = Db(dir + "/server.db").clients();
     REQUIRE(db.size() == 2);
     for (const auto& [id, c] : db) {
       const std::vector<std::string> cells = table_row(dom, id);
