@@ -181,14 +181,26 @@ flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<fb::EncodedTensor>>>
   return b.CreateVector(tensors);
 }
 
+flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<fb::Metric>>> build_metrics(
+    flatbuffers::FlatBufferBuilder& b, const std::vector<std::pair<std::string, double>>& ms) {
+  if (ms.empty()) return 0;
+  std::vector<flatbuffers::Offset<fb::Metric>> metrics;
+  metrics.reserve(ms.size());
+  for (const auto& [key, value] : ms) metrics.push_back(fb::CreateMetric(b, string_or_absent(b, key), value));
+  return b.CreateVector(metrics);
+}
+
+flatbuffers::Offset<flatbuffers::Vector<uint8_t>> bytes_or_absent(flatbuffers::FlatBufferBuilder& b,
+                                                                  const std::string& s) {
+  if (s.empty()) return 0;
+  return b.CreateVector(reinterpret_cast<const uint8_t*>(s.data()), s.size());
+}
+
 flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const ModelUpdate& u) {
   const auto tensors_off = build_tensors(b, u.tensors);
   const auto control_off = build_tensors(b, u.control_delta);
-  std::vector<flatbuffers::Offset<fb::Metric>> metrics;
-  metrics.reserve(u.metrics.size());
-  for (const auto& [key, value] : u.metrics) metrics.push_back(fb::CreateMetric(b, string_or_absent(b, key), value));
+  const auto metrics_off = build_metrics(b, u.metrics);
   const auto client_id = string_or_absent(b, u.client_id);
-  const auto metrics_off = metrics.empty() ? 0 : b.CreateVector(metrics);
   return fb::CreateModelUpdate(b, u.round, client_id, u.num_samples, tensors_off, metrics_off, control_off).Union();
 }
 
@@ -214,8 +226,32 @@ flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const Ta
   const TrainSettings& s = t.train;
   const auto train = fb::CreateTrainSettings(b, string_or_absent(b, s.algorithm), s.local_epochs, s.batch_size, s.lr,
                                              s.momentum, s.weight_decay, s.mu);
+  flatbuffers::Offset<fb::SecAggSetup> secagg = 0;
+  if (t.secagg) {
+    const SecAggSetup& a = *t.secagg;
+    secagg = fb::CreateSecAggSetup(b, a.index, a.clients, a.degree, a.threshold, a.graph_seed, a.clip, a.weight);
+  }
   return fb::CreateTask(b, t.round, static_cast<fb::ModelEncoding>(t.model_encoding), t.base_round, weights, train,
-                        compression, t.seed, shared, control, t.deadline_ms)
+                        compression, t.seed, shared, control, t.deadline_ms, secagg)
+      .Union();
+}
+
+flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const SecAgg& m) {
+  std::vector<flatbuffers::Offset<fb::SecAggPeer>> peers;
+  for (const SecAggPeer& p : m.peers)
+    peers.push_back(fb::CreateSecAggPeer(b, p.index, bytes_or_absent(b, p.enc_key), bytes_or_absent(b, p.mask_key)));
+  std::vector<flatbuffers::Offset<fb::SecAggShare>> shares;
+  for (const SecAggShare& sh : m.shares)
+    shares.push_back(fb::CreateSecAggShare(b, sh.peer, sh.kind, bytes_or_absent(b, sh.data)));
+  const auto client_id = string_or_absent(b, m.client_id);
+  const auto peers_off = peers.empty() ? 0 : b.CreateVector(peers);
+  const auto shares_off = shares.empty() ? 0 : b.CreateVector(shares);
+  const auto survivors = vector_or_absent(b, m.survivors);
+  const auto dropped = vector_or_absent(b, m.dropped);
+  const auto masked = vector_or_absent(b, m.masked, kValuesAlign);
+  const auto metrics = build_metrics(b, m.metrics);
+  return fb::CreateSecAgg(b, m.round, client_id, static_cast<fb::SecAggStage>(m.stage), m.index, peers_off,
+                          shares_off, survivors, dropped, masked, metrics)
       .Union();
 }
 
@@ -265,6 +301,7 @@ fb::Body body_type(const Heartbeat&) { return fb::Body::Heartbeat; }
 fb::Body body_type(const Bye&) { return fb::Body::Bye; }
 fb::Body body_type(const SplitActivation&) { return fb::Body::SplitActivation; }
 fb::Body body_type(const SplitGradient&) { return fb::Body::SplitGradient; }
+fb::Body body_type(const SecAgg&) { return fb::Body::SecAgg; }
 
 size_t tensors_bound(const std::vector<NamedTensor>& ts) {
   size_t n = 8;
@@ -282,7 +319,7 @@ size_t size_bound(const ErrorBody& e) { return 256 + e.message.size(); }
 size_t size_bound(const Hello& h) { return 256 + h.client_id.size() + h.model.size() + h.software.size(); }
 size_t size_bound(const Welcome& w) { return 256 + w.run_id.size(); }
 size_t size_bound(const Task& t) {
-  return 512 + t.train.algorithm.size() + t.compression.size() + tensors_bound(t.weights) + tensors_bound(t.shared) +
+  return 640 + t.train.algorithm.size() + t.compression.size() + tensors_bound(t.weights) + tensors_bound(t.shared) +
          tensors_bound(t.control);
 }
 size_t size_bound(const Ack&) { return 128; }
@@ -294,6 +331,13 @@ size_t size_bound(const SplitActivation& a) {
 }
 size_t size_bound(const SplitGradient& g) {
   return 256 + g.session.size() + g.codec.size() + 8 * g.shape.size() + g.payload.size() + kValuesAlign;
+}
+size_t size_bound(const SecAgg& m) {
+  size_t n = 256 + m.client_id.size() + 4 * (m.survivors.size() + m.dropped.size() + m.masked.size()) + kValuesAlign;
+  for (const SecAggPeer& p : m.peers) n += 64 + p.enc_key.size() + p.mask_key.size();
+  for (const SecAggShare& sh : m.shares) n += 48 + sh.data.size();
+  for (const auto& mt : m.metrics) n += 64 + mt.first.size();
+  return n;
 }
 
 // ---- parse ------------------------------------------------------------------------
@@ -413,6 +457,24 @@ std::string bounded_text(const flatbuffers::String* s, const std::string& what, 
   return std::string(v);
 }
 
+// Metrics: keys non-empty and unique, values finite.
+std::vector<std::pair<std::string, double>> metrics_of(
+    const flatbuffers::Vector<flatbuffers::Offset<fb::Metric>>* metrics) {
+  std::vector<std::pair<std::string, double>> out;
+  if (!metrics) return out;
+  out.reserve(metrics->size());
+  std::unordered_set<std::string_view> keys;
+  for (flatbuffers::uoffset_t i = 0; i < metrics->size(); ++i) {
+    const fb::Metric& m = *metrics->Get(i);
+    const std::string_view key = text_of(m.key(), "metric " + std::to_string(i) + "'s key");
+    if (key.empty()) fail(ErrorCode::kMalformed, "metric " + std::to_string(i) + " has no key");
+    if (!keys.insert(key).second) fail(ErrorCode::kMalformed, "duplicate metric '" + std::string(key) + "'");
+    if (!std::isfinite(m.value())) fail(ErrorCode::kMalformed, "metric '" + std::string(key) + "' is not finite");
+    out.emplace_back(std::string(key), m.value());
+  }
+  return out;
+}
+
 ModelUpdate update_of(const fb::ModelUpdate& u, uint64_t max_elements, const Owner& owner) {
   ModelUpdate out;
   out.round = u.round();
@@ -421,18 +483,7 @@ ModelUpdate update_of(const fb::ModelUpdate& u, uint64_t max_elements, const Own
   uint64_t budget = max_elements;
   out.tensors = tensors_of(u.tensors(), budget, owner);
   out.control_delta = tensors_of(u.control_delta(), budget, owner);
-  if (const auto* metrics = u.metrics()) {
-    out.metrics.reserve(metrics->size());
-    std::unordered_set<std::string_view> keys;
-    for (flatbuffers::uoffset_t i = 0; i < metrics->size(); ++i) {
-      const fb::Metric& m = *metrics->Get(i);
-      const std::string_view key = text_of(m.key(), "metric " + std::to_string(i) + "'s key");
-      if (key.empty()) fail(ErrorCode::kMalformed, "metric " + std::to_string(i) + " has no key");
-      if (!keys.insert(key).second) fail(ErrorCode::kMalformed, "duplicate metric '" + std::string(key) + "'");
-      if (!std::isfinite(m.value())) fail(ErrorCode::kMalformed, "metric '" + std::string(key) + "' is not finite");
-      out.metrics.emplace_back(std::string(key), m.value());
-    }
-  }
+  out.metrics = metrics_of(u.metrics());
   return out;
 }
 
@@ -503,6 +554,80 @@ Task task_of(const fb::Task& t, uint64_t max_elements, const Owner& owner) {
   out.shared = tensors_of(t.shared(), budget, owner);
   out.control = tensors_of(t.control(), budget, owner);
   out.deadline_ms = t.deadline_ms();
+  if (const fb::SecAggSetup* a = t.secagg()) {
+    SecAggSetup g;
+    g.index = a->index();
+    g.clients = a->clients();
+    g.degree = a->degree();
+    g.threshold = a->threshold();
+    g.graph_seed = a->graph_seed();
+    g.clip = a->clip();
+    g.weight = a->weight();
+    if (g.index < 1 || g.index > g.clients)
+      fail(ErrorCode::kMalformed, "Task.secagg: index " + std::to_string(g.index) + " outside 1.." +
+                                      std::to_string(g.clients));
+    if (g.threshold < 2 || g.threshold > g.degree || g.degree >= g.clients)
+      fail(ErrorCode::kMalformed, "Task.secagg: need 2 <= threshold <= degree < clients (threshold " +
+                                      std::to_string(g.threshold) + ", degree " + std::to_string(g.degree) +
+                                      ", clients " + std::to_string(g.clients) + ")");
+    if (!std::isfinite(g.clip) || g.clip <= 0) fail(ErrorCode::kMalformed, "Task.secagg: clip must be finite and > 0");
+    if (!(g.weight > 0 && g.weight <= 1)) fail(ErrorCode::kMalformed, "Task.secagg: weight must be in (0, 1]");
+    out.secagg = g;
+  }
+  return out;
+}
+
+std::vector<uint32_t> distinct_indices(const flatbuffers::Vector<uint32_t>* v, const char* what) {
+  std::vector<uint32_t> out = vector_of(v);
+  if (out.size() > kMaxSecAggPeers) fail(ErrorCode::kMalformed, std::string("SecAgg: too many ") + what);
+  std::vector<uint32_t> sorted = out;
+  std::sort(sorted.begin(), sorted.end());
+  if (std::adjacent_find(sorted.begin(), sorted.end()) != sorted.end())
+    fail(ErrorCode::kMalformed, std::string("SecAgg: repeated index in ") + what);
+  return out;
+}
+
+std::string key_of(const flatbuffers::Vector<uint8_t>* v, const std::string& what) {
+  if (!v || v->size() != kSecAggKeyBytes)
+    fail(ErrorCode::kMalformed, "SecAgg: " + what + " must be " + std::to_string(kSecAggKeyBytes) + " bytes");
+  return std::string(reinterpret_cast<const char*>(v->data()), v->size());
+}
+
+SecAgg secagg_of(const fb::SecAgg& m, uint64_t max_elements) {
+  SecAgg out;
+  out.round = m.round();
+  out.client_id = bounded_text(m.client_id(), "client_id", kMaxClientIdBytes);
+  const auto stage = static_cast<uint8_t>(m.stage());
+  if (stage > static_cast<uint8_t>(fb::SecAggStage::MAX))
+    fail(ErrorCode::kUnsupported, "SecAgg: unknown stage " + std::to_string(stage));
+  out.stage = static_cast<SecAggStage>(stage);
+  out.index = m.index();
+  if (const auto* peers = m.peers()) {
+    if (peers->size() > kMaxSecAggPeers) fail(ErrorCode::kMalformed, "SecAgg: too many peers");
+    for (flatbuffers::uoffset_t i = 0; i < peers->size(); ++i) {
+      const fb::SecAggPeer& p = *peers->Get(i);
+      out.peers.push_back({p.index(), key_of(p.enc_key(), "enc_key"), key_of(p.mask_key(), "mask_key")});
+    }
+  }
+  if (const auto* shares = m.shares()) {
+    if (shares->size() > 2 * kMaxSecAggPeers) fail(ErrorCode::kMalformed, "SecAgg: too many shares");
+    for (flatbuffers::uoffset_t i = 0; i < shares->size(); ++i) {
+      const fb::SecAggShare& sh = *shares->Get(i);
+      if (sh.kind() > 2) fail(ErrorCode::kMalformed, "SecAgg: unknown share kind " + std::to_string(sh.kind()));
+      const auto* d = sh.data();
+      if (!d || d->size() == 0 || d->size() > kMaxSecAggShareBytes)
+        fail(ErrorCode::kMalformed, "SecAgg: share data must be 1.." + std::to_string(kMaxSecAggShareBytes) + " bytes");
+      out.shares.push_back({sh.peer(), sh.kind(), std::string(reinterpret_cast<const char*>(d->data()), d->size())});
+    }
+  }
+  out.survivors = distinct_indices(m.survivors(), "survivors");
+  out.dropped = distinct_indices(m.dropped(), "dropped");
+  if (const auto* v = m.masked()) {
+    if (v->size() > max_elements) fail(ErrorCode::kOversize, "SecAgg: masked vector over the element limit");
+    out.masked.resize(v->size());
+    if (v->size()) std::memcpy(out.masked.data(), v->data(), v->size() * sizeof(uint32_t));  // little-endian hosts
+  }
+  out.metrics = metrics_of(m.metrics());
   return out;
 }
 
@@ -610,6 +735,9 @@ Message parse_verified(const uint8_t* buf, size_t size, const ParseLimits& limit
     case fb::Body::SplitGradient:
       out.body = gradient_of(body_or_fail(m->body_as_SplitGradient(), "SplitGradient"), limits.max_elements);
       return out;
+    case fb::Body::SecAgg:
+      out.body = secagg_of(body_or_fail(m->body_as_SecAgg(), "SecAgg"), limits.max_elements);
+      return out;
   }
   fail(ErrorCode::kUnsupported, "unknown message type " + std::to_string(static_cast<int>(m->body_type())) +
                                     " (peer speaks " + std::to_string(major) + "." + std::to_string(minor) + ")");
@@ -637,11 +765,20 @@ std::string sanitize(const std::string& s) {
 }  // namespace
 
 const char* body_name(const Body& body) {
-  static const char* const kNames[] = {"ModelUpdate", "Error",     "Hello", "Welcome",         "Task",
-                                       "Ack",         "Heartbeat", "Bye",   "SplitActivation", "SplitGradient"};
+  static const char* const kNames[] = {"ModelUpdate",     "Error",         "Hello",    "Welcome",
+                                       "Task",            "Ack",           "Heartbeat", "Bye",
+                                       "SplitActivation", "SplitGradient", "SecAgg"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == std::variant_size_v<Body>, "a name per body type");
   static_assert(static_cast<size_t>(fb::Body::MAX) == std::variant_size_v<Body>, "wire::Body mirrors fb::Body");
   return kNames[body.index()];
+}
+
+const char* secagg_stage_name(SecAggStage s) {
+  static const char* const kNames[] = {"keys", "neighbours", "shares", "shares_in", "masked", "unmask", "reveal"};
+  static_assert(static_cast<size_t>(fb::SecAggStage::MAX) + 1 == sizeof(kNames) / sizeof(kNames[0]),
+                "a name per SecAgg stage");
+  const auto i = static_cast<size_t>(s);
+  return i < sizeof(kNames) / sizeof(kNames[0]) ? kNames[i] : "unknown";
 }
 
 const char* error_code_name(ErrorCode code) {

@@ -28,7 +28,7 @@ namespace sparrow::wire {
 
 // Major: a receiver refuses any other major. Minor: additions an older peer can
 // ignore (new optional fields, new union members it answers with kUnsupported).
-constexpr uint16_t kProtocolMajor = 1, kProtocolMinor = 0;
+constexpr uint16_t kProtocolMajor = 1, kProtocolMinor = 1;  // 1.1: secure aggregation (SecAgg, Task.secagg)
 
 // parse() refuses larger buffers before looking at them (kOversize).
 constexpr size_t kDefaultMaxMessageBytes = size_t{1} << 30;
@@ -112,6 +112,15 @@ struct TrainSettings {  // client::TrainConfig on the wire; parse() checks range
   double momentum = 0, weight_decay = 0, mu = 0;  // finite; momentum in [0, 1), others >= 0
 };
 
+// A client's part in a SecAgg+ round (docs/security.md). parse() checks
+// 1 <= index <= clients, 2 <= threshold <= degree < clients, clip finite and
+// > 0, weight in (0, 1].
+struct SecAggSetup {
+  uint32_t index = 0, clients = 0, degree = 0, threshold = 0;
+  uint64_t graph_seed = 0;
+  double clip = 0, weight = 0;
+};
+
 struct Task {
   uint64_t round = 0;
   ModelEncoding model_encoding = ModelEncoding::kFull;
@@ -123,6 +132,7 @@ struct Task {
   std::vector<NamedTensor> shared;   // ACP shared factors; names unique
   std::vector<NamedTensor> control;  // SCAFFOLD server control; names unique
   uint64_t deadline_ms = 0;
+  std::optional<SecAggSetup> secagg;  // present: answer with SecAgg messages (1.1)
 };
 
 struct Ack {
@@ -161,8 +171,44 @@ struct SplitGradient {
   uint64_t correct = 0;
 };
 
-using Body =
-    std::variant<ModelUpdate, ErrorBody, Hello, Welcome, Task, Ack, Heartbeat, Bye, SplitActivation, SplitGradient>;
+// Secure aggregation (wire/sparrow.fbs, SecAgg; docs/security.md). parse()
+// checks the frame: a known stage, keys of exactly kSecAggKeyBytes, share kinds
+// 0..2 and data of at most kMaxSecAggShareBytes, at most kMaxSecAggPeers peers
+// and shares, survivors/dropped without repeats, metrics as in ModelUpdate and
+// masked within the element limit. What each stage must carry is checked by
+// the protocol code (secagg/secagg.h).
+enum class SecAggStage : uint8_t { kKeys = 0, kNeighbours, kShares, kSharesIn, kMasked, kUnmask, kReveal };
+constexpr size_t kSecAggKeyBytes = 32;
+constexpr size_t kMaxSecAggShareBytes = 256;
+constexpr size_t kMaxSecAggPeers = 4096;
+
+struct SecAggPeer {
+  uint32_t index = 0;
+  std::string enc_key, mask_key;  // X25519 public keys
+};
+
+struct SecAggShare {
+  uint32_t peer = 0;
+  uint8_t kind = 0;  // 0 encrypted pair, 1 self-mask seed share, 2 mask key share
+  std::string data;
+};
+
+struct SecAgg {
+  uint64_t round = 0;
+  std::string client_id;
+  SecAggStage stage = SecAggStage::kKeys;
+  uint32_t index = 0;
+  std::vector<SecAggPeer> peers;
+  std::vector<SecAggShare> shares;
+  std::vector<uint32_t> survivors, dropped;
+  std::vector<uint32_t> masked;
+  std::vector<std::pair<std::string, double>> metrics;
+};
+
+const char* secagg_stage_name(SecAggStage s);
+
+using Body = std::variant<ModelUpdate, ErrorBody, Hello, Welcome, Task, Ack, Heartbeat, Bye, SplitActivation,
+                          SplitGradient, SecAgg>;
 
 struct Message {
   uint16_t major = kProtocolMajor, minor = kProtocolMinor;

@@ -1,0 +1,279 @@
+// SecAgg+ without transport: the parties of secagg/secagg.h exchanging their
+// messages in memory, with clients dropping at each stage.
+#include "secagg/secagg.h"
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <memory>
+#include <set>
+
+#include "core/error.h"
+#include "core/rng.h"
+
+using namespace sparrow;
+using namespace sparrow::secagg;
+
+namespace {
+
+Params params(uint32_t degree, uint32_t threshold, double clip = 1) {
+  Params p;
+  p.enabled = true;
+  p.degree = degree;
+  p.threshold = threshold;
+  p.clip = clip;
+  return p;
+}
+
+// One round: n clients with random updates x_u in [-0.5, 0.5]; `drop_at[u]`
+// = the stage (1 keys, 2 shares, 3 masked, 4 reveal) before which client u
+// stops answering (0 = never). Returns the unmasked sum dequantised, and the
+// plain weighted sum of the clients whose masked update arrived.
+struct Outcome {
+  std::vector<float> secure, plain;
+  std::set<uint32_t> u3;
+  bool completed = false;
+  std::string error;
+  std::vector<std::vector<uint32_t>> masked_inputs, quantised;  // per client (index - 1), when sent
+};
+
+Outcome run_round(uint32_t n, const Params& p, size_t len, const std::map<uint32_t, int>& drop_at,
+                  uint64_t seed = 7) {
+  Outcome o;
+  const uint64_t round = 3;
+  Server server(p, round, n, seed, len);
+  std::vector<std::unique_ptr<Client>> clients;
+  std::vector<std::vector<float>> x(n, std::vector<float>(len));
+  const double scale = ring_scale(n, p.clip);
+  auto alive = [&](uint32_t u, int stage) {
+    auto it = drop_at.find(u);
+    return it == drop_at.end() || it->second == 0 || it->second > stage;
+  };
+  for (uint32_t u = 1; u <= n; ++u) {
+    wire::SecAggSetup s;
+    s.index = u;
+    s.clients = n;
+    s.degree = p.degree_for(n);
+    s.threshold = p.effective_threshold();
+    s.graph_seed = seed;
+    s.clip = p.clip;
+    s.weight = 1.0 / n;
+    clients.push_back(std::make_unique<Client>(s, round, "c" + std::to_string(u)));
+    for (size_t i = 0; i < len; ++i) x[u - 1][i] = rng::uniform01(rng::derive(seed, u), i) - 0.5f;
+  }
+  o.masked_inputs.resize(n);
+  o.quantised.resize(n);
+  try {
+    for (uint32_t u = 1; u <= n; ++u)
+      if (alive(u, 1)) server.add_keys(u, clients[u - 1]->keys());
+    std::map<uint32_t, wire::SecAgg> shares;
+    for (auto& [u, m] : server.neighbour_messages())
+      if (alive(u, 2)) shares[u] = clients[u - 1]->shares(m);
+    for (auto& [u, m] : shares) server.add_shares(u, m);
+    for (auto& [u, m] : server.shares_in_messages()) {
+      if (!alive(u, 3)) continue;
+      clients[u - 1]->receive_shares(m);
+      std::vector<uint32_t> q(len);
+      quantise(x[u - 1].data(), len, 1.0 / n, p.clip, scale, rng::derive(seed, 100 + u), q.data());
+      o.quantised[u - 1] = q;
+      wire::SecAgg y = clients[u - 1]->masked(q);
+      o.masked_inputs[u - 1] = y.masked;
+      server.add_masked(u, y);
+    }
+    for (auto& [u, m] : server.unmask_messages())
+      if (alive(u, 4)) server.add_reveal(u, clients[u - 1]->reveal(m));
+    o.u3 = server.masked();
+    std::vector<uint32_t> sum = server.unmask();
+    o.secure.resize(len);
+    dequantise(sum.data(), len, scale, o.secure.data());
+    o.plain.assign(len, 0.f);
+    for (uint32_t u : o.u3)
+      for (size_t i = 0; i < len; ++i) o.plain[i] += x[u - 1][i] / static_cast<float>(n);
+    o.completed = true;
+  } catch (const Error& e) {
+    o.error = e.what();
+  }
+  return o;
+}
+
+float max_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  float m = 0;
+  for (size_t i = 0; i < a.size(); ++i) m = std::max(m, std::fabs(a[i] - b[i]));
+  return m;
+}
+
+}  // namespace
+
+TEST_CASE("secagg: Shamir shares reconstruct from any t and a wrong set does not") {
+  Secret s;
+  for (size_t i = 0; i < s.size(); ++i) s[i] = static_cast<uint8_t>(i * 7 + 1);
+  const std::vector<std::string> sh = shamir_split(s, 3, {1, 2, 3, 4, 5});
+  CHECK(shamir_combine({sh[0], sh[1], sh[2]}, 3) == s);
+  CHECK(shamir_combine({sh[4], sh[2], sh[0]}, 3) == s);
+  CHECK(shamir_combine({sh[1], sh[3], sh[4], sh[0]}, 3) == s);
+  // Two shares of a 3-of-5 say nothing: combined as if t were 2 they give junk.
+  CHECK(shamir_combine({sh[0], sh[1]}, 2) != s);
+  CHECK_THROWS_AS(shamir_combine({sh[0], sh[0], sh[1]}, 3), Error);
+  CHECK_THROWS_AS(shamir_combine({sh[0], sh[1]}, 3), Error);
+}
+
+TEST_CASE("secagg: the graph is k-regular and symmetric and complete below k + 1 clients") {
+  const Graph g(100, 8, 42);
+  for (uint32_t u = 1; u <= 100; ++u) {
+    CHECK(g.neighbours(u).size() == 8);
+    for (uint32_t v : g.neighbours(u)) CHECK(g.linked(v, u));
+  }
+  const Graph small(5, 4, 1);
+  for (uint32_t u = 1; u <= 5; ++u) CHECK(small.neighbours(u).size() == 4);
+  CHECK(Graph(100, 8, 43).neighbours(1) != g.neighbours(1));  // the seed draws the ring
+}
+
+TEST_CASE("secagg: quantisation is unbiased within one step and clips") {
+  std::vector<float> x = {0.25f, -0.125f, 3.f, -3.f, 1e-9f};
+  std::vector<uint32_t> q(x.size());
+  const double scale = ring_scale(10, 1.0);
+  CHECK(quantise(x.data(), x.size(), 0.5, 1.0, scale, 9, q.data()) == 2);
+  std::vector<float> back(x.size());
+  dequantise(q.data(), q.size(), scale, back.data());
+  CHECK(back[0] == doctest::Approx(0.125).epsilon(1e-6));
+  CHECK(back[1] == doctest::Approx(-0.0625).epsilon(1e-6));
+  CHECK(back[2] == doctest::Approx(0.5).epsilon(1e-6));
+  CHECK(back[3] == doctest::Approx(-0.5).epsilon(1e-6));
+  std::vector<float> bad = {1.f, std::nanf("")};
+  CHECK_THROWS_AS(quantise(bad.data(), 2, 1, 1, scale, 1, q.data()), Error);
+}
+
+TEST_CASE("secagg: the unmasked sum equals the plain sum to the quantisation step") {
+  for (uint32_t n : {3u, 10u, 40u}) {
+    CAPTURE(n);
+    const Params p = params(8, n > 4 ? 4 : 2);
+    Outcome o = run_round(n, p, 1000, {});
+    REQUIRE_MESSAGE(o.completed, o.error);
+    CHECK(o.u3.size() == n);
+    // n roundings of at most one step each.
+    CHECK(max_diff(o.secure, o.plain) <= static_cast<float>(n / ring_scale(n, p.clip)) + 1e-7f);
+  }
+}
+
+TEST_CASE("secagg: a masked update reveals nothing of the update by itself") {
+  Outcome o = run_round(10, params(8, 4), 4096, {});
+  REQUIRE(o.completed);
+  size_t same = 0;
+  for (size_t i = 0; i < 4096; ++i) same += o.masked_inputs[0][i] == o.quantised[0][i];
+  CHECK(same < 5);  // uniform masks: a coordinate survives with probability 2^-32
+  // The masked words look uniform: their mean is near 2^31 (the update's are near 0 or 2^32).
+  double mean = 0;
+  for (uint32_t w : o.masked_inputs[0]) mean += w;
+  mean /= 4096;
+  CHECK(std::fabs(mean / 4294967296.0 - 0.5) < 0.03);
+}
+
+TEST_CASE("secagg: clients dropping at every stage below the threshold") {
+  // 12 clients, degree 8, t = 3. Drop one before keys, one before shares, two
+  // before their masked update and one before revealing: every neighbourhood
+  // of 8 keeps at least 3 revealing members.
+  const Params p = params(8, 3);
+  Outcome o = run_round(12, p, 500, {{2, 1}, {5, 2}, {7, 3}, {8, 3}, {11, 4}});
+  REQUIRE_MESSAGE(o.completed, o.error);
+  CHECK(o.u3.size() == 8);  // 11 went silent after its masked update: its update counts
+  CHECK(max_diff(o.secure, o.plain) <= static_cast<float>(12 / ring_scale(12, p.clip)) + 1e-7f);
+}
+
+TEST_CASE("secagg: too many silent survivors leave a secret short of t shares and the round fails cleanly") {
+  // 5 clients, complete graph (degree 4), t = 4: two survivors silent at the
+  // reveal leave every self-mask with 2 shares.
+  Outcome o = run_round(5, params(4, 4), 100, {{1, 4}, {2, 4}});
+  CHECK_FALSE(o.completed);
+  CHECK(o.error.find("cannot unmask") != std::string::npos);
+  CHECK(o.error.find("self-mask shares") != std::string::npos);
+  // Too few neighbours for a client's own secrets: it refuses to go on.
+  Outcome few = run_round(5, params(4, 4), 100, {{1, 1}, {2, 1}});
+  CHECK_FALSE(few.completed);
+  CHECK(few.error.find("threshold") != std::string::npos);
+}
+
+TEST_CASE("secagg: a client never reveals both shares of one client") {
+  const uint32_t n = 5;
+  const Params p = params(4, 3);
+  Server server(p, 1, n, 5, 16);
+  std::vector<std::unique_ptr<Client>> c;
+  for (uint32_t u = 1; u <= n; ++u) {
+    wire::SecAggSetup s{u, n, p.degree_for(n), p.effective_threshold(), 5, 1.0, 0.2};
+    c.push_back(std::make_unique<Client>(s, 1, "c" + std::to_string(u)));
+    server.add_keys(u, c.back()->keys());
+  }
+  for (auto& [u, m] : server.neighbour_messages()) server.add_shares(u, c[u - 1]->shares(m));
+  for (auto& [u, m] : server.shares_in_messages()) {
+    c[u - 1]->receive_shares(m);
+    server.add_masked(u, c[u - 1]->masked(std::vector<uint32_t>(16, 1)));
+  }
+  wire::SecAgg ask = server.unmask_messages().at(1);
+  wire::SecAgg both = ask;
+  both.dropped.push_back(2);  // 2 is also a survivor
+  CHECK_THROWS_WITH_AS(c[0]->reveal(both), doctest::Contains("survivor and as dropped"), Error);
+  wire::SecAgg self_dropped = ask;
+  self_dropped.survivors = {2, 3};
+  self_dropped.dropped = {1};
+  CHECK_THROWS_AS(c[0]->reveal(self_dropped), Error);
+  // The honest request is answered once; asking again with 2 now "dropped" is refused.
+  const wire::SecAgg r = c[0]->reveal(ask);
+  CHECK(r.shares.size() == 4);
+  for (const auto& sh : r.shares) CHECK(sh.kind == 1);
+  wire::SecAgg again = ask;
+  again.survivors = {1, 3, 4, 5};
+  again.dropped = {2};
+  CHECK_THROWS_WITH_AS(c[0]->reveal(again), doctest::Contains("second unmask request"), Error);
+}
+
+TEST_CASE("secagg: the server refuses out-of-order, foreign and incomplete messages") {
+  const Params p = params(4, 3);
+  Server server(p, 9, 6, 2, 8);
+  wire::SecAggSetup s{1, 6, 4, 3, 2, 1.0, 0.1};
+  Client a(s, 9, "a");
+  wire::SecAgg k = a.keys();
+  CHECK_THROWS_AS(server.add_keys(2, k), Error);  // index says 1
+  wire::SecAgg wrong_round = k;
+  wrong_round.round = 8;
+  CHECK_THROWS_AS(server.add_keys(1, wrong_round), Error);
+  server.add_keys(1, k);
+  CHECK_THROWS_AS(server.add_keys(1, k), Error);  // twice
+  std::vector<std::unique_ptr<Client>> c;
+  for (uint32_t u = 2; u <= 6; ++u) {
+    c.push_back(std::make_unique<Client>(wire::SecAggSetup{u, 6, 4, 3, 2, 1.0, 0.1}, 9, "c"));
+    server.add_keys(u, c.back()->keys());
+  }
+  auto nb = server.neighbour_messages();
+  CHECK_THROWS_AS(server.add_keys(1, k), Error);  // closed
+  wire::SecAgg sh = a.shares(nb.at(1));
+  wire::SecAgg partial = sh;
+  partial.shares.pop_back();
+  CHECK_THROWS_WITH_AS(server.add_shares(1, partial), doctest::Contains("one pair to each"), Error);
+  server.add_shares(1, sh);
+  // A client refuses keys of a non-neighbour.
+  Client b(wire::SecAggSetup{2, 6, 4, 3, 2, 1.0, 0.1}, 9, "b");
+  b.keys();
+  wire::SecAgg forged = nb.at(2);
+  forged.peers.push_back(forged.peers.front());
+  CHECK_THROWS_AS(b.shares(forged), Error);
+  // Masked update of the wrong length.
+  for (uint32_t u = 2; u <= 6; ++u) server.add_shares(u, c[u - 2]->shares(nb.at(u)));
+  auto in = server.shares_in_messages();
+  a.receive_shares(in.at(1));
+  wire::SecAgg y = a.masked(std::vector<uint32_t>(7, 0));
+  CHECK_THROWS_WITH_AS(server.add_masked(1, y), doctest::Contains("the model has 8"), Error);
+}
+
+TEST_CASE("secagg: parameters are checked") {
+  CHECK_FALSE(Params::parse("none").enabled);
+  const Params p = Params::parse("secagg+:degree=10,clip=2");
+  CHECK(p.enabled);
+  CHECK(p.effective_threshold() == 6);
+  CHECK(p.min_clients() == 7);
+  CHECK(Params::parse(p.text()).text() == p.text());
+  CHECK_THROWS_AS(Params::parse("secagg+:degree=7"), ConfigError);
+  CHECK_THROWS_AS(Params::parse("secagg+:degree=4,threshold=5"), ConfigError);
+  CHECK_THROWS_AS(Params::parse("secagg+:threshold=1"), ConfigError);
+  CHECK_THROWS_AS(Params::parse("secagg+:clip=0"), ConfigError);
+  CHECK_THROWS_AS(Params::parse("secagg+:bits=3"), ConfigError);
+  CHECK_THROWS_AS(Params::parse("secagg:degree=4"), ConfigError);
+}
