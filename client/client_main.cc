@@ -41,6 +41,10 @@ int main(int argc, char** argv) {
   app.add_option("--config", config_path, "client TOML file")->required();
   app.add_option("--set", overrides, "override a config key (key=value); repeatable");
   app.add_flag("--insecure", insecure, "plain TCP without CURVE (testing only)");
+  std::string fault;
+  app.add_option("--fault", fault, "testing: exit as a crash would at a secure-aggregation stage")
+      ->check(CLI::IsMember({"secagg-keys", "secagg-shares", "secagg-masked", "secagg-reveal"}))
+      ->group("Testing");
   sparrow::cli::add_common_options(app, "sparrow-client", &log_level);
   if (const int rc = sparrow::cli::parse(app, argc, argv); rc >= 0) return rc;
   sparrow::cli::setup_logging("sparrow-client", log_level);
@@ -52,6 +56,7 @@ int main(int argc, char** argv) {
   try {
     if (insecure) overrides.push_back("insecure=true");
     sparrow::client::SessionConfig cfg = sparrow::client::load_session_config(config_path, overrides);
+    cfg.fault = fault;
     sparrow::core::configure_threads(1);
     spdlog::info("threads: {}", sparrow::core::threads_summary(1));
     if (const std::string w = sparrow::core::blas_warning(); !w.empty()) spdlog::warn("{}", w);

@@ -21,6 +21,7 @@
 #include "core/model_digest.h"
 #include "core/models.h"
 #include "core/rng.h"
+#include "secagg/secagg.h"
 #include "state/store.h"
 #include "wire/net.h"
 #include "wire/wire.h"
@@ -541,6 +542,14 @@ struct ClientSession::Impl {
       known_round = std::max(known_round, h->round);
       return Outcome::kContinue;
     }
+    if (auto* sm = std::get_if<wire::SecAgg>(&m.body)) {
+      if (!welcomed) return Outcome::kContinue;
+      on_secagg(*sm);
+      // Training (after SharesIn) took a while without listening.
+      last_rx = Clock::now();
+      next_hb = last_rx + std::chrono::milliseconds(hb_ms);
+      return Outcome::kContinue;
+    }
     if (auto* a = std::get_if<wire::Ack>(&m.body)) {
       if (pending_round && *pending_round == a->round) {
         ++n.updates_acked;
@@ -641,7 +650,10 @@ struct ClientSession::Impl {
     try {
       std::optional<Weights> base = broadcast_model(task);
       if (!base) return;  // answered with a re-Hello
-      train_and_send(task, *base);
+      if (task.secagg)
+        start_secagg(task, *base);
+      else
+        train_and_send(task, *base);
     } catch (const std::exception& e) {
       ++n.tasks_refused;
       spdlog::warn("round {}: task refused: {}", r, e.what());
@@ -687,9 +699,15 @@ struct ClientSession::Impl {
     return w;
   }
 
-  void train_and_send(const wire::Task& task, const Weights& base) {
-    const uint64_t r = task.round;
+  // A Task's settings, checked; once they pass, the client holds B_{r-1}.
+  struct Prepared {
     TrainConfig tc;
+    std::unique_ptr<compression::Compressor> comp;
+    Weights shared, server_control;
+  };
+  Prepared prepare(const wire::Task& task, const Weights& base) {
+    Prepared p;
+    TrainConfig& tc = p.tc;
     tc.algorithm = task.train.algorithm;
     tc.local_epochs = static_cast<int>(task.train.local_epochs);
     tc.batch_size = static_cast<int>(task.train.batch_size);
@@ -699,79 +717,79 @@ struct ClientSession::Impl {
     tc.mu = task.train.mu;
     validate(tc);
     const bool scaffold = tc.algorithm == "scaffold";
-    auto comp = compression::make_compressor(task.compression);
+    p.comp = compression::make_compressor(task.compression);
     check_tensors(task.shared, "task shared", /*exact=*/false, /*same_shape=*/false);
-    const Weights shared = decode_all(task.shared);
+    p.shared = decode_all(task.shared);
     SPARROW_CHECK_T(Error, task.control.empty() || scaffold,
                     "task: control variates with algorithm '" << tc.algorithm << "'");
     check_tensors(task.control, "task control", /*exact=*/!task.control.empty());
-    Weights server_control = decode_all(task.control);
-
+    p.server_control = decode_all(task.control);
+    if (task.secagg)  // the server's config refuses these; a client checks what it is asked to do
+      secagg::check_compatible(task.compression, "mean", "none", tc.algorithm);
     // The Task is acceptable: we now hold B_{r-1}.
-    persist_held(r - 1, base);
+    persist_held(task.round - 1, base);
     rehello_round.reset();
+    return p;
+  }
 
-    if (!trainer || !same_train_config(trainer->config(), tc)) trainer = std::make_unique<LocalTrainer>(replica, tc);
+  struct Trained {
+    TrainResult tr;
+    double secs = 0;
+    std::vector<std::pair<std::string, double>> metrics;
+    Weights outgoing;      // the delta, local DP noise added when configured
+    state::ClientState next;  // committed when the update is sent
+  };
+  Trained train(const wire::Task& task, const Weights& base, Prepared& p) {
+    const uint64_t r = task.round;
+    const bool scaffold = p.tc.algorithm == "scaffold";
+    if (!trainer || !same_train_config(trainer->config(), p.tc))
+      trainer = std::make_unique<LocalTrainer>(replica, p.tc);
+    Trained t;
     // Work on a copy: a failure below leaves the persisted state as it was.
-    state::ClientState next = st.deep_copy();
+    t.next = st.deep_copy();
     // The model received, on data it was never trained on (federated evaluation).
     std::optional<std::pair<double, double>> held;
     if (holdout.size() > 0) held = trainer->evaluate(base, holdout.x, holdout.y);
     const auto t0 = Clock::now();
-    TrainResult tr = trainer->train(base, data.x, data.y, task.seed, scaffold ? &next.control : nullptr,
-                                    scaffold ? &server_control : nullptr);
-    const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-
-    wire::ModelUpdate u;
-    u.round = r;
-    u.client_id = cfg.client_id;
-    u.num_samples = static_cast<uint64_t>(tr.num_samples);
-    u.metrics = {{"train_loss", tr.mean_loss}, {"train_seconds", secs}};
+    t.tr = trainer->train(base, data.x, data.y, task.seed, scaffold ? &t.next.control : nullptr,
+                          scaffold ? &p.server_control : nullptr);
+    t.secs = std::chrono::duration<double>(Clock::now() - t0).count();
+    t.metrics = {{"train_loss", t.tr.mean_loss}, {"train_seconds", t.secs}};
     if (held) {
-      u.metrics.emplace_back("eval_loss", held->first);
-      u.metrics.emplace_back("eval_accuracy", held->second);
+      t.metrics.emplace_back("eval_loss", held->first);
+      t.metrics.emplace_back("eval_accuracy", held->second);
     }
-    Weights outgoing = tr.delta;
+    t.outgoing = t.tr.delta;
     if (ldp.mode == aggregation::DpSpec::Mode::kLocal) {
       // The noise must be unknown to the server: drawn from this device's own
       // entropy, never from the task's seed.
       const uint64_t key = (static_cast<uint64_t>(entropy()) << 32) ^ entropy();
-      for (auto& [k, v] : outgoing) v = v.to(at::kCPU, at::kFloat);
-      const double norm = aggregation::local_dp(outgoing, ldp.clip, ldp.noise, key);
-      const auto spent =
-          aggregation::sgm_epsilon(1.0, std::max(ldp.noise, 1e-12), static_cast<int64_t>(next.rounds + 1), ldp.delta);
+      for (auto& [k, v] : t.outgoing) v = v.to(at::kCPU, at::kFloat);
+      const double norm = aggregation::local_dp(t.outgoing, ldp.clip, ldp.noise, key);
+      const auto spent = aggregation::sgm_epsilon(1.0, std::max(ldp.noise, 1e-12),
+                                                  static_cast<int64_t>(t.next.rounds + 1), ldp.delta);
       spdlog::info("event=local_dp round={} norm={:.4g} clip={} noise={} participations={} epsilon={:.4g} delta={}", r,
-                   norm, ldp.clip, ldp.noise, next.rounds + 1, spent.epsilon, ldp.delta);
+                   norm, ldp.clip, ldp.noise, t.next.rounds + 1, spent.epsilon, ldp.delta);
     }
-    for (const auto& name : names) {
-      compression::Context c;
-      c.name = name;
-      c.seed = task.seed;
-      c.num_workers = 1;  // the Task does not say how many clients take part
-      c.round = static_cast<int64_t>(r);
-      if (auto it = shared.find(name); it != shared.end()) c.shared_factor = it->second;
-      const at::Tensor d = outgoing.at(name).to(at::kCPU, at::kFloat).contiguous();
-      u.tensors.push_back({name, comp->encode(d, next.compressor[name], c)});
-    }
-    for (const auto& [name, dc] : tr.control_delta) {
-      compression::State scratch;
-      u.control_delta.push_back({name, dense->encode(dc.to(at::kCPU, at::kFloat).contiguous(), scratch, {})});
-    }
-    next.rounds += 1;
-    const std::string bytes = wire::serialize(message(u));
+    t.next.rounds += 1;
+    return t;
+  }
+
+  // Commits the state that produced an update and queues the update's bytes.
+  void commit_and_send(uint64_t r, const Trained& t, const std::string& bytes) {
     const uint64_t limit = welcome.max_message_bytes > 0 ? std::min(welcome.max_message_bytes, max_bytes) : max_bytes;
     SPARROW_CHECK_T(Error, bytes.size() <= limit,
                     "update of " << bytes.size() << " bytes exceeds max_message_bytes " << limit);
     // Error feedback is committed with the update it produced, before sending:
     // a lost update loses its information either way, a crash after this
     // point does not replay the residual.
-    st = std::move(next);
+    st = t.next.deep_copy();
     store->put(kStateKey, st);
     store->flush();
     ++n.tasks_done;
     pending_round = r;
-    spdlog::info("round {}: trained {} samples in {:.2f} s (loss {:.4f}), sending {} bytes", r, tr.num_samples, secs,
-                 tr.mean_loss, bytes.size());
+    spdlog::info("round {}: trained {} samples in {:.2f} s (loss {:.4f}), sending {} bytes", r, t.tr.num_samples,
+                 t.secs, t.tr.mean_loss, bytes.size());
     bool sent = false;
     try {
       sent = sock->send(zmq::buffer(bytes), zmq::send_flags::dontwait).has_value();
@@ -779,6 +797,131 @@ struct ClientSession::Impl {
       spdlog::warn("send failed: {}", e.what());
     }
     if (!sent) spdlog::warn("round {}: the update could not be queued", r);
+  }
+
+  void train_and_send(const wire::Task& task, const Weights& base) {
+    const uint64_t r = task.round;
+    Prepared p = prepare(task, base);
+    Trained t = train(task, base, p);
+    wire::ModelUpdate u;
+    u.round = r;
+    u.client_id = cfg.client_id;
+    u.num_samples = static_cast<uint64_t>(t.tr.num_samples);
+    u.metrics = t.metrics;
+    for (const auto& name : names) {
+      compression::Context c;
+      c.name = name;
+      c.seed = task.seed;
+      c.num_workers = 1;  // the Task does not say how many clients take part
+      c.round = static_cast<int64_t>(r);
+      if (auto it = p.shared.find(name); it != p.shared.end()) c.shared_factor = it->second;
+      const at::Tensor d = t.outgoing.at(name).to(at::kCPU, at::kFloat).contiguous();
+      u.tensors.push_back({name, p.comp->encode(d, t.next.compressor[name], c)});
+    }
+    for (const auto& [name, dc] : t.tr.control_delta) {
+      compression::State scratch;
+      u.control_delta.push_back({name, dense->encode(dc.to(at::kCPU, at::kFloat).contiguous(), scratch, {})});
+    }
+    commit_and_send(r, t, wire::serialize(message(u)));
+  }
+
+  // ---- secure aggregation (docs/security.md) ----
+
+  // The open SecAgg+ round: its Task, the model it trains, and the protocol
+  // state (keys, shares held). In memory only: a restarted client is a
+  // dropout of the round.
+  struct SecAggRound {
+    wire::Task task;
+    Weights base;
+    Prepared prepared;
+    std::unique_ptr<secagg::Client> party;
+  };
+  std::unique_ptr<SecAggRound> sa;
+
+  // Test aid (--fault): exit as a crash would, at the named point.
+  void fault_point(const char* where) {
+    if (cfg.fault == where) {
+      spdlog::warn("fault injection: exiting at {}", where);
+      std::_Exit(3);
+    }
+  }
+
+  void start_secagg(const wire::Task& task, const Weights& base) {
+    fault_point("secagg-keys");
+    auto round = std::make_unique<SecAggRound>();
+    round->prepared = prepare(task, base);
+    round->task = task;
+    round->task.weights.clear();  // the decoded base is kept instead
+    round->base = clone_weights(base);
+    round->party = std::make_unique<secagg::Client>(*task.secagg, task.round, cfg.client_id);
+    const wire::SecAgg keys = round->party->keys();
+    sa = std::move(round);
+    spdlog::info("round {}: secure aggregation as client {} of {} (degree {}, threshold {}): keys sent", task.round,
+                 task.secagg->index, task.secagg->clients, task.secagg->degree, task.secagg->threshold);
+    send(message(keys));
+  }
+
+  void on_secagg(const wire::SecAgg& m) {
+    if (!sa || sa->task.round != m.round) {
+      spdlog::warn("secure aggregation: {} message for round {} without that round open here: ignored",
+                   wire::secagg_stage_name(m.stage), m.round);
+      return;
+    }
+    const uint64_t r = m.round;
+    try {
+      switch (m.stage) {
+        case wire::SecAggStage::kNeighbours:
+          fault_point("secagg-shares");
+          send(message(sa->party->shares(m)));
+          return;
+        case wire::SecAggStage::kSharesIn: {
+          fault_point("secagg-masked");
+          sa->party->receive_shares(m);
+          masked_update();
+          return;
+        }
+        case wire::SecAggStage::kUnmask:
+          fault_point("secagg-reveal");
+          send(message(sa->party->reveal(m)));
+          spdlog::info("round {}: secure aggregation: shares revealed", r);
+          sa.reset();
+          return;
+        default:
+          throw Error(std::string("a server does not send ") + wire::secagg_stage_name(m.stage) + " messages");
+      }
+    } catch (const std::exception& e) {
+      spdlog::warn("round {}: secure aggregation: {}", r, e.what());
+      wire::Message reply;
+      reply.body = wire::error_for(e, r);
+      send(reply);
+      // A refused unmask request leaves the round open here: the client
+      // answers no other request of it, but the server may still finish
+      // without this client's reveal.
+      if (m.stage != wire::SecAggStage::kUnmask) sa.reset();
+    }
+  }
+
+  // Trains, quantises the weighted update into the ring, masks it and sends it.
+  void masked_update() {
+    const wire::SecAggSetup& a = *sa->task.secagg;
+    const uint64_t r = sa->task.round;
+    Trained t = train(sa->task, sa->base, sa->prepared);
+    std::vector<uint32_t> x(static_cast<size_t>(total_numel));
+    const double scale = secagg::ring_scale(a.clients, a.clip);
+    const uint64_t key = (static_cast<uint64_t>(entropy()) << 32) ^ entropy();  // rounding: this device's own
+    size_t off = 0, clipped = 0;
+    for (const auto& name : names) {
+      const at::Tensor d = t.outgoing.at(name).to(at::kCPU, at::kFloat).contiguous();
+      const size_t len = static_cast<size_t>(d.numel());
+      clipped += secagg::quantise(d.data_ptr<float>(), len, a.weight, a.clip, scale, rng::derive(key, off),
+                                  x.data() + off);
+      off += len;
+    }
+    if (clipped)
+      spdlog::warn("round {}: secure aggregation clipped {} of {} coordinates to +-{}", r, clipped, x.size(), a.clip);
+    std::vector<std::pair<std::string, double>> metrics = t.metrics;
+    metrics.emplace_back("secagg_clipped", static_cast<double>(clipped));
+    commit_and_send(r, t, wire::serialize(message(sa->party->masked(std::move(x), std::move(metrics)))));
   }
 };
 

@@ -70,6 +70,10 @@ struct SessionConfig {
   // received on them and reports eval_loss / eval_accuracy. 0 = off.
   double holdout = 0;
   std::string dp = "none";  // local DP: "none" or "local:clip=C,noise=Z[,delta=]" (docs/aggregation.md)
+  // Testing aid, never read from TOML (sparrow-client --fault): exit at once,
+  // as a crash would, at "secagg-keys" (a SecAgg Task arrived), "secagg-shares"
+  // (Neighbours), "secagg-masked" (SharesIn) or "secagg-reveal" (Unmask).
+  std::string fault;
 };
 
 // Reads a client TOML file (strict keys: an unknown key is a ConfigError naming

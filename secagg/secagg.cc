@@ -148,6 +148,24 @@ std::string Params::text() const {
   return os.str();
 }
 
+void check_compatible(const std::string& compression, const std::string& aggregator, const std::string& dp,
+                      const std::string& algorithm) {
+  SPARROW_CHECK_T(ConfigError, compression == "none",
+                  "secure aggregation needs compression = \"none\" (got '"
+                      << compression
+                      << "'): a masked update is dense 32-bit ring elements whatever the codec, and a sparse "
+                         "update's positions would be masked into a dense vector");
+  SPARROW_CHECK_T(ConfigError, aggregator == "mean",
+                  "secure aggregation needs aggregator = \"mean\" (got '"
+                      << aggregator << "'): robust aggregators look at each update, which the server never sees");
+  SPARROW_CHECK_T(ConfigError, dp == "none" || dp.rfind("local", 0) == 0,
+                  "secure aggregation takes dp = \"none\" or client-side local DP (got '"
+                      << dp << "'): central DP clips each update at the server, which never sees one");
+  SPARROW_CHECK_T(ConfigError, algorithm == "fedavg" || algorithm == "fedprox",
+                  "secure aggregation works with fedavg and fedprox (got '"
+                      << algorithm << "'): SCAFFOLD's per-client control deltas would travel in the clear");
+}
+
 // ---- Graph ---------------------------------------------------------------------------
 
 Graph::Graph(uint32_t n, uint32_t degree, uint64_t seed) : n_(n), adj_(n) {
@@ -525,6 +543,7 @@ const Graph& Server::graph() const { return impl_->graph; }
 const std::set<uint32_t>& Server::keyed() const { return impl_->u1; }
 const std::set<uint32_t>& Server::shared() const { return impl_->u2; }
 const std::set<uint32_t>& Server::masked() const { return impl_->u3; }
+const std::set<uint32_t>& Server::revealed() const { return impl_->revealed; }
 
 void Server::add_keys(uint32_t from, const wire::SecAgg& m) {
   Impl& s = *impl_;

@@ -57,6 +57,17 @@ struct Params {
   std::string text() const;
 };
 
+// What secure aggregation composes with (ConfigError saying why otherwise):
+// the uplink compressor "none" (a masked update is a dense vector of 32-bit
+// ring elements whatever the compressor, and a sparse update's positions
+// would be masked into a dense one), the "mean" aggregator (robust
+// aggregators need each update, which the server never sees), dp "none" or
+// client-side ("local:...": clients add their noise before masking), and the
+// fedavg / fedprox algorithms (SCAFFOLD's per-client control deltas would go
+// in the clear).
+void check_compatible(const std::string& compression, const std::string& aggregator, const std::string& dp,
+                      const std::string& algorithm);
+
 // The neighbour graph of a round: clients 1..n on a ring in the order drawn
 // from `seed`, each linked to the degree/2 nearest on both sides (everyone
 // when degree >= n - 1).
@@ -169,6 +180,7 @@ class Server {
   const std::set<uint32_t>& keyed() const;   // U1
   const std::set<uint32_t>& shared() const;  // U2
   const std::set<uint32_t>& masked() const;  // U3
+  const std::set<uint32_t>& revealed() const;  // members of U3 whose reveal arrived
   // Reveals missing, for a log line: "client 4: 1 of 3 self-mask shares".
   std::string missing() const;
 

@@ -10,6 +10,7 @@
 #include "core/error.h"
 #include "core/flat_config.h"
 #include "core/rng.h"
+#include "secagg/secagg.h"
 #include "core/spec.h"
 #include "monitor/http.h"
 
@@ -38,6 +39,7 @@ void bind_all(core::FlatConfig& f, ServerConfig& c) {
   f.bind("server_optimizer", &c.server_optimizer);
   f.bind("aggregator", &c.aggregator);
   f.bind("dp", &c.dp);
+  f.bind("secagg", &c.secagg);
   f.bind("max_buffer_mb", &c.max_buffer_mb);
   f.bind("rounds", &c.rounds);
   f.bind("clients_per_round", &c.clients_per_round);
@@ -60,12 +62,13 @@ void bind_all(core::FlatConfig& f, ServerConfig& c) {
 const std::set<std::string> kIdentityKeys = {
     "model",      "model_seed", "seed",         "algorithm",   "mu",       "local_epochs",     "batch_size",
     "lr",         "momentum",   "weight_decay", "compression", "downlink", "server_optimizer", "clients_per_round",
-    "aggregator", "dp"};
+    "aggregator", "dp",         "secagg"};
 
 // Identity keys added after runs existed: part of the identity only when set,
 // so databases of earlier versions keep their hash.
 bool default_identity(const std::string& key, const std::string& value) {
-  return (key == "aggregator" && value == "\"mean\"") || (key == "dp" && value == "\"none\"");
+  return (key == "aggregator" && value == "\"mean\"") || (key == "dp" && value == "\"none\"") ||
+         (key == "secagg" && value == "\"none\"");
 }
 
 // "key = value" lines of `c`, every key or the identity keys only.
@@ -155,6 +158,18 @@ void validate(const ServerConfig& c) {
   }
   if (dp.mode == aggregation::DpSpec::Mode::kLocal)
     bad("dp", "local DP is each client's own setting (sparrow-client's `dp` key); the server takes none or central");
+  try {
+    const secagg::Params sa = secagg::Params::parse(c.secagg);
+    if (sa.enabled) {
+      secagg::check_compatible(c.compression, c.aggregator, c.dp, c.algorithm);
+      if (static_cast<uint32_t>(c.effective_min_clients()) < sa.min_clients())
+        throw ConfigError("threshold " + std::to_string(sa.effective_threshold()) + " needs rounds of at least " +
+                          std::to_string(sa.min_clients()) + " clients: raise clients_per_round/min_clients (now " +
+                          std::to_string(c.effective_min_clients()) + ") or lower the threshold");
+    }
+  } catch (const ConfigError& e) {
+    bad("secagg", e.what());
+  }
   if (!(c.max_buffer_mb > 0)) bad("max_buffer_mb", "must be > 0");
   if (c.rounds < 1) bad("rounds", "must be >= 1");
   if (c.clients_per_round < 1) bad("clients_per_round", "must be >= 1");

@@ -34,6 +34,7 @@
 #include "core/spec.h"
 #include "monitor/board.h"
 #include "monitor/http.h"
+#include "secagg/secagg.h"
 #include "server/store.h"
 #include "wire/net.h"
 #include "wire/wire.h"
@@ -48,6 +49,7 @@ constexpr uint64_t kSelectTag = 0x73656c65;  // "sele"
 constexpr uint64_t kTaskTag = 0x7461736b;    // "task"
 constexpr uint64_t kDownTag = 0x646f776e;    // "down"
 constexpr uint64_t kDpTag = 0x64702020;      // "dp  "
+constexpr uint64_t kSecAggTag = 0x73656361;  // "seca"
 // Frames up to this size are parsed on the I/O thread (control messages);
 // larger ones are parsed by the pool so the I/O thread keeps serving.
 constexpr size_t kInlineParseBytes = size_t{64} << 10;
@@ -272,6 +274,14 @@ struct Server::Impl {
   int in_flight = 0;
   int64_t round_accepted = 0, round_rejected = 0, round_stale = 0;
   std::shared_ptr<const RoundContext> round_ctx;
+  // Secure aggregation (docs/security.md): the open round's protocol state
+  // (null in a plain round) and each selected client's part, under mu.
+  secagg::Params sa_params;
+  std::unique_ptr<secagg::Server> sa;
+  std::map<std::string, wire::SecAggSetup> sa_setup;  // client id -> its index, weight, graph
+  std::map<uint32_t, std::string> sa_client;          // index -> client id
+  std::map<std::string, std::vector<std::pair<std::string, double>>> sa_metrics;  // masked updates' metrics
+  uint64_t sa_attempt = 0;                            // graph seeds differ when a round is retried
 
   // Outbox (any thread -> I/O thread).
   std::mutex out_mu;
@@ -338,6 +348,7 @@ struct Server::Impl {
     }
 
     opt = std::make_unique<aggregation::ServerOptimizer>(cfg.server_optimizer);
+    sa_params = secagg::Params::parse(cfg.secagg);
     Spec up = Spec::parse(cfg.compression);
     if (up.method() == "acp") acp_rank = up.get_int("rank", 0);
     if (cfg.downlink != "none") {
@@ -680,7 +691,7 @@ struct Server::Impl {
       }
       if (!std::holds_alternative<wire::ModelUpdate>(job.parsed->body)) {
         try {
-          handle_control(job.routing_id, job.key, *job.parsed);
+          handle_control(job.routing_id, job.key, *job.parsed, job.size);
         } catch (const std::exception& e) {  // never fatal for the I/O thread
           spdlog::error("event=control_error error=\"{}\"", e.what());
           reply_error(job.routing_id, ErrorCode::kInternal, "internal error");
@@ -725,7 +736,7 @@ struct Server::Impl {
         if (auto* u = std::get_if<wire::ModelUpdate>(&job.parsed->body))
           handle_update(w, job.routing_id, std::move(*u), job.size);
         else
-          handle_control(job.routing_id, job.key, *job.parsed);
+          handle_control(job.routing_id, job.key, *job.parsed, job.size);
       } catch (const std::exception& e) {
         // Never fatal: a peer's message cannot take the server down.
         spdlog::error("event=worker_error error=\"{}\"", e.what());
@@ -736,7 +747,7 @@ struct Server::Impl {
 
   // ---- control messages (any thread) -------------------------------------------
 
-  void handle_control(const std::string& rid, const std::string& key, const wire::Message& m) {
+  void handle_control(const std::string& rid, const std::string& key, const wire::Message& m, size_t frame_bytes) {
     if (const auto* h = std::get_if<wire::Hello>(&m.body)) return handle_hello(rid, key, *h);
     std::unique_lock<std::mutex> g(mu);
     auto it = sessions.find(rid);
@@ -759,6 +770,8 @@ struct Server::Impl {
       const uint64_t r = round;
       g.unlock();
       reply(rid, msg(wire::Heartbeat{r}));
+    } else if (const auto* sm = std::get_if<wire::SecAgg>(&m.body)) {
+      handle_secagg(g, rid, s, *sm, frame_bytes);
     } else if (const auto* b = std::get_if<wire::Bye>(&m.body)) {
       spdlog::info("event=client_bye client={} reason=\"{}\"", s.client_id, b->reason);
       by_client.erase(s.client_id);
@@ -845,9 +858,227 @@ struct Server::Impl {
     // Selected in the open round and still owing its update: (re)send the task.
     if (round_open) {
       auto sel = selected.find(h.client_id);
-      if (sel != selected.end() && sel->second == Status::kWaiting) send_task(rid, s, *round_ctx);
+      // Under secure aggregation only before its keys: a client that lost its
+      // round keys (it restarted) is a dropout of this round.
+      const bool keyed = sa && sa_setup.count(h.client_id) && sa->keyed().count(sa_setup.at(h.client_id).index);
+      if (sel != selected.end() && sel->second == Status::kWaiting && !keyed) send_task(rid, s, *round_ctx);
     }
     cv.notify_all();
+  }
+
+  // ---- secure aggregation (docs/security.md) ------------------------------------
+
+  // Under mu (held by g): one SecAgg message of a session. The protocol state
+  // checks it against the stage; a refused message changes nothing.
+  void handle_secagg(std::unique_lock<std::mutex>& g, const std::string& rid, Session& s, const wire::SecAgg& m,
+                     size_t frame_bytes) {
+    ClientRow& row = clients[s.client_id];
+    row.bytes_up += frame_bytes;
+    dirty_clients.insert(s.client_id);
+    std::string why;
+    const auto it = sa_setup.find(s.client_id);
+    if (m.client_id != s.client_id)
+      why = "client_id '" + m.client_id + "' is not this connection's";
+    else if (!sa || !round_open || m.round != round)
+      why = "stale SecAgg message: round " + std::to_string(m.round) + ", server is in round " +
+            std::to_string(round) + (round_open && sa ? "" : " (no secure aggregation open)");
+    else if (it == sa_setup.end())
+      why = "not selected for round " + std::to_string(round);
+    if (!why.empty()) {
+      n.stale++;
+      round_stale++;
+      g.unlock();
+      spdlog::info("event=secagg_stale client={} round={} stage={} reason=\"{}\"", s.client_id, m.round,
+                   wire::secagg_stage_name(m.stage), why);
+      reply(rid, net::error_message(ErrorCode::kRejected, why, m.round));
+      return;
+    }
+    const uint32_t index = it->second.index;
+    try {
+      switch (m.stage) {
+        case wire::SecAggStage::kKeys:
+          sa->add_keys(index, m);
+          break;
+        case wire::SecAggStage::kShares:
+          sa->add_shares(index, m);
+          break;
+        case wire::SecAggStage::kMasked:
+          sa->add_masked(index, m);
+          break;
+        case wire::SecAggStage::kReveal:
+          sa->add_reveal(index, m);
+          break;
+        default:
+          throw Error(std::string("a client does not send ") + wire::secagg_stage_name(m.stage) + " messages");
+      }
+    } catch (const Error& e) {
+      ++round_rejected;
+      row.rejects++;
+      const std::string cid = s.client_id;
+      g.unlock();
+      spdlog::warn("event=secagg_rejected client={} round={} stage={} error=\"{}\"", cid, m.round,
+                   wire::secagg_stage_name(m.stage), e.what());
+      reply_error(rid, ErrorCode::kRejected, e.what(), m.round);
+      cv.notify_all();
+      return;
+    }
+    if (m.stage == wire::SecAggStage::kMasked) {
+      selected[s.client_id] = Status::kDone;
+      ++round_accepted;
+      row.updates++;
+      n.accepted++;
+      sa_metrics[s.client_id] = m.metrics;
+      board->update_progress([&](monitor::Progress& p) { p.received = round_accepted; });
+      g.unlock();
+      reply(rid, msg(wire::Ack{m.round}));
+    }
+    cv.notify_all();
+  }
+
+  // Under mu: the protocol state of round r over the chosen clients, and each
+  // one's part (sent with its Task).
+  void setup_secagg(uint64_t r, const std::vector<std::string>& chosen) {
+    const uint32_t n = static_cast<uint32_t>(chosen.size());
+    const uint64_t seed = rng::derive(rng::derive(rng::derive(cfg.seed, kSecAggTag), r), sa_attempt++);
+    sa = std::make_unique<secagg::Server>(sa_params, r, n, seed, static_cast<size_t>(numel));
+    sa_setup.clear();
+    sa_client.clear();
+    sa_metrics.clear();
+    double total = 0;
+    for (const auto& cid : chosen) total += static_cast<double>(sessions.at(by_client.at(cid)).num_samples);
+    for (uint32_t i = 0; i < n; ++i) {
+      wire::SecAggSetup a;
+      a.index = i + 1;
+      a.clients = n;
+      a.degree = sa->degree();
+      a.threshold = sa->threshold();
+      a.graph_seed = seed;
+      a.clip = sa_params.clip;
+      a.weight = static_cast<double>(sessions.at(by_client.at(chosen[i])).num_samples) / total;
+      sa_setup[chosen[i]] = a;
+      sa_client[a.index] = chosen[i];
+    }
+  }
+
+  // Under mu: one message per index to its client, when connected.
+  void send_secagg(std::map<uint32_t, wire::SecAgg> out) {
+    for (auto& [index, m] : out) {
+      const std::string& cid = sa_client.at(index);
+      m.client_id = cid;
+      auto bit = by_client.find(cid);
+      if (bit == by_client.end()) continue;  // gone: a dropout of this stage
+      std::string bytes = wire::serialize(msg(std::move(m)));
+      clients[cid].bytes_down += bytes.size();
+      send_bytes(bit->second, std::move(bytes));
+    }
+  }
+
+  // Under mu: until done() or `until` (sweeping liveness); false when stopped.
+  template <class Done>
+  bool wait_phase(std::unique_lock<std::mutex>& g, Clock::time_point until, Done done) {
+    for (;;) {
+      if (done()) return true;
+      if (stop.load()) return false;
+      if (Clock::now() >= until) return true;
+      cv.wait_for(g, kRoundTick);
+      sweep();
+    }
+  }
+
+  enum class Collected { kOk, kAbandon, kStopped };
+
+  // Under mu: the four exchanges of a SecAgg+ round (the training happens
+  // between shares and masked updates, under the round deadline).
+  Collected collect_secagg(std::unique_lock<std::mutex>& g, uint64_t r, Clock::time_point t0,
+                           Clock::time_point hard) {
+    const auto phase =
+        std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(sa_params.timeout_s));
+    const auto period =
+        std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg.round_deadline_s));
+    const size_t need = std::max<size_t>(static_cast<size_t>(cfg.quorum), sa->threshold() + 1);
+    const size_t n = selected.size();
+    auto fail = [&](const char* stage, size_t got, size_t of) {
+      spdlog::warn(
+          "event=round_abandoned round={} secagg=1 stage={} received={} of={} need={} msg=\"too few clients for "
+          "secure aggregation (threshold {}); restarting the round with a fresh selection\"",
+          r, stage, got, of, need, sa->threshold());
+      return Collected::kAbandon;
+    };
+    auto progress = [&](const char* p) { board->update_progress([&](monitor::Progress& pr) { pr.phase = p; }); };
+    progress("secagg keys");
+    if (!wait_phase(g, t0 + phase, [&] { return sa->keyed().size() == n; })) return Collected::kStopped;
+    if (sa->keyed().size() < need) return fail("keys", sa->keyed().size(), n);
+    send_secagg(sa->neighbour_messages());
+    progress("secagg shares");
+    if (!wait_phase(g, Clock::now() + phase, [&] { return sa->shared().size() == sa->keyed().size(); }))
+      return Collected::kStopped;
+    if (sa->shared().size() < need) return fail("shares", sa->shared().size(), sa->keyed().size());
+    send_secagg(sa->shares_in_messages());
+    progress("training");
+    auto deadline = t0 + period;
+    for (;;) {
+      if (!wait_phase(g, deadline, [&] { return sa->masked().size() == sa->shared().size(); }))
+        return Collected::kStopped;
+      if (sa->masked().size() == sa->shared().size() || sa->masked().size() >= need) break;
+      if (Clock::now() >= hard) return fail("masked", sa->masked().size(), sa->shared().size());
+      deadline = std::min(deadline + period, hard);
+      spdlog::warn("event=deadline_extended round={} updates={} need={}", r, sa->masked().size(), need);
+    }
+    send_secagg(sa->unmask_messages());
+    progress("secagg unmask");
+    if (!wait_phase(g, Clock::now() + phase, [&] { return sa->revealed().size() == sa->masked().size(); }))
+      return Collected::kStopped;
+    if (!sa->can_unmask()) {
+      spdlog::warn(
+          "event=round_abandoned round={} secagg=1 stage=reveal revealed={} of={} msg=\"cannot unmask: {}; "
+          "restarting the round with a fresh selection\"",
+          r, sa->revealed().size(), sa->masked().size(), sa->missing());
+      return Collected::kAbandon;
+    }
+    return Collected::kOk;
+  }
+
+  // After the round closed: the unmasked sum of the survivors' weighted
+  // updates, folded into the aggregate as their weighted mean (with their
+  // total weight), and their metrics. Returns the survivors.
+  size_t fold_secagg(const RoundContext& rc, std::map<std::string, double>& metrics) {
+    double wsum = 0, samples = 0;
+    std::vector<std::pair<double, std::vector<std::pair<std::string, double>>>> client_metrics;
+    {
+      std::lock_guard<std::mutex> g(mu);
+      for (uint32_t i : sa->masked()) {
+        const std::string& cid = sa_client.at(i);
+        const double w = static_cast<double>(clients[cid].num_samples);
+        wsum += sa_setup.at(cid).weight;
+        samples += w;
+        client_metrics.emplace_back(w, sa_metrics[cid]);
+      }
+    }
+    const auto t0 = Clock::now();
+    const std::vector<uint32_t> sum = sa->unmask();  // the round is closed: no handler touches sa now
+    const double scale = secagg::ring_scale(static_cast<uint32_t>(sa_setup.size()), sa_params.clip);
+    aggregation::EncodedUpdate eu;
+    size_t off = 0;
+    for (const auto& nm : names) {
+      at::Tensor t = at::empty(global.at(nm).sizes(), at::kFloat);
+      const size_t len = static_cast<size_t>(t.numel());
+      secagg::dequantise(sum.data() + off, len, scale, t.data_ptr<float>());
+      t.div_(wsum);
+      off += len;
+      eu.emplace_back(nm, dense_encoded(t));
+    }
+    Partial& p = partials[0];
+    p.agg->add(eu, samples, rc.contexts);
+    for (const auto& [w, ms] : client_metrics)
+      for (const auto& [k, v] : ms) {
+        p.metric_sum[k] += w * v;
+        p.metric_weight[k] += w;
+      }
+    metrics["secagg.keys"] = static_cast<double>(sa->keyed().size());
+    metrics["secagg.shares"] = static_cast<double>(sa->shared().size());
+    metrics["secagg.masked"] = static_cast<double>(sa->masked().size());
+    metrics["secagg.unmask_seconds"] = std::chrono::duration<double>(Clock::now() - t0).count();
+    return sa->masked().size();
   }
 
   // ---- tasks ---------------------------------------------------------------------
@@ -869,6 +1100,7 @@ struct Server::Impl {
     t.shared = rc.shared;
     t.control = rc.control;
     t.deadline_ms = static_cast<uint64_t>(cfg.round_deadline_s * 1000.0);
+    if (auto it = sa_setup.find(s.client_id); it != sa_setup.end()) t.secagg = it->second;
     if (s.last_round && *s.last_round == r - 1) {
       t.model_encoding = wire::ModelEncoding::kDelta;
       t.base_round = r - 1;
@@ -915,6 +1147,8 @@ struct Server::Impl {
         why = "not selected for round " + std::to_string(round);
       else if (sel->second != Status::kWaiting)
         why = "update for round " + std::to_string(round) + " already received";
+      else if (sa)
+        why = "round " + std::to_string(round) + " uses secure aggregation: send SecAgg messages, not a ModelUpdate";
       if (!why.empty()) {
         n.stale++;
         round_stale++;
@@ -1106,6 +1340,7 @@ struct Server::Impl {
       round_accepted = round_rejected = round_stale = 0;
       round_ctx = rc;
       round_open = true;
+      if (sa_params.enabled) setup_secagg(r, chosen);
       for (const auto& cid : chosen) {
         selected[cid] = Status::kWaiting;
         ClientRow& row = clients[cid];
@@ -1134,7 +1369,12 @@ struct Server::Impl {
     bool abandon = false, stopped = false;
     {
       std::unique_lock<std::mutex> g(mu);
-      for (;;) {
+      if (sa) {
+        const Collected c = collect_secagg(g, r, t0, hard);
+        stopped = c == Collected::kStopped;
+        abandon = c == Collected::kAbandon;
+      }
+      for (; !sa;) {
         cv.wait_for(g, kRoundTick);
         sweep();
         if (stop.load()) {
@@ -1168,6 +1408,22 @@ struct Server::Impl {
       cv.wait(g, [&] { return in_flight == 0; });
     }
     if (stopped) return false;
+    std::map<std::string, double> metrics;
+    if (sa && !abandon) {
+      try {
+        fold_secagg(*round_ctx, metrics);
+      } catch (const Error& e) {
+        spdlog::error("event=round_abandoned round={} secagg=1 error=\"{}\"", r, e.what());
+        abandon = true;
+      }
+    }
+    if (sa) {
+      std::lock_guard<std::mutex> g(mu);
+      sa.reset();
+      sa_setup.clear();
+      sa_client.clear();
+      sa_metrics.clear();
+    }
     if (abandon) {
       n.abandoned++;
       return true;
@@ -1256,7 +1512,6 @@ struct Server::Impl {
     row.round = static_cast<int64_t>(r);
     row.started = started;
     row.selected = static_cast<int64_t>(chosen.size());
-    std::map<std::string, double> metrics;
     for (const auto& [k, v] : metric_sum)
       if (metric_weight[k] > 0) metrics["client." + k] = v / metric_weight[k];
     row.train_loss = metrics.count("client.train_loss") ? metrics["client.train_loss"] : kNaN;

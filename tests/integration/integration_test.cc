@@ -32,6 +32,7 @@
 #include "edge/cloud.h"
 #include "edge/cloud_store.h"
 #include "edge/split.h"
+#include "secagg/secagg.h"
 #include "server/server.h"
 #include "tests/http_client.h"
 #include "tests/integration/process.h"
@@ -118,7 +119,7 @@ std::string server_endpoint(Process& server) {
 
 // Client i (1-based) with key clientI, Fashion-MNIST shard `index` of `shards`.
 std::unique_ptr<Process> start_client(const std::string& dir, int i, const std::string& endpoint, int shards, int index,
-                                      const std::string& key_file = "") {
+                                      const std::string& key_file = "", const std::vector<std::string>& args = {}) {
   const std::string path = dir + "/client" + std::to_string(i) + ".toml";
   write_file(path, "server = \"" + endpoint + "\"\nserver_key = \"" + dir + "/keys/server.key\"\nkey = \"" +
                        (key_file.empty() ? dir + "/keys/client" + std::to_string(i) + ".key_secret" : key_file) +
@@ -126,8 +127,9 @@ std::unique_ptr<Process> start_client(const std::string& dir, int i, const std::
                        "partition = \"iid\"\nclients = " + std::to_string(shards) +
                        "\nindex = " + std::to_string(index) + "\nstate_db = \"" + dir + "/client" + std::to_string(i) +
                        ".db\"\nbackoff_initial_ms = 100\nbackoff_max_ms = 1000\n");
-  return std::make_unique<Process>(std::vector<std::string>{kClientBin, "--config", path},
-                                   dir + "/client" + std::to_string(i) + ".log");
+  std::vector<std::string> argv = {kClientBin, "--config", path};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return std::make_unique<Process>(argv, dir + "/client" + std::to_string(i) + ".log");
 }
 
 // ---- the server's database (schema: server/store.cc) --------------------------
@@ -1175,4 +1177,282 @@ TEST_SUITE("slow") {
     }
     fs::remove_all(dir);
   }
+}
+
+// ---- secure aggregation (docs/security.md) ----------------------------------------
+
+namespace {
+
+// The final checkpoint of a server database as weights.
+Weights final_weights(const std::string& db_path, int64_t round) {
+  Db db(db_path);
+  const std::string blob = db.checkpoint(round);
+  REQUIRE_FALSE(blob.empty());
+  return sparrow::compression::deserialize_weights(blob);
+}
+
+// The largest value (bytes) the server stores outside its checkpoints: where
+// an individual update would have to be.
+size_t largest_value_outside_checkpoints(const std::string& db_path) {
+  sqlite3* db = nullptr;
+  REQUIRE(sqlite3_open_v2(db_path.c_str(), &db, SQLITE_OPEN_READONLY, nullptr) == SQLITE_OK);
+  std::vector<std::string> tables;
+  sqlite3_stmt* st = nullptr;
+  REQUIRE(sqlite3_prepare_v2(db, "SELECT name FROM sqlite_master WHERE type = 'table'", -1, &st, nullptr) ==
+          SQLITE_OK);
+  while (sqlite3_step(st) == SQLITE_ROW) tables.emplace_back(reinterpret_cast<const char*>(sqlite3_column_text(st, 0)));
+  sqlite3_finalize(st);
+  size_t largest = 0;
+  for (const auto& t : tables) {
+    if (t == "checkpoints") continue;
+    REQUIRE(sqlite3_prepare_v2(db, ("SELECT * FROM " + t).c_str(), -1, &st, nullptr) == SQLITE_OK);
+    while (sqlite3_step(st) == SQLITE_ROW)
+      for (int c = 0; c < sqlite3_column_count(st); ++c)
+        largest = std::max(largest, static_cast<size_t>(sqlite3_column_bytes(st, c)));
+    sqlite3_finalize(st);
+  }
+  sqlite3_close(db);
+  return largest;
+}
+
+int64_t mlp_numel() {
+  int64_t n = 0;
+  for (const auto& [k, v] : initial_weights(1)) n += v.numel();
+  return n;
+}
+
+}  // namespace
+
+TEST_CASE("secagg: the model equals a plain run's to the quantisation step and the server stores no update") {
+  // The same 5 clients, seeds and rounds twice: with SecAgg+ (degree 4,
+  // threshold 3) and with plain FedAvg.
+  const std::string dir = fresh_dir("secagg_same");
+  keygen(dir, 5);
+  std::map<std::string, Weights> result;
+  for (const std::string mode : {"secagg", "plain"}) {
+    const std::string sub = dir + "/" + mode;
+    fs::create_directories(sub);
+    fs::copy(dir + "/keys", sub + "/keys");
+    server_toml(sub, std::string("rounds = 2\nclients_per_round = 5\nround_deadline_s = 60\nlr = 0.05\n") +
+                         (mode == "secagg" ? "secagg = \"secagg+:degree=4,threshold=3\"\n" : ""));
+    auto server = start_server(sub, sub + "/server.log");
+    const std::string ep = server_endpoint(*server);
+    std::vector<std::unique_ptr<Process>> clients;
+    for (int i = 1; i <= 5; ++i) clients.push_back(start_client(sub, i, ep, 60, i));
+    INFO(log_tail(*server));
+    REQUIRE(server->wait(120s) == 0);
+    for (auto& c : clients) CHECK(c->wait(15s) == 0);
+    const auto rounds = Db(sub + "/server.db").rounds();
+    REQUIRE(rounds.size() == 2);
+    for (const auto& r : rounds) CHECK(r.updates == 5);
+    result[mode] = final_weights(sub + "/server.db", 2);
+    if (mode == "secagg") {
+      const std::string slog = server->log();
+      CHECK(slog.find("event=round_completed round=2 updates=5") != std::string::npos);
+      // What the server keeps besides the global model: nothing near the size
+      // of an update (mlp: ~200k parameters, 800 KB).
+      CHECK(largest_value_outside_checkpoints(sub + "/server.db") < 16384);
+      CHECK(slog.size() < 100000);  // log lines, no tensors
+      for (int i = 1; i <= 5; ++i) CHECK(clients[i - 1]->log().find("secure aggregation: shares revealed") !=
+                                         std::string::npos);
+    }
+  }
+  double worst = 0, moved = 0;
+  const Weights w0 = initial_weights(1);
+  for (const auto& [name, t] : result["plain"]) {
+    worst = std::max(worst, (result["secagg"].at(name) - t).abs().max().item<double>());
+    moved = std::max(moved, (t - w0.at(name)).abs().max().item<double>());
+  }
+  INFO("max |secagg - plain| = " << worst << ", max |plain - initial| = " << moved);
+  CHECK(moved > 1e-3);   // the runs trained
+  CHECK(worst < 1e-5);   // two rounds of rounding at 2^-31 * clip, and float summation order
+  fs::remove_all(dir);
+}
+
+TEST_CASE("secagg: clients dropping at every stage below the threshold do not stop the round") {
+  // 8 clients, complete graph (degree 8 > n - 1), threshold 3. c1 dies on its
+  // Task, c2 before its shares, c3 before its masked update, c4 before
+  // revealing: 5 masked updates, 4 revealers, every secret with >= 3 shares.
+  const std::string dir = fresh_dir("secagg_drop");
+  keygen(dir, 8);
+  server_toml(dir,
+              "rounds = 1\nclients_per_round = 8\nquorum = 4\nround_deadline_s = 8\nmax_round_wait_s = 60\n"
+              "secagg = \"secagg+:degree=8,threshold=3,timeout=2\"\n");
+  auto server = start_server(dir, dir + "/server.log");
+  const std::string ep = server_endpoint(*server);
+  const std::vector<std::string> faults = {"secagg-keys", "secagg-shares", "secagg-masked", "secagg-reveal"};
+  std::vector<std::unique_ptr<Process>> clients;
+  for (int i = 1; i <= 8; ++i)
+    clients.push_back(start_client(dir, i, ep, 60, i, "",
+                                   i <= 4 ? std::vector<std::string>{"--fault", faults[i - 1]}
+                                          : std::vector<std::string>{}));
+  INFO(log_tail(*server));
+  REQUIRE(server->wait(120s) == 0);
+  for (int i = 1; i <= 4; ++i) {
+    CHECK(clients[i - 1]->wait(10s) == 3);  // the injected crash
+    CHECK(clients[i - 1]->log().find("fault injection: exiting at " + faults[i - 1]) != std::string::npos);
+  }
+  for (int i = 5; i <= 8; ++i) CHECK(clients[i - 1]->wait(15s) == 0);
+  const auto rounds = Db(dir + "/server.db").rounds();
+  REQUIRE(rounds.size() == 1);
+  CHECK(rounds[0].selected == 8);
+  CHECK(rounds[0].updates == 5);  // c4's masked update counts: its self-mask came from the others' shares
+  const std::string slog = server->log();
+  CHECK(slog.find("event=round_abandoned") == std::string::npos);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("secagg: more dropouts than the threshold allows fail the round cleanly and the server goes on") {
+  // 5 clients, threshold 3 (4 masked updates needed): 3 die before their
+  // masked update. The round is abandoned, nothing is recorded, and a new
+  // round starts once enough clients are back.
+  const std::string dir = fresh_dir("secagg_fail");
+  keygen(dir, 8);
+  server_toml(dir,
+              "rounds = 1\nclients_per_round = 5\nquorum = 2\nround_deadline_s = 4\nmax_round_wait_s = 4\n"
+              "secagg = \"secagg+:degree=4,threshold=3,timeout=3\"\n");
+  auto server = start_server(dir, dir + "/server.log");
+  const std::string ep = server_endpoint(*server);
+  std::vector<std::unique_ptr<Process>> clients;
+  for (int i = 1; i <= 5; ++i)
+    clients.push_back(start_client(dir, i, ep, 60, i, "",
+                                   i <= 3 ? std::vector<std::string>{"--fault", "secagg-masked"}
+                                          : std::vector<std::string>{}));
+  INFO(log_tail(*server));
+  REQUIRE(server->wait_for_log("event=round_abandoned round=1 secagg=1 stage=masked", 60s));
+  CHECK(server->log().find("of=5 need=4") != std::string::npos);
+  CHECK(Db(dir + "/server.db").rounds().empty());
+  REQUIRE(server->running());
+  // Three fresh clients: the round runs again with a new selection and completes.
+  for (int i = 6; i <= 8; ++i) clients.push_back(start_client(dir, i, ep, 60, i));
+  REQUIRE(server->wait(90s) == 0);
+  const auto rounds = Db(dir + "/server.db").rounds();
+  REQUIRE(rounds.size() == 1);
+  CHECK(rounds[0].updates == 5);
+  fs::remove_all(dir);
+}
+
+TEST_CASE("secagg: a client refuses a server that asks for both shares of one client") {
+  // This test is the server: a ROUTER speaking the protocol to a real
+  // sparrow-client, with two simulated neighbours (secagg::Client).
+  const std::string dir = fresh_dir("secagg_malicious");
+  zmq::context_t ctx;
+  zmq::socket_t router(ctx, zmq::socket_type::router);
+  router.set(zmq::sockopt::linger, 0);
+  router.bind("tcp://127.0.0.1:*");
+  const std::string ep = router.get(zmq::sockopt::last_endpoint);
+  const std::string path = dir + "/client.toml";
+  write_file(path, "server = \"" + ep + "\"\ninsecure = true\nclient_id = \"victim\"\nmodel = \"mlp\"\n" +
+                       "partition = \"iid\"\nclients = 60\nindex = 0\nstate_db = \"" + dir + "/c.db\"\n");
+  Process client({kClientBin, "--config", path}, dir + "/client.log");
+  INFO(client.log());
+  std::string rid;
+  auto recv = [&](int ms) -> std::optional<sparrow::wire::Message> {
+    for (const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
+         std::chrono::steady_clock::now() < until;) {
+      auto in = sparrow::net::receive_routed(router);
+      if (!in) {
+        std::this_thread::sleep_for(5ms);
+        continue;
+      }
+      rid = in->routing_id;
+      auto m = sparrow::wire::parse(in->frame.data(), in->frame.size(), sparrow::wire::ParseLimits{});
+      if (std::holds_alternative<sparrow::wire::Heartbeat>(m.body)) {
+        sparrow::net::send_bytes_to(router, rid, sparrow::wire::serialize(as_message(sparrow::wire::Heartbeat{1})),
+                                    true);
+        continue;
+      }
+      return m;
+    }
+    return std::nullopt;
+  };
+  auto send = [&](sparrow::wire::Body b) {
+    REQUIRE(sparrow::net::send_bytes_to(router, rid, sparrow::wire::serialize(as_message(std::move(b))), false));
+  };
+  auto expect = [&](sparrow::wire::SecAggStage stage) {
+    auto m = recv(60000);
+    REQUIRE(m);
+    const auto* sm = std::get_if<sparrow::wire::SecAgg>(&m->body);
+    REQUIRE_MESSAGE(sm, "got " << sparrow::wire::body_name(m->body));
+    REQUIRE(sm->stage == stage);
+    return *sm;
+  };
+  auto m = recv(60000);
+  REQUIRE(m);
+  REQUIRE(std::holds_alternative<sparrow::wire::Hello>(m->body));
+  const auto hello = std::get<sparrow::wire::Hello>(m->body);
+  send(sparrow::wire::Welcome{"run-evil", 5000, 0, 1u << 30, 1});
+  sparrow::wire::Task task;
+  task.round = 1;
+  for (const auto& [k, v] : initial_weights(1)) task.weights.push_back({k, dense_f32(v)});
+  task.compression = "none";
+  task.seed = 3;
+  task.deadline_ms = 60000;
+  const sparrow::wire::SecAggSetup setup{1, 3, 2, 2, 11, 4.0, 0.4};
+  task.secagg = setup;
+  send(task);
+  const sparrow::wire::SecAgg keys = expect(sparrow::wire::SecAggStage::kKeys);
+  // Two neighbours played here.
+  std::vector<std::unique_ptr<sparrow::secagg::Client>> peers;
+  std::vector<sparrow::wire::SecAgg> peer_keys;
+  for (uint32_t i : {2u, 3u}) {
+    sparrow::wire::SecAggSetup s = setup;
+    s.index = i;
+    peers.push_back(std::make_unique<sparrow::secagg::Client>(s, 1, "p" + std::to_string(i)));
+    peer_keys.push_back(peers.back()->keys());
+  }
+  sparrow::wire::SecAgg nb;
+  nb.round = 1;
+  nb.client_id = hello.client_id;
+  nb.stage = sparrow::wire::SecAggStage::kNeighbours;
+  nb.index = 1;
+  nb.peers = {peer_keys[0].peers[0], peer_keys[1].peers[0]};
+  send(nb);
+  const sparrow::wire::SecAgg victim_shares = expect(sparrow::wire::SecAggStage::kShares);
+  CHECK(victim_shares.shares.size() == 2);
+  // The neighbours' pairs for the victim.
+  sparrow::wire::SecAgg in;
+  in.round = 1;
+  in.client_id = hello.client_id;
+  in.stage = sparrow::wire::SecAggStage::kSharesIn;
+  in.index = 1;
+  for (size_t p = 0; p < 2; ++p) {
+    sparrow::wire::SecAgg their = nb;
+    their.index = p + 2;
+    their.peers = {keys.peers[0], peer_keys[1 - p].peers[0]};
+    for (const auto& sh : peers[p]->shares(their).shares)
+      if (sh.peer == 1) in.shares.push_back({static_cast<uint32_t>(p + 2), 0, sh.data});
+  }
+  send(in);
+  const sparrow::wire::SecAgg masked = expect(sparrow::wire::SecAggStage::kMasked);
+  CHECK(masked.masked.size() == static_cast<size_t>(mlp_numel()));
+  send(sparrow::wire::Ack{1});
+  // The attack: neighbour 2 listed as survivor and as dropped.
+  sparrow::wire::SecAgg ask;
+  ask.round = 1;
+  ask.client_id = hello.client_id;
+  ask.stage = sparrow::wire::SecAggStage::kUnmask;
+  ask.index = 1;
+  ask.survivors = {1, 2};
+  ask.dropped = {2, 3};
+  send(ask);
+  auto reply = recv(30000);
+  REQUIRE(reply);
+  const auto* err = std::get_if<sparrow::wire::ErrorBody>(&reply->body);
+  REQUIRE_MESSAGE(err, "got " << sparrow::wire::body_name(reply->body));
+  CHECK(err->message.find("listed as survivor and as dropped") != std::string::npos);
+  // Asking in two steps gets one answer: the b share of 2, then a refusal.
+  ask.survivors = {1, 2, 3};
+  ask.dropped = {};
+  send(ask);
+  const sparrow::wire::SecAgg first = expect(sparrow::wire::SecAggStage::kReveal);
+  for (const auto& sh : first.shares) CHECK(sh.kind == 1);
+  ask.survivors = {1, 3};
+  ask.dropped = {2};
+  send(ask);
+  auto second = recv(3000);
+  CHECK_FALSE((second && std::holds_alternative<sparrow::wire::SecAgg>(second->body)));
+  client.signal(SIGTERM);
+  CHECK(client.wait(15s).has_value());
+  fs::remove_all(dir);
 }
