@@ -181,13 +181,14 @@ flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<fb::EncodedTensor>>>
   return b.CreateVector(tensors);
 }
 
-flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<fb::Metric>>> build_metrics(
-    flatbuffers::FlatBufferBuilder& b, const std::vector<std::pair<std::string, double>>& ms) {
-  if (ms.empty()) return 0;
+// The Metric tables (their vector is created by the caller, after any string
+// it writes first: the golden buffers fix that order).
+std::vector<flatbuffers::Offset<fb::Metric>> build_metrics(flatbuffers::FlatBufferBuilder& b,
+                                                           const std::vector<std::pair<std::string, double>>& ms) {
   std::vector<flatbuffers::Offset<fb::Metric>> metrics;
   metrics.reserve(ms.size());
   for (const auto& [key, value] : ms) metrics.push_back(fb::CreateMetric(b, string_or_absent(b, key), value));
-  return b.CreateVector(metrics);
+  return metrics;
 }
 
 flatbuffers::Offset<flatbuffers::Vector<uint8_t>> bytes_or_absent(flatbuffers::FlatBufferBuilder& b,
@@ -199,8 +200,9 @@ flatbuffers::Offset<flatbuffers::Vector<uint8_t>> bytes_or_absent(flatbuffers::F
 flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const ModelUpdate& u) {
   const auto tensors_off = build_tensors(b, u.tensors);
   const auto control_off = build_tensors(b, u.control_delta);
-  const auto metrics_off = build_metrics(b, u.metrics);
+  const auto metrics = build_metrics(b, u.metrics);
   const auto client_id = string_or_absent(b, u.client_id);
+  const auto metrics_off = metrics.empty() ? 0 : b.CreateVector(metrics);
   return fb::CreateModelUpdate(b, u.round, client_id, u.num_samples, tensors_off, metrics_off, control_off).Union();
 }
 
@@ -249,7 +251,8 @@ flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const Se
   const auto survivors = vector_or_absent(b, m.survivors);
   const auto dropped = vector_or_absent(b, m.dropped);
   const auto masked = vector_or_absent(b, m.masked, kValuesAlign);
-  const auto metrics = build_metrics(b, m.metrics);
+  const auto metrics_list = build_metrics(b, m.metrics);
+  const auto metrics = metrics_list.empty() ? 0 : b.CreateVector(metrics_list);
   return fb::CreateSecAgg(b, m.round, client_id, static_cast<fb::SecAggStage>(m.stage), m.index, peers_off,
                           shares_off, survivors, dropped, masked, metrics)
       .Union();

@@ -167,6 +167,7 @@ Message golden_dense() {
   u.tensors.push_back({"empty", dense({0, 4}, ValueType::kF32, {})});
   u.metrics = {{"train_loss", 0.6931471805599453}, {"accuracy", 0.875}};
   Message m;
+  m.minor = 0;  // a protocol 1.0 buffer
   m.body = std::move(u);
   return m;
 }
@@ -181,19 +182,43 @@ Message golden_sparse() {
   u.tensors.push_back({"fc.weight", sign_tensor()});
   u.tensors.push_back({"fc.bias", sparse_seeded_f32()});
   Message m;
+  m.minor = 0;
   m.body = std::move(u);
   return m;
 }
 
 Message golden_error() {
   Message m;
+  m.minor = 0;
   m.body = ErrorBody{ErrorCode::kRejected, "round 3 is closed", 3};
+  return m;
+}
+
+// Protocol 1.1: a SecAgg message with every field set (no stage uses them all).
+Message golden_secagg() {
+  SecAgg a;
+  a.round = 12;
+  a.client_id = "edge-9";
+  a.stage = SecAggStage::kMasked;
+  a.index = 4;
+  a.peers.push_back({3, std::string(32, '\x11'), std::string(32, '\x22')});
+  a.shares.push_back({5, 2, std::string("\x07") + std::string(32, '\x33')});
+  a.survivors = {4, 5};
+  a.dropped = {3};
+  a.masked = {0u, 1u, 0xffffffffu, 0x80000000u};
+  a.metrics = {{"train_loss", 0.5}};
+  Message m;
+  m.minor = 1;
+  m.body = std::move(a);
   return m;
 }
 
 const std::vector<std::pair<std::string, Message (*)()>>& golden_files() {
   static const std::vector<std::pair<std::string, Message (*)()>> files = {
-      {"update_v1_dense.bin", golden_dense}, {"update_v1_sparse.bin", golden_sparse}, {"error_v1.bin", golden_error}};
+      {"update_v1_dense.bin", golden_dense},
+      {"update_v1_sparse.bin", golden_sparse},
+      {"error_v1.bin", golden_error},
+      {"secagg_v1_1.bin", golden_secagg}};
   return files;
 }
 
@@ -499,7 +524,7 @@ TEST_CASE("wire: hand-laid buffers: empty bodies, no body, unknown body types") 
   expect_rejected(raw_message(kProtocolMajor, 0, 0), ErrorCode::kMalformed, "no body");
   expect_rejected(raw_message(kProtocolMajor, 1, 0), ErrorCode::kMalformed, "body missing");
   expect_rejected(raw_message(kProtocolMajor, 2, 0), ErrorCode::kMalformed, "body missing");
-  expect_rejected(raw_message(kProtocolMajor, 11), ErrorCode::kUnsupported, "unknown message type 11");
+  expect_rejected(raw_message(kProtocolMajor, 12), ErrorCode::kUnsupported, "unknown message type 12");
 }
 
 // ---- golden buffers --------------------------------------------------------------------
@@ -515,7 +540,8 @@ TEST_CASE("wire: golden buffers (regenerate with SPARROW_WRITE_GOLDEN=1)") {
       MESSAGE("wrote " << golden_path(name) << " (" << bytes.size() << " bytes)");
     }
   }
-  // Bytes written by protocol 1.0 must parse into exactly these values forever.
+  // Bytes written by protocol 1.0 (and 1.1) must parse into exactly these
+  // values forever.
   for (const auto& golden : golden_files()) {
     const auto& name = golden.first;  // not a structured binding: CAPTURE's lambda captures it (C++17)
     CAPTURE(name);
@@ -523,7 +549,7 @@ TEST_CASE("wire: golden buffers (regenerate with SPARROW_WRITE_GOLDEN=1)") {
     const Message got = parse(bytes);
     check_same(got, golden.second());
     CHECK(got.major == 1);
-    CHECK(got.minor == 0);
+    CHECK(got.minor == (name.find("v1_1") != std::string::npos ? 1 : 0));
   }
 }
 
@@ -1026,6 +1052,69 @@ TEST_CASE("wire: session and split messages with bad fields are refused") {
   Message g = ms[7];
   std::get<SplitGradient>(g.body).loss = std::nan("");
   expect_rejected(serialize(g), ErrorCode::kMalformed, "loss is not finite");
+}
+
+TEST_CASE("wire: SecAgg messages and a Task's secagg setup round trip and bad ones are refused") {
+  const Message g = golden_secagg();
+  const auto a = std::get<SecAgg>(parse(serialize(g)).body);
+  const auto& want = std::get<SecAgg>(g.body);
+  CHECK(a.round == 12);
+  CHECK(a.client_id == "edge-9");
+  CHECK(a.stage == SecAggStage::kMasked);
+  CHECK(a.index == 4);
+  REQUIRE(a.peers.size() == 1);
+  CHECK(a.peers[0].index == 3);
+  CHECK(a.peers[0].enc_key == want.peers[0].enc_key);
+  CHECK(a.peers[0].mask_key == want.peers[0].mask_key);
+  REQUIRE(a.shares.size() == 1);
+  CHECK(a.shares[0].peer == 5);
+  CHECK(a.shares[0].kind == 2);
+  CHECK(a.shares[0].data == want.shares[0].data);
+  CHECK(a.survivors == want.survivors);
+  CHECK(a.dropped == want.dropped);
+  CHECK(a.masked == want.masked);
+  CHECK(a.metrics == want.metrics);
+  CHECK(std::string(secagg_stage_name(a.stage)) == "masked");
+
+  Message t = session_messages()[2];
+  std::get<Task>(t.body).secagg = SecAggSetup{2, 10, 8, 5, 77, 4.0, 0.125};
+  const auto pt = std::get<Task>(parse(serialize(t)).body);
+  REQUIRE(pt.secagg);
+  CHECK(pt.secagg->index == 2);
+  CHECK(pt.secagg->clients == 10);
+  CHECK(pt.secagg->degree == 8);
+  CHECK(pt.secagg->threshold == 5);
+  CHECK(pt.secagg->graph_seed == 77);
+  CHECK(pt.secagg->clip == 4.0);
+  CHECK(pt.secagg->weight == 0.125);
+  CHECK_FALSE(std::get<Task>(parse(serialize(session_messages()[2])).body).secagg);
+
+  auto bad_setup = [&](SecAggSetup s, const char* what) {
+    Message b = t;
+    std::get<Task>(b.body).secagg = s;
+    expect_rejected(serialize(b), ErrorCode::kMalformed, what);
+  };
+  bad_setup({0, 10, 8, 5, 1, 4.0, 0.1}, "index 0 outside");
+  bad_setup({11, 10, 8, 5, 1, 4.0, 0.1}, "index 11 outside");
+  bad_setup({1, 10, 8, 1, 1, 4.0, 0.1}, "threshold");
+  bad_setup({1, 10, 10, 5, 1, 4.0, 0.1}, "degree < clients");
+  bad_setup({1, 10, 8, 5, 1, std::nan(""), 0.1}, "clip");
+  bad_setup({1, 10, 8, 5, 1, 4.0, 1.5}, "weight");
+
+  auto bad = [&](auto edit, ErrorCode code, const char* what) {
+    Message b = g;
+    edit(std::get<SecAgg>(b.body));
+    expect_rejected(serialize(b), code, what);
+  };
+  bad([](SecAgg& x) { x.peers[0].enc_key = "short"; }, ErrorCode::kMalformed, "enc_key must be 32 bytes");
+  bad([](SecAgg& x) { x.shares[0].kind = 3; }, ErrorCode::kMalformed, "unknown share kind");
+  bad([](SecAgg& x) { x.shares[0].data = std::string(300, 'x'); }, ErrorCode::kMalformed, "share data");
+  bad([](SecAgg& x) { x.survivors = {1, 1}; }, ErrorCode::kMalformed, "repeated index in survivors");
+  bad([](SecAgg& x) { x.stage = static_cast<SecAggStage>(9); }, ErrorCode::kUnsupported, "unknown stage 9");
+  bad([](SecAgg& x) { x.metrics = {{"a", std::nan("")}}; }, ErrorCode::kMalformed, "not finite");
+  ParseLimits small;
+  small.max_elements = 3;
+  expect_rejected(serialize(g), ErrorCode::kOversize, "element limit", small);
 }
 
 TEST_CASE("parse with an owner: dense values are views into the frame, decoded the same") {
