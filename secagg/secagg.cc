@@ -668,7 +668,7 @@ void Server::add_reveal(uint32_t from, const wire::SecAgg& m) {
 
 bool Server::can_unmask() const {
   const Impl& s = *impl_;
-  if (s.stage != Impl::kReveal) return false;
+  if (s.stage != Impl::kReveal || s.u3.empty()) return false;
   for (uint32_t u : s.u3) {
     auto it = s.b_shares.find(u);
     if (it == s.b_shares.end() || it->second.size() < s.t) return false;
@@ -683,6 +683,7 @@ bool Server::can_unmask() const {
 std::string Server::missing() const {
   const Impl& s = *impl_;
   std::ostringstream os;
+  if (s.u3.empty()) return "no masked update arrived";
   auto count = [&](const std::map<uint32_t, std::map<uint32_t, std::string>>& m, uint32_t u) -> size_t {
     auto it = m.find(u);
     return it == m.end() ? 0 : it->second.size();

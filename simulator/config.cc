@@ -8,6 +8,7 @@
 #include <sstream>
 #include <tuple>
 
+#include "secagg/secagg.h"
 #include "aggregation/robust.h"
 #include "simulator/attack.h"
 #include "core/error.h"
@@ -41,6 +42,7 @@ void bind_fields(core::FlatConfig& f, SimConfig& c) {
   f.bind("server_optimizer", &c.server_optimizer);
   f.bind("aggregator", &c.aggregator);
   f.bind("dp", &c.dp);
+  f.bind("secagg", &c.secagg);
   f.bind("max_buffer_mb", &c.max_buffer_mb);
   f.bind("adversaries", &c.adversaries);
   f.bind("attack", &c.attack);
@@ -133,6 +135,18 @@ void check_robust(const core::FlatConfig& f, const SimConfig& c) {
   f.check("aggregator", r.min_updates() <= c.clients_per_round,
           "'" + c.aggregator + "' needs at least " + std::to_string(r.min_updates()) +
               " updates per round; clients_per_round is " + std::to_string(c.clients_per_round) + " (lower f)");
+  try {
+    const secagg::Params sa = secagg::Params::parse(c.secagg);
+    if (sa.enabled) {
+      secagg::check_compatible(c.compression, c.aggregator, c.dp, c.algorithm);
+      f.check("secagg", static_cast<uint32_t>(c.clients_per_round) >= sa.min_clients(),
+              "threshold " + std::to_string(sa.effective_threshold()) + " needs rounds of at least " +
+                  std::to_string(sa.min_clients()) + " clients (clients_per_round is " +
+                  std::to_string(c.clients_per_round) + ")");
+    }
+  } catch (const ConfigError& e) {
+    f.fail("secagg", e.what());
+  }
   f.check("max_buffer_mb", c.max_buffer_mb > 0, "must be > 0");
   f.check("adversaries", c.adversaries >= 0 && c.adversaries < 1, "must be in [0, 1)");
   try {

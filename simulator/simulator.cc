@@ -1,5 +1,6 @@
 #include "simulator/simulator.h"
 
+#include <spdlog/spdlog.h>
 #include <sqlite3.h>
 #include <torch/torch.h>
 
@@ -24,6 +25,7 @@
 #include "compression/compressor.h"
 #include "compression/lowrank.h"
 #include "core/data_folder.h"
+#include "secagg/secagg.h"
 #include "core/datasets.h"
 #include "core/error.h"
 #include "core/models.h"
@@ -50,6 +52,7 @@ constexpr uint64_t kPartitionTag = 0x70617274;
 constexpr uint64_t kLocalDpTag = 0x6c647020;  // "ldp "
 constexpr uint64_t kAttackTag = 0x61747461;   // "atta"
 constexpr uint64_t kDpTag = 0x64702020;       // "dp  "
+constexpr uint64_t kSecAggTag = 0x73656361;   // "seca"
 
 const double kNaN = std::numeric_limits<double>::quiet_NaN();
 
@@ -219,6 +222,103 @@ struct Simulator::Impl {
   std::vector<std::string> names;  // parameter names, model order
   aggregation::TensorShapes shapes;
   uint64_t model_bytes = 0;  // dense fp32
+
+  // Secure aggregation (docs/security.md): the same protocol code as
+  // sparrow-server and sparrow-client, its messages serialised and parsed as
+  // on the wire (their bytes counted) but handed over in memory. A straggler
+  // the deadline drops is a client that sent its shares but no masked update.
+  secagg::Params sa_params;
+  struct SecAggRound {
+    std::unique_ptr<secagg::Server> server;
+    std::map<int64_t, std::unique_ptr<secagg::Client>> party;  // by client id
+    std::map<int64_t, uint32_t> index;
+    std::map<int64_t, double> weight;
+    std::map<int64_t, uint64_t> up, down;  // protocol bytes besides the masked update, per client
+    double scale = 0;
+    size_t length = 0;
+    std::mutex mu;  // server->add_masked from the workers
+  };
+  std::unique_ptr<SecAggRound> sa;
+
+  static wire::SecAgg over_wire(const wire::SecAgg& m, uint64_t& bytes) {
+    const std::string b = wire::serialize(wire::Message{wire::kProtocolMajor, wire::kProtocolMinor, m});
+    bytes += b.size();
+    return std::get<wire::SecAgg>(wire::parse(b).body);
+  }
+
+  // Keys and shares of round t's clients (before they train, as in the service).
+  void begin_secagg(int t, const std::vector<int64_t>& ids) {
+    sa = std::make_unique<SecAggRound>();
+    SecAggRound& r = *sa;
+    const uint32_t n = static_cast<uint32_t>(ids.size());
+    const uint64_t seed = rng::derive(rng::derive(cfg.seed, kSecAggTag), static_cast<uint64_t>(t));
+    r.length = static_cast<size_t>(model_bytes / sizeof(float));
+    r.server = std::make_unique<secagg::Server>(sa_params, static_cast<uint64_t>(t + 1), n, seed, r.length);
+    r.scale = secagg::ring_scale(n, sa_params.clip);
+    double total = 0;
+    for (int64_t c : ids) total += static_cast<double>(client_idx[c].numel());
+    for (uint32_t i = 0; i < n; ++i) {
+      const int64_t c = ids[i];
+      wire::SecAggSetup a{i + 1, n, r.server->degree(), r.server->threshold(), seed, sa_params.clip,
+                          static_cast<double>(client_idx[c].numel()) / total};
+      r.index[c] = i + 1;
+      r.weight[c] = a.weight;
+      r.party[c] = std::make_unique<secagg::Client>(a, static_cast<uint64_t>(t + 1), std::to_string(c));
+      r.server->add_keys(i + 1, over_wire(r.party[c]->keys(), r.up[c]));
+    }
+    const auto client_of = [&](uint32_t index) { return ids[index - 1]; };
+    std::vector<std::pair<uint32_t, wire::SecAgg>> shares;
+    for (auto& [i, m] : r.server->neighbour_messages()) {
+      const int64_t c = client_of(i);
+      shares.emplace_back(i, over_wire(r.party[c]->shares(over_wire(m, r.down[c])), r.up[c]));
+    }
+    for (auto& [i, m] : shares) r.server->add_shares(i, m);
+    for (auto& [i, m] : r.server->shares_in_messages()) {
+      const int64_t c = client_of(i);
+      r.party[c]->receive_shares(over_wire(m, r.down[c]));
+    }
+  }
+
+  // The unmask exchange; the survivors' weighted mean joins `agg` with their
+  // total weight. Returns false (the round leaves the model as it was) when a
+  // secret lacks shares.
+  bool end_secagg(int t, aggregation::Accumulator& agg, const std::vector<int64_t>& ids, int n_sel) {
+    SecAggRound& r = *sa;
+    for (auto& [i, m] : r.server->unmask_messages()) {
+      const int64_t c = ids[i - 1];
+      r.server->add_reveal(i, over_wire(r.party[c]->reveal(over_wire(m, r.down[c])), r.up[c]));
+    }
+    if (!r.server->can_unmask()) {
+      spdlog::warn("round {}: secure aggregation cannot unmask ({}): the model stays as it was", t + 1,
+                   r.server->missing());
+      return false;
+    }
+    const std::vector<uint32_t> sum = r.server->unmask();
+    double wsum = 0, samples = 0;
+    for (uint32_t i : r.server->masked()) {
+      wsum += r.weight.at(ids[i - 1]);
+      samples += static_cast<double>(client_idx[ids[i - 1]].numel());
+    }
+    aggregation::EncodedUpdate eu;
+    size_t off = 0;
+    for (const auto& [n, shape] : shapes) {
+      at::Tensor x = at::empty(shape, at::kFloat);
+      const size_t len = static_cast<size_t>(x.numel());
+      secagg::dequantise(sum.data() + off, len, r.scale, x.data_ptr<float>());
+      x.div_(wsum);
+      off += len;
+      compression::Encoded e;
+      e.format = compression::Format::kDense;
+      e.value_type = compression::ValueType::kF32;
+      e.shape = shape;
+      e.values.resize_uninitialized(len * sizeof(float));
+      std::memcpy(e.values.data(), x.data_ptr<float>(), len * sizeof(float));
+      eu.emplace_back(n, std::move(e));
+    }
+    aggregation::ContextMap ctxs = contexts(t, n_sel);
+    agg.add(eu, samples, ctxs);
+    return true;
+  }
   std::vector<Worker> workers;
   CostModel cost;
 
@@ -708,26 +808,49 @@ struct Simulator::Impl {
       for (auto& [n, v] : sent) v = v.to(at::kCPU, at::kFloat);
       aggregation::local_dp(sent, dp.clip, dp.noise, rng::derive(rng::derive(cfg.seed, kLocalDpTag), ckey));
     }
-    wire::ModelUpdate u;
-    u.round = static_cast<uint64_t>(t);
-    u.client_id = std::to_string(c);
-    u.num_samples = static_cast<uint64_t>(tr.num_samples);
-    u.metrics = {{"train_loss", tr.mean_loss}};
-    for (const auto& n : names) {
-      at::Tensor d = sent.at(n).to(at::kCPU, at::kFloat).contiguous();
-      u.tensors.push_back({n, compressor->encode(d, r.state.compressor[n], ctxs[n])});
+    std::string bytes;
+    if (sa) {
+      // The weighted update quantised into the ring and masked.
+      std::vector<uint32_t> x(sa->length);
+      size_t off = 0;
+      const uint64_t qkey = rng::derive(rng::derive(cfg.seed, kSecAggTag), ckey);
+      for (const auto& n : names) {
+        at::Tensor d = sent.at(n).to(at::kCPU, at::kFloat).contiguous();
+        const size_t len = static_cast<size_t>(d.numel());
+        secagg::quantise(d.data_ptr<float>(), len, sa->weight.at(c), sa_params.clip, sa->scale,
+                         rng::derive(qkey, off), x.data() + off);
+        off += len;
+      }
+      bytes = wire::serialize(wire::Message{wire::kProtocolMajor, wire::kProtocolMinor,
+                                            sa->party.at(c)->masked(std::move(x), {{"train_loss", tr.mean_loss}})});
+    } else {
+      wire::ModelUpdate u;
+      u.round = static_cast<uint64_t>(t);
+      u.client_id = std::to_string(c);
+      u.num_samples = static_cast<uint64_t>(tr.num_samples);
+      u.metrics = {{"train_loss", tr.mean_loss}};
+      for (const auto& n : names) {
+        at::Tensor d = sent.at(n).to(at::kCPU, at::kFloat).contiguous();
+        u.tensors.push_back({n, compressor->encode(d, r.state.compressor[n], ctxs[n])});
+      }
+      bytes = wire::serialize(wire::Message{wire::kProtocolMajor, wire::kProtocolMinor, u});
     }
     r.state.rounds += 1;
     // To the store now: its writer streams it into the open checkpoint
     // transaction while the next clients train.
     store->put(c, std::move(r.state));
-    const std::string bytes = wire::serialize(wire::Message{wire::kProtocolMajor, wire::kProtocolMinor, u});
     r.bytes_up = bytes.size();
     const Profile& p = profiles[c];
     r.sim_s = static_cast<double>(model_bytes) * 8 / p.down_bps + r.train_s / p.speed +
               static_cast<double>(bytes.size()) * 8 / p.up_bps;
     r.kept = !(cfg.deadline_s > 0 && r.sim_s > cfg.deadline_s);
     if (!r.kept) return;
+    if (sa) {
+      const wire::SecAgg y = std::get<wire::SecAgg>(wire::parse(bytes).body);
+      std::lock_guard<std::mutex> g(sa->mu);
+      sa->server->add_masked(sa->index.at(c), y);
+      return;
+    }
     wire::Message back = wire::parse(bytes);
     auto& pu = std::get<wire::ModelUpdate>(back.body);
     aggregation::EncodedUpdate eu;
@@ -772,6 +895,7 @@ struct Simulator::Impl {
       }
     }
     const int n_sel = static_cast<int>(ids.size());
+    if (sa_params.enabled) begin_secagg(t, ids);
     if (workers.size() == 1) {
       run_worker(0, t, wids[0], wout[0], n_sel);
     } else {
@@ -796,6 +920,7 @@ struct Simulator::Impl {
       // its clients put are forgotten, so a checkpoint now is the state after
       // round t (and --resume runs round t + 1 as an uninterrupted run would).
       store->rollback_to_mark();
+      sa.reset();
       interrupted = true;
       RoundMetrics m;
       m.round = t;
@@ -819,10 +944,18 @@ struct Simulator::Impl {
           it->second.add_(v);
       }
     }
+    if (sa) {
+      end_secagg(t, agg, ids, n_sel);
+      for (auto& r : results) r.bytes_up += sa->up[r.client];
+    }
     RoundMetrics m;
     m.round = t + 1;
     m.clients = n_sel;
     m.bytes_down = model_bytes * static_cast<uint64_t>(n_sel);
+    if (sa) {
+      for (const auto& [c, b] : sa->down) m.bytes_down += b;
+      sa.reset();
+    }
     double loss_w = 0, slowest = 0;
     int64_t samples = 0;
     for (const auto& r : results) {
@@ -943,6 +1076,13 @@ Simulator::Simulator(SimConfig cfg, bool resume) : impl_(std::make_unique<Impl>(
                   "aggregator: '" << s.cfg.aggregator << "' needs at least " << s.aggregator->robust().min_updates()
                                   << " updates per round");
   s.dp = s.aggregator->dp();
+  s.sa_params = secagg::Params::parse(s.cfg.secagg);
+  if (s.sa_params.enabled) {
+    secagg::check_compatible(s.cfg.compression, s.cfg.aggregator, s.cfg.dp, s.cfg.algorithm);
+    SPARROW_CHECK_T(ConfigError, static_cast<uint32_t>(s.cfg.clients_per_round) >= s.sa_params.min_clients(),
+                    "secagg: threshold " << s.sa_params.effective_threshold() << " needs clients_per_round >= "
+                                         << s.sa_params.min_clients());
+  }
   s.attack = AttackSpec::parse(s.cfg.attack);
   if (s.cfg.adversaries > 0) s.adversary = choose_adversaries(s.cfg.clients, s.cfg.adversaries, s.cfg.seed);
   if (s.cfg.device != "cpu") {

@@ -277,3 +277,15 @@ TEST_CASE("secagg: parameters are checked") {
   CHECK_THROWS_AS(Params::parse("secagg+:bits=3"), ConfigError);
   CHECK_THROWS_AS(Params::parse("secagg:degree=4"), ConfigError);
 }
+
+TEST_CASE("secagg: half the ring drops before its masked update") {
+  for (uint64_t seed : {1u, 2u, 3u, 4u, 5u}) {
+    CAPTURE(seed);
+    Outcome o = run_round(6, params(4, 2), 50, {{1, 3}, {2, 3}, {4, 3}}, seed);
+    if (!o.completed) {
+      CHECK(o.error.find("cannot unmask") != std::string::npos);
+      continue;
+    }
+    CHECK(max_diff(o.secure, o.plain) <= static_cast<float>(6 / ring_scale(6, 1.0)) + 1e-7f);
+  }
+}

@@ -755,3 +755,71 @@ TEST_CASE("simulator: a stop in the middle of a round forgets that round, and re
     CHECK(std::count(csv.begin(), csv.end(), '\n') == 6);
   }
 }
+
+TEST_CASE("simulator: secure aggregation gives plain FedAvg's model and is reproducible") {
+  TempDir d1("sa1"), d2("sa2"), d3("sa3");
+  SimConfig c = tiny(d1.path);
+  c.clients = 10;
+  c.clients_per_round = 6;
+  Simulator plain(c);
+  plain.run();
+  c.secagg = "secagg+:degree=4,threshold=3";
+  c.out = d2.path;
+  Simulator secure(c);
+  secure.run();
+  c.out = d3.path;
+  Simulator again(c);
+  again.run();
+  REQUIRE(secure.history().size() == 4);
+  for (size_t i = 0; i < 4; ++i) {
+    // The protocol's messages besides the masked update: keys, shares, reveals up; neighbours, shares, unmask down.
+    CHECK(secure.history()[i].bytes_up > plain.history()[i].bytes_up);
+    CHECK(secure.history()[i].bytes_down > plain.history()[i].bytes_down);
+    CHECK(secure.history()[i].train_loss == doctest::Approx(plain.history()[i].train_loss).epsilon(1e-4));
+  }
+  double worst = 0;
+  for (const auto& [k, v] : plain.global()) worst = std::max(worst, (secure.global().at(k) - v).abs().max().item<double>());
+  CHECK(worst < 1e-5);
+  // Masks are random, the unmasked sum is not: seeded rounding gives the same model bit for bit.
+  check_same_weights(secure.global(), again.global());
+}
+
+TEST_CASE("simulator: secure aggregation recovers from stragglers and a config it cannot serve is refused") {
+  TempDir d1("sa4"), d2("sa5"), d3("sa6");
+  SimConfig c = tiny(d1.path);
+  c.clients = 10;
+  c.clients_per_round = 8;
+  c.rounds = 1;
+  c.secagg = "secagg+:degree=8,threshold=3";
+  c.profiles.uplink_mbps = 0.05;  // upload time (seeded bandwidths) dominates, not measured training time
+  Simulator probe(c);  // without a deadline: the slowest client's simulated time
+  probe.run();
+  REQUIRE(probe.history()[0].dropped == 0);
+  // A deadline below the slowest client: it sent its shares but no masked
+  // update, and the server removes its pairwise masks from the others'.
+  c.out = d2.path;
+  c.deadline_s = probe.history()[0].sim_round_s * 0.99;
+  Simulator late(c);
+  late.run();
+  const RoundMetrics& m = late.history()[0];
+  CHECK(m.dropped >= 1);
+  CHECK(m.dropped < m.clients);
+  const double moved = late.global().at("fc.weight").abs().sum().item<double>();
+  CHECK(std::isfinite(moved));
+  CHECK(moved > 0);
+  // Its model is the mean of the others' updates: close to the probe's, not equal.
+  CHECK_FALSE(at::equal(late.global().at("fc.weight"), probe.global().at("fc.weight")));
+  CHECK((late.global().at("fc.weight") - probe.global().at("fc.weight")).abs().max().item<double>() < 0.5);
+  c.out = d3.path;
+  c.deadline_s = 1e-9;  // everyone is late: nothing to unmask, the model stays
+  Simulator none(c);
+  none.run();
+  CHECK(none.global().at("fc.weight").abs().sum().item<double>() == 0);
+  SimConfig bad = tiny(d1.path);
+  bad.secagg = "secagg+:degree=4,threshold=3";
+  bad.compression = "topk:ratio=0.1";
+  CHECK_THROWS_AS(Simulator{bad}, sparrow::ConfigError);
+  bad.compression = "none";
+  bad.clients_per_round = 3;  // threshold 3 needs 4
+  CHECK_THROWS_AS(Simulator{bad}, sparrow::ConfigError);
+}
