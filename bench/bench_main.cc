@@ -4,6 +4,7 @@
 //
 //   sparrow-bench compress [--elements N] [--repeat R] [--methods a,b,...] [--device cpu|cuda]
 //   sparrow-bench server [--clients C] [--rounds R] [--repeat N] [--cases ingest,dense,dashboard]
+//   sparrow-bench secagg [--clients 10,100,1000] [--degrees 8,16,0] [--dropout 0.1]
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,6 +20,7 @@
 
 #include "core/error_text.h"
 #include "bench/resnet50.h"
+#include "bench/secagg_bench.h"
 #include "bench/server_bench.h"
 #include "bench/sim_bench.h"
 #include "core/threads.h"
@@ -283,6 +285,18 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(1, 256));
   server->add_option("--cases", server_opts.cases, "comma-separated subset of ingest,dense,dashboard");
   server->add_option("--tmp", server_opts.tmp, "parent folder of the temporary keys and databases");
+  sparrow::bench::SecAggBenchOptions secagg_opts;
+  auto* secagg = app.add_subcommand(
+      "secagg", "SecAgg+ per round: server and client compute, wire bytes per client, vs plain FedAvg");
+  secagg->add_option("--clients", secagg_opts.clients, "clients per round (repeatable list)")
+      ->delimiter(',')
+      ->check(CLI::Range(3, 100000));
+  secagg->add_option("--degrees", secagg_opts.degrees, "neighbourhood sizes; 0 = complete graph (original SecAgg)")
+      ->delimiter(',');
+  secagg->add_option("--complete-max", secagg_opts.complete_max, "largest round run with the complete graph");
+  secagg->add_option("--dropout", secagg_opts.dropout, "share of clients dropping after their shares")
+      ->check(CLI::Range(0.0, 0.5));
+  secagg->add_option("--elements", secagg_opts.elements, "update size (0 = the MLP's parameters)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -294,6 +308,7 @@ int main(int argc, char** argv) {
       return compress_device == "cuda" ? bench_compress_cuda(elements, repeat, methods)
                                        : bench_compress(elements, repeat, methods);
     if (*server) return sparrow::bench::bench_server(server_opts);
+    if (*secagg) return sparrow::bench::bench_secagg(secagg_opts);
     if (*sim) {
       auto has = [&](const char* c) {
         return ("," + sim_cases + ",").find("," + std::string(c) + ",") != std::string::npos;

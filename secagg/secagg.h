@@ -43,7 +43,7 @@ namespace sparrow::secagg {
 // "secagg+:degree=K,threshold=T,clip=C,timeout=S" (every key optional).
 struct Params {
   bool enabled = false;
-  uint32_t degree = 8;     // k: neighbours per client (even, 2..254); a round of n <= k clients is complete
+  uint32_t degree = 16;    // k: neighbours per client (even, 2..254); a round of n <= k clients is complete
   uint32_t threshold = 0;  // t: shares that reconstruct a secret, 2..k; 0 = k/2 + 1
   double clip = 4;         // update coordinates are clipped to [-clip, clip]
   double timeout_s = 10;   // how long the server waits in each short exchange (keys, shares, unmask)
