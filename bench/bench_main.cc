@@ -4,7 +4,7 @@
 //
 //   sparrow-bench compress [--elements N] [--repeat R] [--methods a,b,...] [--device cpu|cuda]
 //   sparrow-bench server [--clients C] [--rounds R] [--repeat N] [--cases ingest,dense,dashboard]
-//   sparrow-bench secagg [--clients 10,100,1000] [--degrees 8,16,0] [--dropout 0.1]
+//   sparrow-bench secagg [--clients 10,100,1000] [--degrees 8,16,0] [--dropout 0.1] [--cases protocol,service]
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -297,6 +297,10 @@ int main(int argc, char** argv) {
   secagg->add_option("--dropout", secagg_opts.dropout, "share of clients dropping after their shares")
       ->check(CLI::Range(0.0, 0.5));
   secagg->add_option("--elements", secagg_opts.elements, "update size (0 = the MLP's parameters)");
+  secagg->add_option("--cases", secagg_opts.cases, "protocol, service (default both)")->delimiter(',');
+  secagg->add_option("--rounds", secagg_opts.rounds, "service: rounds per configuration")->check(CLI::Range(1, 100));
+  secagg->add_option("--degree", secagg_opts.degree, "service: the SecAgg+ degree")->check(CLI::Range(2, 254));
+  secagg->add_option("--tmp", secagg_opts.tmp, "service: folder for the servers' databases");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

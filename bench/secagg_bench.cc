@@ -11,16 +11,26 @@
 
 #include "bench/secagg_bench.h"
 
+#include <spdlog/spdlog.h>
+#include <zmq.hpp>
+
 #include <ATen/ATen.h>
 
 #include <cstring>
 #include <chrono>
 #include <cstdio>
 #include <map>
+#include <filesystem>
+#include <iostream>
 #include <memory>
+#include <optional>
 #include <sstream>
 
 #include "aggregation/robust.h"
+#include "bench/running_server.h"
+#include "core/model_digest.h"
+#include "server/store.h"
+#include "wire/net.h"
 #include "compression/encoded.h"
 #include "core/json.h"
 #include "core/models.h"
@@ -216,7 +226,9 @@ Result secure_round(const std::vector<at::Tensor>& updates, const std::vector<do
 
 }  // namespace
 
-int bench_secagg(const SecAggBenchOptions& o) {
+namespace {
+
+int bench_protocol(const SecAggBenchOptions& o) {
   int64_t len = o.elements;
   if (len <= 0)
     for (const auto& p : core::make_model("mlp", 1)->parameters()) len += p.numel();
@@ -277,6 +289,191 @@ int bench_secagg(const SecAggBenchOptions& o) {
     }
   }
   return 0;
+}
+
+// ---- service ------------------------------------------------------------------
+
+// One configuration: n clients, R rounds through a real server. Returns 0 when
+// every round completed with every client's update.
+int service_case(int n, bool secure, const SecAggBenchOptions& o) {
+  namespace fs = std::filesystem;
+  const fs::path dir = fs::path(o.tmp) / ("service-" + std::to_string(n) + (secure ? "-secagg" : "-plain"));
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  server::ServerConfig cfg;
+  cfg.listen = "tcp://127.0.0.1:*";
+  cfg.insecure = true;
+  cfg.model = "mlp";
+  cfg.db = (dir / "server.db").string();
+  cfg.heartbeat_ms = 600000;  // the load generator does not heartbeat
+  cfg.round_deadline_s = 600;
+  cfg.rounds = o.rounds;
+  cfg.clients_per_round = n;
+  cfg.quorum = n;
+  cfg.workers = 2;
+  cfg.max_message_mb = 64;
+  if (secure) {
+    std::ostringstream spec;
+    spec << "secagg+:degree=" << o.degree << ",clip=" << o.clip << ",timeout=60";
+    cfg.secagg = spec.str();
+  }
+  auto srv_ptr = std::make_unique<RunningServer>(cfg);
+  RunningServer& srv = *srv_ptr;
+  // The model's names and shapes in model order, and one update for everyone.
+  std::vector<std::pair<std::string, at::Tensor>> params;
+  for (const auto& p : core::make_model("mlp", 1)->named_parameters(/*recurse=*/true))
+    params.emplace_back(p.key(), p.value().detach().clone());
+  at::manual_seed(5);
+  std::vector<wire::NamedTensor> tensors;
+  std::vector<float> flat;
+  for (const auto& [name, v] : params) {
+    at::Tensor u = (at::randn(v.sizes()) * 0.01).contiguous();
+    compression::Encoded e = dense(u.data_ptr<float>(), u.numel());
+    e.shape = v.sizes().vec();
+    tensors.push_back({name, std::move(e)});
+    flat.insert(flat.end(), u.data_ptr<float>(), u.data_ptr<float>() + u.numel());
+  }
+  std::map<std::string, at::Tensor> shape_map(params.begin(), params.end());
+  const uint64_t digest = core::model_digest(shape_map);
+
+  zmq::context_t ctx(1);
+  ctx.set(zmq::ctxopt::max_sockets, n + 64);
+  std::vector<zmq::socket_t> socks;
+  socks.reserve(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    socks.emplace_back(ctx, zmq::socket_type::dealer);
+    net::set_limits(socks.back(), cfg.max_message_bytes());
+    socks.back().connect(srv.get().endpoint());
+    wire::Hello h;
+    h.client_id = "c" + std::to_string(i);
+    h.num_samples = static_cast<uint64_t>(300 + (i * 37) % 600);
+    h.model = "mlp";
+    h.model_digest = digest;
+    h.software = "sparrow-bench";
+    h.last_round = 0;  // holds W_0: tasks are Deltas, as for a client that keeps the model
+    wire::Message m;
+    m.body = h;
+    net::send(socks.back(), m);
+  }
+  std::vector<std::unique_ptr<secagg::Client>> party(static_cast<size_t>(n));
+  std::vector<zmq::pollitem_t> items(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) items[static_cast<size_t>(i)] = {static_cast<void*>(socks[static_cast<size_t>(i)]), 0, ZMQ_POLLIN, 0};
+  wire::ParseLimits limits;
+  limits.max_bytes = cfg.max_message_bytes();
+  std::map<uint64_t, Clock::time_point> first_task;
+  std::map<uint64_t, double> client_s;  // the load generator's own protocol work per round (serial here)
+  std::vector<double> round_s, server_s;
+  uint64_t errors = 0, acked = 0;
+  int64_t seen_completed = 0;
+  const auto give_up = Clock::now() + std::chrono::seconds(600);
+  auto send = [&](zmq::socket_t& s, wire::Body b) {
+    wire::Message m;
+    m.body = std::move(b);
+    net::send(s, m);
+  };
+  while (!srv.done() && seen_completed < o.rounds && Clock::now() < give_up) {
+    zmq::poll(items.data(), items.size(), std::chrono::milliseconds(20));
+    for (int i = 0; i < n; ++i) {
+      if (!(items[static_cast<size_t>(i)].revents & ZMQ_POLLIN)) continue;
+      zmq::socket_t& s = socks[static_cast<size_t>(i)];
+      for (;;) {
+        std::optional<wire::Message> m = net::receive(s, 0, limits);
+        if (!m) break;
+        if (const auto* t = std::get_if<wire::Task>(&m->body)) {
+          first_task.emplace(t->round, Clock::now());
+          const auto t0 = Clock::now();
+          if (t->secagg) {
+            party[static_cast<size_t>(i)] =
+                std::make_unique<secagg::Client>(*t->secagg, t->round, "c" + std::to_string(i));
+            send(s, party[static_cast<size_t>(i)]->keys());
+          } else {
+            wire::ModelUpdate u;
+            u.round = t->round;
+            u.client_id = "c" + std::to_string(i);
+            u.num_samples = static_cast<uint64_t>(300 + (i * 37) % 600);
+            u.tensors = tensors;
+            send(s, std::move(u));
+          }
+          client_s[t->round] += std::chrono::duration<double>(Clock::now() - t0).count();
+        } else if (const auto* a = std::get_if<wire::SecAgg>(&m->body)) {
+          secagg::Client& p = *party[static_cast<size_t>(i)];
+          const auto t0 = Clock::now();
+          if (a->stage == wire::SecAggStage::kNeighbours) {
+            send(s, p.shares(*a));
+          } else if (a->stage == wire::SecAggStage::kSharesIn) {
+            p.receive_shares(*a);
+            const wire::SecAggSetup& g = p.setup();
+            std::vector<uint32_t> x(flat.size());
+            secagg::quantise(flat.data(), flat.size(), g.weight, g.clip, secagg::ring_scale(g.clients, g.clip),
+                             rng::derive(7, static_cast<uint64_t>(i)), x.data());
+            send(s, p.masked(std::move(x)));
+          } else if (a->stage == wire::SecAggStage::kUnmask) {
+            send(s, p.reveal(*a));
+          }
+          client_s[a->round] += std::chrono::duration<double>(Clock::now() - t0).count();
+        } else if (std::holds_alternative<wire::Ack>(m->body)) {
+          ++acked;
+        } else if (const auto* e = std::get_if<wire::ErrorBody>(&m->body)) {
+          if (errors++ < 5) std::cerr << "sparrow-bench: server error: " << e->message << "\n";
+        }
+      }
+    }
+    const int64_t done = srv.get().completed_rounds();
+    while (seen_completed < done) {
+      ++seen_completed;
+      const auto now = Clock::now();
+      const auto it = first_task.find(static_cast<uint64_t>(seen_completed));
+      const double rs = it == first_task.end() ? 0 : std::chrono::duration<double>(now - it->second).count();
+      round_s.push_back(rs);
+      server_s.push_back(rs - client_s[static_cast<uint64_t>(seen_completed)]);
+    }
+  }
+  const std::string error = srv.error();
+  if (!error.empty()) std::cerr << "sparrow-bench: server failed: " << error << "\n";
+  srv_ptr.reset();
+  // The server's own count of the last round's bytes (its rounds table).
+  double bytes_in = 0, bytes_out = 0;
+  if (!round_s.empty()) {
+    const std::vector<server::RoundRow> rows = server::ServerStore::open_readonly(cfg.db)->rounds();
+    if (!rows.empty()) {
+      bytes_in = static_cast<double>(rows.back().bytes_in);
+      bytes_out = static_cast<double>(rows.back().bytes_out);
+    }
+  }
+  std::ostringstream line;
+  auto num = [&](const char* k, double v) { line << ",\"" << k << "\":" << json_number(v); };
+  line << "{\"bench\":\"secagg\",\"case\":\"service\",\"secagg\":" << (secure ? "true" : "false")
+       << ",\"transport\":\"tcp loopback\"";
+  num("clients", n);
+  if (secure) num("degree", std::min(o.degree, n - 1));
+  num("rounds", static_cast<double>(round_s.size()));
+  num("elements", static_cast<double>(flat.size()));
+  auto last = [](const std::vector<double>& v) { return v.empty() ? 0.0 : v.back(); };
+  // The last round: the first also pays for connections and full-model tasks.
+  num("round_s", last(round_s));
+  num("load_generator_s", round_s.empty() ? 0.0 : last(round_s) - last(server_s));
+  num("round_s_minus_load_generator", last(server_s));
+  num("bytes_in_per_client", bytes_in / n);
+  num("bytes_out_per_client", bytes_out / n);
+  num("errors", static_cast<double>(errors));
+  line << "}";
+  std::printf("%s\n", line.str().c_str());
+  std::fflush(stdout);
+  fs::remove_all(dir);
+  return error.empty() && static_cast<int>(round_s.size()) == o.rounds && errors == 0 ? 0 : 1;
+}
+
+}  // namespace
+
+int bench_secagg(const SecAggBenchOptions& o) {
+  spdlog::set_level(std::getenv("SPARROW_BENCH_DEBUG") ? spdlog::level::debug : spdlog::level::warn);
+  auto has = [&](const char* c) { return std::find(o.cases.begin(), o.cases.end(), c) != o.cases.end(); };
+  int rc = 0;
+  if (has("protocol")) rc |= bench_protocol(o);
+  if (has("service"))
+    for (int n : o.clients)
+      for (bool secure : {false, true}) rc |= service_case(n, secure, o);
+  return rc;
 }
 
 }  // namespace sparrow::bench

@@ -27,6 +27,8 @@
 
 #include "bench/server_bench.h"
 
+#include "bench/running_server.h"
+
 #include "tests/http_client.h"
 
 #include <ATen/ATen.h>
@@ -123,34 +125,6 @@ server::ServerConfig base_config(const fs::path& dir, const std::string& name, b
   c.round_deadline_s = 120;
   return c;
 }
-
-// The server on a thread; stop() and join on destruction.
-class RunningServer {
- public:
-  RunningServer(server::ServerConfig cfg, server::Weights w) : server_(std::move(cfg), std::move(w)) {
-    thread_ = std::thread([this] {
-      try {
-        server_.run();
-      } catch (const std::exception& e) {
-        error_ = e.what();
-      }
-      done_ = true;
-    });
-  }
-  ~RunningServer() {
-    server_.stop();
-    if (thread_.joinable()) thread_.join();
-  }
-  server::Server& get() { return server_; }
-  bool done() const { return done_.load(); }
-  const std::string& error() const { return error_; }
-
- private:
-  server::Server server_;
-  std::thread thread_;
-  std::atomic<bool> done_{false};
-  std::string error_;
-};
 
 void send_bytes(zmq::socket_t& s, const std::string& bytes) {
   // Zero-copy: the buffer outlives the send (the caller keeps it until the
