@@ -7,16 +7,16 @@
 # other than sparrow::Error or a hang stops it with the input saved as
 # build-fuzz/crash-* (reproduce: build-fuzz/bin/fuzz_<target> <file>).
 #
-#   scripts/fuzz.sh [--seconds N] [--targets wire,allow_list,key_file,act,config]
+#   scripts/fuzz.sh [--seconds N] [--targets wire,allow_list,key_file,act,config,secagg]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 seconds=300
-targets=wire,allow_list,key_file,act,config
+targets=wire,allow_list,key_file,act,config,secagg
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --seconds) seconds="$2"; shift 2 ;;
     --targets) targets="$2"; shift 2 ;;
-    *) echo "usage: scripts/fuzz.sh [--seconds N] [--targets wire,allow_list,key_file,act,config]" >&2; exit 2 ;;
+    *) echo "usage: scripts/fuzz.sh [--seconds N] [--targets wire,allow_list,key_file,act,config,secagg]" >&2; exit 2 ;;
   esac
 done
 if ! command -v clang++ >/dev/null; then
@@ -38,7 +38,7 @@ for t in "${list[@]}"; do
   if [[ "$t" == wire ]]; then cp -n tests/wire/golden/*.bin "$corpus"/ 2>/dev/null || true; fi
   if [[ "$t" == key_file ]]; then cp -n fuzz/seeds/key/* "$corpus"/ 2>/dev/null || true; fi
   seed_env=()
-  if [[ "$t" == act ]]; then seed_env=(env SPARROW_FUZZ_SEED_DIR="$corpus"); fi
+  if [[ "$t" == act || "$t" == secagg ]]; then seed_env=(env SPARROW_FUZZ_SEED_DIR="$corpus"); fi
   if [[ "$t" == config && -z "$(ls -A "$corpus")" ]]; then  # the examples, each for every parser
     i=0
     for f in examples/*.toml examples/*/*.toml; do

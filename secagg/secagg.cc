@@ -105,6 +105,14 @@ std::string join(const std::vector<uint32_t>& v) {
   return s;
 }
 
+// An X25519 public key that agrees to a non-zero secret (libsodium refuses
+// the low-order points that would give every party the same key).
+bool usable_key(const std::string& pk) {
+  static const uint8_t probe[crypto_scalarmult_SCALARBYTES] = {9, 1, 2, 3, 4, 5, 6, 7, 8};
+  uint8_t q[crypto_scalarmult_BYTES];
+  return pk.size() == crypto_scalarmult_BYTES && crypto_scalarmult(q, probe, u8(pk)) == 0;
+}
+
 void check_stage(const wire::SecAgg& m, wire::SecAggStage want, uint64_t round) {
   SPARROW_CHECK(m.stage == want, "secagg: expected a " << wire::secagg_stage_name(want) << " message, got "
                                                        << wire::secagg_stage_name(m.stage));
@@ -552,6 +560,13 @@ void Server::add_keys(uint32_t from, const wire::SecAgg& m) {
   SPARROW_CHECK(s.stage == Impl::kKeys, "secagg: the keys exchange of round " << s.round << " is closed");
   SPARROW_CHECK(!s.u1.count(from), "secagg: client " << from << " already sent its keys");
   SPARROW_CHECK(m.peers.size() == 1 && m.peers[0].index == from, "secagg: Keys must carry the sender's own keys");
+  SPARROW_CHECK(usable_key(m.peers[0].enc_key) && usable_key(m.peers[0].mask_key) &&
+                    m.peers[0].enc_key != m.peers[0].mask_key,
+                "secagg: client " << from << " sent an unusable public key (low-order point, or both keys equal)");
+  for (const auto& [v, p] : s.keys)
+    SPARROW_CHECK(p.enc_key != m.peers[0].enc_key && p.mask_key != m.peers[0].mask_key &&
+                      p.enc_key != m.peers[0].mask_key && p.mask_key != m.peers[0].enc_key,
+                  "secagg: client " << from << " sent a public key client " << v << " already sent");
   s.keys[from] = m.peers[0];
   s.u1.insert(from);
 }

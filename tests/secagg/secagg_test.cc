@@ -235,8 +235,15 @@ TEST_CASE("secagg: the server refuses out-of-order, foreign and incomplete messa
   wire::SecAgg wrong_round = k;
   wrong_round.round = 8;
   CHECK_THROWS_AS(server.add_keys(1, wrong_round), Error);
+  wire::SecAgg zero = k;
+  zero.peers[0].enc_key = std::string(32, '\0');  // a low-order point: every party would agree on 0
+  CHECK_THROWS_WITH_AS(server.add_keys(1, zero), doctest::Contains("unusable public key"), Error);
   server.add_keys(1, k);
   CHECK_THROWS_AS(server.add_keys(1, k), Error);  // twice
+  wire::SecAgg copy = k;  // another client replaying 1's keys
+  copy.index = 2;
+  copy.peers[0].index = 2;
+  CHECK_THROWS_WITH_AS(server.add_keys(2, copy), doctest::Contains("already sent"), Error);
   std::vector<std::unique_ptr<Client>> c;
   for (uint32_t u = 2; u <= 6; ++u) {
     c.push_back(std::make_unique<Client>(wire::SecAggSetup{u, 6, 4, 3, 2, 1.0, 0.1}, 9, "c"));
