@@ -257,8 +257,8 @@ int bench_protocol(const SecAggBenchOptions& o) {
       const double nd = static_cast<double>(n);
       std::ostringstream line;
       auto num = [&](const char* k, double v) { line << ",\"" << k << "\":" << json_number(v); };
-      line << "{\"bench\":\"secagg\",\"case\":\""
-           << (k >= static_cast<uint32_t>(n - 1) ? "secagg-complete" : "secagg+") << "\"";
+      line << "{\"bench\":\"secagg\",\"case\":\"" << (k >= static_cast<uint32_t>(n - 1) ? "secagg-complete" : "secagg+")
+           << "\"";
       num("clients", n);
       num("degree", k);
       num("threshold", t);
@@ -357,7 +357,8 @@ int service_case(int n, bool secure, const SecAggBenchOptions& o) {
   }
   std::vector<std::unique_ptr<secagg::Client>> party(static_cast<size_t>(n));
   std::vector<zmq::pollitem_t> items(static_cast<size_t>(n));
-  for (int i = 0; i < n; ++i) items[static_cast<size_t>(i)] = {static_cast<void*>(socks[static_cast<size_t>(i)]), 0, ZMQ_POLLIN, 0};
+  for (int i = 0; i < n; ++i)
+    items[static_cast<size_t>(i)] = {static_cast<void*>(socks[static_cast<size_t>(i)]), 0, ZMQ_POLLIN, 0};
   wire::ParseLimits limits;
   limits.max_bytes = cfg.max_message_bytes();
   std::map<uint64_t, Clock::time_point> first_task;

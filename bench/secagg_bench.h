@@ -14,8 +14,8 @@ struct SecAggBenchOptions {
   int64_t elements = 0;                     // update size; 0 = the built-in MLP's parameters
   double clip = 4;
   std::vector<std::string> cases{"protocol", "service"};
-  int rounds = 2;       // service: rounds per configuration
-  int degree = 16;      // service: the SecAgg+ degree
+  int rounds = 2;                    // service: rounds per configuration
+  int degree = 16;                   // service: the SecAgg+ degree
   std::string tmp = "bench-secagg";  // service: the servers' databases
 };
 

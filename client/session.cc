@@ -736,7 +736,7 @@ struct ClientSession::Impl {
     TrainResult tr;
     double secs = 0;
     std::vector<std::pair<std::string, double>> metrics;
-    Weights outgoing;      // the delta, local DP noise added when configured
+    Weights outgoing;         // the delta, local DP noise added when configured
     state::ClientState next;  // committed when the update is sent
   };
   Trained train(const wire::Task& task, const Weights& base, Prepared& p) {
@@ -766,8 +766,8 @@ struct ClientSession::Impl {
       const uint64_t key = (static_cast<uint64_t>(entropy()) << 32) ^ entropy();
       for (auto& [k, v] : t.outgoing) v = v.to(at::kCPU, at::kFloat);
       const double norm = aggregation::local_dp(t.outgoing, ldp.clip, ldp.noise, key);
-      const auto spent = aggregation::sgm_epsilon(1.0, std::max(ldp.noise, 1e-12),
-                                                  static_cast<int64_t>(t.next.rounds + 1), ldp.delta);
+      const auto spent =
+          aggregation::sgm_epsilon(1.0, std::max(ldp.noise, 1e-12), static_cast<int64_t>(t.next.rounds + 1), ldp.delta);
       spdlog::info("event=local_dp round={} norm={:.4g} clip={} noise={} participations={} epsilon={:.4g} delta={}", r,
                    norm, ldp.clip, ldp.noise, t.next.rounds + 1, spent.epsilon, ldp.delta);
     }
@@ -913,8 +913,8 @@ struct ClientSession::Impl {
     for (const auto& name : names) {
       const at::Tensor d = t.outgoing.at(name).to(at::kCPU, at::kFloat).contiguous();
       const size_t len = static_cast<size_t>(d.numel());
-      clipped += secagg::quantise(d.data_ptr<float>(), len, a.weight, a.clip, scale, rng::derive(key, off),
-                                  x.data() + off);
+      clipped +=
+          secagg::quantise(d.data_ptr<float>(), len, a.weight, a.clip, scale, rng::derive(key, off), x.data() + off);
       off += len;
     }
     if (clipped)

@@ -78,9 +78,10 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   const Honest& h = honest();
   int n = 0;
   auto save = [&](int stage, const std::map<uint32_t, wire::SecAgg>& msgs) {
-    for (const auto& [i, m] : msgs) {
+    for (const auto& entry : msgs) {
+      const uint32_t i = entry.first;
       wire::Message w;
-      w.body = m;
+      w.body = entry.second;
       const std::string bytes = wire::serialize(w);
       std::ofstream f(std::string(dir) + "/seed_" + std::to_string(n++), std::ios::binary);
       f.put(static_cast<char>(stage + 4 * static_cast<int>(i - 1)));
@@ -114,11 +115,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   secagg::Server s(params(), 1, kN, 3, kLen);
   // The fuzzed message replaces the sender's honest one at its stage.
   auto feed = [&](int st, const std::map<uint32_t, wire::SecAgg>& msgs, auto add) {
-    for (const auto& [i, m] : msgs) {
-      if (st == stage && i == from)
-        refused_ok([&] { add(i, bad); });
-      else
-        refused_ok([&] { add(i, m); });
+    for (const auto& entry : msgs) {  // (clang's C++17 cannot capture a structured binding)
+      const uint32_t i = entry.first;
+      const wire::SecAgg& m = st == stage && i == from ? bad : entry.second;
+      refused_ok([&] { add(i, m); });
     }
   };
   feed(0, h.keys, [&](uint32_t i, const wire::SecAgg& m) { s.add_keys(i, m); });

@@ -46,9 +46,9 @@ uint32_t get32(const uint8_t* p) {
 Secret derive_key(const std::string& secret_key, const std::string& public_key, const char* label, uint64_t round,
                   uint32_t a, uint32_t b) {
   uint8_t q[crypto_scalarmult_BYTES];
-  SPARROW_CHECK(crypto_scalarmult(q, u8(secret_key), u8(public_key)) == 0,
-                "secagg: key agreement with client " << (a == b ? a : std::max(a, b))
-                                                     << " failed (a low-order public key)");
+  SPARROW_CHECK(crypto_scalarmult(q, u8(secret_key), u8(public_key)) == 0, "secagg: key agreement with client "
+                                                                               << (a == b ? a : std::max(a, b))
+                                                                               << " failed (a low-order public key)");
   uint8_t info[8 + 4 + 4];
   for (int i = 0; i < 8; ++i) info[i] = static_cast<uint8_t>(round >> (8 * i));
   put32(info + 8, std::min(a, b));
@@ -428,7 +428,8 @@ void Client::receive_shares(const wire::SecAgg& in) {
     SPARROW_CHECK(sh.kind == 0, "secagg: SharesIn carries encrypted pairs only");
     SPARROW_CHECK(sh.data.size() == kNonceBytes + kPlainBytes + crypto_aead_chacha20poly1305_IETF_ABYTES,
                   "secagg: encrypted pair from client " << sh.peer << " has the wrong length");
-    const Secret key = derive_key(c.enc.sk, it->second.enc_key, "sparrow-secagg-share", c.round, sh.peer, c.setup.index);
+    const Secret key =
+        derive_key(c.enc.sk, it->second.enc_key, "sparrow-secagg-share", c.round, sh.peer, c.setup.index);
     uint8_t ad[16];
     for (int k = 0; k < 8; ++k) ad[k] = static_cast<uint8_t>(c.round >> (8 * k));
     put32(ad + 8, sh.peer);
@@ -436,11 +437,11 @@ void Client::receive_shares(const wire::SecAgg& in) {
     uint8_t plain[kPlainBytes];
     unsigned long long plen = 0;
     const auto* ctp = u8(sh.data);
-    SPARROW_CHECK(crypto_aead_chacha20poly1305_ietf_decrypt(plain, &plen, nullptr, ctp + kNonceBytes,
-                                                            sh.data.size() - kNonceBytes, ad, sizeof ad, ctp,
-                                                            key.data()) == 0 &&
-                      plen == kPlainBytes,
-                  "secagg: the pair from client " << sh.peer << " does not decrypt");
+    SPARROW_CHECK(
+        crypto_aead_chacha20poly1305_ietf_decrypt(plain, &plen, nullptr, ctp + kNonceBytes,
+                                                  sh.data.size() - kNonceBytes, ad, sizeof ad, ctp, key.data()) == 0 &&
+            plen == kPlainBytes,
+        "secagg: the pair from client " << sh.peer << " does not decrypt");
     SPARROW_CHECK(get32(plain) == sh.peer && get32(plain + 4) == c.setup.index,
                   "secagg: the pair from client " << sh.peer << " names other parties");
     SPARROW_CHECK(held.emplace(sh.peer, std::make_pair(bytes(plain + 8, kShareBytes),
@@ -473,8 +474,8 @@ wire::SecAgg Client::masked(std::vector<uint32_t> x, std::vector<std::pair<std::
 wire::SecAgg Client::reveal(const wire::SecAgg& in) {
   Impl& c = *impl_;
   check_stage(in, wire::SecAggStage::kUnmask, c.round);
-  SPARROW_CHECK(!c.revealed, "secagg: refused a second unmask request for round " << c.round
-                                                                                   << " (each client reveals once)");
+  SPARROW_CHECK(!c.revealed,
+                "secagg: refused a second unmask request for round " << c.round << " (each client reveals once)");
   SPARROW_CHECK(c.masked_sent, "secagg: unmask request before this client sent its masked update");
   const std::set<uint32_t> surv(in.survivors.begin(), in.survivors.end());
   const std::set<uint32_t> drop(in.dropped.begin(), in.dropped.end());
@@ -504,7 +505,7 @@ struct Server::Impl {
   Graph graph;
   size_t length;
   enum Stage { kKeys, kShares, kMasked, kReveal, kDone } stage = kKeys;
-  std::map<uint32_t, wire::SecAggPeer> keys;                     // U1
+  std::map<uint32_t, wire::SecAggPeer> keys;                    // U1
   std::map<uint32_t, std::vector<wire::SecAggShare>> outgoing;  // U2: sender -> its pairs
   std::set<uint32_t> u1, u2, u3;
   std::vector<uint32_t> sum;
@@ -512,7 +513,11 @@ struct Server::Impl {
   std::set<uint32_t> revealed;
 
   Impl(const Params& p, uint64_t r, uint32_t clients, uint64_t seed, size_t len)
-      : params(p), round(r), n(clients), t(p.effective_threshold()), graph(clients, p.degree_for(clients), seed),
+      : params(p),
+        round(r),
+        n(clients),
+        t(p.effective_threshold()),
+        graph(clients, p.degree_for(clients), seed),
         length(len) {}
 
   // The neighbours of u in `set`.
@@ -535,13 +540,12 @@ struct Server::Impl {
   }
 };
 
-Server::Server(const Params& params, uint64_t round, uint32_t n, uint64_t graph_seed, size_t length)
-    : impl_(nullptr) {
+Server::Server(const Params& params, uint64_t round, uint32_t n, uint64_t graph_seed, size_t length) : impl_(nullptr) {
   init_sodium();
   SPARROW_CHECK(params.enabled, "secagg: not enabled");
-  SPARROW_CHECK(n >= params.min_clients(),
-                "secagg: " << n << " clients in the round, threshold " << params.effective_threshold() << " needs "
-                           << params.min_clients());
+  SPARROW_CHECK(n >= params.min_clients(), "secagg: " << n << " clients in the round, threshold "
+                                                      << params.effective_threshold() << " needs "
+                                                      << params.min_clients());
   impl_ = new Impl(params, round, n, graph_seed, length);
 }
 Server::~Server() { delete impl_; }
@@ -560,9 +564,9 @@ void Server::add_keys(uint32_t from, const wire::SecAgg& m) {
   SPARROW_CHECK(s.stage == Impl::kKeys, "secagg: the keys exchange of round " << s.round << " is closed");
   SPARROW_CHECK(!s.u1.count(from), "secagg: client " << from << " already sent its keys");
   SPARROW_CHECK(m.peers.size() == 1 && m.peers[0].index == from, "secagg: Keys must carry the sender's own keys");
-  SPARROW_CHECK(usable_key(m.peers[0].enc_key) && usable_key(m.peers[0].mask_key) &&
-                    m.peers[0].enc_key != m.peers[0].mask_key,
-                "secagg: client " << from << " sent an unusable public key (low-order point, or both keys equal)");
+  SPARROW_CHECK(
+      usable_key(m.peers[0].enc_key) && usable_key(m.peers[0].mask_key) && m.peers[0].enc_key != m.peers[0].mask_key,
+      "secagg: client " << from << " sent an unusable public key (low-order point, or both keys equal)");
   for (const auto& [v, p] : s.keys)
     SPARROW_CHECK(p.enc_key != m.peers[0].enc_key && p.mask_key != m.peers[0].mask_key &&
                       p.enc_key != m.peers[0].mask_key && p.mask_key != m.peers[0].enc_key,

@@ -177,9 +177,9 @@ class Server {
   // lacks shares or a reconstructed mask key does not match its public key.
   std::vector<uint32_t> unmask();
 
-  const std::set<uint32_t>& keyed() const;   // U1
-  const std::set<uint32_t>& shared() const;  // U2
-  const std::set<uint32_t>& masked() const;  // U3
+  const std::set<uint32_t>& keyed() const;     // U1
+  const std::set<uint32_t>& shared() const;    // U2
+  const std::set<uint32_t>& masked() const;    // U3
   const std::set<uint32_t>& revealed() const;  // members of U3 whose reveal arrived
   // Reveals missing, for a log line: "client 4: 1 of 3 self-mask shares".
   std::string missing() const;

@@ -35,8 +35,9 @@ struct ServerConfig {
   std::string server_optimizer = "fedavg";
   std::string aggregator = "mean";  // robust aggregator spec (aggregation/robust.h)
   std::string dp = "none";          // differential privacy: none | central:clip=,noise= | local:clip=,noise=
-  std::string secagg = "none";      // secure aggregation: none | secagg+:degree=,threshold=,clip=,timeout= (docs/security.md)
-  double max_buffer_mb = 2048;      // bound on a buffering aggregator's memory (clients_per_round × model)
+  std::string secagg =
+      "none";  // secure aggregation: none | secagg+:degree=,threshold=,clip=,timeout= (docs/security.md)
+  double max_buffer_mb = 2048;  // bound on a buffering aggregator's memory (clients_per_round × model)
 
   // Rounds.
   int rounds = 10;

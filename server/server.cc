@@ -281,7 +281,7 @@ struct Server::Impl {
   std::map<std::string, wire::SecAggSetup> sa_setup;  // client id -> its index, weight, graph
   std::map<uint32_t, std::string> sa_client;          // index -> client id
   std::map<std::string, std::vector<std::pair<std::string, double>>> sa_metrics;  // masked updates' metrics
-  uint64_t sa_attempt = 0;                            // graph seeds differ when a round is retried
+  uint64_t sa_attempt = 0;  // graph seeds differ when a round is retried
 
   // Outbox (any thread -> I/O thread).
   std::mutex out_mu;
@@ -880,8 +880,8 @@ struct Server::Impl {
     if (m.client_id != s.client_id)
       why = "client_id '" + m.client_id + "' is not this connection's";
     else if (!sa || !round_open || m.round != round)
-      why = "stale SecAgg message: round " + std::to_string(m.round) + ", server is in round " +
-            std::to_string(round) + (round_open && sa ? "" : " (no secure aggregation open)");
+      why = "stale SecAgg message: round " + std::to_string(m.round) + ", server is in round " + std::to_string(round) +
+            (round_open && sa ? "" : " (no secure aggregation open)");
     else if (it == sa_setup.end())
       why = "not selected for round " + std::to_string(round);
     if (!why.empty()) {
@@ -989,10 +989,8 @@ struct Server::Impl {
 
   // Under mu: the four exchanges of a SecAgg+ round (the training happens
   // between shares and masked updates, under the round deadline).
-  Collected collect_secagg(std::unique_lock<std::mutex>& g, uint64_t r, Clock::time_point t0,
-                           Clock::time_point hard) {
-    const auto phase =
-        std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(sa_params.timeout_s));
+  Collected collect_secagg(std::unique_lock<std::mutex>& g, uint64_t r, Clock::time_point t0, Clock::time_point hard) {
+    const auto phase = std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(sa_params.timeout_s));
     const auto period =
         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg.round_deadline_s));
     const size_t need = std::max<size_t>(static_cast<size_t>(cfg.quorum), sa->threshold() + 1);

@@ -60,9 +60,9 @@ struct SimConfig {
   std::string server_optimizer = "fedavg";  // server optimiser spec string
   std::string aggregator = "mean";          // robust aggregator spec (aggregation/robust.h)
   std::string dp = "none";                  // differential privacy spec: none | central:... | local:...
-  std::string secagg = "none";              // secure aggregation: none | secagg+:degree=,threshold=,clip= (docs/security.md)
-  double max_buffer_mb = 2048;              // memory bound for buffering aggregators (clients_per_round rows)
-  double adversaries = 0;                   // fraction of the population that attacks, [0, 1)
+  std::string secagg = "none";       // secure aggregation: none | secagg+:degree=,threshold=,clip= (docs/security.md)
+  double max_buffer_mb = 2048;       // memory bound for buffering aggregators (clients_per_round rows)
+  double adversaries = 0;            // fraction of the population that attacks, [0, 1)
   std::string attack = "sign_flip";  // sign_flip[:scale=] | scale[:factor=] | gaussian[:std=] | label_flip | alie[:z=]
   int workers = 1;                   // >= 1
   int client_batch = 0;              // clients trained in one pass; 0 = automatic, 1 = sequential

@@ -259,7 +259,12 @@ struct Simulator::Impl {
     for (int64_t c : ids) total += static_cast<double>(client_idx[c].numel());
     for (uint32_t i = 0; i < n; ++i) {
       const int64_t c = ids[i];
-      wire::SecAggSetup a{i + 1, n, r.server->degree(), r.server->threshold(), seed, sa_params.clip,
+      wire::SecAggSetup a{i + 1,
+                          n,
+                          r.server->degree(),
+                          r.server->threshold(),
+                          seed,
+                          sa_params.clip,
                           static_cast<double>(client_idx[c].numel()) / total};
       r.index[c] = i + 1;
       r.weight[c] = a.weight;
@@ -817,8 +822,8 @@ struct Simulator::Impl {
       for (const auto& n : names) {
         at::Tensor d = sent.at(n).to(at::kCPU, at::kFloat).contiguous();
         const size_t len = static_cast<size_t>(d.numel());
-        secagg::quantise(d.data_ptr<float>(), len, sa->weight.at(c), sa_params.clip, sa->scale,
-                         rng::derive(qkey, off), x.data() + off);
+        secagg::quantise(d.data_ptr<float>(), len, sa->weight.at(c), sa_params.clip, sa->scale, rng::derive(qkey, off),
+                         x.data() + off);
         off += len;
       }
       bytes = wire::serialize(wire::Message{wire::kProtocolMajor, wire::kProtocolMinor,
@@ -1080,8 +1085,8 @@ Simulator::Simulator(SimConfig cfg, bool resume) : impl_(std::make_unique<Impl>(
   if (s.sa_params.enabled) {
     secagg::check_compatible(s.cfg.compression, s.cfg.aggregator, s.cfg.dp, s.cfg.algorithm);
     SPARROW_CHECK_T(ConfigError, static_cast<uint32_t>(s.cfg.clients_per_round) >= s.sa_params.min_clients(),
-                    "secagg: threshold " << s.sa_params.effective_threshold() << " needs clients_per_round >= "
-                                         << s.sa_params.min_clients());
+                    "secagg: threshold " << s.sa_params.effective_threshold()
+                                         << " needs clients_per_round >= " << s.sa_params.min_clients());
   }
   s.attack = AttackSpec::parse(s.cfg.attack);
   if (s.cfg.adversaries > 0) s.adversary = choose_adversaries(s.cfg.clients, s.cfg.adversaries, s.cfg.seed);

@@ -253,8 +253,8 @@ flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const Se
   const auto masked = vector_or_absent(b, m.masked, kValuesAlign);
   const auto metrics_list = build_metrics(b, m.metrics);
   const auto metrics = metrics_list.empty() ? 0 : b.CreateVector(metrics_list);
-  return fb::CreateSecAgg(b, m.round, client_id, static_cast<fb::SecAggStage>(m.stage), m.index, peers_off,
-                          shares_off, survivors, dropped, masked, metrics)
+  return fb::CreateSecAgg(b, m.round, client_id, static_cast<fb::SecAggStage>(m.stage), m.index, peers_off, shares_off,
+                          survivors, dropped, masked, metrics)
       .Union();
 }
 
@@ -567,8 +567,8 @@ Task task_of(const fb::Task& t, uint64_t max_elements, const Owner& owner) {
     g.clip = a->clip();
     g.weight = a->weight();
     if (g.index < 1 || g.index > g.clients)
-      fail(ErrorCode::kMalformed, "Task.secagg: index " + std::to_string(g.index) + " outside 1.." +
-                                      std::to_string(g.clients));
+      fail(ErrorCode::kMalformed,
+           "Task.secagg: index " + std::to_string(g.index) + " outside 1.." + std::to_string(g.clients));
     if (g.threshold < 2 || g.threshold > g.degree || g.degree >= g.clients)
       fail(ErrorCode::kMalformed, "Task.secagg: need 2 <= threshold <= degree < clients (threshold " +
                                       std::to_string(g.threshold) + ", degree " + std::to_string(g.degree) +
@@ -768,9 +768,8 @@ std::string sanitize(const std::string& s) {
 }  // namespace
 
 const char* body_name(const Body& body) {
-  static const char* const kNames[] = {"ModelUpdate",     "Error",         "Hello",    "Welcome",
-                                       "Task",            "Ack",           "Heartbeat", "Bye",
-                                       "SplitActivation", "SplitGradient", "SecAgg"};
+  static const char* const kNames[] = {"ModelUpdate", "Error", "Hello",           "Welcome",       "Task",  "Ack",
+                                       "Heartbeat",   "Bye",   "SplitActivation", "SplitGradient", "SecAgg"};
   static_assert(sizeof(kNames) / sizeof(kNames[0]) == std::variant_size_v<Body>, "a name per body type");
   static_assert(static_cast<size_t>(fb::Body::MAX) == std::variant_size_v<Body>, "wire::Body mirrors fb::Body");
   return kNames[body.index()];

@@ -1198,8 +1198,7 @@ size_t largest_value_outside_checkpoints(const std::string& db_path) {
   REQUIRE(sqlite3_open_v2(db_path.c_str(), &db, SQLITE_OPEN_READONLY, nullptr) == SQLITE_OK);
   std::vector<std::string> tables;
   sqlite3_stmt* st = nullptr;
-  REQUIRE(sqlite3_prepare_v2(db, "SELECT name FROM sqlite_master WHERE type = 'table'", -1, &st, nullptr) ==
-          SQLITE_OK);
+  REQUIRE(sqlite3_prepare_v2(db, "SELECT name FROM sqlite_master WHERE type = 'table'", -1, &st, nullptr) == SQLITE_OK);
   while (sqlite3_step(st) == SQLITE_ROW) tables.emplace_back(reinterpret_cast<const char*>(sqlite3_column_text(st, 0)));
   sqlite3_finalize(st);
   size_t largest = 0;
@@ -1253,8 +1252,8 @@ TEST_CASE("secagg: the model equals a plain run's to the quantisation step and t
       // of an update (mlp: ~200k parameters, 800 KB).
       CHECK(largest_value_outside_checkpoints(sub + "/server.db") < 16384);
       CHECK(slog.size() < 100000);  // log lines, no tensors
-      for (int i = 1; i <= 5; ++i) CHECK(clients[i - 1]->log().find("secure aggregation: shares revealed") !=
-                                         std::string::npos);
+      for (int i = 1; i <= 5; ++i)
+        CHECK(clients[i - 1]->log().find("secure aggregation: shares revealed") != std::string::npos);
     }
   }
   double worst = 0, moved = 0;
@@ -1264,8 +1263,8 @@ TEST_CASE("secagg: the model equals a plain run's to the quantisation step and t
     moved = std::max(moved, (t - w0.at(name)).abs().max().item<double>());
   }
   INFO("max |secagg - plain| = " << worst << ", max |plain - initial| = " << moved);
-  CHECK(moved > 1e-3);   // the runs trained
-  CHECK(worst < 1e-5);   // two rounds of rounding at 2^-31 * clip, and float summation order
+  CHECK(moved > 1e-3);  // the runs trained
+  CHECK(worst < 1e-5);  // two rounds of rounding at 2^-31 * clip, and float summation order
   fs::remove_all(dir);
 }
 
@@ -1283,9 +1282,9 @@ TEST_CASE("secagg: clients dropping at every stage below the threshold do not st
   const std::vector<std::string> faults = {"secagg-keys", "secagg-shares", "secagg-masked", "secagg-reveal"};
   std::vector<std::unique_ptr<Process>> clients;
   for (int i = 1; i <= 8; ++i)
-    clients.push_back(start_client(dir, i, ep, 60, i, "",
-                                   i <= 4 ? std::vector<std::string>{"--fault", faults[i - 1]}
-                                          : std::vector<std::string>{}));
+    clients.push_back(
+        start_client(dir, i, ep, 60, i, "",
+                     i <= 4 ? std::vector<std::string>{"--fault", faults[i - 1]} : std::vector<std::string>{}));
   INFO(log_tail(*server));
   REQUIRE(server->wait(120s) == 0);
   for (int i = 1; i <= 4; ++i) {
@@ -1315,9 +1314,9 @@ TEST_CASE("secagg: more dropouts than the threshold allows fail the round cleanl
   const std::string ep = server_endpoint(*server);
   std::vector<std::unique_ptr<Process>> clients;
   for (int i = 1; i <= 5; ++i)
-    clients.push_back(start_client(dir, i, ep, 60, i, "",
-                                   i <= 3 ? std::vector<std::string>{"--fault", "secagg-masked"}
-                                          : std::vector<std::string>{}));
+    clients.push_back(
+        start_client(dir, i, ep, 60, i, "",
+                     i <= 3 ? std::vector<std::string>{"--fault", "secagg-masked"} : std::vector<std::string>{}));
   INFO(log_tail(*server));
   REQUIRE(server->wait_for_log("event=round_abandoned round=1 secagg=1 stage=masked", 60s));
   CHECK(server->log().find("of=5 need=4") != std::string::npos);

@@ -37,8 +37,7 @@ struct Outcome {
   std::vector<std::vector<uint32_t>> masked_inputs, quantised;  // per client (index - 1), when sent
 };
 
-Outcome run_round(uint32_t n, const Params& p, size_t len, const std::map<uint32_t, int>& drop_at,
-                  uint64_t seed = 7) {
+Outcome run_round(uint32_t n, const Params& p, size_t len, const std::map<uint32_t, int>& drop_at, uint64_t seed = 7) {
   Outcome o;
   const uint64_t round = 3;
   Server server(p, round, n, seed, len);
@@ -240,7 +239,7 @@ TEST_CASE("secagg: the server refuses out-of-order, foreign and incomplete messa
   CHECK_THROWS_WITH_AS(server.add_keys(1, zero), doctest::Contains("unusable public key"), Error);
   server.add_keys(1, k);
   CHECK_THROWS_AS(server.add_keys(1, k), Error);  // twice
-  wire::SecAgg copy = k;  // another client replaying 1's keys
+  wire::SecAgg copy = k;                          // another client replaying 1's keys
   copy.index = 2;
   copy.peers[0].index = 2;
   CHECK_THROWS_WITH_AS(server.add_keys(2, copy), doctest::Contains("already sent"), Error);

@@ -778,7 +778,8 @@ TEST_CASE("simulator: secure aggregation gives plain FedAvg's model and is repro
     CHECK(secure.history()[i].train_loss == doctest::Approx(plain.history()[i].train_loss).epsilon(1e-4));
   }
   double worst = 0;
-  for (const auto& [k, v] : plain.global()) worst = std::max(worst, (secure.global().at(k) - v).abs().max().item<double>());
+  for (const auto& [k, v] : plain.global())
+    worst = std::max(worst, (secure.global().at(k) - v).abs().max().item<double>());
   CHECK(worst < 1e-5);
   // Masks are random, the unmasked sum is not: seeded rounding gives the same model bit for bit.
   check_same_weights(secure.global(), again.global());
@@ -792,7 +793,7 @@ TEST_CASE("simulator: secure aggregation recovers from stragglers and a config i
   c.rounds = 1;
   c.secagg = "secagg+:degree=8,threshold=3";
   c.profiles.uplink_mbps = 0.05;  // upload time (seeded bandwidths) dominates, not measured training time
-  Simulator probe(c);  // without a deadline: the slowest client's simulated time
+  Simulator probe(c);             // without a deadline: the slowest client's simulated time
   probe.run();
   REQUIRE(probe.history()[0].dropped == 0);
   // A deadline below the slowest client: it sent its shares but no masked

@@ -214,11 +214,10 @@ Message golden_secagg() {
 }
 
 const std::vector<std::pair<std::string, Message (*)()>>& golden_files() {
-  static const std::vector<std::pair<std::string, Message (*)()>> files = {
-      {"update_v1_dense.bin", golden_dense},
-      {"update_v1_sparse.bin", golden_sparse},
-      {"error_v1.bin", golden_error},
-      {"secagg_v1_1.bin", golden_secagg}};
+  static const std::vector<std::pair<std::string, Message (*)()>> files = {{"update_v1_dense.bin", golden_dense},
+                                                                           {"update_v1_sparse.bin", golden_sparse},
+                                                                           {"error_v1.bin", golden_error},
+                                                                           {"secagg_v1_1.bin", golden_secagg}};
   return files;
 }
 
