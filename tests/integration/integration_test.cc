@@ -957,7 +957,9 @@ TEST_CASE("dashboard: the server's API and metrics agree with its database") {
   {
     std::ifstream in(dir + "/status.json");
     const std::string js((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    for (const auto& [id, c] : db) {
+    for (const auto& entry : db) {  // not a structured binding: INFO's lambda captures it (C++17)
+      const std::string& id = entry.first;
+      const ClientInfo& c = entry.second;
       INFO(id);
       CHECK(js.find("\"client_id\":\"" + id + "\"") != std::string::npos);
       CHECK(js.find("\"bytes_up\":" + std::to_string(c.bytes_up) + ",\"bytes_down\":" + std::to_string(c.bytes_down)) !=
