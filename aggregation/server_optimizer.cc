@@ -67,9 +67,15 @@ ServerOptimizer::ServerOptimizer(const std::string& spec_text) : kind_(Kind::kFe
     lr_ = positive(spec, "lr", 0.01);
     beta1_ = in_unit(spec, "beta1", 0.0);
     tau_ = positive(spec, "tau", 1e-3);
+  } else if (method_ == "fedtopk") {
+    kind_ = Kind::kFedTopK;
+    lr_ = positive(spec, "lr", 1.0);
+    momentum_ = in_unit(spec, "momentum", 0.0);
+    ratio_ = spec.get_double("ratio", 0.01);
+    SPARROW_CHECK_T(ConfigError, ratio_ > 0.0 && ratio_ <= 1.0, "fedtopk: ratio must be in (0, 1], got " << ratio_);
   } else {
     throw ConfigError("unknown server optimizer '" + method_ +
-                      "' (known: fedavg, fedavgm, fedadam, fedyogi, fedadagrad)");
+                      "' (known: fedavg, fedavgm, fedadam, fedyogi, fedadagrad, fedtopk)");
   }
   spec.check_all_consumed();
 }
@@ -139,6 +145,26 @@ void ServerOptimizer::step(std::map<std::string, at::Tensor>& weights, const std
         w.addcdiv_(m, v.sqrt().add_(tau), lr);
         break;
       }
+      case Kind::kFedTopK: {
+        SPARROW_CHECK(w.is_contiguous(), "server optimizer: weight '" << name << "' must be contiguous");
+        at::Tensor& m = m_[name];
+        at::Tensor& e = v_[name];
+        const auto opts = at::TensorOptions().dtype(at::kFloat);
+        if (!m.defined()) m = at::zeros(w.sizes(), opts);
+        if (!e.defined()) e = at::zeros(w.sizes(), opts);
+        m.mul_(static_cast<float>(momentum_)).add_(d);
+        e.add_(m, lr);
+        const int64_t n = e.numel();
+        if (n == 0) break;
+        const int64_t k = std::min<int64_t>(n, std::max<int64_t>(1, static_cast<int64_t>(std::ceil(ratio_ * n))));
+        const at::Tensor idx = std::get<1>(at::topk(e.reshape(-1).abs(), k));  // once a round: ATen's is fine
+        const at::Tensor sent = e.reshape(-1).index_select(0, idx);
+        at::Tensor wf = w.view(-1);
+        wf.index_add_(0, idx, sent);
+        e.view(-1).index_fill_(0, idx, 0.0f);
+        if (momentum_ > 0.0) m.view(-1).index_fill_(0, idx, 0.0f);
+        break;
+      }
     }
   }
   ++steps_;
@@ -179,7 +205,8 @@ void ServerOptimizer::deserialize_state(const std::string& bytes) {
     }
   }
   const bool want_m = kind_ != Kind::kFedAvg;
-  const bool want_v = kind_ == Kind::kFedAdam || kind_ == Kind::kFedYogi || kind_ == Kind::kFedAdagrad;
+  const bool want_v =
+      kind_ == Kind::kFedAdam || kind_ == Kind::kFedYogi || kind_ == Kind::kFedAdagrad || kind_ == Kind::kFedTopK;
   SPARROW_CHECK_T(FormatError, want_m || m.empty(), "server optimizer state: " << method_ << " keeps no m");
   SPARROW_CHECK_T(FormatError, want_v || v.empty(), "server optimizer state: " << method_ << " keeps no v");
   if (want_v) {

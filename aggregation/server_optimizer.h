@@ -20,6 +20,13 @@
 //   The paper's Algorithm 2 has β1 for FedAdagrad too; our default there is 0
 //   (plain Adagrad, as Flower's FedAdagrad), settable with beta1=.
 // No bias correction (the paper has none). Arithmetic is float32, element-wise.
+//   fedtopk:ratio=R[,lr=1,momentum=0]   sparse server step with server-side error
+//     feedback, as FetchSGD (Rothchild et al., ICML 2020) applies it to the aggregate:
+//     m = momentum·m + Δ;  e += lr·m;  S = top-k(|e|), k = ceil(R·n) per tensor;
+//     x[S] += e[S];  e[S] = 0;  m[S] = 0 (when momentum > 0).
+//   With the exact (dense) aggregate this is the upper bound of what a k-sparse
+//   model step can reach (docs/results.md); with a sparse downlink it is what the
+//   clients would receive.
 //
 // State (m, v per tensor and the step count) is created on the first step()
 // from the shapes of `weights` and is serialisable for checkpoints.
@@ -64,7 +71,7 @@ class ServerOptimizer {
   at::Tensor second_moment(const std::string& name) const;
 
  private:
-  enum class Kind { kFedAvg, kFedAvgM, kFedAdam, kFedYogi, kFedAdagrad };
+  enum class Kind { kFedAvg, kFedAvgM, kFedAdam, kFedYogi, kFedAdagrad, kFedTopK };
   Kind kind_;
   std::string method_;
   std::string spec_;
@@ -73,6 +80,7 @@ class ServerOptimizer {
   double beta1_ = 0.0;
   double beta2_ = 0.0;
   double tau_ = 0.0;
+  double ratio_ = 0.0;
   uint64_t steps_ = 0;
   std::map<std::string, at::Tensor> m_;
   std::map<std::string, at::Tensor> v_;

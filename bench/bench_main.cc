@@ -60,6 +60,8 @@ std::vector<Case> default_cases() {
       {"fp16", "fp16", false},
       {"bf16", "bf16", false},
       {"topk", "topk:ratio=0.001", false},
+      {"topk_rice_int8", "topk:ratio=0.001,index=rice,values=int8", false},
+      {"stc", "stc:ratio=0.001", false},
       {"randomk", "randomk:ratio=0.001", false},
       {"threshold", "threshold:tau=3.3", false},  // ~0.1% of N(0,1) values pass
       {"dgc", "dgc:ratio=0.001", false},

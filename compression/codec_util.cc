@@ -5,6 +5,9 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <future>
 
@@ -69,11 +72,23 @@ size_t value_bytes(ValueType vt, uint64_t n) {
       return n * 2;
     case ValueType::kSign:
       return (n + 7) / 8;
+    case ValueType::kInt8:
+      return n;
   }
   throw FormatError("unknown value type " + std::to_string(static_cast<int>(vt)));
 }
 
-void pack_values(const float* src, uint64_t n, ValueType vt, Bytes& out) {
+float value_scale(const Encoded& e) {
+  return (e.value_type == ValueType::kSign || e.value_type == ValueType::kInt8) ? e.scales.at(0) : 0.0f;
+}
+
+float int8_scale(const float* v, uint64_t n) {
+  float m = 0.0f;
+  for (uint64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(v[i]));
+  return m / 127.0f;
+}
+
+void pack_values(const float* src, uint64_t n, ValueType vt, Bytes& out, float scale) {
   const size_t base = out.size();
   out.resize_uninitialized(base + value_bytes(vt, n));  // every new byte is written below
   uint8_t* dst = out.data() + base;
@@ -95,6 +110,14 @@ void pack_values(const float* src, uint64_t n, ValueType vt, Bytes& out) {
     case ValueType::kSign: {
       std::memset(dst, 0, (n + 7) / 8);
       for (uint64_t i = 0; i < n; ++i) dst[i >> 3] |= static_cast<uint8_t>((src[i] < 0.0f) << (i & 7));
+      return;
+    }
+    case ValueType::kInt8: {
+      const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+      for (uint64_t i = 0; i < n; ++i) {
+        const float q = std::nearbyint(std::min(127.0f, std::max(-127.0f, src[i] * inv)));
+        dst[i] = static_cast<uint8_t>(static_cast<int8_t>(q));
+      }
       return;
     }
   }
@@ -125,6 +148,9 @@ void unpack_values(const uint8_t* bytes, uint64_t n, ValueType vt, float magnitu
     case ValueType::kSign:
       for (uint64_t i = 0; i < n; ++i) dst[i] = ((bytes[i >> 3] >> (i & 7)) & 1) ? -magnitude : magnitude;
       return;
+    case ValueType::kInt8:
+      for (uint64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(static_cast<int8_t>(bytes[i])) * magnitude;
+      return;
   }
   throw FormatError("unknown value type " + std::to_string(static_cast<int>(vt)));
 }
@@ -133,7 +159,14 @@ ValueType parse_value_type(const std::string& text) {
   if (text == "fp32") return ValueType::kF32;
   if (text == "fp16") return ValueType::kF16;
   if (text == "bf16") return ValueType::kBF16;
-  throw ConfigError("values='" + text + "' is not one of fp32, fp16, bf16");
+  if (text == "int8") return ValueType::kInt8;
+  throw ConfigError("values='" + text + "' is not one of fp32, fp16, bf16, int8");
+}
+
+IndexMode parse_index_mode(const std::string& text) {
+  if (text == "auto") return IndexMode::kAuto;
+  if (text == "rice") return IndexMode::kRice;
+  throw ConfigError("index='" + text + "' is not one of auto, rice");
 }
 
 // ---- indices ------------------------------------------------------------------
@@ -161,11 +194,130 @@ size_t delta_varint_bytes(const int64_t* idx, uint64_t k) {
   return bytes;
 }
 
-void encode_indices(const int64_t* idx, uint64_t k, int64_t numel, Encoded& e) {
+namespace {
+
+// Largest Rice parameter a peer accepts: gaps are below 2^40 (kMaxNumel).
+constexpr uint32_t kMaxRiceParameter = 40;
+
+// Bit writer and reader, LSB first within each byte.
+class BitWriter {
+ public:
+  explicit BitWriter(std::vector<uint8_t>& out) : out_(out) {}
+  void bit(unsigned b) {
+    if ((pos_ & 7) == 0) out_.push_back(0);
+    out_.back() |= static_cast<uint8_t>(b << (pos_ & 7));
+    ++pos_;
+  }
+  void ones(uint64_t n) {
+    for (; n > 0 && (pos_ & 7) != 0; --n) bit(1);
+    for (; n >= 8; n -= 8, pos_ += 8) out_.push_back(0xff);
+    for (; n > 0; --n) bit(1);
+  }
+  void bits(uint64_t v, uint32_t n) {
+    for (uint32_t i = 0; i < n; ++i) bit(static_cast<unsigned>((v >> i) & 1));
+  }
+
+ private:
+  std::vector<uint8_t>& out_;
+  uint64_t pos_ = 0;
+};
+
+void encode_rice(const int64_t* idx, uint64_t k, uint32_t b, std::vector<uint8_t>& out) {
+  BitWriter w(out);
+  int64_t prev = -1;
+  for (uint64_t i = 0; i < k; ++i) {
+    const auto gap = static_cast<uint64_t>(idx[i] - prev - 1);
+    prev = idx[i];
+    w.ones(gap >> b);
+    w.bit(0);
+    w.bits(gap, b);
+  }
+}
+
+std::vector<int64_t> decode_rice(const Encoded& e, int64_t numel) {
+  SPARROW_CHECK_T(FormatError, e.params.size() == 1, "sparse: Rice coding needs params {b}, got " << e.params.size());
+  const uint32_t b = e.params[0];
+  SPARROW_CHECK_T(FormatError, b <= kMaxRiceParameter, "sparse: Rice parameter " << b << " above " << kMaxRiceParameter);
+  const uint64_t total_bits = static_cast<uint64_t>(e.indices.size()) * 8;
+  // Every index costs at least b + 1 bits: a count the stream cannot hold is refused before allocating.
+  SPARROW_CHECK_T(FormatError, e.count <= static_cast<uint64_t>(numel) && e.count <= total_bits / (b + 1),
+                  "sparse: count " << e.count << " exceeds what " << e.indices.size() << " Rice bytes can hold");
+  std::vector<int64_t> idx(e.count);
+  const uint8_t* p = e.indices.data();
+  uint64_t pos = 0;
+  int64_t prev = -1;
+  const uint64_t room_limit = static_cast<uint64_t>(numel);
+  for (uint64_t i = 0; i < e.count; ++i) {
+    // Unary quotient: skip whole 0xff bytes at once when aligned.
+    uint64_t q = 0;
+    while (true) {
+      SPARROW_CHECK_T(FormatError, pos < total_bits, "sparse: Rice stream truncated at index " << i);
+      if ((pos & 7) == 0 && p[pos >> 3] == 0xff) {
+        q += 8;
+        pos += 8;
+      } else {
+        const unsigned bit = (p[pos >> 3] >> (pos & 7)) & 1;
+        ++pos;
+        if (!bit) break;
+        ++q;
+      }
+      SPARROW_CHECK_T(FormatError, (q >> 40) == 0, "sparse: Rice quotient too long at index " << i);
+    }
+    SPARROW_CHECK_T(FormatError, pos + b <= total_bits, "sparse: Rice stream truncated at index " << i);
+    uint64_t r = 0;
+    for (uint32_t j = 0; j < b; ++j, ++pos) r |= static_cast<uint64_t>((p[pos >> 3] >> (pos & 7)) & 1) << j;
+    const uint64_t room = room_limit - static_cast<uint64_t>(prev + 1);  // positions left after prev
+    SPARROW_CHECK_T(FormatError, q < (uint64_t{1} << (62 - b)) && ((q << b) | r) < room,
+                    "sparse: index out of range at position " << i << " (numel " << numel << ")");
+    prev = prev + 1 + static_cast<int64_t>((q << b) | r);
+    idx[i] = prev;
+  }
+  SPARROW_CHECK_T(FormatError, (pos + 7) / 8 == e.indices.size(), "sparse: trailing bytes after the Rice stream");
+  for (uint64_t j = pos; j < total_bits; ++j)
+    SPARROW_CHECK_T(FormatError, ((p[j >> 3] >> (j & 7)) & 1) == 0, "sparse: nonzero padding after the Rice stream");
+  return idx;
+}
+
+}  // namespace
+
+RiceChoice best_rice(const int64_t* idx, uint64_t k) {
+  // Cost(b) = sum(gap >> b) + k·(b + 1) bits; it is convex in b, so try every b
+  // up to where the quotient sum is zero and keep the smallest.
+  std::vector<uint64_t> gaps(k);
+  int64_t prev = -1;
+  uint64_t max_gap = 0;
+  for (uint64_t i = 0; i < k; ++i) {
+    gaps[i] = static_cast<uint64_t>(idx[i] - prev - 1);
+    prev = idx[i];
+    max_gap = std::max(max_gap, gaps[i]);
+  }
+  RiceChoice best{0, SIZE_MAX};
+  for (uint32_t b = 0; b <= kMaxRiceParameter; ++b) {
+    uint64_t bits = k * (b + 1);
+    for (uint64_t g : gaps) bits += g >> b;
+    const size_t bytes = static_cast<size_t>((bits + 7) / 8);
+    if (bytes < best.bytes) best = {b, bytes};
+    if ((max_gap >> b) == 0) break;
+  }
+  return best;
+}
+
+void encode_indices(const int64_t* idx, uint64_t k, int64_t numel, Encoded& e, IndexMode mode) {
   e.count = k;
   e.indices.clear();
-  const size_t delta = delta_varint_bytes(idx, k);
+  e.params.clear();
   const size_t bitmap = static_cast<size_t>((numel + 7) / 8);
+  if (mode == IndexMode::kRice) {
+    const RiceChoice rice = best_rice(idx, k);
+    if (rice.bytes + sizeof(uint32_t) < bitmap) {
+      e.index_coding = IndexCoding::kRice;
+      e.params = {rice.b};
+      e.indices.reserve(rice.bytes);
+      encode_rice(idx, k, rice.b, e.indices);
+      return;
+    }
+  }
+  const size_t delta = mode == IndexMode::kRice ? SIZE_MAX : delta_varint_bytes(idx, k);
   if (bitmap < delta) {
     e.index_coding = IndexCoding::kBitmap;
     e.indices.assign(bitmap, 0);
@@ -239,6 +391,8 @@ std::vector<int64_t> decode_indices(const Encoded& e) {
                       "sparse: bitmap has " << idx.size() << " bits set, count says " << e.count);
       return idx;
     }
+    case IndexCoding::kRice:
+      return decode_rice(e, numel);
     case IndexCoding::kSeeded:
       SPARROW_CHECK_T(FormatError, e.indices.empty(), "sparse: seeded indices carry no index bytes");
       SPARROW_CHECK_T(FormatError, e.count <= static_cast<uint64_t>(numel), "sparse: count exceeds numel");
@@ -278,6 +432,34 @@ std::vector<int64_t> seeded_indices(uint64_t key, uint64_t k, int64_t n) {
   return idx;
 }
 
+StalePolicy parse_stale_policy(Spec& spec, const char* method) {
+  StalePolicy p;
+  p.decay = spec.get_double("decay", 1.0);
+  SPARROW_CHECK_T(ConfigError, p.decay >= 0.0 && p.decay <= 1.0, method << ": decay=" << p.decay << " must be in [0, 1]");
+  p.max_age = spec.get_int("max_age", 0);
+  SPARROW_CHECK_T(ConfigError, p.max_age >= 0, method << ": max_age=" << p.max_age << " must be >= 0 (0 = never reset)");
+  return p;
+}
+
+int64_t age_state(State& state, const Context& ctx, const StalePolicy& policy, std::initializer_list<const char*> slots) {
+  int64_t skipped = 0;
+  if (ctx.round >= 0 && state.last_round >= 0 && ctx.round > state.last_round)
+    skipped = ctx.round - state.last_round - 1;
+  if (ctx.round >= 0) state.last_round = ctx.round;
+  if (skipped <= 0 || !policy.active()) return skipped;
+  const bool reset = policy.max_age > 0 && skipped > policy.max_age;
+  const double factor = reset ? 0.0 : std::pow(policy.decay, static_cast<double>(skipped));
+  for (const char* name : slots) {
+    auto it = state.tensors.find(name);
+    if (it == state.tensors.end()) continue;
+    if (factor == 0.0)
+      it->second.zero_();
+    else
+      it->second.mul_(factor);
+  }
+  return skipped;
+}
+
 float* residual_data(State& state, const at::Tensor& x) {
   at::Tensor& slot = state.slot("residual", x);
   if (!slot.is_contiguous()) slot = slot.contiguous();
@@ -285,22 +467,22 @@ float* residual_data(State& state, const at::Tensor& x) {
 }
 
 Encoded make_sparse(const std::vector<int64_t>& shape, const int64_t* idx, const float* vals, uint64_t k, ValueType vt,
-                    float sign_magnitude) {
+                    float sign_magnitude, IndexMode mode) {
   Encoded e;
   e.format = Format::kSparse;
   e.shape = shape;
   e.value_type = vt;
-  encode_indices(idx, k, numel_of(shape), e);
-  pack_values(vals, k, vt, e.values);
-  if (vt == ValueType::kSign) e.scales = {sign_magnitude};
+  encode_indices(idx, k, numel_of(shape), e, mode);
+  const float scale = vt == ValueType::kInt8 ? int8_scale(vals, k) : sign_magnitude;
+  pack_values(vals, k, vt, e.values, scale);
+  if (vt == ValueType::kSign || vt == ValueType::kInt8) e.scales = {scale};
   return e;
 }
 
 void decode_sparse_add(const Encoded& e, float* out, float weight) {
   const std::vector<int64_t> idx = decode_indices(e);
   std::vector<float> vals(e.count);
-  const float mag = e.value_type == ValueType::kSign ? e.scales.at(0) : 0.0f;
-  unpack_values(e.values.data(), e.count, e.value_type, mag, vals.data());
+  unpack_values(e.values.data(), e.count, e.value_type, value_scale(e), vals.data());
   for (uint64_t i = 0; i < e.count; ++i) out[idx[i]] += weight * vals[i];
 }
 

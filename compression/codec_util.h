@@ -7,10 +7,12 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <vector>
 
 #include "compression/compressor.h"
 #include "core/error.h"
+#include "core/spec.h"
 
 namespace sparrow::compression::detail {
 
@@ -27,29 +29,62 @@ uint64_t step_key(const Context& ctx, uint64_t step);
 
 // ---- values -----------------------------------------------------------------
 size_t value_bytes(ValueType vt, uint64_t n);
-// Appends n packed values of src to out (kSign: bit i set when src[i] < 0).
-void pack_values(const float* src, uint64_t n, ValueType vt, Bytes& out);
-// Unpacks n values; kSign gives ±magnitude. bytes must hold value_bytes(vt, n).
+// Appends n packed values of src to out (kSign: bit i set when src[i] < 0;
+// kInt8: round(src[i] / scale) clamped to [-127, 127], 0 when scale is 0).
+void pack_values(const float* src, uint64_t n, ValueType vt, Bytes& out, float scale = 0.0f);
+// Unpacks n values; kSign gives ±magnitude, kInt8 q · magnitude. bytes must hold value_bytes(vt, n).
 void unpack_values(const uint8_t* bytes, uint64_t n, ValueType vt, float magnitude, float* dst);
-ValueType parse_value_type(const std::string& text);  // "fp32" | "fp16" | "bf16"
+// The scale unpack_values needs for e's values: scales[0] for kSign and kInt8, else 0.
+float value_scale(const Encoded& e);
+// kInt8's scale for these values: max |v| / 127 (0 when all are 0).
+float int8_scale(const float* v, uint64_t n);
+ValueType parse_value_type(const std::string& text);  // "fp32" | "fp16" | "bf16" | "int8"
 
 // ---- indices ----------------------------------------------------------------
-// Sets e.index_coding / e.indices / e.count for k strictly ascending indices in
-// [0, numel), choosing the smaller of delta-varint and bitmap.
-void encode_indices(const int64_t* idx, uint64_t k, int64_t numel, Encoded& e);
+// kAuto: the smaller of delta-varint and bitmap (what every peer since 1.0 reads);
+// kRice: the smaller of Rice-coded gaps and bitmap (protocol 1.2).
+enum class IndexMode : uint8_t { kAuto, kRice };
+IndexMode parse_index_mode(const std::string& text);  // "auto" | "rice"
+
+// Sets e.index_coding / e.indices / e.count (and, for kRice, e.params) for k
+// strictly ascending indices in [0, numel), choosing per `mode`.
+void encode_indices(const int64_t* idx, uint64_t k, int64_t numel, Encoded& e, IndexMode mode = IndexMode::kAuto);
 size_t delta_varint_bytes(const int64_t* idx, uint64_t k);
+// The Rice parameter that minimises the coded size of these gaps, and that size in bytes.
+struct RiceChoice {
+  uint32_t b = 0;
+  size_t bytes = 0;
+};
+RiceChoice best_rice(const int64_t* idx, uint64_t k);
 // Decodes e's indices (any coding but kNone), checking ranges, order and count;
 // throws FormatError when they are invalid.
 std::vector<int64_t> decode_indices(const Encoded& e);
 // k distinct indices in [0, n), ascending, a pure function of (key, k, n).
 std::vector<int64_t> seeded_indices(uint64_t key, uint64_t k, int64_t n);
 
+// ---- stale state (clients that skip rounds) ---------------------------------
+// What an error-feedback codec does with its memory when a client comes back
+// after skipping rounds (spec keys decay=D, max_age=A): the memory is multiplied
+// by D^skipped (D = 1, the default, keeps it, as STC does), and reset to zero
+// when more than A rounds were skipped (A = 0, the default: never).
+struct StalePolicy {
+  double decay = 1.0;
+  int64_t max_age = 0;
+  bool active() const { return decay != 1.0 || max_age > 0; }
+};
+StalePolicy parse_stale_policy(Spec& spec, const char* method);
+// Applies `policy` to the named slots of `state` for the rounds skipped between
+// state.last_round and ctx.round, then records ctx.round. A no-op for the slots
+// when either round is unknown (-1); returns the rounds skipped (0 when unknown).
+int64_t age_state(State& state, const Context& ctx, const StalePolicy& policy, std::initializer_list<const char*> slots);
+
 // The error-feedback residual (State slot "residual", zeros of x's shape when
 // missing), made contiguous, as a raw pointer for fused kernels.
 float* residual_data(State& state, const at::Tensor& x);
 
-// Builds a kSparse Encoded from ascending indices and their values.
+// Builds a kSparse Encoded from ascending indices and their values. kSign
+// sends sign_magnitude as the magnitude; kInt8 computes its scale from vals.
 Encoded make_sparse(const std::vector<int64_t>& shape, const int64_t* idx, const float* vals, uint64_t k, ValueType vt,
-                    float sign_magnitude = 0.0f);
+                    float sign_magnitude = 0.0f, IndexMode mode = IndexMode::kAuto);
 
 }  // namespace sparrow::compression::detail

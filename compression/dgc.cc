@@ -1,7 +1,12 @@
 // Deep Gradient Compression (Lin, Han, Mao, Wang, Dally, ICLR 2018), as in the
 // paper and its reference code (synxlin/deep-gradient-compression: DGCCompressor
 // and DGCSGDMemory):
-//   dgc:ratio=0.001,momentum=0.9,clip=0,warmup=0,sample=0.01,dense1d=1[,values=fp32|fp16|bf16]
+//   dgc:ratio=0.001,momentum=0,clip=0,warmup=0,sample=0.01,dense1d=1[,values=fp32|fp16|bf16|int8]
+//       [,index=auto|rice][,decay=D,max_age=A]
+// momentum defaults to 0 (the paper's 0.9 is momentum=0.9): in federated learning
+// with partial participation a client's momentum is many rounds stale when it is
+// next selected, and measured it costs accuracy (docs/compression.md). decay and
+// max_age age u and v over the rounds a client skipped (StalePolicy).
 // Per step on a tensor with dim() > 1, or dim() == 1 when dense1d=0 (state slots
 // "u" = momentum, "v" = velocity):
 //   g *= min(1, C·N^-1/2 / (||g||2 + 1e-6))      local gradient clipping, clip = C > 0
@@ -138,8 +143,17 @@ at::Tensor& state_slot(State& state, const char* name, const at::Tensor& like) {
 
 class DgcCompressor final : public Compressor {
  public:
-  DgcCompressor(double ratio, double momentum, double clip, int64_t warmup, double sample, bool dense1d, ValueType vt)
-      : ratio_(ratio), momentum_(momentum), clip_(clip), warmup_(warmup), sample_(sample), dense1d_(dense1d), vt_(vt) {}
+  DgcCompressor(double ratio, double momentum, double clip, int64_t warmup, double sample, bool dense1d, ValueType vt,
+                IndexMode index, StalePolicy stale)
+      : ratio_(ratio),
+        momentum_(momentum),
+        clip_(clip),
+        warmup_(warmup),
+        sample_(sample),
+        dense1d_(dense1d),
+        vt_(vt),
+        index_(index),
+        stale_(stale) {}
   std::string method() const override { return "dgc"; }
 
   Encoded encode(const at::Tensor& x_in, State& state, const Context& ctx) const override {
@@ -158,6 +172,7 @@ class DgcCompressor final : public Compressor {
       return e;
     }
     const int64_t n = x.numel();
+    age_state(state, ctx, stale_, {"u", "v"});
     float* u = state_slot(state, "u", x).data_ptr<float>();
     float* v = state_slot(state, "v", x).data_ptr<float>();
     const float* g = x.data_ptr<float>();
@@ -171,7 +186,7 @@ class DgcCompressor final : public Compressor {
       u[i] = 0.0f;  // momentum factor masking
       v[i] = 0.0f;
     }
-    Encoded e = make_sparse(shape_of(x), idx.data(), vals.data(), idx.size(), vt_);
+    Encoded e = make_sparse(shape_of(x), idx.data(), vals.data(), idx.size(), vt_, 0.0f, index_);
     ++state.step;
     return e;
   }
@@ -340,6 +355,7 @@ class DgcCompressor final : public Compressor {
       return e;
     }
     const int64_t n = x.numel();
+    age_state(state, ctx, stale_, {"u", "v"});
     at::Tensor& ut = cuda::device_slot(state, "u", x, "dgc");
     at::Tensor& vt = cuda::device_slot(state, "v", x, "dgc");
     void* stream = cuda::current_stream();
@@ -351,7 +367,7 @@ class DgcCompressor final : public Compressor {
                                 .to(x.device(), /*non_blocking=*/false);
       cuda::zero_at(ut.data_ptr<float>(), vt.data_ptr<float>(), di.data_ptr<int64_t>(), di.numel(), stream);
     }
-    Encoded e = make_sparse(shape_of(x), idx.data(), vals.data(), idx.size(), vt_);
+    Encoded e = make_sparse(shape_of(x), idx.data(), vals.data(), idx.size(), vt_, 0.0f, index_);
     ++state.step;
     return e;
   }
@@ -429,6 +445,8 @@ class DgcCompressor final : public Compressor {
   double sample_;
   bool dense1d_;
   ValueType vt_;
+  IndexMode index_;
+  StalePolicy stale_;
 };
 
 }  // namespace
@@ -437,7 +455,7 @@ void register_dgc() {
   register_compressor("dgc", [](Spec& spec) {
     const double ratio = spec.get_double("ratio", 0.001);
     SPARROW_CHECK_T(ConfigError, ratio > 0.0 && ratio <= 1.0, "dgc: ratio=" << ratio << " must be in (0, 1]");
-    const double momentum = spec.get_double("momentum", 0.9);
+    const double momentum = spec.get_double("momentum", 0.0);  // off in FL: see the header comment
     SPARROW_CHECK_T(ConfigError, momentum >= 0.0 && momentum < 1.0,
                     "dgc: momentum=" << momentum << " must be in [0, 1)");
     const double clip = spec.get_double("clip", 0.0);
@@ -448,7 +466,9 @@ void register_dgc() {
     SPARROW_CHECK_T(ConfigError, sample > 0.0 && sample <= 1.0, "dgc: sample=" << sample << " must be in (0, 1]");
     const bool dense1d = spec.get_bool("dense1d", true);
     const ValueType vt = parse_value_type(spec.get_string("values", "fp32"));
-    return std::make_unique<DgcCompressor>(ratio, momentum, clip, warmup, sample, dense1d, vt);
+    const IndexMode index = parse_index_mode(spec.get_string("index", "auto"));
+    const StalePolicy stale = parse_stale_policy(spec, "dgc");
+    return std::make_unique<DgcCompressor>(ratio, momentum, clip, warmup, sample, dense1d, vt, index, stale);
   });
 }
 

@@ -115,7 +115,8 @@ void validate(const Encoded& e) {
   const uint64_t n = static_cast<uint64_t>(numel);
   switch (e.format) {
     case Format::kDense:
-      SPARROW_CHECK_T(FormatError, e.value_type != ValueType::kSign, "dense: sign value type is not allowed");
+      SPARROW_CHECK_T(FormatError, e.value_type != ValueType::kSign && e.value_type != ValueType::kInt8,
+                      "dense: " << (e.value_type == ValueType::kSign ? "sign" : "int8") << " value type is not allowed");
       check_no_indices(e, "dense");
       check_values(e, n, "dense");
       return;
@@ -123,7 +124,11 @@ void validate(const Encoded& e) {
       SPARROW_CHECK_T(FormatError, e.count <= n, "sparse: count " << e.count << " exceeds numel " << n);
       SPARROW_CHECK_T(FormatError, e.index_coding != IndexCoding::kNone, "sparse: no index coding");
       check_values(e, e.count, "sparse");
-      check_scales(e, e.value_type == ValueType::kSign ? 1 : 0, "sparse");
+      check_scales(e, e.value_type == ValueType::kSign || e.value_type == ValueType::kInt8 ? 1 : 0, "sparse");
+      if (e.value_type == ValueType::kInt8)
+        SPARROW_CHECK_T(FormatError, e.scales[0] >= 0.0f, "sparse: negative int8 scale");
+      SPARROW_CHECK_T(FormatError, e.index_coding == IndexCoding::kRice || e.params.empty(),
+                      "sparse: unexpected params for this index coding");
       (void)detail::decode_indices(e);  // range, order and count checks
       return;
     case Format::kQuantized: {

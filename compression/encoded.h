@@ -17,7 +17,9 @@ enum class Format : uint8_t {
   // values: numel values of value_type (kF32, kF16, kBF16).
   kDense = 0,
   // `count` values of value_type at the positions given by index_coding.
-  // value_type kSign: one bit per value (1 = negative), magnitude scales[0].
+  // value_type kSign: one bit per value (1 = negative), magnitude scales[0];
+  // kInt8: one signed byte q per value, value = q · scales[0].
+  // index_coding kRice: params = {Rice parameter b}; otherwise params is empty.
   kSparse = 1,
   // QSGD. params = {levels s, bucket}; scales = one L2 norm per bucket;
   // values = per element Elias-gamma(level + 1) then, when level > 0, a sign bit
@@ -37,13 +39,19 @@ enum class Format : uint8_t {
   kLowRankFactor = 6,
 };
 
-enum class ValueType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2, kSign = 3 };
+// kInt8 (protocol 1.2): sparse only, symmetric 8-bit codes q in [-127, 127], value = q · scales[0].
+enum class ValueType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2, kSign = 3, kInt8 = 4 };
 
 enum class IndexCoding : uint8_t {
   kNone = 0,         // dense formats
   kDeltaVarint = 1,  // ascending indices, gaps (first: index itself) as LEB128 varints
   kBitmap = 2,       // ceil(numel/8) bytes, bit i set = index i present (LSB first)
   kSeeded = 3,       // no index bytes: `count` distinct indices drawn from key `seed` (random-k)
+  // Protocol 1.2: gaps minus one (as kDeltaVarint), each Golomb-Rice coded with
+  // parameter b = params[0]: the quotient gap >> b in unary (that many 1 bits, then
+  // a 0), then the low b bits, LSB first; a bit stream packed LSB first into bytes,
+  // zero padded. About log2(mean gap) + 1.5 bits per index against 8-16 for varints.
+  kRice = 4,
 };
 
 struct Encoded {

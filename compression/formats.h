@@ -20,7 +20,7 @@ void decode_lowrank_add(const Encoded& e, at::Tensor& out, float weight);       
 void decode_factor_add(const Encoded& e, at::Tensor& out, float weight, const Context& ctx);  // acp.cc
 
 void register_dense();        // none, fp16, bf16             (dense.cc)
-void register_sparsifiers();  // topk, randomk, threshold  (sparse.cc)
+void register_sparsifiers();  // topk, stc, randomk, threshold (sparse.cc)
 void register_dgc();          // dgc                          (dgc.cc)
 void register_quantizers();   // qsgd, terngrad, sign         (qsgd.cc, terngrad.cc, sign.cc via quantizers)
 void register_lowrank();      // powersgd, acp                (powersgd.cc, acp.cc)

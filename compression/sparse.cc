@@ -1,5 +1,8 @@
 // Sparsifiers that send (index, value) pairs, Format::kSparse:
-//   topk:ratio=R[,ef=0|1][,values=fp32|fp16|bf16]   exact top-k by magnitude
+//   topk:ratio=R[,ef=0|1][,values=fp32|fp16|bf16|int8][,index=auto|rice][,decay=D,max_age=A]
+//                                                    exact top-k by magnitude
+//   stc:ratio=R[,ef=0|1][,values=sign|int8|fp16|bf16|fp32][,index=rice|auto][,decay=D,max_age=A]
+//                                                    Sparse Ternary Compression (Sattler et al. 2019)
 //   randomk:ratio=R[,ef=0|1]                         k shared-seed random indices, unbiased
 //   threshold:tau=T[,ef=0|1]                         Strom (2015): ±tau where |residual| >= tau
 // plus the selection kernels DGC shares (declared in dgc.h).
@@ -173,8 +176,7 @@ float* compensate_in_place(const at::Tensor& x, State& state) {
 
 void subtract_sent(float* r, const Encoded& e, const int64_t* idx) {
   std::vector<float> dec(e.count);
-  const float mag = e.value_type == ValueType::kSign ? e.scales.at(0) : 0.0f;
-  unpack_values(e.values.data(), e.count, e.value_type, mag, dec.data());
+  unpack_values(e.values.data(), e.count, e.value_type, value_scale(e), dec.data());
   for (uint64_t j = 0; j < e.count; ++j) r[idx[j]] -= dec[j];
 }
 
@@ -184,28 +186,48 @@ std::vector<float> gather(const float* src, const std::vector<int64_t>& idx, flo
   return vals;
 }
 
+// Options every top-k style codec shares.
+struct SparseOptions {
+  double ratio = 0.01;
+  bool ef = false;
+  ValueType vt = ValueType::kF32;
+  IndexMode index = IndexMode::kAuto;
+  StalePolicy stale;
+};
+
+// Top-k of the (error-compensated) input. `ternary` is STC: the kept values are
+// replaced by sign · mean |kept| before packing (with values=sign that is the
+// format itself: one bit per value and one magnitude per tensor).
 class TopKCompressor final : public Compressor {
  public:
-  TopKCompressor(double ratio, bool ef, ValueType vt) : ratio_(ratio), ef_(ef), vt_(vt) {}
-  std::string method() const override { return "topk"; }
+  TopKCompressor(const char* method, SparseOptions o, bool ternary) : method_(method), o_(o), ternary_(ternary) {}
+  std::string method() const override { return method_; }
 
-  Encoded encode(const at::Tensor& x_in, State& state, const Context&) const override {
-    const at::Tensor x = as_input(x_in, "topk");
+  Encoded encode(const at::Tensor& x_in, State& state, const Context& ctx) const override {
+    const at::Tensor x = as_input(x_in, method_);
     const int64_t n = x.numel();
-    float* res = ef_ ? compensate_in_place(x, state) : nullptr;
-    const float* src = ef_ ? res : x.data_ptr<float>();
-    const std::vector<int64_t> idx = topk_abs_indices(src, n, n == 0 ? 0 : count_for(ratio_, n));
-    const std::vector<float> vals = gather(src, idx);
-    Encoded e = make_sparse(shape_of(x), idx.data(), vals.data(), idx.size(), vt_);
-    if (ef_) subtract_sent(res, e, idx.data());
+    if (o_.ef) age_state(state, ctx, o_.stale, {"residual"});
+    float* res = o_.ef ? compensate_in_place(x, state) : nullptr;
+    const float* src = o_.ef ? res : x.data_ptr<float>();
+    const std::vector<int64_t> idx = topk_abs_indices(src, n, n == 0 ? 0 : count_for(o_.ratio, n));
+    std::vector<float> vals = gather(src, idx);
+    float mu = 0.0f;
+    if (ternary_ && !vals.empty()) {
+      double sum = 0.0;
+      for (float v : vals) sum += std::fabs(v);
+      mu = static_cast<float>(sum / static_cast<double>(vals.size()));
+      for (float& v : vals) v = v < 0.0f ? -mu : mu;
+    }
+    Encoded e = make_sparse(shape_of(x), idx.data(), vals.data(), idx.size(), o_.vt, mu, o_.index);
+    if (o_.ef) subtract_sent(res, e, idx.data());
     ++state.step;
     return e;
   }
 
  private:
-  double ratio_;
-  bool ef_;
-  ValueType vt_;
+  const char* method_;
+  SparseOptions o_;
+  bool ternary_;
 };
 
 // Random-k (Stich et al. 2018; GRACE's randomk without its bias): indices are a
@@ -299,10 +321,25 @@ class ThresholdCompressor final : public Compressor {
 
 void register_sparsifiers() {
   register_compressor("topk", [](Spec& spec) {
-    const double ratio = parse_ratio(spec, "topk", 0.01);
-    const bool ef = spec.get_bool("ef", false);
-    const ValueType vt = parse_value_type(spec.get_string("values", "fp32"));
-    return std::make_unique<TopKCompressor>(ratio, ef, vt);
+    SparseOptions o;
+    o.ratio = parse_ratio(spec, "topk", 0.01);
+    o.ef = spec.get_bool("ef", false);
+    o.vt = parse_value_type(spec.get_string("values", "fp32"));
+    o.index = parse_index_mode(spec.get_string("index", "auto"));
+    o.stale = parse_stale_policy(spec, "topk");
+    SPARROW_CHECK_T(ConfigError, o.ef || !o.stale.active(), "topk: decay and max_age need ef=1 (they age its residual)");
+    return std::make_unique<TopKCompressor>("topk", o, false);
+  });
+  register_compressor("stc", [](Spec& spec) {
+    SparseOptions o;
+    o.ratio = parse_ratio(spec, "stc", 0.01);
+    o.ef = spec.get_bool("ef", true);
+    const std::string values = spec.get_string("values", "sign");
+    o.vt = values == "sign" ? ValueType::kSign : parse_value_type(values);
+    o.index = parse_index_mode(spec.get_string("index", "rice"));
+    o.stale = parse_stale_policy(spec, "stc");
+    SPARROW_CHECK_T(ConfigError, o.ef || !o.stale.active(), "stc: decay and max_age need ef=1 (they age its residual)");
+    return std::make_unique<TopKCompressor>("stc", o, true);
   });
   register_compressor("randomk", [](Spec& spec) {
     const double ratio = parse_ratio(spec, "randomk", 0.01);

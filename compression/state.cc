@@ -10,7 +10,7 @@ namespace sparrow::compression {
 namespace {
 
 constexpr char kMagic[4] = {'S', 'P', 'S', 'T'};
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;  // 2 adds last_round; 1 is still read
 
 template <typename T>
 void put(std::string& out, T v) {
@@ -59,6 +59,7 @@ std::string State::serialize() const {
   std::string out(kMagic, 4);
   put<uint32_t>(out, kVersion);
   put<uint64_t>(out, step);
+  put<int64_t>(out, last_round);
   put<uint32_t>(out, static_cast<uint32_t>(tensors.size()));
   for (const auto& [name, t] : tensors) {
     SPARROW_CHECK(t.scalar_type() == at::kFloat, "compressor state '" << name << "' is not float32");
@@ -77,9 +78,14 @@ State State::deserialize(const std::string& bytes) {
   SPARROW_CHECK_T(FormatError, bytes.size() >= 4 && std::memcmp(r.take(4), kMagic, 4) == 0,
                   "compressor state: bad magic");
   const uint32_t version = r.get<uint32_t>();
-  SPARROW_CHECK_T(FormatError, version == kVersion, "compressor state: unsupported version " << version);
+  SPARROW_CHECK_T(FormatError, version == 1 || version == kVersion,
+                  "compressor state: unsupported version " << version);
   State s;
   s.step = r.get<uint64_t>();
+  if (version >= 2) {
+    s.last_round = r.get<int64_t>();
+    SPARROW_CHECK_T(FormatError, s.last_round >= -1, "compressor state: bad last round " << s.last_round);
+  }
   const uint32_t count = r.get<uint32_t>();
   for (uint32_t i = 0; i < count; ++i) {
     const uint32_t name_len = r.get<uint32_t>();

@@ -14,6 +14,7 @@ namespace sparrow::compression {
 
 struct State {
   uint64_t step = 0;                          // encode() calls so far
+  int64_t last_round = -1;                    // Context::round of the last encode that had one; -1: none
   std::map<std::string, at::Tensor> tensors;  // float32, contiguous, CPU
 
   bool has(const std::string& key) const { return tensors.count(key) != 0; }
@@ -21,8 +22,9 @@ struct State {
   // shape no longer matches (a changed model resets that slot).
   at::Tensor& slot(const std::string& key, const at::Tensor& like);
 
-  // Self-describing little-endian bytes: magic "SPST", version, step, then
-  // (name, shape, fp32 data) per tensor.
+  // Self-describing little-endian bytes: magic "SPST", version (2), step,
+  // last_round, then (name, shape, fp32 data) per tensor. Version 1 (no
+  // last_round) is still read, as last_round = -1.
   std::string serialize() const;
   // Throws FormatError on truncated or malformed bytes.
   static State deserialize(const std::string& bytes);

@@ -25,6 +25,7 @@ void bind_fields(core::FlatConfig& f, SimConfig& c) {
   f.bind("seed", &c.seed);
   f.bind("dataset", &c.dataset);
   f.bind("test_fraction", &c.test_fraction);
+  f.bind("validation", &c.validation);
   f.bind("data_dir", &c.data_dir);
   f.bind("partition", &c.partition);
   f.bind("clients", &c.clients);
@@ -164,6 +165,9 @@ void finish(const core::FlatConfig& f, SimConfig& c, std::optional<double> alpha
   else
     spec_method(f, "dataset", c.dataset, {"fashion-mnist", "synthetic"});
   f.check("test_fraction", c.test_fraction > 0 && c.test_fraction < 1, "must be in (0, 1)");
+  f.check("validation", c.validation >= 0 && c.validation < 0.5, "must be in [0, 0.5) (0 = evaluate on the test set)");
+  f.check("validation", c.validation == 0 || c.dataset.rfind("synthetic", 0) != 0,
+          "is not available with the synthetic dataset (its test set is per client)");
   const std::string pmethod = spec_method(f, "partition", c.partition, {"iid", "dirichlet", "shards", "quantity"});
   if (alpha) fold_alpha(f, c, pmethod, *alpha);
   f.check("clients", c.clients >= 1, "must be >= 1");

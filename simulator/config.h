@@ -43,6 +43,7 @@ struct SimConfig {
   uint64_t seed = 0;
   std::string dataset = "fashion-mnist";  // or "synthetic:alpha=1,beta=1", or "folder:PATH" (the user's data)
   double test_fraction = 0.2;             // folder:PATH without a test split: the share of samples held out to test on
+  double validation = 0;  // share of the training samples held out to evaluate on instead of the test set, [0, 0.5)
   std::string data_dir = "/usr/share/datasets/fashion-mnist";
   std::string partition = "dirichlet:alpha=0.5";  // iid | dirichlet:alpha= | shards | quantity:alpha=
   int clients = 100;

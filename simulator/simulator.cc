@@ -210,7 +210,8 @@ struct Simulator::Impl {
   SimConfig cfg;
   fs::path dir;
   // Data: the full train tensor once, clients as index tensors.
-  at::Tensor train_x, train_y, test_x, test_y;
+  at::Tensor train_x, train_y, test_x, test_y;  // with validation > 0, test_* is the validation split
+  std::string validation_note;
   std::vector<at::Tensor> client_idx;  // each client's samples in the data set as loaded
   // train_x/train_y are stored client-major: client c's samples are rows
   // [client_off[c], client_off[c] + its count), so a client's data is a view.
@@ -369,6 +370,7 @@ struct Simulator::Impl {
       ds.check_all_consumed();
       core::Dataset tr = core::load_fashion_mnist(cfg.data_dir, "train");
       core::Dataset te = core::load_fashion_mnist(cfg.data_dir, "test");
+      hold_validation(tr, te);
       auto parts = core::partition(tr.y, cfg.clients, cfg.partition, rng::derive(cfg.seed, kPartitionTag));
       train_x = tr.x;
       train_y = tr.y;
@@ -428,6 +430,7 @@ struct Simulator::Impl {
       test_from =
           std::to_string(hold) + " samples held out (test_fraction = " + std::to_string(cfg.test_fraction) + ")";
     }
+    hold_validation(tr, *te);
     SPARROW_CHECK_T(
         ConfigError, tr.size() >= cfg.clients,
         "clients: " << cfg.clients << " clients but " << path << " has " << tr.size() << " training samples");
@@ -439,6 +442,21 @@ struct Simulator::Impl {
     for (auto& p : parts) client_idx.push_back(at::tensor(p, at::kLong));
     data_note = std::to_string(tr.size()) + " training samples from " + path + ", test set: " + test_from;
     store_client_major();
+  }
+
+  // validation > 0: `validation` of the training samples (drawn with the seed,
+  // before partitioning) replace the test set, which this run then never reads.
+  // Hyper-parameters are chosen on these runs; the chosen ones are then run
+  // with validation = 0 and reported on the test set.
+  void hold_validation(core::Dataset& tr, core::Dataset& te) {
+    if (cfg.validation <= 0) return;
+    const auto hold = static_cast<int64_t>(std::llround(cfg.validation * static_cast<double>(tr.size())));
+    SPARROW_CHECK_T(ConfigError, hold >= 1 && hold < tr.size(),
+                    "validation: " << cfg.validation << " of " << tr.size() << " training samples holds out " << hold);
+    te = core::hold_out(tr, hold, rng::derive(cfg.seed, kPartitionTag) ^ 0x7a11du);
+    validation_note = "evaluating on " + std::to_string(hold) + " validation samples held out of the " +
+                      std::to_string(tr.size() + hold) + " training samples (validation = " +
+                      std::to_string(cfg.validation) + "); the test set is not used";
   }
 
   void store_client_major() {
@@ -534,6 +552,7 @@ struct Simulator::Impl {
         else
           training = "one client at a time on " + cfg.device;
         if (!data_note.empty()) training += "; data: " + data_note;
+        if (!validation_note.empty()) training += "; " + validation_note;
         names = wk.trainer->names();
         for (const auto& n : names) {
           const at::Tensor& t = global.at(n);

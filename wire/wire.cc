@@ -41,9 +41,9 @@ static_assert(static_cast<int>(fb::ErrorCode::MAX) == static_cast<int>(ErrorCode
               "wire::ErrorCode must mirror fb::ErrorCode");
 static_assert(static_cast<int>(fb::Format::MAX) == static_cast<int>(c::Format::kLowRankFactor),
               "fb::Format must mirror compression::Format");
-static_assert(static_cast<int>(fb::ValueType::MAX) == static_cast<int>(c::ValueType::kSign),
+static_assert(static_cast<int>(fb::ValueType::MAX) == static_cast<int>(c::ValueType::kInt8),
               "fb::ValueType must mirror compression::ValueType");
-static_assert(static_cast<int>(fb::IndexCoding::MAX) == static_cast<int>(c::IndexCoding::kSeeded),
+static_assert(static_cast<int>(fb::IndexCoding::MAX) == static_cast<int>(c::IndexCoding::kRice),
               "fb::IndexCoding must mirror compression::IndexCoding");
 
 [[noreturn]] void fail(ErrorCode code, const std::string& what) { throw ProtocolError(code, what); }

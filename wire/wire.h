@@ -28,7 +28,8 @@ namespace sparrow::wire {
 
 // Major: a receiver refuses any other major. Minor: additions an older peer can
 // ignore (new optional fields, new union members it answers with kUnsupported).
-constexpr uint16_t kProtocolMajor = 1, kProtocolMinor = 1;  // 1.1: secure aggregation (SecAgg, Task.secagg)
+// 1.1: secure aggregation (SecAgg, Task.secagg); 1.2: Int8 sparse values and Rice-coded indices.
+constexpr uint16_t kProtocolMajor = 1, kProtocolMinor = 2;
 
 // parse() refuses larger buffers before looking at them (kOversize).
 constexpr size_t kDefaultMaxMessageBytes = size_t{1} << 30;

@@ -128,6 +128,44 @@ TEST_CASE("server optimizer: fedavgm is heavy-ball momentum on the pseudo-gradie
   check_matches(w, ref, 1e-5);
 }
 
+TEST_CASE("server optimizer: fedtopk applies the k largest of the error-compensated aggregate") {
+  ServerOptimizer opt("fedtopk:ratio=0.5");
+  Weights w{{"a", at::zeros({4})}};
+  opt.step(w, {{"a", at::tensor({1.0f, -3.0f, 0.5f, 2.0f})}});
+  CHECK(at::equal(w.at("a"), at::tensor({0.0f, -3.0f, 0.0f, 2.0f})));
+  // The unsent 1 and 0.5 stay in the error and are sent once they are among the largest.
+  opt.step(w, {{"a", at::tensor({1.0f, 0.0f, 0.0f, 0.0f})}});
+  CHECK(at::equal(w.at("a"), at::tensor({2.0f, -3.0f, 0.5f, 2.0f})));
+  CHECK(at::equal(opt.second_moment("a"), at::zeros({4})));
+  // Over many steps the model moves by the sum of the deltas, less what is still in the error.
+  ServerOptimizer big("fedtopk:ratio=0.1,lr=0.5");
+  Weights x = random_weights(3);
+  const Weights x0 = clone(x);
+  Weights sum{{"a", at::zeros({5, 7})}, {"b", at::zeros({11})}};
+  for (int t = 0; t < 30; ++t) {
+    Weights d = random_weights(200 + t, 0.1);
+    for (auto& [k, v] : sum) v += d.at(k);
+    const Weights before = clone(x);
+    big.step(x, d);
+    // At most k = ceil(0.1 n) coordinates move per step: 4 of a's 35, 2 of b's 11.
+    CHECK((x.at("a") != before.at("a")).sum().item<int64_t>() <= 4);
+    CHECK((x.at("b") != before.at("b")).sum().item<int64_t>() <= 2);
+  }
+  for (const auto& [k, v] : x) CHECK(at::allclose(v - x0.at(k) + big.second_moment(k), sum.at(k) * 0.5, 1e-5, 1e-5));
+  // With momentum the momentum is zeroed where the step went (FetchSGD's masking).
+  ServerOptimizer mom("fedtopk:ratio=0.25,momentum=0.9");
+  Weights y{{"a", at::zeros({4})}};
+  mom.step(y, {{"a", at::tensor({4.0f, 1.0f, 1.0f, 1.0f})}});
+  CHECK(at::equal(mom.first_moment("a"), at::tensor({0.0f, 1.0f, 1.0f, 1.0f})));
+  ServerOptimizer back("fedtopk:ratio=0.25,momentum=0.9");
+  back.deserialize_state(mom.serialize_state());
+  CHECK(at::equal(back.first_moment("a"), mom.first_moment("a")));
+  CHECK(at::equal(back.second_moment("a"), mom.second_moment("a")));
+  CHECK_THROWS_AS(ServerOptimizer{"fedtopk:ratio=0"}, sparrow::ConfigError);
+  CHECK_THROWS_AS(ServerOptimizer{"fedtopk:ratio=1.5"}, sparrow::ConfigError);
+  CHECK_THROWS_AS(ServerOptimizer{"fedtopk:momentum=1"}, sparrow::ConfigError);
+}
+
 TEST_CASE("server optimizer: fedadam, fedyogi, fedadagrad match Algorithm 2") {
   struct Case {
     const char* spec;

@@ -196,7 +196,9 @@ TEST_CASE("topk: configuration errors") {
   CHECK_THROWS_AS(make_compressor("topk:ratio=1.5"), ConfigError);
   CHECK_THROWS_AS(make_compressor("topk:ratio=-0.1"), ConfigError);
   CHECK_THROWS_AS(make_compressor("topk:ratio=0.1,foo=1"), ConfigError);
-  CHECK_THROWS_AS(make_compressor("topk:ratio=0.1,values=int8"), ConfigError);
+  CHECK_THROWS_AS(make_compressor("topk:ratio=0.1,values=int4"), ConfigError);
+  CHECK_THROWS_AS(make_compressor("topk:ratio=0.1,values=sign"), ConfigError);  // sign values are stc's
+  CHECK_THROWS_AS(make_compressor("topk:ratio=0.1,index=golomb"), ConfigError);
   CHECK_THROWS_AS(make_compressor("topk:ratio=0.1,ef=2"), ConfigError);
   CHECK_NOTHROW(make_compressor("topk"));  // ratio defaults to 0.01
   CHECK_NOTHROW(make_compressor("topk:ratio=1,ef=1,values=fp16"));

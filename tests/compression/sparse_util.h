@@ -14,11 +14,10 @@ inline std::vector<int64_t> to_vec(const at::Tensor& t) {
   return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
 }
 
-// The values of a kSparse Encoded as floats (sign values as ±magnitude).
+// The values of a kSparse Encoded as floats (sign values as ±magnitude, int8 as q · scale).
 inline std::vector<float> values_of(const Encoded& e) {
   std::vector<float> v(e.count);
-  const float mag = e.value_type == ValueType::kSign ? e.scales.at(0) : 0.0f;
-  detail::unpack_values(e.values.data(), e.count, e.value_type, mag, v.data());
+  detail::unpack_values(e.values.data(), e.count, e.value_type, detail::value_scale(e), v.data());
   return v;
 }
 

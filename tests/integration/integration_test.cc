@@ -1270,6 +1270,9 @@ TEST_CASE("secagg: the model equals a plain run's to the quantisation step and t
   fs::remove_all(dir);
 }
 
+// Slow (about 50 s each on 2 cores, several client processes and phase timeouts): the
+// same dropout paths run in-process in tests/secagg/secagg_test.cc in the default suite.
+TEST_SUITE("slow") {
 TEST_CASE("secagg: clients dropping at every stage below the threshold do not stop the round") {
   // 8 clients, complete graph (degree 8 > n - 1), threshold 3. c1 dies on its
   // Task, c2 before its shares, c3 before its masked update, c4 before
@@ -1332,6 +1335,7 @@ TEST_CASE("secagg: more dropouts than the threshold allows fail the round cleanl
   CHECK(rounds[0].updates == 5);
   fs::remove_all(dir);
 }
+}  // TEST_SUITE("slow")
 
 TEST_CASE("secagg: a client refuses a server that asks for both shares of one client") {
   // This test is the server: a ROUTER speaking the protocol to a real

@@ -719,6 +719,45 @@ TEST_CASE("simulator: a folder dataset trains, holds out a test share or uses te
   std::remove(narrow.c_str());
 }
 
+TEST_CASE("simulator: validation holds out training samples and evaluates on them instead of the test set") {
+  TempDir d("validation");
+  const std::string data = d.path + "_data";
+  write_folder(data, 200, 1);
+  write_folder(data + "/test", 30, 2);
+  SimConfig c = tiny(d.path);
+  c.dataset = "folder:" + data;
+  c.model = "mlp";
+  c.partition = "iid";
+  c.clients = 4;
+  c.clients_per_round = 4;
+  c.rounds = 2;
+  c.eval_every = 1;
+  c.validation = 0.25;
+  std::vector<std::vector<int64_t>> parts;
+  {
+    Simulator sim(c);
+    CHECK(sim.training_mode().find("evaluating on 50 validation samples held out of the 200 training samples") !=
+          std::string::npos);
+    CHECK(sim.training_mode().find("the test set is not used") != std::string::npos);
+    sim.run();
+    CHECK(std::isfinite(sim.summary().accuracy));
+    parts = sim.partition();
+    size_t n = 0;
+    for (const auto& p : parts) n += p.size();
+    CHECK(n == 150);
+  }
+  {
+    Simulator again(c);  // the same seed holds out the same samples
+    CHECK(again.partition() == parts);
+  }
+  CHECK_THROWS_AS(parse_config_string("validation = 0.5\n"), sparrow::ConfigError);
+  CHECK_THROWS_WITH_AS(parse_config_string("validation = 0.1\ndataset = \"synthetic\"\n"),
+                       doctest::Contains("validation"), sparrow::ConfigError);
+  CHECK_THROWS_WITH_AS(parse_config_string("validation = -0.1\n"), doctest::Contains("validation"),
+                       sparrow::ConfigError);
+  fs::remove_all(data);
+}
+
 TEST_CASE("simulator: a stop in the middle of a round forgets that round, and resume equals the uninterrupted run") {
   for (const std::string comp : {"dgc:ratio=0.1,momentum=0.9", "none"}) {
     CAPTURE(comp);

@@ -213,11 +213,55 @@ Message golden_secagg() {
   return m;
 }
 
+// Protocol 1.2: a sparse tensor with Rice-coded indices and int8 values, and an STC one
+// (Rice indices, sign values). numel 300, positions {0, 5, 200, 299}: gaps minus one
+// 0, 4, 194, 98; with b = 5 each is unary(gap >> 5), a 0, then 5 low bits, LSB first:
+//   0 -> 0 00000, 4 -> 0 00100, 194 -> 111111 0 01000, 98 -> 111 0 01000 (33 bits, 5 bytes).
+Message golden_rice() {
+  Encoded e;
+  e.format = Format::kSparse;
+  e.shape = {3, 100};
+  e.value_type = ValueType::kInt8;
+  e.index_coding = IndexCoding::kRice;
+  e.count = 4;
+  e.params = {5};
+  e.scales = {0.5f};
+  e.values = std::vector<uint8_t>{0x7f, 0x81, 0x00, 0x02};  // 127, -127, 0, 2 (x 0.5)
+  std::vector<uint8_t> bits;
+  auto put = [&bits](int n, uint64_t v) {
+    for (int i = 0; i < n; ++i) bits.push_back(static_cast<uint8_t>((v >> i) & 1));
+  };
+  auto rice = [&put](uint64_t gap) {
+    for (uint64_t q = gap >> 5; q > 0; --q) put(1, 1);
+    put(1, 0);
+    put(5, gap & 31);
+  };
+  for (uint64_t gap : {0, 4, 194, 98}) rice(gap);
+  std::vector<uint8_t> bytes((bits.size() + 7) / 8, 0);
+  for (size_t i = 0; i < bits.size(); ++i) bytes[i / 8] |= static_cast<uint8_t>(bits[i] << (i % 8));
+  e.indices = bytes;
+  Encoded stc = e;
+  stc.value_type = ValueType::kSign;
+  stc.scales = {0.25f};
+  stc.values = std::vector<uint8_t>{0x0a};  // +, -, +, -
+  ModelUpdate u;
+  u.round = 9;
+  u.client_id = "client-3";
+  u.num_samples = 17;
+  u.tensors.push_back({"fc.weight", e});
+  u.tensors.push_back({"fc2.weight", stc});
+  Message m;
+  m.minor = 2;
+  m.body = std::move(u);
+  return m;
+}
+
 const std::vector<std::pair<std::string, Message (*)()>>& golden_files() {
   static const std::vector<std::pair<std::string, Message (*)()>> files = {{"update_v1_dense.bin", golden_dense},
                                                                            {"update_v1_sparse.bin", golden_sparse},
                                                                            {"error_v1.bin", golden_error},
-                                                                           {"secagg_v1_1.bin", golden_secagg}};
+                                                                           {"secagg_v1_1.bin", golden_secagg},
+                                                                           {"update_v1_2_rice.bin", golden_rice}};
   return files;
 }
 
@@ -548,8 +592,29 @@ TEST_CASE("wire: golden buffers (regenerate with SPARROW_WRITE_GOLDEN=1)") {
     const Message got = parse(bytes);
     check_same(got, golden.second());
     CHECK(got.major == 1);
-    CHECK(got.minor == (name.find("v1_1") != std::string::npos ? 1 : 0));
+    CHECK(got.minor == (name.find("v1_2") != std::string::npos   ? 2
+                        : name.find("v1_1") != std::string::npos ? 1
+                                                                 : 0));
   }
+}
+
+TEST_CASE("wire: golden 1.2 update (Rice indices, int8 and sign values) decodes to its values") {
+  const Message m = parse(read_file(golden_path("update_v1_2_rice.bin")));
+  const auto& u = std::get<ModelUpdate>(m.body);
+  REQUIRE(u.tensors.size() == 2);
+  const at::Tensor a = sparrow::compression::decode(u.tensors[0].tensor).reshape(-1);
+  const at::Tensor b = sparrow::compression::decode(u.tensors[1].tensor).reshape(-1);
+  at::Tensor want_a = at::zeros({300});
+  want_a[0] = 63.5f;
+  want_a[5] = -63.5f;
+  want_a[299] = 1.0f;
+  CHECK(at::equal(a, want_a));
+  at::Tensor want_b = at::zeros({300});
+  want_b[0] = 0.25f;
+  want_b[5] = -0.25f;
+  want_b[200] = 0.25f;
+  want_b[299] = -0.25f;
+  CHECK(at::equal(b, want_b));
 }
 
 TEST_CASE("wire: golden dense update, field by field") {
@@ -819,8 +884,11 @@ TEST_CASE("wire: rejects tensors that fail validation") {
     Encoded e = sign_tensor();
     e.format = static_cast<Format>(7);
     expect_rejected(one(e), ErrorCode::kUnsupported, "unknown format 7");
-    e = dense({1}, static_cast<ValueType>(4), {0});
-    expect_rejected(one(e), ErrorCode::kUnsupported, "unknown value type 4");
+    e = dense({1}, static_cast<ValueType>(5), {0});
+    expect_rejected(one(e), ErrorCode::kUnsupported, "unknown value type 5");
+    e = dense({1}, ValueType::kInt8, {0});  // known since 1.2, but not for a dense tensor
+    e.scales = {1.0f};
+    expect_rejected(one(e), ErrorCode::kMalformed, "int8 value type is not allowed");
     e = sparse_seeded_f32();
     e.index_coding = static_cast<IndexCoding>(200);
     expect_rejected(one(e), ErrorCode::kUnsupported, "unknown index coding 200");
