@@ -95,6 +95,8 @@ void ServerOptimizer::step(std::map<std::string, at::Tensor>& weights, const std
                   "server optimizer: '" << name << "' weight " << w.sizes() << " vs delta " << it->second.sizes());
     SPARROW_CHECK(it->second.numel() == 0 || at::isfinite(it->second).all().item<bool>(),
                   "server optimizer: delta of '" << name << "' is not finite");
+    SPARROW_CHECK(kind_ != Kind::kFedTopK || w.is_contiguous(),
+                  "server optimizer: fedtopk needs contiguous weights ('" << name << "' is not)");
     if (have_state) {
       const auto& ref = kind_ == Kind::kFedAvgM ? m_ : v_;
       auto sit = ref.find(name);
@@ -146,7 +148,6 @@ void ServerOptimizer::step(std::map<std::string, at::Tensor>& weights, const std
         break;
       }
       case Kind::kFedTopK: {
-        SPARROW_CHECK(w.is_contiguous(), "server optimizer: weight '" << name << "' must be contiguous");
         at::Tensor& m = m_[name];
         at::Tensor& e = v_[name];
         const auto opts = at::TensorOptions().dtype(at::kFloat);

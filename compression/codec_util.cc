@@ -113,9 +113,9 @@ void pack_values(const float* src, uint64_t n, ValueType vt, Bytes& out, float s
       return;
     }
     case ValueType::kInt8: {
-      const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+      // Divide (not multiply by 1/scale): 1/scale overflows for a scale below 2^-128.
       for (uint64_t i = 0; i < n; ++i) {
-        const float q = std::nearbyint(std::min(127.0f, std::max(-127.0f, src[i] * inv)));
+        const float q = scale > 0.0f ? std::nearbyint(std::min(127.0f, std::max(-127.0f, src[i] / scale))) : 0.0f;
         dst[i] = static_cast<uint8_t>(static_cast<int8_t>(q));
       }
       return;
@@ -302,6 +302,15 @@ RiceChoice best_rice(const int64_t* idx, uint64_t k) {
   return best;
 }
 
+void encode_indices_rice(const int64_t* idx, uint64_t k, uint32_t b, Encoded& e) {
+  SPARROW_CHECK(b <= kMaxRiceParameter, "Rice parameter " << b << " above " << kMaxRiceParameter);
+  e.count = k;
+  e.index_coding = IndexCoding::kRice;
+  e.params = {b};
+  e.indices.clear();
+  encode_rice(idx, k, b, e.indices);
+}
+
 void encode_indices(const int64_t* idx, uint64_t k, int64_t numel, Encoded& e, IndexMode mode) {
   e.count = k;
   e.indices.clear();
@@ -309,15 +318,15 @@ void encode_indices(const int64_t* idx, uint64_t k, int64_t numel, Encoded& e, I
   const size_t bitmap = static_cast<size_t>((numel + 7) / 8);
   if (mode == IndexMode::kRice) {
     const RiceChoice rice = best_rice(idx, k);
-    if (rice.bytes + sizeof(uint32_t) < bitmap) {
-      e.index_coding = IndexCoding::kRice;
-      e.params = {rice.b};
+    // Rice (plus its parameter) unless varints or a bitmap are smaller: one Rice
+    // parameter fits clustered positions (runs and long jumps) badly.
+    if (rice.bytes + sizeof(uint32_t) < bitmap && rice.bytes + sizeof(uint32_t) < delta_varint_bytes(idx, k)) {
       e.indices.reserve(rice.bytes);
-      encode_rice(idx, k, rice.b, e.indices);
+      encode_indices_rice(idx, k, rice.b, e);
       return;
     }
   }
-  const size_t delta = mode == IndexMode::kRice ? SIZE_MAX : delta_varint_bytes(idx, k);
+  const size_t delta = delta_varint_bytes(idx, k);
   if (bitmap < delta) {
     e.index_coding = IndexCoding::kBitmap;
     e.indices.assign(bitmap, 0);

@@ -42,7 +42,7 @@ ValueType parse_value_type(const std::string& text);  // "fp32" | "fp16" | "bf16
 
 // ---- indices ----------------------------------------------------------------
 // kAuto: the smaller of delta-varint and bitmap (what every peer since 1.0 reads);
-// kRice: the smaller of Rice-coded gaps and bitmap (protocol 1.2).
+// kRice: the smallest of Rice-coded gaps (protocol 1.2), delta-varint and bitmap.
 enum class IndexMode : uint8_t { kAuto, kRice };
 IndexMode parse_index_mode(const std::string& text);  // "auto" | "rice"
 
@@ -56,6 +56,8 @@ struct RiceChoice {
   size_t bytes = 0;
 };
 RiceChoice best_rice(const int64_t* idx, uint64_t k);
+// Sets e's positions as a Rice stream with parameter b (<= 40), whatever its size.
+void encode_indices_rice(const int64_t* idx, uint64_t k, uint32_t b, Encoded& e);
 // Decodes e's indices (any coding but kNone), checking ranges, order and count;
 // throws FormatError when they are invalid.
 std::vector<int64_t> decode_indices(const Encoded& e);

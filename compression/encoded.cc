@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "compression/codec_util.h"
 #include "core/error.h"
@@ -125,8 +126,14 @@ void validate(const Encoded& e) {
       SPARROW_CHECK_T(FormatError, e.index_coding != IndexCoding::kNone, "sparse: no index coding");
       check_values(e, e.count, "sparse");
       check_scales(e, e.value_type == ValueType::kSign || e.value_type == ValueType::kInt8 ? 1 : 0, "sparse");
-      if (e.value_type == ValueType::kInt8)
-        SPARROW_CHECK_T(FormatError, e.scales[0] >= 0.0f, "sparse: negative int8 scale");
+      if (e.value_type == ValueType::kInt8) {
+        // q · scale must stay finite for every q in [-127, 127]; -128 is not a code.
+        SPARROW_CHECK_T(FormatError, e.scales[0] >= 0.0f && e.scales[0] <= std::numeric_limits<float>::max() / 127.0f,
+                        "sparse: int8 scale " << e.scales[0] << " outside [0, FLT_MAX/127]");
+        const uint8_t* q = e.values.data();
+        for (uint64_t i = 0; i < e.count; ++i)
+          SPARROW_CHECK_T(FormatError, q[i] != 0x80, "sparse: int8 code -128 at value " << i << " (codes are -127..127)");
+      }
       SPARROW_CHECK_T(FormatError, e.index_coding == IndexCoding::kRice || e.params.empty(),
                       "sparse: unexpected params for this index coding");
       (void)detail::decode_indices(e);  // range, order and count checks

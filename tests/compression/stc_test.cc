@@ -26,12 +26,26 @@ namespace {
 // k distinct sorted indices in [0, n), from a seed.
 std::vector<int64_t> random_indices(uint64_t seed, uint64_t k, int64_t n) { return cd::seeded_indices(seed, k, n); }
 
+// What the codecs send with index=rice: the smallest of Rice, varints and a bitmap.
 Encoded rice_of(const std::vector<int64_t>& idx, int64_t numel) {
   Encoded e;
   e.format = Format::kSparse;
   e.shape = {numel};
   e.value_type = ValueType::kF32;
   cd::encode_indices(idx.data(), idx.size(), numel, e, cd::IndexMode::kRice);
+  std::vector<float> vals(idx.size(), 1.0f);
+  cd::pack_values(vals.data(), vals.size(), ValueType::kF32, e.values);
+  return e;
+}
+
+// A Rice stream whatever its size, with the best parameter or a given one.
+Encoded forced_rice(const std::vector<int64_t>& idx, int64_t numel, int b = -1) {
+  Encoded e;
+  e.format = Format::kSparse;
+  e.shape = {numel};
+  e.value_type = ValueType::kF32;
+  const uint32_t param = b >= 0 ? static_cast<uint32_t>(b) : cd::best_rice(idx.data(), idx.size()).b;
+  cd::encode_indices_rice(idx.data(), idx.size(), param, e);
   std::vector<float> vals(idx.size(), 1.0f);
   cd::pack_values(vals.data(), vals.size(), ValueType::kF32, e.values);
   return e;
@@ -76,20 +90,27 @@ TEST_CASE("rice: first and last positions, runs and long gaps") {
   for (const std::vector<int64_t>& idx :
        {std::vector<int64_t>{0}, std::vector<int64_t>{n - 1}, std::vector<int64_t>{0, n - 1},
         std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 1000000}, std::vector<int64_t>{17, 18, 19, 500000, 500001}}) {
-    const Encoded e = rice_of(idx, n);
-    REQUIRE(e.index_coding == IndexCoding::kRice);
-    CHECK(cd::decode_indices(e) == idx);
+    for (const int b : {-1, 0, 3, 19, 40}) {
+      CAPTURE(b);
+      const Encoded e = forced_rice(idx, n, b);
+      REQUIRE_NOTHROW(validate(e));
+      CHECK(cd::decode_indices(e) == idx);
+    }
+    // index=rice picks whichever is smallest: these few clustered positions cost less as varints.
+    const Encoded chosen = rice_of(idx, n);
+    CHECK(cd::decode_indices(chosen) == idx);
+    CHECK(chosen.indices.size() + chosen.params.size() * 4 <= cd::delta_varint_bytes(idx.data(), idx.size()));
   }
-  // b = 0 forced by hand: the gaps are all unary.
-  Encoded e = rice_of({0, 1, 2}, 100);
-  REQUIRE(e.index_coding == IndexCoding::kRice);
+  CHECK(rice_of({0}, n).index_coding == IndexCoding::kDeltaVarint);
+  const Encoded e = forced_rice({0, 1, 2}, 100);  // all gaps 0: b = 0, three 0 bits
   CHECK(e.params == std::vector<uint32_t>{0});
+  CHECK(e.indices == std::vector<uint8_t>{0x00});
   CHECK(cd::decode_indices(e) == std::vector<int64_t>{0, 1, 2});
 }
 
 TEST_CASE("rice: malformed streams are refused by validate") {
   const std::vector<int64_t> idx = random_indices(4, 40, 100000);
-  const Encoded good = rice_of(idx, 100000);
+  const Encoded good = forced_rice(idx, 100000);
   REQUIRE(good.index_coding == IndexCoding::kRice);
   REQUIRE_NOTHROW(validate(good));
   {
@@ -131,10 +152,9 @@ TEST_CASE("rice: malformed streams are refused by validate") {
       }
       return bits;
     }();
-    if (used_bits % 8 != 0) {
-      e.indices.back() |= 0x80;
-      CHECK_THROWS_AS(validate(e), FormatError);
-    }
+    REQUIRE(used_bits % 8 != 0);  // this seed's stream ends inside its last byte
+    e.indices.back() |= 0x80;
+    CHECK_THROWS_AS(validate(e), FormatError);
   }
   {
     Encoded e = good;  // an index past numel
@@ -179,8 +199,22 @@ TEST_CASE("int8 values: within half a step of the input, scale checked") {
   Encoded bad = e;
   bad.scales = {-1.0f};
   CHECK_THROWS_AS(validate(bad), FormatError);
+  bad.scales = {3e37f};  // 127 · 3e37 is not a float: a peer cannot make a validated value infinite
+  CHECK_THROWS_AS(validate(bad), FormatError);
   bad.scales.clear();
   CHECK_THROWS_AS(validate(bad), FormatError);
+  bad = e;
+  bad.values = e.values;
+  bad.values.data()[0] = 0x80;  // -128 is not a code
+  CHECK_THROWS_AS(validate(bad), FormatError);
+  // Values near the smallest floats: 1/scale would overflow, the quantiser divides instead.
+  const std::vector<int64_t> at{1, 2, 3};
+  const std::vector<float> tiny{1e-38f, 0.0f, -5e-39f};
+  const Encoded t = cd::make_sparse({10}, at.data(), tiny.data(), 3, ValueType::kInt8);
+  const std::vector<float> back = values_of(t);
+  CHECK(back[0] == doctest::Approx(1e-38f).epsilon(0.01));
+  CHECK(back[1] == 0.0f);
+  CHECK(back[2] == doctest::Approx(-5e-39f).epsilon(0.01));
   Encoded dense;
   dense.format = Format::kDense;
   dense.shape = {4};
@@ -239,6 +273,14 @@ TEST_CASE("stc: other value types, ef=0, configuration errors") {
   State s;
   make_compressor("stc:ratio=0.02,ef=0")->encode(x, s, {});
   CHECK(s.tensors.empty());
+  // Fewer nonzeros than k: the zeros are not sent (they would arrive as +mu).
+  at::Tensor few = at::zeros({1000});
+  few[3] = 2.0f;
+  few[700] = -1.0f;
+  State sf;
+  const Encoded ef = make_compressor("stc:ratio=0.01")->encode(few, sf, {});
+  CHECK(ef.count == 2);
+  CHECK(at::equal(decode(ef), at::where(few != 0, few.sign() * 1.5f, few)));
   CHECK_THROWS_AS(make_compressor("stc:ratio=0"), ConfigError);
   CHECK_THROWS_AS(make_compressor("stc:values=int4"), ConfigError);
   CHECK_THROWS_AS(make_compressor("stc:index=golomb"), ConfigError);
@@ -284,10 +326,30 @@ TEST_CASE("stale residuals: kept, decayed per skipped round, reset past max_age"
 TEST_CASE("stale momentum in dgc: u and v age together") {
   at::manual_seed(14);
   const at::Tensor x = at::randn({100, 10});
-  auto dgc = make_compressor("dgc:ratio=0.01,momentum=0.9,decay=0.5,max_age=3");
+  auto dgc = make_compressor("dgc:ratio=0.01,momentum=0.9,decay=0.5,max_age=3,sample=1");
+  auto plain = make_compressor("dgc:ratio=0.01,momentum=0.9,sample=1");
   State s;
   dgc->encode(x, s, round_ctx(0));
   const at::Tensor u0 = s.tensors.at("u").clone(), v0 = s.tensors.at("v").clone();
+  // The codec at round 3 (2 rounds skipped) equals the plain codec fed u, v aged by 0.25,
+  // and at round 8 (4 skipped, more than max_age) the plain codec fed zeros.
+  for (const std::pair<int64_t, double> rf : {std::pair<int64_t, double>{3, 0.25}, std::pair<int64_t, double>{8, 0.0}}) {
+    const int64_t round = rf.first;  // not a structured binding: CAPTURE's lambda captures it (C++17)
+    const double factor = rf.second;
+    CAPTURE(round);
+    State a = s, ref;
+    a.tensors["u"] = u0.clone();
+    a.tensors["v"] = v0.clone();
+    ref.step = s.step;
+    ref.tensors["u"] = u0 * factor;
+    ref.tensors["v"] = v0 * factor;
+    const Encoded got = dgc->encode(x, a, round_ctx(round));
+    Context c = round_ctx(round);
+    const Encoded want = plain->encode(x, ref, c);
+    CHECK(at::equal(decode(got), decode(want)));
+    CHECK(at::equal(a.tensors.at("u"), ref.tensors.at("u")));
+    CHECK(at::equal(a.tensors.at("v"), ref.tensors.at("v")));
+  }
   State t = s;
   t.tensors["u"] = u0.clone();
   t.tensors["v"] = v0.clone();
