@@ -1500,7 +1500,13 @@ struct Server::Impl {
         c.name = nm;
         c.seed = dkey;
         c.round = static_cast<int64_t>(r);
-        compression::Encoded e = down->encode(diff, down_state[nm], c);
+        // W - B already holds everything not yet broadcast: it is the error
+        // feedback. The codec's own memory (residual, DGC's u and v) would count
+        // that part a second time and overshoot, so it is cleared; its step
+        // count (random streams) is kept.
+        compression::State& st = down_state[nm];
+        st.tensors.clear();
+        compression::Encoded e = down->encode(diff, st, c);
         compression::decode_add(e, broadcast.at(nm), 1.0f, c);
         down_last.push_back({nm, std::move(e)});
       }

@@ -40,6 +40,7 @@ void bind_fields(core::FlatConfig& f, SimConfig& c) {
   f.bind("momentum", &c.momentum);
   f.bind("weight_decay", &c.weight_decay);
   f.bind("compression", &c.compression);
+  f.bind("downlink", &c.downlink);
   f.bind("server_optimizer", &c.server_optimizer);
   f.bind("aggregator", &c.aggregator);
   f.bind("dp", &c.dp);
@@ -184,6 +185,8 @@ void finish(const core::FlatConfig& f, SimConfig& c, std::optional<double> alpha
   f.check("momentum", c.momentum >= 0 && c.momentum < 1, "must be in [0, 1)");
   f.check("weight_decay", c.weight_decay >= 0, "must be >= 0");
   spec_method(f, "compression", c.compression, {});
+  spec_method(f, "downlink", c.downlink, {});
+  f.check("downlink", c.downlink.rfind("acp", 0) != 0, "acp needs a shared factor per round and cannot compress the broadcast");
   spec_method(f, "server_optimizer", c.server_optimizer, {});
   check_robust(f, c);
   f.check("workers", c.workers >= 1, "must be >= 1");

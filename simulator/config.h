@@ -58,6 +58,7 @@ struct SimConfig {
   double momentum = 0;                      // [0, 1)
   double weight_decay = 0;                  // >= 0
   std::string compression = "none";         // compressor spec string
+  std::string downlink = "none";            // compressor spec for the broadcast model delta (as sparrow-server's)
   std::string server_optimizer = "fedavg";  // server optimiser spec string
   std::string aggregator = "mean";          // robust aggregator spec (aggregation/robust.h)
   std::string dp = "none";                  // differential privacy spec: none | central:... | local:...

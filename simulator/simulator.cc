@@ -220,6 +220,16 @@ struct Simulator::Impl {
   double availability = 1;
 
   std::unique_ptr<compression::Compressor> compressor;
+  // Downlink compression, as sparrow-server does it (docs/server.md): clients
+  // train from the broadcast model B; after each round the server encodes
+  // C = W - B (the gap is the error feedback) and B += C. A
+  // client that took part in the previous round holds the broadcast of the
+  // round before and is sent C (its wire bytes); any other client the dense model.
+  std::unique_ptr<compression::Compressor> down;
+  client::Weights broadcast;
+  std::map<std::string, compression::State> down_state;
+  uint64_t down_bytes = 0;         // wire bytes of the last C
+  std::vector<int> last_trained;   // per client: the last round it was selected in, -1: never
   std::vector<std::string> names;  // parameter names, model order
   aggregation::TensorShapes shapes;
   uint64_t model_bytes = 0;  // dense fp32
@@ -559,6 +569,8 @@ struct Simulator::Impl {
           shapes.emplace_back(n, t.sizes().vec());
           model_bytes += static_cast<uint64_t>(t.numel()) * 4;
         }
+        if (down)
+          for (const auto& [n, v] : global) broadcast[n] = v.clone();
       }
       wk.agg = std::make_unique<aggregation::Accumulator>(aggregator->make_accumulator(shapes));
       workers.push_back(std::move(wk));
@@ -621,10 +633,39 @@ struct Simulator::Impl {
     store->set_meta("checkpoint.scaffold", server_control.empty() ? std::string() : serialize_weights(server_control));
     store->set_meta("checkpoint.acp", acp_shared.empty() ? std::string() : serialize_weights(acp_shared));
     store->set_meta("checkpoint.aggregator", aggregator->serialize_state());
+    if (down) {
+      store->set_meta("checkpoint.broadcast", serialize_weights(broadcast));
+      std::string last;
+      for (int r : last_trained) last += std::to_string(r) + ",";
+      store->set_meta("checkpoint.downlink", std::to_string(down_bytes) + ";" + last);
+      for (const auto& [n, st] : down_state) store->set_meta("checkpoint.downlink_state." + n, st.serialize());
+    }
     if (wait)
       store->flush();
     else
       store->flush_async();
+  }
+
+  void load_downlink(const std::string& bcast, const std::string& meta) {
+    client::Weights b = deserialize_weights(bcast);
+    for (auto& [k, v] : broadcast) {
+      SPARROW_CHECK_T(FormatError, b.count(k) && b.at(k).sizes() == v.sizes(),
+                      "resume: the checkpoint's broadcast model does not match the model at '" << k << "'");
+      v.copy_(b.at(k));
+    }
+    const size_t semi = meta.find(';');
+    SPARROW_CHECK_T(FormatError, semi != std::string::npos, "resume: malformed downlink checkpoint");
+    down_bytes = std::stoull(meta.substr(0, semi));
+    last_trained.clear();
+    std::stringstream ss(meta.substr(semi + 1));
+    for (std::string item; std::getline(ss, item, ',');)
+      if (!item.empty()) last_trained.push_back(std::stoi(item));
+    SPARROW_CHECK_T(FormatError, last_trained.empty() || last_trained.size() == static_cast<size_t>(cfg.clients),
+                    "resume: the downlink checkpoint holds " << last_trained.size() << " clients, not " << cfg.clients);
+    down_state.clear();
+    for (const auto& n : names)
+      if (std::optional<std::string> st = store->get_meta("checkpoint.downlink_state." + n))
+        down_state[n] = compression::State::deserialize(*st);
   }
 
   void load_checkpoint() {
@@ -651,6 +692,7 @@ struct Simulator::Impl {
     server_control = deserialize_weights(blob("scaffold"));
     acp_shared = deserialize_weights(blob("acp"));
     if (std::optional<std::string> a = store->get_meta("checkpoint.aggregator")) aggregator->deserialize_state(*a);
+    if (down) load_downlink(blob("broadcast"), blob("downlink"));
     SPARROW_CHECK_T(ConfigError, round <= cfg.rounds,
                     "resume: the run already has " << round << " rounds, more than rounds = " << cfg.rounds);
     for (int r0 = 0; r0 < round; ++r0) count_participations(select_clients(r0));
@@ -732,6 +774,41 @@ struct Simulator::Impl {
       most_participations = std::max<int64_t>(most_participations, ++participations[static_cast<size_t>(c)]);
   }
 
+  // The model the clients of a round start from.
+  const client::Weights& start_model() const { return down ? broadcast : global; }
+
+  // Downlink bytes of round t (0-based) for the selected clients, and their
+  // bookkeeping; then, after the server step, the broadcast of round t.
+  uint64_t downlink_bytes(int t, const std::vector<int64_t>& ids) {
+    if (!down) return model_bytes * static_cast<uint64_t>(ids.size());
+    if (last_trained.empty()) last_trained.assign(static_cast<size_t>(cfg.clients), -1);
+    uint64_t bytes = 0;
+    for (const int64_t c : ids) {
+      int& last = last_trained[static_cast<size_t>(c)];
+      bytes += (t > 0 && last == t - 1) ? down_bytes : model_bytes;
+      last = t;
+    }
+    return bytes;
+  }
+
+  void update_broadcast(int t) {
+    if (!down) return;
+    aggregation::ContextMap ctxs = contexts(t, cfg.clients_per_round);
+    uint64_t bytes = 0;
+    for (const auto& n : names) {
+      const at::Tensor diff = (global.at(n) - broadcast.at(n)).contiguous();
+      // W - B is the error feedback; the codec's own memory would count the
+      // unsent part twice (as in sparrow-server), so only its step count is kept.
+      compression::State& st = down_state[n];
+      st.tensors.clear();
+      const compression::Encoded e = down->encode(diff, st, ctxs.at(n));
+      at::Tensor& b = broadcast.at(n);
+      compression::decode_add(e, b, 1.0f, ctxs.at(n));
+      bytes += wire::encoded_size(e, n);
+    }
+    down_bytes = bytes;
+  }
+
   // Per-tensor codec contexts of round t.
   aggregation::ContextMap contexts(int t, int num_selected) const {
     aggregation::ContextMap ctxs;
@@ -784,13 +861,13 @@ struct Simulator::Impl {
         for (size_t j = j0; j < j1; ++j) {
           client::ClientJob& job = jobs[j - j0];
           const auto t0 = Clock::now();
-          trained.push_back(wk.trainer->train(global, job.x, job.y, job.seed, job.client_control,
+          trained.push_back(wk.trainer->train(start_model(), job.x, job.y, job.seed, job.client_control,
                                               scaffold ? &server_control : nullptr));
           out[j]->train_s = seconds_since(t0);
         }
       } else {
         const auto t0 = Clock::now();
-        trained = wk.batched->train(global, jobs, scaffold ? &server_control : nullptr);
+        trained = wk.batched->train(start_model(), jobs, scaffold ? &server_control : nullptr);
         // One pass trained them all: each client is charged the pass's time in
         // proportion to its steps x batch (its share of the work).
         const double secs = seconds_since(t0);
@@ -975,7 +1052,7 @@ struct Simulator::Impl {
     RoundMetrics m;
     m.round = t + 1;
     m.clients = n_sel;
-    m.bytes_down = model_bytes * static_cast<uint64_t>(n_sel);
+    m.bytes_down = downlink_bytes(t, ids);
     if (sa) {
       for (const auto& [c, b] : sa->down) m.bytes_down += b;
       sa.reset();
@@ -1003,6 +1080,7 @@ struct Simulator::Impl {
       client::Weights delta = aggregator->finish(agg, static_cast<uint64_t>(t), &st);
       if (st.clip > 0) m.clip = st.clip;
       server_opt->step(global, delta);
+      update_broadcast(t);
       if (cfg.algorithm == "scaffold" && !control_sum.empty()) {
         if (server_control.empty())
           for (const auto& [n, v] : global) server_control[n] = at::zeros_like(v);
@@ -1092,6 +1170,7 @@ Simulator::Simulator(SimConfig cfg, bool resume) : impl_(std::make_unique<Impl>(
   }
   compression::register_builtins();
   s.compressor = compression::make_compressor(s.cfg.compression);
+  if (s.cfg.downlink != "none") s.down = compression::make_compressor(s.cfg.downlink);
   s.server_opt = std::make_unique<aggregation::ServerOptimizer>(s.cfg.server_optimizer);
   s.aggregator = std::make_unique<aggregation::Aggregator>(s.cfg.aggregator, s.cfg.dp, s.cfg.clients_per_round,
                                                            rng::derive(s.cfg.seed, kDpTag));

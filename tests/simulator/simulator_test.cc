@@ -159,6 +159,81 @@ TEST_CASE("simulator resume reproduces the uninterrupted run") {
   }
 }
 
+TEST_CASE("simulator: downlink compression sends the broadcast delta to last round's clients and resumes exactly") {
+  TempDir full("downlink_full"), part("downlink_part"), dense("downlink_dense");
+  SimConfig c = tiny(full.path);
+  c.rounds = 6;
+  c.downlink = "topk:ratio=0.2,ef=1";
+  Simulator a(c);
+  a.run();
+  SimConfig d = c;
+  d.out = dense.path;
+  d.downlink = "none";
+  Simulator plain(d);
+  plain.run();
+  // The dense model's bytes: what every client gets without downlink compression.
+  const uint64_t model = plain.history()[0].bytes_down / static_cast<uint64_t>(c.clients_per_round);
+  REQUIRE(model > 0);
+  bool some_delta = false;
+  for (int t = 0; t < c.rounds; ++t) {
+    CAPTURE(t);
+    const auto ids = a.selection(t);
+    int repeat = 0;
+    if (t > 0)
+      for (int64_t id : ids) {
+        const auto prev = a.selection(t - 1);
+        repeat += std::find(prev.begin(), prev.end(), id) != prev.end();
+      }
+    const uint64_t got = a.history()[static_cast<size_t>(t)].bytes_down;
+    CHECK(plain.history()[static_cast<size_t>(t)].bytes_down == model * ids.size());
+    if (repeat == 0) {
+      CHECK(got == model * ids.size());
+    } else {
+      // Each returning client gets the compressed delta: fewer bytes than the model.
+      CHECK(got < model * ids.size());
+      CHECK(got > model * (ids.size() - static_cast<size_t>(repeat)));
+      some_delta = true;
+    }
+  }
+  CHECK(some_delta);  // 3 of 6 clients a round: some client returns the next round
+  // The clients trained from the compressed broadcast, not the server's model.
+  bool differs = false;
+  for (const auto& [k, v] : a.global()) differs = differs || !at::equal(v, plain.global().at(k));
+  CHECK(differs);
+
+  SimConfig h = c;
+  h.out = part.path;
+  h.rounds = 2;  // evaluated (eval_every = 2) and checkpointed, as round 2 of the full run
+  {
+    Simulator b(h);
+    b.run();
+  }
+  h.rounds = 6;
+  Simulator r(h, /*resume=*/true);
+  r.run();
+  REQUIRE(r.history().size() == 6);
+  for (size_t i = 0; i < 6; ++i) check_same_metrics(a.history()[i], r.history()[i]);
+  check_same_weights(a.global(), r.global());
+  CHECK_THROWS_AS(parse_config_string("downlink = \"acp:rank=2\"\n"), sparrow::ConfigError);
+  // W - B is the error feedback: the codec's own residual must not count the
+  // unsent part again, so ef=1 and ef=0 broadcast the same model.
+  TempDir ef1("downlink_ef1"), ef0("downlink_ef0");
+  SimConfig e1 = c, e0 = c;
+  e1.out = ef1.path;
+  e0.out = ef0.path;
+  e1.downlink = "topk:ratio=0.3,ef=1";
+  e0.downlink = "topk:ratio=0.3,ef=0";
+  Simulator s1(e1), s0(e0);
+  s1.run();
+  s0.run();
+  check_same_weights(s1.global(), s0.global());
+  TempDir bad_dir("downlink_bad");
+  SimConfig bad = c;
+  bad.out = bad_dir.path;
+  bad.downlink = "nosuchcodec";
+  CHECK_THROWS_AS(Simulator(bad, false), sparrow::ConfigError);
+}
+
 TEST_CASE("simulator resume restarts from the last checkpoint not the last round") {
   // checkpoint_every = 2: a run stopped after round 3 of 5 has its checkpoint
   // at round 2; round 3's client states must not be on disk (they were never
