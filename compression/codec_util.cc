@@ -5,7 +5,6 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
-#include <climits>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -316,17 +315,17 @@ void encode_indices(const int64_t* idx, uint64_t k, int64_t numel, Encoded& e, I
   e.indices.clear();
   e.params.clear();
   const size_t bitmap = static_cast<size_t>((numel + 7) / 8);
+  const size_t delta = delta_varint_bytes(idx, k);
   if (mode == IndexMode::kRice) {
     const RiceChoice rice = best_rice(idx, k);
     // Rice (plus its parameter) unless varints or a bitmap are smaller: one Rice
     // parameter fits clustered positions (runs and long jumps) badly.
-    if (rice.bytes + sizeof(uint32_t) < bitmap && rice.bytes + sizeof(uint32_t) < delta_varint_bytes(idx, k)) {
+    if (rice.bytes + sizeof(uint32_t) < bitmap && rice.bytes + sizeof(uint32_t) < delta) {
       e.indices.reserve(rice.bytes);
       encode_indices_rice(idx, k, rice.b, e);
       return;
     }
   }
-  const size_t delta = delta_varint_bytes(idx, k);
   if (bitmap < delta) {
     e.index_coding = IndexCoding::kBitmap;
     e.indices.assign(bitmap, 0);

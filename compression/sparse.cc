@@ -195,6 +195,21 @@ struct SparseOptions {
   StalePolicy stale;
 };
 
+// The spec keys topk and stc share, with each method's defaults. "sign" values
+// are accepted where they are the default (stc), not elsewhere.
+SparseOptions parse_sparse_options(Spec& spec, const char* method, bool ef, const char* values, const char* index) {
+  SparseOptions o;
+  o.ratio = parse_ratio(spec, method, 0.01);
+  o.ef = spec.get_bool("ef", ef);
+  const std::string vt = spec.get_string("values", values);
+  o.vt = vt == "sign" && std::string(values) == "sign" ? ValueType::kSign : parse_value_type(vt);
+  o.index = parse_index_mode(spec.get_string("index", index));
+  o.stale = parse_stale_policy(spec, method);
+  SPARROW_CHECK_T(ConfigError, o.ef || !o.stale.active(),
+                  method << ": decay and max_age need ef=1 (they age its residual)");
+  return o;
+}
+
 // Top-k of the (error-compensated) input. `ternary` is STC: the kept values are
 // replaced by sign · mean |kept| before packing (with values=sign that is the
 // format itself: one bit per value and one magnitude per tensor).
@@ -324,25 +339,10 @@ class ThresholdCompressor final : public Compressor {
 
 void register_sparsifiers() {
   register_compressor("topk", [](Spec& spec) {
-    SparseOptions o;
-    o.ratio = parse_ratio(spec, "topk", 0.01);
-    o.ef = spec.get_bool("ef", false);
-    o.vt = parse_value_type(spec.get_string("values", "fp32"));
-    o.index = parse_index_mode(spec.get_string("index", "auto"));
-    o.stale = parse_stale_policy(spec, "topk");
-    SPARROW_CHECK_T(ConfigError, o.ef || !o.stale.active(), "topk: decay and max_age need ef=1 (they age its residual)");
-    return std::make_unique<TopKCompressor>("topk", o, false);
+    return std::make_unique<TopKCompressor>("topk", parse_sparse_options(spec, "topk", false, "fp32", "auto"), false);
   });
   register_compressor("stc", [](Spec& spec) {
-    SparseOptions o;
-    o.ratio = parse_ratio(spec, "stc", 0.01);
-    o.ef = spec.get_bool("ef", true);
-    const std::string values = spec.get_string("values", "sign");
-    o.vt = values == "sign" ? ValueType::kSign : parse_value_type(values);
-    o.index = parse_index_mode(spec.get_string("index", "rice"));
-    o.stale = parse_stale_policy(spec, "stc");
-    SPARROW_CHECK_T(ConfigError, o.ef || !o.stale.active(), "stc: decay and max_age need ef=1 (they age its residual)");
-    return std::make_unique<TopKCompressor>("stc", o, true);
+    return std::make_unique<TopKCompressor>("stc", parse_sparse_options(spec, "stc", true, "sign", "rice"), true);
   });
   register_compressor("randomk", [](Spec& spec) {
     const double ratio = parse_ratio(spec, "randomk", 0.01);

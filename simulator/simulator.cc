@@ -225,11 +225,11 @@ struct Simulator::Impl {
   // C = W - B (the gap is the error feedback) and B += C. A
   // client that took part in the previous round holds the broadcast of the
   // round before and is sent C (its wire bytes); any other client the dense model.
+  // Who took part in a round follows from the seed (select_clients), and the
+  // codec's step from the round, so only B and the size of C are run state.
   std::unique_ptr<compression::Compressor> down;
   client::Weights broadcast;
-  std::map<std::string, compression::State> down_state;
-  uint64_t down_bytes = 0;         // wire bytes of the last C
-  std::vector<int> last_trained;   // per client: the last round it was selected in, -1: never
+  uint64_t down_bytes = 0;  // wire bytes of the last C
   std::vector<std::string> names;  // parameter names, model order
   aggregation::TensorShapes shapes;
   uint64_t model_bytes = 0;  // dense fp32
@@ -635,10 +635,7 @@ struct Simulator::Impl {
     store->set_meta("checkpoint.aggregator", aggregator->serialize_state());
     if (down) {
       store->set_meta("checkpoint.broadcast", serialize_weights(broadcast));
-      std::string last;
-      for (int r : last_trained) last += std::to_string(r) + ",";
-      store->set_meta("checkpoint.downlink", std::to_string(down_bytes) + ";" + last);
-      for (const auto& [n, st] : down_state) store->set_meta("checkpoint.downlink_state." + n, st.serialize());
+      store->set_meta("checkpoint.downlink_bytes", std::to_string(down_bytes));
     }
     if (wait)
       store->flush();
@@ -646,26 +643,16 @@ struct Simulator::Impl {
       store->flush_async();
   }
 
-  void load_downlink(const std::string& bcast, const std::string& meta) {
-    client::Weights b = deserialize_weights(bcast);
-    for (auto& [k, v] : broadcast) {
-      SPARROW_CHECK_T(FormatError, b.count(k) && b.at(k).sizes() == v.sizes(),
-                      "resume: the checkpoint's broadcast model does not match the model at '" << k << "'");
-      v.copy_(b.at(k));
+  // Copies checkpointed weights into `into`, which fixes the tensor set and
+  // shapes; `what` names them in the error ("checkpoint", ...).
+  static void load_weights(const std::string& bytes, client::Weights& into, const char* what) {
+    client::Weights g = deserialize_weights(bytes);
+    SPARROW_CHECK_T(FormatError, g.size() == into.size(), "resume: " << what << " does not match the model");
+    for (auto& [k, v] : into) {
+      SPARROW_CHECK_T(FormatError, g.count(k) && g.at(k).sizes() == v.sizes(),
+                      "resume: " << what << " does not match the model at '" << k << "'");
+      v.copy_(g.at(k));
     }
-    const size_t semi = meta.find(';');
-    SPARROW_CHECK_T(FormatError, semi != std::string::npos, "resume: malformed downlink checkpoint");
-    down_bytes = std::stoull(meta.substr(0, semi));
-    last_trained.clear();
-    std::stringstream ss(meta.substr(semi + 1));
-    for (std::string item; std::getline(ss, item, ',');)
-      if (!item.empty()) last_trained.push_back(std::stoi(item));
-    SPARROW_CHECK_T(FormatError, last_trained.empty() || last_trained.size() == static_cast<size_t>(cfg.clients),
-                    "resume: the downlink checkpoint holds " << last_trained.size() << " clients, not " << cfg.clients);
-    down_state.clear();
-    for (const auto& n : names)
-      if (std::optional<std::string> st = store->get_meta("checkpoint.downlink_state." + n))
-        down_state[n] = compression::State::deserialize(*st);
   }
 
   void load_checkpoint() {
@@ -680,19 +667,16 @@ struct Simulator::Impl {
       return *v;
     };
     round = *saved;
-    client::Weights g = deserialize_weights(blob("global"));
-    SPARROW_CHECK_T(FormatError, g.size() == global.size(), "resume: checkpoint does not match the model");
-    for (auto& [k, v] : global) {
-      SPARROW_CHECK_T(FormatError, g.count(k) && g.at(k).sizes() == v.sizes(),
-                      "resume: checkpoint does not match the model at '" << k << "'");
-      v.copy_(g.at(k));
-    }
+    load_weights(blob("global"), global, "checkpoint");
     const std::string so = blob("server_opt");
     if (!so.empty()) server_opt->deserialize_state(so);
     server_control = deserialize_weights(blob("scaffold"));
     acp_shared = deserialize_weights(blob("acp"));
     if (std::optional<std::string> a = store->get_meta("checkpoint.aggregator")) aggregator->deserialize_state(*a);
-    if (down) load_downlink(blob("broadcast"), blob("downlink"));
+    if (down) {
+      load_weights(blob("broadcast"), broadcast, "checkpoint's broadcast model");
+      down_bytes = std::stoull(blob("downlink_bytes"));
+    }
     SPARROW_CHECK_T(ConfigError, round <= cfg.rounds,
                     "resume: the run already has " << round << " rounds, more than rounds = " << cfg.rounds);
     for (int r0 = 0; r0 < round; ++r0) count_participations(select_clients(r0));
@@ -779,15 +763,11 @@ struct Simulator::Impl {
 
   // Downlink bytes of round t (0-based) for the selected clients, and their
   // bookkeeping; then, after the server step, the broadcast of round t.
-  uint64_t downlink_bytes(int t, const std::vector<int64_t>& ids) {
-    if (!down) return model_bytes * static_cast<uint64_t>(ids.size());
-    if (last_trained.empty()) last_trained.assign(static_cast<size_t>(cfg.clients), -1);
+  uint64_t downlink_bytes(int t, const std::vector<int64_t>& ids) const {
+    if (!down || t == 0) return model_bytes * static_cast<uint64_t>(ids.size());
+    const std::vector<int64_t> before = select_clients(t - 1);  // ascending
     uint64_t bytes = 0;
-    for (const int64_t c : ids) {
-      int& last = last_trained[static_cast<size_t>(c)];
-      bytes += (t > 0 && last == t - 1) ? down_bytes : model_bytes;
-      last = t;
-    }
+    for (const int64_t c : ids) bytes += std::binary_search(before.begin(), before.end(), c) ? down_bytes : model_bytes;
     return bytes;
   }
 
@@ -798,9 +778,10 @@ struct Simulator::Impl {
     for (const auto& n : names) {
       const at::Tensor diff = (global.at(n) - broadcast.at(n)).contiguous();
       // W - B is the error feedback; the codec's own memory would count the
-      // unsent part twice (as in sparrow-server), so only its step count is kept.
-      compression::State& st = down_state[n];
-      st.tensors.clear();
+      // unsent part twice (as in sparrow-server): a fresh state each round, at
+      // step t (one encode per round) for the codec's random streams.
+      compression::State st;
+      st.step = static_cast<uint64_t>(t);
       const compression::Encoded e = down->encode(diff, st, ctxs.at(n));
       at::Tensor& b = broadcast.at(n);
       compression::decode_add(e, b, 1.0f, ctxs.at(n));

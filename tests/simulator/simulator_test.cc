@@ -748,20 +748,27 @@ def forward(self, x):
   m.save(path);
 }
 
+// The tiny experiment on a folder dataset: the MLP, 4 clients, all in every
+// round, evaluated every round.
+SimConfig folder_mlp(const std::string& out, const std::string& data, int rounds) {
+  SimConfig c = tiny(out);
+  c.dataset = "folder:" + data;
+  c.model = "mlp";
+  c.partition = "iid";
+  c.clients = 4;
+  c.clients_per_round = 4;
+  c.rounds = rounds;
+  c.eval_every = 1;
+  return c;
+}
+
 }  // namespace
 
 TEST_CASE("simulator: a folder dataset trains, holds out a test share or uses test/, and the model is checked") {
   TempDir d("folder_data");
   const std::string data = d.path + "_data";
   write_folder(data, 200, 1);
-  SimConfig c = tiny(d.path);
-  c.dataset = "folder:" + data;
-  c.model = "mlp";
-  c.partition = "iid";
-  c.clients = 4;
-  c.clients_per_round = 4;
-  c.rounds = 3;
-  c.eval_every = 1;
+  SimConfig c = folder_mlp(d.path, data, 3);
   c.lr = 0.1;
   {
     Simulator sim(c);
@@ -799,14 +806,7 @@ TEST_CASE("simulator: validation holds out training samples and evaluates on the
   const std::string data = d.path + "_data";
   write_folder(data, 200, 1);
   write_folder(data + "/test", 30, 2);
-  SimConfig c = tiny(d.path);
-  c.dataset = "folder:" + data;
-  c.model = "mlp";
-  c.partition = "iid";
-  c.clients = 4;
-  c.clients_per_round = 4;
-  c.rounds = 2;
-  c.eval_every = 1;
+  SimConfig c = folder_mlp(d.path, data, 2);
   c.validation = 0.25;
   std::vector<std::vector<int64_t>> parts;
   {
