@@ -236,7 +236,8 @@ void encode_rice(const int64_t* idx, uint64_t k, uint32_t b, std::vector<uint8_t
 std::vector<int64_t> decode_rice(const Encoded& e, int64_t numel) {
   SPARROW_CHECK_T(FormatError, e.params.size() == 1, "sparse: Rice coding needs params {b}, got " << e.params.size());
   const uint32_t b = e.params[0];
-  SPARROW_CHECK_T(FormatError, b <= kMaxRiceParameter, "sparse: Rice parameter " << b << " above " << kMaxRiceParameter);
+  SPARROW_CHECK_T(FormatError, b <= kMaxRiceParameter,
+                  "sparse: Rice parameter " << b << " above " << kMaxRiceParameter);
   const uint64_t total_bits = static_cast<uint64_t>(e.indices.size()) * 8;
   // Every index costs at least b + 1 bits: a count the stream cannot hold is refused before allocating.
   SPARROW_CHECK_T(FormatError, e.count <= static_cast<uint64_t>(numel) && e.count <= total_bits / (b + 1),
@@ -443,13 +444,16 @@ std::vector<int64_t> seeded_indices(uint64_t key, uint64_t k, int64_t n) {
 StalePolicy parse_stale_policy(Spec& spec, const char* method) {
   StalePolicy p;
   p.decay = spec.get_double("decay", 1.0);
-  SPARROW_CHECK_T(ConfigError, p.decay >= 0.0 && p.decay <= 1.0, method << ": decay=" << p.decay << " must be in [0, 1]");
+  SPARROW_CHECK_T(ConfigError, p.decay >= 0.0 && p.decay <= 1.0,
+                  method << ": decay=" << p.decay << " must be in [0, 1]");
   p.max_age = spec.get_int("max_age", 0);
-  SPARROW_CHECK_T(ConfigError, p.max_age >= 0, method << ": max_age=" << p.max_age << " must be >= 0 (0 = never reset)");
+  SPARROW_CHECK_T(ConfigError, p.max_age >= 0,
+                  method << ": max_age=" << p.max_age << " must be >= 0 (0 = never reset)");
   return p;
 }
 
-int64_t age_state(State& state, const Context& ctx, const StalePolicy& policy, std::initializer_list<const char*> slots) {
+int64_t age_state(State& state, const Context& ctx, const StalePolicy& policy,
+                  std::initializer_list<const char*> slots) {
   int64_t skipped = 0;
   if (ctx.round >= 0 && state.last_round >= 0 && ctx.round > state.last_round)
     skipped = ctx.round - state.last_round - 1;

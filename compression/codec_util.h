@@ -78,7 +78,8 @@ StalePolicy parse_stale_policy(Spec& spec, const char* method);
 // Applies `policy` to the named slots of `state` for the rounds skipped between
 // state.last_round and ctx.round, then records ctx.round. A no-op for the slots
 // when either round is unknown (-1); returns the rounds skipped (0 when unknown).
-int64_t age_state(State& state, const Context& ctx, const StalePolicy& policy, std::initializer_list<const char*> slots);
+int64_t age_state(State& state, const Context& ctx, const StalePolicy& policy,
+                  std::initializer_list<const char*> slots);
 
 // The error-feedback residual (State slot "residual", zeros of x's shape when
 // missing), made contiguous, as a raw pointer for fused kernels.

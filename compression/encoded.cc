@@ -116,8 +116,9 @@ void validate(const Encoded& e) {
   const uint64_t n = static_cast<uint64_t>(numel);
   switch (e.format) {
     case Format::kDense:
-      SPARROW_CHECK_T(FormatError, e.value_type != ValueType::kSign && e.value_type != ValueType::kInt8,
-                      "dense: " << (e.value_type == ValueType::kSign ? "sign" : "int8") << " value type is not allowed");
+      SPARROW_CHECK_T(
+          FormatError, e.value_type != ValueType::kSign && e.value_type != ValueType::kInt8,
+          "dense: " << (e.value_type == ValueType::kSign ? "sign" : "int8") << " value type is not allowed");
       check_no_indices(e, "dense");
       check_values(e, n, "dense");
       return;
@@ -132,7 +133,8 @@ void validate(const Encoded& e) {
                         "sparse: int8 scale " << e.scales[0] << " outside [0, FLT_MAX/127]");
         const uint8_t* q = e.values.data();
         for (uint64_t i = 0; i < e.count; ++i)
-          SPARROW_CHECK_T(FormatError, q[i] != 0x80, "sparse: int8 code -128 at value " << i << " (codes are -127..127)");
+          SPARROW_CHECK_T(FormatError, q[i] != 0x80,
+                          "sparse: int8 code -128 at value " << i << " (codes are -127..127)");
       }
       SPARROW_CHECK_T(FormatError, e.index_coding == IndexCoding::kRice || e.params.empty(),
                       "sparse: unexpected params for this index coding");

@@ -227,7 +227,8 @@ class TopKCompressor final : public Compressor {
     std::vector<int64_t> idx = topk_abs_indices(src, n, n == 0 ? 0 : count_for(o_.ratio, n));
     // STC sends ±mu: an exact zero among the top k (fewer than k nonzeros) would be
     // sent as +mu, so it is not sent at all.
-    if (ternary_) idx.erase(std::remove_if(idx.begin(), idx.end(), [src](int64_t i) { return src[i] == 0.0f; }), idx.end());
+    if (ternary_)
+      idx.erase(std::remove_if(idx.begin(), idx.end(), [src](int64_t i) { return src[i] == 0.0f; }), idx.end());
     std::vector<float> vals = gather(src, idx);
     float mu = 0.0f;
     if (ternary_ && !vals.empty()) {

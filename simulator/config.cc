@@ -186,7 +186,8 @@ void finish(const core::FlatConfig& f, SimConfig& c, std::optional<double> alpha
   f.check("weight_decay", c.weight_decay >= 0, "must be >= 0");
   spec_method(f, "compression", c.compression, {});
   spec_method(f, "downlink", c.downlink, {});
-  f.check("downlink", c.downlink.rfind("acp", 0) != 0, "acp needs a shared factor per round and cannot compress the broadcast");
+  f.check("downlink", c.downlink.rfind("acp", 0) != 0,
+          "acp needs a shared factor per round and cannot compress the broadcast");
   spec_method(f, "server_optimizer", c.server_optimizer, {});
   check_robust(f, c);
   f.check("workers", c.workers >= 1, "must be >= 1");

@@ -229,7 +229,7 @@ struct Simulator::Impl {
   // codec's step from the round, so only B and the size of C are run state.
   std::unique_ptr<compression::Compressor> down;
   client::Weights broadcast;
-  uint64_t down_bytes = 0;  // wire bytes of the last C
+  uint64_t down_bytes = 0;         // wire bytes of the last C
   std::vector<std::string> names;  // parameter names, model order
   aggregation::TensorShapes shapes;
   uint64_t model_bytes = 0;  // dense fp32
@@ -465,8 +465,9 @@ struct Simulator::Impl {
                     "validation: " << cfg.validation << " of " << tr.size() << " training samples holds out " << hold);
     te = core::hold_out(tr, hold, rng::derive(cfg.seed, kPartitionTag) ^ 0x7a11du);
     validation_note = "evaluating on " + std::to_string(hold) + " validation samples held out of the " +
-                      std::to_string(tr.size() + hold) + " training samples (validation = " +
-                      std::to_string(cfg.validation) + "); the test set is not used";
+                      std::to_string(tr.size() + hold) +
+                      " training samples (validation = " + std::to_string(cfg.validation) +
+                      "); the test set is not used";
   }
 
   void store_client_major() {

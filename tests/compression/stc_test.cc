@@ -260,7 +260,8 @@ TEST_CASE("stc: ternary values with the mean magnitude, exact residual bookkeepi
 TEST_CASE("stc: other value types, ef=0, configuration errors") {
   at::manual_seed(12);
   const at::Tensor x = at::randn({300, 30});
-  for (const char* spec : {"stc:ratio=0.02,values=int8", "stc:ratio=0.02,values=fp16,index=auto", "stc:ratio=0.02,ef=0"}) {
+  for (const char* spec :
+       {"stc:ratio=0.02,values=int8", "stc:ratio=0.02,values=fp16,index=auto", "stc:ratio=0.02,ef=0"}) {
     CAPTURE(spec);
     State s;
     const Encoded e = make_compressor(spec)->encode(x, s, {});
@@ -299,10 +300,11 @@ TEST_CASE("stale residuals: kept, decayed per skipped round, reset past max_age"
     int64_t second_round;
     double factor;  // what the residual of round 0 is multiplied by before round `second_round`
   };
-  for (const Case c : {Case{"stc:ratio=0.01", 5, 1.0}, Case{"stc:ratio=0.01,decay=0.5", 1, 1.0},
-                       Case{"stc:ratio=0.01,decay=0.5", 3, 0.25}, Case{"stc:ratio=0.01,decay=0.5,max_age=2", 3, 0.25},
-                       Case{"stc:ratio=0.01,decay=0.5,max_age=2", 4, 0.0}, Case{"topk:ratio=0.01,ef=1,max_age=1", 3, 0.0},
-                       Case{"topk:ratio=0.01,ef=1,max_age=1", 2, 1.0}}) {
+  for (const Case c :
+       {Case{"stc:ratio=0.01", 5, 1.0}, Case{"stc:ratio=0.01,decay=0.5", 1, 1.0},
+        Case{"stc:ratio=0.01,decay=0.5", 3, 0.25}, Case{"stc:ratio=0.01,decay=0.5,max_age=2", 3, 0.25},
+        Case{"stc:ratio=0.01,decay=0.5,max_age=2", 4, 0.0}, Case{"topk:ratio=0.01,ef=1,max_age=1", 3, 0.0},
+        Case{"topk:ratio=0.01,ef=1,max_age=1", 2, 1.0}}) {
     CAPTURE(c.spec);
     CAPTURE(c.second_round);
     auto comp = make_compressor(c.spec);
@@ -333,7 +335,8 @@ TEST_CASE("stale momentum in dgc: u and v age together") {
   const at::Tensor u0 = s.tensors.at("u").clone(), v0 = s.tensors.at("v").clone();
   // The codec at round 3 (2 rounds skipped) equals the plain codec fed u, v aged by 0.25,
   // and at round 8 (4 skipped, more than max_age) the plain codec fed zeros.
-  for (const std::pair<int64_t, double> rf : {std::pair<int64_t, double>{3, 0.25}, std::pair<int64_t, double>{8, 0.0}}) {
+  for (const std::pair<int64_t, double> rf :
+       {std::pair<int64_t, double>{3, 0.25}, std::pair<int64_t, double>{8, 0.0}}) {
     const int64_t round = rf.first;  // not a structured binding: CAPTURE's lambda captures it (C++17)
     const double factor = rf.second;
     CAPTURE(round);

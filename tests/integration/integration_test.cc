@@ -1273,68 +1273,68 @@ TEST_CASE("secagg: the model equals a plain run's to the quantisation step and t
 // Slow (about 50 s each on 2 cores, several client processes and phase timeouts): the
 // same dropout paths run in-process in tests/secagg/secagg_test.cc in the default suite.
 TEST_SUITE("slow") {
-TEST_CASE("secagg: clients dropping at every stage below the threshold do not stop the round") {
-  // 8 clients, complete graph (degree 8 > n - 1), threshold 3. c1 dies on its
-  // Task, c2 before its shares, c3 before its masked update, c4 before
-  // revealing: 5 masked updates, 4 revealers, every secret with >= 3 shares.
-  const std::string dir = fresh_dir("secagg_drop");
-  keygen(dir, 8);
-  server_toml(dir,
-              "rounds = 1\nclients_per_round = 8\nquorum = 4\nround_deadline_s = 8\nmax_round_wait_s = 60\n"
-              "secagg = \"secagg+:degree=8,threshold=3,timeout=2\"\n");
-  auto server = start_server(dir, dir + "/server.log");
-  const std::string ep = server_endpoint(*server);
-  const std::vector<std::string> faults = {"secagg-keys", "secagg-shares", "secagg-masked", "secagg-reveal"};
-  std::vector<std::unique_ptr<Process>> clients;
-  for (int i = 1; i <= 8; ++i)
-    clients.push_back(
-        start_client(dir, i, ep, 60, i, "",
-                     i <= 4 ? std::vector<std::string>{"--fault", faults[i - 1]} : std::vector<std::string>{}));
-  INFO(log_tail(*server));
-  REQUIRE(server->wait(120s) == 0);
-  for (int i = 1; i <= 4; ++i) {
-    CHECK(clients[i - 1]->wait(10s) == 3);  // the injected crash
-    CHECK(clients[i - 1]->log().find("fault injection: exiting at " + faults[i - 1]) != std::string::npos);
+  TEST_CASE("secagg: clients dropping at every stage below the threshold do not stop the round") {
+    // 8 clients, complete graph (degree 8 > n - 1), threshold 3. c1 dies on its
+    // Task, c2 before its shares, c3 before its masked update, c4 before
+    // revealing: 5 masked updates, 4 revealers, every secret with >= 3 shares.
+    const std::string dir = fresh_dir("secagg_drop");
+    keygen(dir, 8);
+    server_toml(dir,
+                "rounds = 1\nclients_per_round = 8\nquorum = 4\nround_deadline_s = 8\nmax_round_wait_s = 60\n"
+                "secagg = \"secagg+:degree=8,threshold=3,timeout=2\"\n");
+    auto server = start_server(dir, dir + "/server.log");
+    const std::string ep = server_endpoint(*server);
+    const std::vector<std::string> faults = {"secagg-keys", "secagg-shares", "secagg-masked", "secagg-reveal"};
+    std::vector<std::unique_ptr<Process>> clients;
+    for (int i = 1; i <= 8; ++i)
+      clients.push_back(
+          start_client(dir, i, ep, 60, i, "",
+                       i <= 4 ? std::vector<std::string>{"--fault", faults[i - 1]} : std::vector<std::string>{}));
+    INFO(log_tail(*server));
+    REQUIRE(server->wait(120s) == 0);
+    for (int i = 1; i <= 4; ++i) {
+      CHECK(clients[i - 1]->wait(10s) == 3);  // the injected crash
+      CHECK(clients[i - 1]->log().find("fault injection: exiting at " + faults[i - 1]) != std::string::npos);
+    }
+    for (int i = 5; i <= 8; ++i) CHECK(clients[i - 1]->wait(15s) == 0);
+    const auto rounds = Db(dir + "/server.db").rounds();
+    REQUIRE(rounds.size() == 1);
+    CHECK(rounds[0].selected == 8);
+    CHECK(rounds[0].updates == 5);  // c4's masked update counts: its self-mask came from the others' shares
+    const std::string slog = server->log();
+    CHECK(slog.find("event=round_abandoned") == std::string::npos);
+    fs::remove_all(dir);
   }
-  for (int i = 5; i <= 8; ++i) CHECK(clients[i - 1]->wait(15s) == 0);
-  const auto rounds = Db(dir + "/server.db").rounds();
-  REQUIRE(rounds.size() == 1);
-  CHECK(rounds[0].selected == 8);
-  CHECK(rounds[0].updates == 5);  // c4's masked update counts: its self-mask came from the others' shares
-  const std::string slog = server->log();
-  CHECK(slog.find("event=round_abandoned") == std::string::npos);
-  fs::remove_all(dir);
-}
 
-TEST_CASE("secagg: more dropouts than the threshold allows fail the round cleanly and the server goes on") {
-  // 5 clients, threshold 3 (4 masked updates needed): 3 die before their
-  // masked update. The round is abandoned, nothing is recorded, and a new
-  // round starts once enough clients are back.
-  const std::string dir = fresh_dir("secagg_fail");
-  keygen(dir, 8);
-  server_toml(dir,
-              "rounds = 1\nclients_per_round = 5\nquorum = 2\nround_deadline_s = 4\nmax_round_wait_s = 4\n"
-              "secagg = \"secagg+:degree=4,threshold=3,timeout=3\"\n");
-  auto server = start_server(dir, dir + "/server.log");
-  const std::string ep = server_endpoint(*server);
-  std::vector<std::unique_ptr<Process>> clients;
-  for (int i = 1; i <= 5; ++i)
-    clients.push_back(
-        start_client(dir, i, ep, 60, i, "",
-                     i <= 3 ? std::vector<std::string>{"--fault", "secagg-masked"} : std::vector<std::string>{}));
-  INFO(log_tail(*server));
-  REQUIRE(server->wait_for_log("event=round_abandoned round=1 secagg=1 stage=masked", 60s));
-  CHECK(server->log().find("of=5 need=4") != std::string::npos);
-  CHECK(Db(dir + "/server.db").rounds().empty());
-  REQUIRE(server->running());
-  // Three fresh clients: the round runs again with a new selection and completes.
-  for (int i = 6; i <= 8; ++i) clients.push_back(start_client(dir, i, ep, 60, i));
-  REQUIRE(server->wait(90s) == 0);
-  const auto rounds = Db(dir + "/server.db").rounds();
-  REQUIRE(rounds.size() == 1);
-  CHECK(rounds[0].updates == 5);
-  fs::remove_all(dir);
-}
+  TEST_CASE("secagg: more dropouts than the threshold allows fail the round cleanly and the server goes on") {
+    // 5 clients, threshold 3 (4 masked updates needed): 3 die before their
+    // masked update. The round is abandoned, nothing is recorded, and a new
+    // round starts once enough clients are back.
+    const std::string dir = fresh_dir("secagg_fail");
+    keygen(dir, 8);
+    server_toml(dir,
+                "rounds = 1\nclients_per_round = 5\nquorum = 2\nround_deadline_s = 4\nmax_round_wait_s = 4\n"
+                "secagg = \"secagg+:degree=4,threshold=3,timeout=3\"\n");
+    auto server = start_server(dir, dir + "/server.log");
+    const std::string ep = server_endpoint(*server);
+    std::vector<std::unique_ptr<Process>> clients;
+    for (int i = 1; i <= 5; ++i)
+      clients.push_back(
+          start_client(dir, i, ep, 60, i, "",
+                       i <= 3 ? std::vector<std::string>{"--fault", "secagg-masked"} : std::vector<std::string>{}));
+    INFO(log_tail(*server));
+    REQUIRE(server->wait_for_log("event=round_abandoned round=1 secagg=1 stage=masked", 60s));
+    CHECK(server->log().find("of=5 need=4") != std::string::npos);
+    CHECK(Db(dir + "/server.db").rounds().empty());
+    REQUIRE(server->running());
+    // Three fresh clients: the round runs again with a new selection and completes.
+    for (int i = 6; i <= 8; ++i) clients.push_back(start_client(dir, i, ep, 60, i));
+    REQUIRE(server->wait(90s) == 0);
+    const auto rounds = Db(dir + "/server.db").rounds();
+    REQUIRE(rounds.size() == 1);
+    CHECK(rounds[0].updates == 5);
+    fs::remove_all(dir);
+  }
 }  // TEST_SUITE("slow")
 
 TEST_CASE("secagg: a client refuses a server that asks for both shares of one client") {

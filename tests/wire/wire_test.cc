@@ -592,9 +592,7 @@ TEST_CASE("wire: golden buffers (regenerate with SPARROW_WRITE_GOLDEN=1)") {
     const Message got = parse(bytes);
     check_same(got, golden.second());
     CHECK(got.major == 1);
-    CHECK(got.minor == (name.find("v1_2") != std::string::npos   ? 2
-                        : name.find("v1_1") != std::string::npos ? 1
-                                                                 : 0));
+    CHECK(got.minor == (name.find("v1_2") != std::string::npos ? 2 : name.find("v1_1") != std::string::npos ? 1 : 0));
   }
 }
 
