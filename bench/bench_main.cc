@@ -246,7 +246,9 @@ int main(int argc, char** argv) {
   sim->add_option("--workers", sim_workers, "simulator workers")->check(CLI::Range(1, 64));
   sim->add_option("--tmp", sim_tmp, "folder for the benchmark's run folders");
   std::string sim_cases = "peer,efficiency,scale";
-  sim->add_option("--cases", sim_cases, "comma-separated subset of peer,efficiency,scale");
+  sim->add_option("--cases,--case", sim_cases, "comma-separated subset of peer,efficiency,scale,mpi");
+  sparrow::bench::MpiOptions mpi_opts;
+  sim->add_option("--mpirun", mpi_opts.mpirun, "mpi case: the MPI launcher");
   sparrow::bench::PeerOptions peer;
   peer.peer_script = std::string(SPARROW_SOURCE_DIR) + "/bench/peer_fedavg.py";
   std::string peer_models = "mlp,cnn";
@@ -326,6 +328,11 @@ int main(int argc, char** argv) {
           if (!m.empty()) peer.models.push_back(m);
         peer.tmp = sim_tmp + "/peer";
         if (int rc = sparrow::bench::bench_sim_peer(peer); rc != 0) return rc;
+      }
+      if (has("mpi")) {
+        mpi_opts.rounds = sim_rounds;
+        mpi_opts.tmp = sim_tmp + "/mpi";
+        if (int rc = sparrow::bench::bench_sim_mpi(mpi_opts); rc != 0) return rc;
       }
       if (has("efficiency") || has("scale"))
         return sparrow::bench::bench_sim(sim_rounds, sim_workers, sim_tmp, has("efficiency"), has("scale"));

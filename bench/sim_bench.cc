@@ -13,6 +13,7 @@
 #include <fstream>
 #include <optional>
 #include <iostream>
+#include <sstream>
 #include <string>
 
 #include "core/error.h"
@@ -344,6 +345,94 @@ int bench_sim(int rounds, int workers, const std::string& tmp, bool efficiency, 
     char line[1024];
     while (std::fgets(line, sizeof(line), p)) std::cout << line;
     if (pclose(p) != 0) return 1;
+  }
+  return 0;
+}
+
+namespace {
+
+// Mean real_s of rounds 2..R-1 of a run folder's metrics.csv (the first is a
+// warm-up, the last evaluates and waits for its checkpoint).
+double timed_round_s(const std::string& dir) {
+  std::ifstream in(std::filesystem::path(dir) / "metrics.csv");
+  std::string line;
+  std::getline(in, line);  // header
+  std::vector<double> real;
+  while (std::getline(in, line)) {
+    std::stringstream ss(line);
+    std::string f;
+    for (int i = 0; i < 8 && std::getline(ss, f, ','); ++i) {
+    }
+    real.push_back(std::stod(f));  // the 8th column: real_s
+  }
+  SPARROW_CHECK(real.size() >= 3, dir << "/metrics.csv: fewer than 3 rounds");
+  double sum = 0;
+  for (size_t i = 1; i + 1 < real.size(); ++i) sum += real[i];
+  return sum / static_cast<double>(real.size() - 2);
+}
+
+// Runs `cmd`, returns its last stdout line (sparrow-sim's summary).
+std::string last_line(const std::string& cmd) {
+  FILE* p = popen(cmd.c_str(), "r");
+  SPARROW_CHECK(p != nullptr, "cannot run " << cmd);
+  char buf[4096];
+  std::string last;
+  while (std::fgets(buf, sizeof buf, p))
+    if (buf[0] == '{') last = buf;
+  SPARROW_CHECK(pclose(p) == 0, "failed: " << cmd);
+  while (!last.empty() && (last.back() == '\n' || last.back() == '\r')) last.pop_back();
+  return last;
+}
+
+std::string json_field(const std::string& json, const std::string& key) {
+  const auto at = json.find("\"" + key + "\":");
+  if (at == std::string::npos) return "null";
+  size_t b = at + key.size() + 3, e = b;
+  if (json[b] == '[')
+    e = json.find(']', b) + 1;
+  else
+    while (e < json.size() && json[e] != ',' && json[e] != '}') ++e;
+  return json.substr(b, e - b);
+}
+
+}  // namespace
+
+int bench_sim_mpi(const MpiOptions& o) {
+  const std::string sim = (std::filesystem::read_symlink("/proc/self/exe").parent_path() / "sparrow-sim").string();
+  std::filesystem::create_directories(o.tmp);
+  for (const std::string& codec : o.codecs) {
+    simulator::SimConfig cfg = base_config(1000, 50, o.rounds, 1, "");
+    cfg.compression = codec;
+    cfg.client_batch = 1;
+    cfg.threads = 1;
+    const std::string tag = codec.substr(0, codec.find(':'));
+    const std::string toml = o.tmp + "/" + tag + ".toml";
+    std::ofstream(toml) << simulator::to_toml(cfg);
+    struct Variant {
+      const char* name;
+      int ranks;  // 0: no mpirun
+      int workers;
+    };
+    double base_s = 0;
+    for (const Variant v : {Variant{"one process", 0, 1}, Variant{"one process, 2 workers", 0, 2},
+                            Variant{"mpirun -np 1", 1, 1}, Variant{"mpirun -np 2", 2, 1}}) {
+      const std::string out = o.tmp + "/" + tag + "_" + std::to_string(v.ranks) + "r" + std::to_string(v.workers) + "w";
+      std::string cmd = "OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 ";
+      if (v.ranks > 0) cmd += o.mpirun + " -np " + std::to_string(v.ranks) + " --oversubscribe ";
+      cmd += "\"" + sim + "\" --config \"" + toml + "\" --force --set out=\"" + out +
+             "\" --set workers=" + std::to_string(v.workers) + " 2>/dev/null";
+      const std::string summary = last_line(cmd);
+      const double s = timed_round_s(out);
+      if (base_s == 0) base_s = s;
+      std::cout << "{\"bench\":\"sim\",\"case\":\"mpi\",\"model\":\"mlp\",\"compression\":\"" << codec
+                << "\",\"clients\":1000,\"clients_per_round\":50,\"variant\":\"" << v.name
+                << "\",\"ranks\":" << std::max(1, v.ranks) << ",\"workers_per_rank\":" << v.workers
+                << ",\"s_per_round\":" << json_number(s) << ",\"rounds_per_s\":" << json_number(1.0 / s)
+                << ",\"speedup_vs_one_process\":" << json_number(base_s / s)
+                << ",\"rank_bytes_per_round\":" << json_field(summary, "rank_bytes_per_round")
+                << ",\"bytes_up_total\":" << json_field(summary, "bytes_up")
+                << ",\"accuracy\":" << json_field(summary, "accuracy") << "}" << std::endl;
+    }
   }
   return 0;
 }

@@ -33,6 +33,8 @@ PACKAGES=(
   # The live dashboard (docs/monitoring.md): its HTTP server and the charts,
   # embedded in the binaries at build time.
   libcpp-httplib-dev libjs-chart.js
+  # sparrow-sim over several MPI ranks (mpirun -np R; docs/simulator.md)
+  libopenmpi-dev openmpi-bin
 )
 if [[ "${1:-}" == "--bench" ]]; then PACKAGES+=(python3-torch); fi
 if [[ "${1:-}" == "--fuzz" ]]; then PACKAGES+=(clang); fi

@@ -35,6 +35,7 @@
 #include "core/error_text.h"
 #include "core/export.h"
 #include "core/error.h"
+#include "simulator/cluster.h"
 #include "simulator/config.h"
 #include "simulator/report.h"
 #include "core/threads.h"
@@ -62,6 +63,30 @@ void install_signal_handlers() {
   sigemptyset(&sa.sa_mask);
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
+  // mpirun kills its ranks on SIGINT/SIGTERM but forwards SIGUSR1: the
+  // graceful stop of a run over MPI ranks (docs/simulator.md).
+  sigaction(SIGUSR1, &sa, nullptr);
+}
+
+// A rank other than 0 of a run over MPI: builds its simulator from rank 0's
+// config and trains the clients rank 0 sends until the run ends.
+int serve_rank(sparrow::simulator::Cluster& cluster) {
+  using namespace sparrow::simulator;
+  signal(SIGUSR1, SIG_IGN);  // mpirun forwards it to every rank: rank 0 acts on it
+  std::string text;
+  cluster.broadcast(text);
+  if (text.empty()) return 0;  // rank 0 did not start the run (it says why)
+  try {
+    const SimConfig cfg = parse_config_string(text);
+    sparrow::core::configure_threads(cfg.workers * local_ranks(), cfg.threads);
+    Simulator sim(cfg, false, &cluster);
+    sim.serve();
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "sparrow-sim rank " << cluster.rank() << ": " << sparrow::core::error_text(e) << '\n';
+    cluster.abort(1);
+  }
+  return 1;  // not reached: abort ends the job
 }
 
 std::string clock_text(double s) {
@@ -237,6 +262,34 @@ int main(int argc, char** argv) {
       return 1;
     }
   }
+  // Several ranks (mpirun -np R): rank 0 runs what follows, the others serve.
+  std::unique_ptr<Cluster> cluster;
+  try {
+    cluster = join_mpi(&argc, &argv);
+  } catch (const std::exception& e) {
+    std::cerr << "sparrow-sim: config error: " << sparrow::core::error_text(e) << '\n';
+    return sparrow::cli::kBadInput;
+  }
+  const bool ranked = cluster && cluster->size() > 1;
+  if (ranked && cluster->rank() != 0) return serve_rank(*cluster);
+  // Until rank 0 sends the config, the other ranks wait: a refusal before
+  // that sends them an empty one (they exit quietly); a failure after it
+  // aborts the job (they may be mid-round).
+  bool started = false;
+  struct Release {
+    Cluster* c;
+    const bool& started;
+    ~Release() {
+      if (c && !started) {
+        std::string none;
+        c->broadcast(none);
+      }
+    }
+  } release{ranked ? cluster.get() : nullptr, started};
+  auto fail = [&](int rc) {
+    if (started) cluster->abort(rc);
+    return rc;
+  };
   try {
     SimConfig cfg;
     const bool resume = !resume_dir.empty();
@@ -268,11 +321,18 @@ int main(int argc, char** argv) {
       std::cerr << "sparrow-sim: dashboard at " << endpoint->url() << '\n';
     }
     SimBoard sim_board(board);
-    sparrow::core::configure_threads(cfg.workers, cfg.threads);
+    sparrow::core::configure_threads(cfg.workers * (ranked ? local_ranks() : 1), cfg.threads);
     std::cerr << "sparrow-sim: " << sparrow::core::threads_summary(cfg.workers) << '\n';
+    if (ranked) {
+      std::cerr << "sparrow-sim: " << cluster->size() << " MPI ranks x " << cfg.workers
+                << (cfg.workers == 1 ? " worker" : " workers") << "; rank 0 keeps the run folder\n";
+      std::string text = to_toml(cfg);
+      cluster->broadcast(text);
+      started = true;
+    }
     if (const std::string w = sparrow::core::blas_warning(); !w.empty()) std::cerr << "sparrow-sim: " << w << '\n';
     const auto start = std::chrono::steady_clock::now();
-    Simulator sim(cfg, resume);
+    Simulator sim(cfg, resume, cluster.get());
     std::cerr << "sparrow-sim: run folder " << cfg.out << (resume ? " (resumed)" : "") << "; training "
               << sim.training_mode() << '\n';
     install_signal_handlers();
@@ -345,12 +405,12 @@ int main(int argc, char** argv) {
     return 0;
   } catch (const sparrow::ConfigError& e) {
     std::cerr << "sparrow-sim: config error: " << sparrow::core::error_text(e) << '\n';
-    return sparrow::cli::kBadInput;
+    return fail(sparrow::cli::kBadInput);
   } catch (const sparrow::FormatError& e) {  // data or run folder files that cannot be read
     std::cerr << "sparrow-sim: bad input: " << sparrow::core::error_text(e) << '\n';
-    return sparrow::cli::kBadInput;
+    return fail(sparrow::cli::kBadInput);
   } catch (const std::exception& e) {
     std::cerr << "sparrow-sim: " << sparrow::core::error_text(e) << '\n';
-    return 1;
+    return fail(1);
   }
 }

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -33,6 +34,7 @@
 #include "core/rng.h"
 #include "core/spec.h"
 #include "simulator/attack.h"
+#include "simulator/cluster.h"
 #include "simulator/scheduler.h"
 #include "state/store.h"
 #include "wire/wire.h"
@@ -143,7 +145,55 @@ struct ClientResult {
   bool kept = false;
   bool trained = false;      // false for the clients a stop in the middle of the round skipped
   state::ClientState state;  // moved into the store once encoded
+  // Over MPI ranks: the serialized wire update and SCAFFOLD's Δc, folded on
+  // rank 0 in client-id order.
+  std::string update;
+  client::Weights control_delta;
 };
+
+// The rank messages (docs/simulator.md): little-endian fields, strings with a
+// u64 length. Only rank 0 and ranks it started exchange them.
+struct Out {
+  std::string b;
+  void u64(uint64_t v) { b.append(reinterpret_cast<const char*>(&v), sizeof v); }
+  void f64(double v) { b.append(reinterpret_cast<const char*>(&v), sizeof v); }
+  void str(const std::string& s) {
+    u64(s.size());
+    b += s;
+  }
+};
+
+struct In {
+  const std::string& b;
+  size_t off = 0;
+  void need(uint64_t n) const {
+    SPARROW_CHECK_T(FormatError, n <= b.size() - off, "rank message truncated at byte " << off << " of " << b.size());
+  }
+  uint64_t u64() {
+    need(8);
+    uint64_t v;
+    std::memcpy(&v, b.data() + off, 8);
+    off += 8;
+    return v;
+  }
+  double f64() {
+    need(8);
+    double v;
+    std::memcpy(&v, b.data() + off, 8);
+    off += 8;
+    return v;
+  }
+  std::string str() {
+    const uint64_t n = u64();
+    need(n);
+    std::string v = b.substr(off, n);
+    off += n;
+    return v;
+  }
+};
+
+std::string weights_or_empty(const client::Weights& w) { return w.empty() ? std::string() : serialize_weights(w); }
+client::Weights weights_from(const std::string& b) { return b.empty() ? client::Weights{} : deserialize_weights(b); }
 
 // An ALIE adversary's honest update, held until the round's pool is complete.
 struct Deferred {
@@ -196,7 +246,13 @@ std::string summary_json(const Summary& s) {
   std::ostringstream os;
   os << "{\"rounds\":" << s.rounds << ",\"accuracy\":" << num(s.accuracy) << ",\"loss\":" << num(s.loss)
      << ",\"bytes_up\":" << s.bytes_up << ",\"bytes_down\":" << s.bytes_down << ",\"sim_wall_s\":" << num(s.sim_wall_s)
-     << ",\"real_s\":" << num(s.real_s) << ",\"epsilon\":" << num(s.epsilon) << "}";
+     << ",\"real_s\":" << num(s.real_s) << ",\"epsilon\":" << num(s.epsilon);
+  if (s.ranks > 1) {
+    os << ",\"ranks\":" << s.ranks << ",\"rank_bytes_per_round\":[";
+    for (size_t r = 0; r < s.rank_bytes.size(); ++r) os << (r ? "," : "") << fmt_double(s.rank_bytes[r]);
+    os << "]";
+  }
+  os << "}";
   return os.str();
 }
 
@@ -367,6 +423,17 @@ struct Simulator::Impl {
   Db db;
   int round = 0;  // completed rounds
   std::vector<RoundMetrics> history;
+
+  // Over MPI ranks (docs/simulator.md): rank 0 holds the store, the run
+  // folder and the global step; the other ranks train what it sends them.
+  Cluster* cluster = nullptr;
+  bool distributed() const { return cluster != nullptr && cluster->size() > 1; }
+  bool remote() const { return distributed() && cluster->rank() != 0; }
+  std::vector<uint64_t> rank_sent;  // the last round's bytes sent by each rank
+  // Message buffers kept across rounds (tens of MB with model-sized client
+  // states: fresh ones would page-fault every round).
+  Out msg_out;
+  std::string msg_in;
 
   explicit Impl(SimConfig c) : cfg(std::move(c)), dir(cfg.out), cost(std::max(1, cfg.workers)) {}
 
@@ -827,8 +894,10 @@ struct Simulator::Impl {
         const int64_t c = ids[j];
         ClientResult& r = *out[j];
         r.client = c;
-        std::optional<state::ClientState> got = store->get(c);
-        r.state = got ? std::move(*got) : state::ClientState{};
+        if (store) {  // rank 0 (or one process); other ranks got the state with their task
+          std::optional<state::ClientState> got = store->get(c);
+          r.state = got ? std::move(*got) : state::ClientState{};
+        }
         const int64_t n = client_idx[c].numel();
         client::ClientJob job;
         job.x = train_x.narrow(0, client_off[c], n);  // views: the data is client-major
@@ -920,13 +989,22 @@ struct Simulator::Impl {
     }
     r.state.rounds += 1;
     // To the store now: its writer streams it into the open checkpoint
-    // transaction while the next clients train.
-    store->put(c, std::move(r.state));
+    // transaction while the next clients train. Over ranks, rank 0 puts it
+    // when it folds the round (fold_ranked).
+    if (!distributed()) store->put(c, std::move(r.state));
     r.bytes_up = bytes.size();
     const Profile& p = profiles[c];
     r.sim_s = static_cast<double>(model_bytes) * 8 / p.down_bps + r.train_s / p.speed +
               static_cast<double>(bytes.size()) * 8 / p.up_bps;
     r.kept = !(cfg.deadline_s > 0 && r.sim_s > cfg.deadline_s);
+    if (distributed()) {
+      if (r.kept) {
+        r.update = std::move(bytes);
+        if (cfg.algorithm == "scaffold")
+          for (const auto& [n, dc] : tr.control_delta) r.control_delta[n] = dc.to(at::kCPU, at::kFloat);
+      }
+      return;
+    }
     if (!r.kept) return;
     if (sa) {
       const wire::SecAgg y = std::get<wire::SecAgg>(wire::parse(bytes).body);
@@ -934,13 +1012,19 @@ struct Simulator::Impl {
       sa->server->add_masked(sa->index.at(c), y);
       return;
     }
+    fold(wk, bytes, tr.control_delta, ctxs);
+  }
+
+  // One client's update as a server parses it, and its SCAFFOLD Δc, into the
+  // worker's partial aggregate.
+  void fold(Worker& wk, const std::string& bytes, const client::Weights& control_delta, aggregation::ContextMap& ctxs) {
     wire::Message back = wire::parse(bytes);
     auto& pu = std::get<wire::ModelUpdate>(back.body);
     aggregation::EncodedUpdate eu;
     for (auto& nt : pu.tensors) eu.emplace_back(std::move(nt.name), std::move(nt.tensor));
     wk.agg->add(eu, static_cast<double>(pu.num_samples), ctxs);
     if (cfg.algorithm == "scaffold") {
-      for (const auto& [n, dc] : tr.control_delta) {
+      for (const auto& [n, dc] : control_delta) {
         at::Tensor d = dc.to(at::kCPU, at::kFloat);
         auto it = wk.control_sum.find(n);
         if (it == wk.control_sum.end())
@@ -949,6 +1033,183 @@ struct Simulator::Impl {
           it->second.add_(d);
       }
     }
+  }
+
+  // This process's workers on their slots' clients (slots 0..workers-1), on
+  // threads when there are several.
+  void run_local(int t, const std::vector<std::vector<int64_t>>& wids,
+                 const std::vector<std::vector<ClientResult*>>& wout, int n_sel) {
+    if (workers.size() == 1) {
+      run_worker(0, t, wids[0], wout[0], n_sel);
+      return;
+    }
+    std::vector<std::thread> th;
+    std::vector<std::exception_ptr> errs(workers.size());
+    for (size_t w = 0; w < workers.size(); ++w)
+      th.emplace_back([&, w] {
+        try {
+          run_worker(static_cast<int>(w), t, wids[w], wout[w], n_sel);
+        } catch (...) {
+          errs[w] = std::current_exception();
+        }
+      });
+    for (auto& x : th) x.join();
+    for (auto& e : errs)
+      if (e) std::rethrow_exception(e);
+  }
+
+  // Rank 0: the round's model to every rank, then each rank its clients
+  // (slots r*workers .. (r+1)*workers-1) with their states from the store.
+  void send_round(int t, int n_sel, const std::vector<std::vector<int64_t>>& wids) {
+    const int ranks = cluster->size();
+    const size_t nw = workers.size();
+    Out h;
+    h.u64(1);
+    h.u64(static_cast<uint64_t>(t));
+    h.u64(static_cast<uint64_t>(n_sel));
+    h.str(serialize_weights(start_model()));
+    h.str(weights_or_empty(server_control));
+    h.str(weights_or_empty(acp_shared));
+    cluster->broadcast(h.b);
+    rank_sent.assign(static_cast<size_t>(ranks), 0);
+    rank_sent[0] = h.b.size() * static_cast<uint64_t>(ranks - 1);
+    for (int r = 1; r < ranks; ++r) {
+      Out& task = msg_out;
+      task.b.clear();
+      for (size_t w = 0; w < nw; ++w) {
+        const std::vector<int64_t>& ids = wids[static_cast<size_t>(r) * nw + w];
+        task.u64(ids.size());
+        for (const int64_t c : ids) {
+          task.u64(static_cast<uint64_t>(c));
+          const std::optional<state::ClientState> got = store->get(c);
+          task.str(got ? got->serialize() : std::string());
+        }
+      }
+      cluster->send(r, task.b);
+      rank_sent[0] += task.b.size();
+    }
+  }
+
+  static void put_result(Out& o, const ClientResult& r) {
+    o.u64(static_cast<uint64_t>(r.client));
+    o.u64((r.trained ? 1u : 0u) | (r.kept ? 2u : 0u));
+    o.u64(static_cast<uint64_t>(r.samples));
+    o.f64(r.train_s);
+    o.f64(r.sim_s);
+    o.f64(r.train_loss);
+    o.u64(r.bytes_up);
+    o.str(r.trained ? r.state.serialize() : std::string());
+    o.str(r.update);
+    o.str(weights_or_empty(r.control_delta));
+  }
+
+  static void get_result(In& in, ClientResult& r, int64_t expected) {
+    r.client = static_cast<int64_t>(in.u64());
+    SPARROW_CHECK_T(FormatError, r.client == expected,
+                    "rank message: client " << r.client << " where " << expected << " was sent");
+    const uint64_t flags = in.u64();
+    r.trained = (flags & 1u) != 0;
+    r.kept = (flags & 2u) != 0;
+    r.samples = static_cast<int64_t>(in.u64());
+    r.train_s = in.f64();
+    r.sim_s = in.f64();
+    r.train_loss = in.f64();
+    r.bytes_up = in.u64();
+    const std::string st = in.str();
+    r.state = st.empty() ? state::ClientState{} : state::ClientState::deserialize(st);
+    r.update = in.str();
+    r.control_delta = weights_from(in.str());
+  }
+
+  // Rank 0: every other rank's results, into their slots.
+  void receive_round(const std::vector<std::vector<int64_t>>& wids,
+                     const std::vector<std::vector<ClientResult*>>& wout) {
+    const size_t nw = workers.size();
+    for (int r = 1; r < cluster->size(); ++r) {
+      std::string& msg = msg_in;
+      cluster->receive(r, msg);
+      rank_sent[static_cast<size_t>(r)] = msg.size();
+      In in{msg};
+      for (size_t w = 0; w < nw; ++w) {
+        const size_t slot = static_cast<size_t>(r) * nw + w;
+        for (size_t j = 0; j < wids[slot].size(); ++j) get_result(in, *wout[slot][j], wids[slot][j]);
+      }
+      SPARROW_CHECK_T(FormatError, in.off == msg.size(), "rank message: " << msg.size() - in.off << " bytes left over");
+    }
+  }
+
+  // Rank 0: the round's client states to the store and their updates into
+  // one partial, in client-id order: float sums in a fixed order, so the model
+  // does not depend on the number of ranks or workers, or on timing.
+  void fold_ranked(int t, std::vector<ClientResult>& results, int n_sel) {
+    Worker& wk = workers[0];
+    wk.agg->reset(aggregator->clip());
+    wk.control_sum.clear();
+    aggregation::ContextMap ctxs = contexts(t, n_sel);
+    for (ClientResult& r : results) {  // ids ascend
+      store->put(r.client, std::move(r.state));
+      if (r.kept) fold(wk, r.update, r.control_delta, ctxs);
+      r.update.clear();
+      r.control_delta.clear();
+    }
+  }
+
+  // Ranks other than 0: one round's task from rank 0, trained on this rank's
+  // workers, the results back. False when rank 0 ends the run.
+  bool serve_round() {
+    std::string h;
+    cluster->broadcast(h);
+    In in{h};
+    if (in.u64() == 0) return false;
+    const int t = static_cast<int>(in.u64());
+    const int n_sel = static_cast<int>(in.u64());
+    load_weights(in.str(), down ? broadcast : global, "the round's model");
+    server_control = weights_from(in.str());
+    acp_shared = weights_from(in.str());
+    const auto r0 = Clock::now();
+    std::string& task = msg_in;
+    cluster->receive(0, task);
+    const double recv_s = seconds_since(r0);
+    In tin{task};
+    const size_t nw = workers.size();
+    std::vector<std::vector<int64_t>> wids(nw);
+    std::vector<std::vector<std::string>> states(nw);
+    size_t total = 0;
+    for (size_t w = 0; w < nw; ++w) {
+      const uint64_t n = tin.u64();
+      SPARROW_CHECK_T(FormatError, n <= static_cast<uint64_t>(cfg.clients), "rank message: " << n << " clients");
+      for (uint64_t j = 0; j < n; ++j) {
+        const auto c = static_cast<int64_t>(tin.u64());
+        SPARROW_CHECK_T(FormatError, c >= 0 && c < cfg.clients, "rank message: client " << c);
+        wids[w].push_back(c);
+        states[w].push_back(tin.str());
+      }
+      total += n;
+    }
+    std::vector<ClientResult> results(total);
+    std::vector<std::vector<ClientResult*>> wout(nw);
+    size_t k = 0;
+    for (size_t w = 0; w < nw; ++w)
+      for (size_t j = 0; j < wids[w].size(); ++j, ++k) {
+        ClientResult& r = results[k];
+        r.state = states[w][j].empty() ? state::ClientState{} : state::ClientState::deserialize(states[w][j]);
+        wout[w].push_back(&r);
+      }
+    const double unpack_s = seconds_since(r0) - recv_s;
+    run_local(t, wids, wout, n_sel);
+    const double train_s = seconds_since(r0) - recv_s - unpack_s;
+    Out& o = msg_out;
+    o.b.clear();
+    for (size_t w = 0; w < nw; ++w)
+      for (const ClientResult* r : wout[w]) put_result(o, *r);
+    const double pack_s = seconds_since(r0) - recv_s - unpack_s - train_s;
+    cluster->send(0, o.b);
+    spdlog::debug(
+        "round {}: rank {}: task received in {:.3f} s, unpacked {:.3f} s, trained {:.3f} s, packed {:.3f} s, "
+        "sent {:.3f} s",
+        t + 1, cluster->rank(), recv_s, unpack_s, train_s, pack_s,
+        seconds_since(r0) - recv_s - unpack_s - train_s - pack_s);
+    return true;
   }
 
   RoundMetrics step() {
@@ -965,10 +1226,11 @@ struct Simulator::Impl {
     std::vector<double> jobs;
     for (int64_t c : ids) jobs.push_back(static_cast<double>(client_idx[c].numel()));
     const Assignment as = schedule_lpt(jobs, cost);
+    const size_t slots = static_cast<size_t>(cost.workers());  // workers x ranks
     std::vector<int> worker_of(ids.size(), 0);
-    std::vector<std::vector<int64_t>> wids(workers.size());
-    std::vector<std::vector<ClientResult*>> wout(workers.size());
-    for (size_t w = 0; w < workers.size(); ++w) {
+    std::vector<std::vector<int64_t>> wids(slots);
+    std::vector<std::vector<ClientResult*>> wout(slots);
+    for (size_t w = 0; w < slots; ++w) {
       std::vector<int64_t> jobs_w = as.per_worker[w];
       std::sort(jobs_w.begin(), jobs_w.end());  // ids are sorted, so ascending job = ascending id
       for (int64_t j : jobs_w) {
@@ -979,22 +1241,15 @@ struct Simulator::Impl {
     }
     const int n_sel = static_cast<int>(ids.size());
     if (sa_params.enabled) begin_secagg(t, ids);
-    if (workers.size() == 1) {
-      run_worker(0, t, wids[0], wout[0], n_sel);
-    } else {
-      std::vector<std::thread> th;
-      std::vector<std::exception_ptr> errs(workers.size());
-      for (size_t w = 0; w < workers.size(); ++w)
-        th.emplace_back([&, w] {
-          try {
-            run_worker(static_cast<int>(w), t, wids[w], wout[w], n_sel);
-          } catch (...) {
-            errs[w] = std::current_exception();
-          }
-        });
-      for (auto& x : th) x.join();
-      for (auto& e : errs)
-        if (e) std::rethrow_exception(e);
+    const auto s0 = Clock::now();
+    if (distributed()) send_round(t, n_sel, wids);
+    const double send_s = seconds_since(s0);
+    run_local(t, wids, wout, n_sel);
+    const double local_s = seconds_since(s0) - send_s;
+    if (distributed()) {
+      receive_round(wids, wout);
+      spdlog::debug("round {}: ranks: sent in {:.3f} s, rank 0 trained in {:.3f} s, waited {:.3f} s for the others",
+                    t + 1, send_s, local_s, seconds_since(s0) - send_s - local_s);
     }
     const bool all_trained =
         std::all_of(results.begin(), results.end(), [](const ClientResult& r) { return r.trained; });
@@ -1008,6 +1263,11 @@ struct Simulator::Impl {
       RoundMetrics m;
       m.round = t;
       return m;
+    }
+    if (distributed()) {
+      const auto f0 = Clock::now();
+      fold_ranked(t, results, n_sel);
+      spdlog::debug("round {}: ranks: folded in {:.3f} s", t + 1, seconds_since(f0));
     }
     send_alie(t, n_sel);
     // Measured times feed the cost model in client-id order.
@@ -1034,6 +1294,7 @@ struct Simulator::Impl {
     RoundMetrics m;
     m.round = t + 1;
     m.clients = n_sel;
+    if (distributed()) m.rank_bytes = rank_sent;
     m.bytes_down = downlink_bytes(t, ids);
     if (sa) {
       for (const auto& [c, b] : sa->down) m.bytes_down += b;
@@ -1129,12 +1390,13 @@ struct Simulator::Impl {
   }
 };
 
-Simulator::Simulator(SimConfig cfg, bool resume) : impl_(std::make_unique<Impl>(std::move(cfg))) {
+Simulator::Simulator(SimConfig cfg, bool resume, Cluster* cluster) : impl_(std::make_unique<Impl>(std::move(cfg))) {
   Impl& s = *impl_;
+  s.cluster = cluster;
   SPARROW_CHECK_T(ConfigError, s.cfg.workers >= 1, "workers: must be >= 1");
   SPARROW_CHECK_T(ConfigError, s.cfg.clients_per_round >= 1 && s.cfg.clients_per_round <= s.cfg.clients,
                   "clients_per_round: must be in 1..clients");
-  if (resume) {
+  if (resume && !s.remote()) {
     const fs::path prev = s.dir / "config.toml";
     SPARROW_CHECK_T(ConfigError, fs::exists(prev), "resume: " << prev.string() << " not found");
     SimConfig old = load_config(prev.string());
@@ -1169,17 +1431,34 @@ Simulator::Simulator(SimConfig cfg, bool resume) : impl_(std::make_unique<Impl>(
                                          << " needs clients_per_round >= " << s.sa_params.min_clients());
   }
   s.attack = AttackSpec::parse(s.cfg.attack);
+  if (s.distributed()) {
+    SPARROW_CHECK_T(ConfigError, !s.sa_params.enabled,
+                    "secagg: not available over MPI ranks yet (the protocol's server runs in one process); run "
+                    "sparrow-sim without mpirun");
+    SPARROW_CHECK_T(ConfigError, s.attack.kind != AttackSpec::Kind::kAlie,
+                    "attack: alie needs every honest update of the round in one process; run sparrow-sim without "
+                    "mpirun");
+    s.cost = CostModel(s.cfg.workers * s.cluster->size());
+  }
   if (s.cfg.adversaries > 0) s.adversary = choose_adversaries(s.cfg.clients, s.cfg.adversaries, s.cfg.seed);
   if (s.cfg.device != "cpu") {
     SPARROW_CHECK_T(
         ConfigError, torch::cuda::is_available(),
         "device = \"" << s.cfg.device << "\": no CUDA device is visible, or this build's LibTorch has no CUDA");
     s.device = at::Device(s.cfg.device);
+    // Ranks on one machine share its GPUs: "cuda" means cuda:(local rank mod GPUs).
+    if (s.distributed() && s.cfg.device == "cuda") {
+      const char* lr = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+      const int gpus = static_cast<int>(torch::cuda::device_count());
+      if (lr != nullptr && gpus > 1)
+        s.device = at::Device(at::kCUDA, static_cast<at::DeviceIndex>(std::atoi(lr) % gpus));
+    }
   }
   s.load_data();
   s.stage_data();
   s.build_population();
   s.build_workers();
+  if (s.remote()) return;  // no run folder: rank 0 keeps it
   s.open_db(resume);
   if (resume) {
     s.load_checkpoint();
@@ -1187,7 +1466,26 @@ Simulator::Simulator(SimConfig cfg, bool resume) : impl_(std::make_unique<Impl>(
   }
 }
 
-Simulator::~Simulator() = default;
+Simulator::~Simulator() {
+  // Rank 0 ends the other ranks' serve(); not while an exception unwinds (a
+  // rank may be blocked mid-round then: the caller aborts the job).
+  Impl& s = *impl_;
+  if (s.distributed() && !s.remote() && std::uncaught_exceptions() == 0) {
+    try {
+      Out o;
+      o.u64(0);
+      s.cluster->broadcast(o.b);
+    } catch (...) {
+    }
+  }
+}
+
+void Simulator::serve() {
+  Impl& s = *impl_;
+  SPARROW_CHECK(s.remote(), "serve: only ranks other than 0 of an MPI run serve");
+  while (s.serve_round()) {
+  }
+}
 
 RoundMetrics Simulator::run_round() {
   impl_->interrupted = false;
@@ -1238,6 +1536,17 @@ Summary Simulator::summary() const {
   Summary s;
   s.rounds = impl_->round;
   s.accuracy = s.loss = s.epsilon = kNaN;
+  if (impl_->distributed()) {
+    s.ranks = impl_->cluster->size();
+    s.rank_bytes.assign(static_cast<size_t>(s.ranks), 0.0);
+    int n = 0;
+    for (const auto& m : impl_->history)
+      if (m.rank_bytes.size() == s.rank_bytes.size()) {
+        for (size_t r = 0; r < m.rank_bytes.size(); ++r) s.rank_bytes[r] += static_cast<double>(m.rank_bytes[r]);
+        ++n;
+      }
+    for (double& b : s.rank_bytes) b = n > 0 ? b / n : 0.0;
+  }
   for (const auto& m : impl_->history) {
     s.bytes_up += m.bytes_up;
     s.bytes_down += m.bytes_down;

@@ -37,6 +37,14 @@
 // measured train seconds and so is only reproducible when the deadline is far
 // from the clients' times.
 //
+// Over MPI ranks (mpirun -np R sparrow-sim): the LPT slots are ranks x workers;
+// rank 0 sends each rank the round's model and its clients with their states
+// (the state travels with the task), the ranks send back each client's wire
+// update and new state, and rank 0 folds them in client-id order. With
+// client_batch = 1 the model is then bit-identical for any number of ranks and
+// workers, and to one process with workers = 1 (batched passes group clients
+// by assignment, which follows timing).
+//
 // Run folder (cfg.out): config.toml, metrics.csv, run.db (table rounds),
 // client_state.db (client states and the checkpoint). See docs/simulator.md.
 
@@ -58,6 +66,8 @@ class Model;
 }
 
 namespace sparrow::simulator {
+
+class Cluster;
 
 // One selected client of a round (for the dashboard's client table).
 struct Participant {
@@ -83,6 +93,10 @@ struct RoundMetrics {
   double epsilon = 0;       // DP: privacy spent after this round at dp's delta; NaN without DP
   double clip = 0;          // the norm bound the aggregator applied (central DP, normclip); NaN if none
   std::vector<Participant> participants;  // by client id; not persisted, empty on rounds a resume reloads
+  // Over MPI ranks: the bytes each rank sent this round (rank 0: the round's
+  // model to every rank and each rank's clients with their states; rank r:
+  // its clients' updates and states). Empty in one process; not persisted.
+  std::vector<uint64_t> rank_bytes;
 };
 
 struct Summary {
@@ -93,11 +107,14 @@ struct Summary {
   uint64_t bytes_down = 0;
   double sim_wall_s = 0;
   double real_s = 0;
-  double epsilon = 0;  // DP: after the last completed round (NaN without DP)
+  double epsilon = 0;              // DP: after the last completed round (NaN without DP)
+  int ranks = 1;                   // MPI ranks of this process's run (1: one process)
+  std::vector<double> rank_bytes;  // over ranks: mean bytes each rank sent per round this process ran
 };
 
 // {"rounds":..,"accuracy":..,"loss":..,"bytes_up":..,"bytes_down":..,"sim_wall_s":..,"real_s":..,"epsilon":..}
-// on one line; NaN values are null.
+// on one line; NaN values are null. Over MPI ranks also "ranks" and
+// "rank_bytes_per_round" (one mean per rank).
 std::string summary_json(const Summary& s);
 
 // The model for `name`: core::make_model, plus the simulator's "logreg"
@@ -120,7 +137,13 @@ class Simulator {
   // have been written with the same config up to `rounds` (ConfigError
   // otherwise, or when there is nothing to resume). Throws ConfigError for a
   // bad config (model/dataset mismatch, unknown compressor, ...).
-  explicit Simulator(SimConfig cfg, bool resume = false);
+  //
+  // With `cluster` of several ranks (simulator/cluster.h) every rank
+  // constructs a Simulator from the same config: rank 0 runs the rounds (and
+  // alone keeps the run folder), the others call serve(). A run's model does
+  // not depend on the number of ranks (updates are folded on rank 0 in
+  // client-id order). secagg and attack = "alie" are refused over ranks.
+  explicit Simulator(SimConfig cfg, bool resume = false, Cluster* cluster = nullptr);
   ~Simulator();
   Simulator(const Simulator&) = delete;
   Simulator& operator=(const Simulator&) = delete;
@@ -130,6 +153,9 @@ class Simulator {
   // true, the round did not happen (no metrics row, no client state of it is
   // kept) and completed_rounds() is unchanged.
   RoundMetrics run_round();
+  // Ranks other than 0: trains the clients rank 0 sends, round after round,
+  // until rank 0's Simulator is destroyed.
+  void serve();
   // From any thread (a signal handler too: it only stores atomics): stop the
   // current round once `after_clients` more clients have finished training
   // (0: after the clients in training now). run() returns then.
