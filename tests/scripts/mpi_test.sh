@@ -7,6 +7,7 @@
 #    with a compressed downlink;
 #  - a run of 2 rounds on 2 ranks resumed to 4 on 2 ranks, and one resumed on
 #    one process, equal the uninterrupted run;
+#  - SIGUSR1 to mpirun stops the run gracefully, and --resume continues it;
 #  - what cannot run over ranks (secagg) and a bad config end every rank
 #    with a clear message and exit 2, without hanging;
 #  - the summary reports the bytes each rank sent per round.
@@ -107,6 +108,30 @@ weights "$work/stc_res1"
 same_model "$work/stc_plain" "$work/stc_res1" "stc: 2 rounds on 2 ranks resumed in one process = uninterrupted"
 cmp -s <(cut -d, -f1-6 "$work/stc_plain/metrics.csv") <(cut -d, -f1-6 "$work/stc_res/metrics.csv") ||
   fail "resumed metrics.csv differs from the uninterrupted run's"
+
+# A graceful stop: mpirun forwards SIGUSR1, rank 0 stops after the clients in
+# training, checkpoints, every rank exits (130); --resume on 2 ranks then ends
+# where the uninterrupted run does.
+"$sim" --config "$work/stc.toml" --set out="$work/long_plain" --set rounds=200 --set eval_every=200 >/dev/null 2>&1 ||
+  fail "200 rounds plain"
+weights "$work/long_plain"
+set +e
+"$mpiexec" -np 2 --oversubscribe "$sim" --config "$work/stc.toml" --set out="$work/long" --set rounds=200 \
+  --set eval_every=200 >/dev/null 2>"$work/long.log" &
+pid=$!
+for _ in $(seq 600); do
+  [[ -f "$work/long/metrics.csv" && $(wc -l <"$work/long/metrics.csv") -ge 4 ]] && break
+  sleep 0.05
+done
+kill -USR1 $pid
+wait $pid
+rc=$?
+set -e
+[[ $rc == 130 ]] || fail "SIGUSR1 to mpirun: exit $rc, expected 130 (stopped and checkpointed)"
+grep -q "interrupted after round" "$work/long.log" || fail "SIGUSR1: rank 0 did not say where it stopped"
+mpi 2 --resume "$work/long" >/dev/null 2>&1 || fail "resume after SIGUSR1"
+weights "$work/long"
+same_model "$work/long_plain" "$work/long" "stopped by SIGUSR1 on 2 ranks and resumed = uninterrupted"
 
 # Refusals end every rank: exit 2, a clear message, no hang (timeout 180 s).
 set +e
