@@ -6,6 +6,7 @@
 
 #include <sys/resource.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -351,8 +352,8 @@ int bench_sim(int rounds, int workers, const std::string& tmp, bool efficiency, 
 
 namespace {
 
-// Mean real_s of rounds 2..R-1 of a run folder's metrics.csv (the first is a
-// warm-up, the last evaluates and waits for its checkpoint).
+// Median real_s of rounds 2..R-1 of a run folder's metrics.csv (the first is
+// a warm-up, the last evaluates and waits for its checkpoint).
 double timed_round_s(const std::string& dir) {
   std::ifstream in(std::filesystem::path(dir) / "metrics.csv");
   std::string line;
@@ -366,9 +367,10 @@ double timed_round_s(const std::string& dir) {
     real.push_back(std::stod(f));  // the 8th column: real_s
   }
   SPARROW_CHECK(real.size() >= 3, dir << "/metrics.csv: fewer than 3 rounds");
-  double sum = 0;
-  for (size_t i = 1; i + 1 < real.size(); ++i) sum += real[i];
-  return sum / static_cast<double>(real.size() - 2);
+  std::vector<double> timed(real.begin() + 1, real.end() - 1);
+  std::sort(timed.begin(), timed.end());
+  const size_t n = timed.size();
+  return n % 2 ? timed[n / 2] : 0.5 * (timed[n / 2 - 1] + timed[n / 2]);
 }
 
 // Runs `cmd`, returns its last stdout line (sparrow-sim's summary).
@@ -400,12 +402,15 @@ std::string json_field(const std::string& json, const std::string& key) {
 int bench_sim_mpi(const MpiOptions& o) {
   const std::string sim = (std::filesystem::read_symlink("/proc/self/exe").parent_path() / "sparrow-sim").string();
   std::filesystem::create_directories(o.tmp);
-  for (const std::string& codec : o.codecs) {
+  for (const std::string& workload : o.workloads) {
+    const std::string model = workload.substr(0, workload.find(':'));
+    const std::string codec = workload.substr(workload.find(':') + 1);
     simulator::SimConfig cfg = base_config(1000, 50, o.rounds, 1, "");
+    cfg.model = model;
     cfg.compression = codec;
     cfg.client_batch = 1;
     cfg.threads = 1;
-    const std::string tag = codec.substr(0, codec.find(':'));
+    const std::string tag = model + "_" + codec.substr(0, codec.find(':'));
     const std::string toml = o.tmp + "/" + tag + ".toml";
     std::ofstream(toml) << simulator::to_toml(cfg);
     struct Variant {
@@ -424,12 +429,15 @@ int bench_sim_mpi(const MpiOptions& o) {
       const std::string summary = last_line(cmd);
       const double s = timed_round_s(out);
       if (base_s == 0) base_s = s;
-      std::cout << "{\"bench\":\"sim\",\"case\":\"mpi\",\"model\":\"mlp\",\"compression\":\"" << codec
+      std::cout << "{\"bench\":\"sim\",\"case\":\"mpi\",\"model\":\"" << model << "\",\"compression\":\"" << codec
                 << "\",\"clients\":1000,\"clients_per_round\":50,\"variant\":\"" << v.name
                 << "\",\"ranks\":" << std::max(1, v.ranks) << ",\"workers_per_rank\":" << v.workers
                 << ",\"s_per_round\":" << json_number(s) << ",\"rounds_per_s\":" << json_number(1.0 / s)
                 << ",\"speedup_vs_one_process\":" << json_number(base_s / s)
                 << ",\"rank_bytes_per_round\":" << json_field(summary, "rank_bytes_per_round")
+                << ",\"rank0_send_s\":" << json_field(summary, "rank0_send_s")
+                << ",\"rank0_wait_s\":" << json_field(summary, "rank0_wait_s")
+                << ",\"rank0_fold_s\":" << json_field(summary, "rank0_fold_s")
                 << ",\"bytes_up_total\":" << json_field(summary, "bytes_up")
                 << ",\"accuracy\":" << json_field(summary, "accuracy") << "}" << std::endl;
     }

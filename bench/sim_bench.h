@@ -25,14 +25,15 @@ struct PeerOptions {
 int bench_sim_peer(const PeerOptions& o);
 
 int bench_sim(int rounds, int workers, const std::string& tmp, bool efficiency = true, bool scale = true);
-// The MPI case: the same run (Fashion-MNIST MLP, 1,000 clients, 50 per
-// round) as one process, and under `mpirun -np 1` and `-np 2` (one worker per
-// rank), per codec: rounds per second over the timed rounds and the bytes each
-// rank sent per round (sparrow-sim's summary). sparrow-sim is the binary next
-// to sparrow-bench.
+// The MPI case: the same run (Fashion-MNIST, Dirichlet(0.5), 1,000 clients,
+// 50 per round) as one process (1 and 2 worker threads), and under
+// `mpirun -np 1` and `-np 2` (one worker per rank), per workload MODEL:CODEC:
+// seconds per round (median of the rounds after the first and before the
+// last), the bytes each rank sent per round and rank 0's serial work
+// (sparrow-sim's summary). sparrow-sim is the binary next to sparrow-bench.
 struct MpiOptions {
   int rounds = 6;
-  std::vector<std::string> codecs{"dgc:ratio=0.001", "none"};
+  std::vector<std::string> workloads{"mlp:dgc:ratio=0.001", "mlp:none", "cnn:none"};
   std::string mpirun = "mpirun";
   std::string tmp = "bench-sim-runs/mpi";
 };

@@ -205,7 +205,10 @@ struct ClientSession::Impl {
         updates_rejected{0}, reconnects{0}, heartbeats{0}, errors_received{0};
   } n;
 
-  Impl(ClientSession& s, SessionConfig c, core::Dataset d) : self(s), cfg(std::move(c)) {
+  TaskRunner runner;  // set: Tasks go to it instead of local training (a gateway)
+
+  Impl(ClientSession& s, SessionConfig c, core::Dataset d, TaskRunner run = {})
+      : self(s), cfg(std::move(c)), runner(std::move(run)) {
     // Validate the config as the loader would (a SessionConfig built in code skips it).
     SPARROW_CHECK_T(ConfigError, !cfg.client_id.empty() && cfg.client_id.size() <= wire::kMaxClientIdBytes,
                     "client_id: must be 1.." << wire::kMaxClientIdBytes << " bytes");
@@ -237,7 +240,11 @@ struct ClientSession::Impl {
       total_numel += p.value().numel();
     }
     digest = core::model_digest(*replica);
-    data = check_data_for_model(std::move(d), cfg.model);
+    if (runner.run) {
+      SPARROW_CHECK_T(ConfigError, cfg.holdout == 0, "holdout: a session with a task runner has no data to hold out");
+    } else {
+      data = check_data_for_model(std::move(d), cfg.model);
+    }
     if (cfg.holdout > 0) split_holdout();
     if (!device.is_cpu()) {
       data.x = data.x.to(device);
@@ -424,7 +431,8 @@ struct ClientSession::Impl {
   bool send_hello() {
     wire::Hello h;
     h.client_id = cfg.client_id;
-    h.num_samples = static_cast<uint64_t>(data.size());
+    h.num_samples =
+        runner.run ? std::max<uint64_t>(1, runner.samples ? runner.samples() : 1) : static_cast<uint64_t>(data.size());
     h.model = cfg.model;
     h.model_digest = digest;
     h.last_round = self.held_round_.load();
@@ -742,7 +750,7 @@ struct ClientSession::Impl {
   Trained train(const wire::Task& task, const Weights& base, Prepared& p) {
     const uint64_t r = task.round;
     const bool scaffold = p.tc.algorithm == "scaffold";
-    if (!trainer || !same_train_config(trainer->config(), p.tc))
+    if (!runner.run && (!trainer || !same_train_config(trainer->config(), p.tc)))
       trainer = std::make_unique<LocalTrainer>(replica, p.tc);
     Trained t;
     // Work on a copy: a failure below leaves the persisted state as it was.
@@ -751,8 +759,17 @@ struct ClientSession::Impl {
     std::optional<std::pair<double, double>> held;
     if (holdout.size() > 0) held = trainer->evaluate(base, holdout.x, holdout.y);
     const auto t0 = Clock::now();
-    t.tr = trainer->train(base, data.x, data.y, task.seed, scaffold ? &t.next.control : nullptr,
-                          scaffold ? &p.server_control : nullptr);
+    if (runner.run) {
+      SPARROW_CHECK_T(Error, !scaffold, "task: algorithm scaffold cannot be relayed by a gateway");
+      t.tr = runner.run(task, base);
+      SPARROW_CHECK_T(Error, t.tr.num_samples > 0, "task: the runner returned no samples");
+      for (const auto& nm : names)
+        SPARROW_CHECK_T(Error, t.tr.delta.count(nm) && t.tr.delta.at(nm).sizes().vec() == shapes.at(nm),
+                        "task: the runner's delta lacks '" << nm << "' or has another shape");
+    } else {
+      t.tr = trainer->train(base, data.x, data.y, task.seed, scaffold ? &t.next.control : nullptr,
+                            scaffold ? &p.server_control : nullptr);
+    }
     t.secs = std::chrono::duration<double>(Clock::now() - t0).count();
     t.metrics = {{"train_loss", t.tr.mean_loss}, {"train_seconds", t.secs}};
     if (held) {
@@ -928,6 +945,11 @@ struct ClientSession::Impl {
 ClientSession::ClientSession(SessionConfig cfg, core::Dataset data)
     : impl_(std::make_unique<Impl>(*this, std::move(cfg), std::move(data))) {}
 
+ClientSession::ClientSession(SessionConfig cfg, TaskRunner runner)
+    : impl_(std::make_unique<Impl>(*this, std::move(cfg), core::Dataset{}, std::move(runner))) {
+  SPARROW_CHECK_T(ConfigError, impl_->runner.run != nullptr, "task runner: no run function");
+}
+
 ClientSession::~ClientSession() = default;
 
 bool ClientSession::run() { return impl_->run(); }
@@ -948,6 +970,9 @@ ClientSession::Counters ClientSession::counters() const {
 }
 
 uint64_t ClientSession::digest() const { return impl_->digest; }
-uint64_t ClientSession::num_samples() const { return static_cast<uint64_t>(impl_->data.size()); }
+uint64_t ClientSession::num_samples() const {
+  if (impl_->runner.run) return impl_->runner.samples ? impl_->runner.samples() : 1;
+  return static_cast<uint64_t>(impl_->data.size());
+}
 
 }  // namespace sparrow::client

@@ -23,12 +23,19 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "client/trainer.h"
 #include "core/datasets.h"
+
+namespace sparrow::wire {
+struct Task;
+}
 
 namespace sparrow::client {
 
@@ -85,6 +92,18 @@ SessionConfig load_session_config(const std::string& path, const std::vector<std
 SessionConfig parse_session_config(const std::string& toml_text, const std::vector<std::string>& overrides = {},
                                    const std::string& source = "<string>");
 
+// What a session does with a Task instead of training on local data: a
+// gateway (sparrow-server with `upstream`, docs/deploy.md) runs a round with
+// its own clients and answers with their weighted mean delta.
+struct TaskRunner {
+  // B_{r-1} and the Task in; the update's delta (dense, the model's names and
+  // shapes), num_samples (> 0: its FedAvg weight upstream) and mean_loss out.
+  // Throw to refuse the task (answered with an Error naming the round).
+  std::function<TrainResult(const wire::Task&, const std::map<std::string, at::Tensor>&)> run;
+  // What Hello reports as num_samples (at least 1 is sent).
+  std::function<uint64_t()> samples;
+};
+
 class ClientSession {
  public:
   struct Counters {
@@ -104,6 +123,9 @@ class ClientSession {
   // loads the key files (ConfigError) and opens the state database (its
   // client_id and model digest must match: ConfigError). Connects nothing yet.
   ClientSession(SessionConfig cfg, core::Dataset data);
+  // A session whose Tasks `runner` answers (no data; cfg.data and holdout are
+  // not used, holdout must be 0).
+  ClientSession(SessionConfig cfg, TaskRunner runner);
   ~ClientSession();
   ClientSession(const ClientSession&) = delete;
   ClientSession& operator=(const ClientSession&) = delete;

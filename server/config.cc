@@ -5,6 +5,7 @@
 
 #include "aggregation/robust.h"
 #include "wire/net.h"
+#include "wire/wire.h"
 #include "aggregation/server_optimizer.h"
 #include "compression/compressor.h"
 #include "core/error.h"
@@ -56,6 +57,11 @@ void bind_all(core::FlatConfig& f, ServerConfig& c) {
   f.bind("eval_batch", &c.eval_batch);
   f.bind("http", &c.http);
   f.bind("http_token", &c.http_token);
+  f.bind("upstream", &c.upstream);
+  f.bind("upstream_server_key", &c.upstream_server_key);
+  f.bind("upstream_key", &c.upstream_key);
+  f.bind("upstream_id", &c.upstream_id);
+  f.bind("upstream_state_db", &c.upstream_state_db);
 }
 
 // The keys part of the run identity (identity_text), written in bind order.
@@ -189,6 +195,28 @@ void validate(const ServerConfig& c) {
   if (c.keep_checkpoints < 1) bad("keep_checkpoints", "must be >= 1");
   if (c.eval_every < 0) bad("eval_every", "must be >= 0 (0 = off)");
   if (c.eval_batch < 1) bad("eval_batch", "must be >= 1");
+  if (c.gateway()) {
+    try {
+      net::check_endpoint("upstream", c.upstream, /*for_bind=*/false);
+    } catch (const ConfigError& e) {
+      bad("upstream", e.what());
+    }
+    if (c.upstream_id.empty() || c.upstream_id.size() > wire::kMaxClientIdBytes)
+      bad("upstream_id", "must be 1.." + std::to_string(wire::kMaxClientIdBytes) + " bytes");
+    if (!c.insecure && (c.upstream_server_key.empty() || c.upstream_key.empty()))
+      bad("upstream",
+          "needs upstream_server_key (the root's .key) and upstream_key (this gateway's .key_secret) "
+          "unless --insecure");
+    // A gateway forwards the plain weighted mean of its clients' deltas: the
+    // root applies its optimiser, its aggregator, DP and downlink once.
+    const char* why = "a gateway forwards the weighted mean of its clients' updates; set it on the root";
+    if (c.algorithm == "scaffold") bad("algorithm", "scaffold cannot be relayed by a gateway (control variates)");
+    if (c.secagg != "none") bad("secagg", "is not available on a gateway (its aggregate would be unmasked there)");
+    if (c.downlink != "none") bad("downlink", why);
+    if (c.aggregator != "mean") bad("aggregator", why);
+    if (c.dp != "none") bad("dp", why);
+    if (c.server_optimizer != "fedavg") bad("server_optimizer", why);
+  }
   if (!c.insecure && c.server_key.empty())
     bad("key", "is required (the server's .key_secret file; `sparrow-server keygen`) unless --insecure");
   if (!c.insecure && c.allow.empty())

@@ -65,6 +65,18 @@ struct ServerConfig {
   std::string http;
   std::string http_token;  // file holding the bearer token; required unless `http` is a loopback address
 
+  // Gateway role (docs/deploy.md, "Two levels"): serve this server's clients as
+  // any server does, and forward one aggregate per round to a root server,
+  // which sees the gateway as one client weighted by its clients' samples.
+  // The root's Task sets the round, the model and the training settings; the
+  // link is a client session (CURVE, heartbeats, reconnects).
+  std::string upstream;                 // the root's endpoint; empty = not a gateway
+  std::string upstream_server_key;      // the root's public key file (.key); required unless insecure
+  std::string upstream_key;             // this gateway's key pair at the root (.key_secret); required unless insecure
+  std::string upstream_id = "gateway";  // this gateway's client id at the root
+  std::string upstream_state_db;        // the upstream session's state (SQLite); empty = db + "-upstream"
+  bool gateway() const { return !upstream.empty(); }
+
   // Derived.
   int effective_min_clients() const { return min_clients > 0 ? min_clients : clients_per_round; }
   double effective_max_round_wait_s() const { return max_round_wait_s > 0 ? max_round_wait_s : 4 * round_deadline_s; }

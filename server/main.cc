@@ -25,6 +25,7 @@
 #include "core/error.h"
 #include "core/threads.h"
 #include "server/config.h"
+#include "server/gateway.h"
 #include "server/server.h"
 #include "server/store.h"
 #include "server/try.h"
@@ -38,7 +39,8 @@ std::atomic<bool> g_signalled{false};
 extern "C" void on_signal(int) {
   g_signalled.store(true);
   sparrow::server::Server* s = g_server.load();
-  if (s) s->stop();  // stores to an atomic flag only: async-signal-safe
+  if (s) s->stop();                 // stores to an atomic flag only: async-signal-safe
+  sparrow::server::stop_gateway();  // atomic stores too
 }
 
 std::atomic<bool> g_try_stop{false};
@@ -238,7 +240,16 @@ int main(int argc, char** argv) {
     g_server.store(&server);
     std::signal(SIGINT, on_signal);
     std::signal(SIGTERM, on_signal);
-    server.run();
+    bool done = false;
+    if (cfg.gateway()) {
+      spdlog::info(
+          "event=gateway upstream={} id={} msg=\"each round of the root runs here with this server's clients\"",
+          cfg.upstream, cfg.upstream_id);
+      done = sparrow::server::run_gateway(server, cfg);
+    } else {
+      server.run();
+      done = server.completed_rounds() >= cfg.rounds;
+    }
     if (http_linger > 0 && !server.dashboard_url().empty() && !g_signalled.load()) {
       // The run is over (socket closed, database written); its final state
       // stays on the dashboard for a while. A signal ends it.
@@ -250,7 +261,7 @@ int main(int argc, char** argv) {
     g_server.store(nullptr);
     // Stopped by a signal before the last round: interrupted (the last
     // completed round is on disk; the same config resumes after it).
-    return server.completed_rounds() >= cfg.rounds ? sparrow::cli::kOk : sparrow::cli::kInterrupted;
+    return done ? sparrow::cli::kOk : sparrow::cli::kInterrupted;
   } catch (const sparrow::ConfigError& e) {
     spdlog::error("event=config_error msg=\"{}\"", sparrow::core::error_text(e));
     return sparrow::cli::kBadInput;

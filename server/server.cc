@@ -242,6 +242,13 @@ struct Server::Impl {
   std::map<std::string, at::Tensor> acp_shared;         // for round completed + 1
   int64_t acp_rank = 0;                                 // > 0 when the uplink is ACP
   std::atomic<int64_t> completed{0};
+  // Gateway role: the root's round, model and settings for the round run_round
+  // runs now (relay_round), and what it gives back.
+  std::optional<uint64_t> relay_r;
+  const Weights* relay_base = nullptr;
+  const wire::TrainSettings* relay_train = nullptr;
+  std::optional<Server::RelayResult> relay_out;
+  bool root_finished = false;  // a gateway whose root ended the run: its clients are told so
 
   // Persistence.
   std::unique_ptr<ServerStore> store;
@@ -1093,13 +1100,16 @@ struct Server::Impl {
     t.train.momentum = cfg.momentum;
     t.train.weight_decay = cfg.weight_decay;
     t.train.mu = cfg.algorithm == "fedprox" ? cfg.mu : 0.0;
+    if (relay_train) t.train = *relay_train;  // a gateway passes the root's settings on
     t.compression = cfg.compression;
     t.seed = rng::derive(rng::derive(rng::derive(cfg.seed, kTaskTag), r), rng::hash_name(s.client_id));
     t.shared = rc.shared;
     t.control = rc.control;
     t.deadline_ms = static_cast<uint64_t>(cfg.round_deadline_s * 1000.0);
     if (auto it = sa_setup.find(s.client_id); it != sa_setup.end()) t.secagg = it->second;
-    if (s.last_round && *s.last_round == r - 1) {
+    // A gateway's round 1 model is the root's B_0: sent in full (the client's
+    // own seed-built model follows this server's model_seed, not the root's).
+    if (s.last_round && *s.last_round == r - 1 && !(relay_r && r == 1)) {
       t.model_encoding = wire::ModelEncoding::kDelta;
       t.base_round = r - 1;
     } else if (down && r >= 2 && s.last_round && *s.last_round == r - 2 && !rc.delta.empty()) {
@@ -1296,7 +1306,7 @@ struct Server::Impl {
 
   // Runs round completed + 1. Returns false when stopped.
   bool run_round() {
-    const uint64_t r = static_cast<uint64_t>(completed.load()) + 1;
+    const uint64_t r = relay_r ? *relay_r : static_cast<uint64_t>(completed.load()) + 1;
     const size_t need = static_cast<size_t>(cfg.effective_min_clients());
     // 1. Wait for enough live clients.
     {
@@ -1318,7 +1328,11 @@ struct Server::Impl {
         cv.wait_for(g, kRoundTick);
       }
     }
-    // 2. Select and send tasks.
+    // 2. Select and send tasks (a gateway: from the root's model).
+    if (relay_r) {
+      std::lock_guard<std::mutex> g(weights_mu);
+      for (auto& [nm, v] : global) v.copy_(relay_base->at(nm));
+    }
     const double started = unix_now();
     const auto t0 = Clock::now();
     std::vector<std::string> chosen;
@@ -1462,7 +1476,18 @@ struct Server::Impl {
       n.abandoned++;
       return true;
     }
-    {
+    if (relay_r) {
+      // A gateway: the mean delta goes to the root, which steps its model.
+      for (const auto& [nm, v] : delta)
+        if (!at::isfinite(v).all().item<bool>()) {
+          spdlog::error("event=round_abandoned round={} error=\"non-finite aggregate at '{}'\"", r, nm);
+          n.abandoned++;
+          return true;
+        }
+      relay_out = Server::RelayResult{};
+      relay_out->delta = delta;
+      relay_out->weight = agg.total_weight();
+    } else {
       std::lock_guard<std::mutex> g(weights_mu);
       try {
         opt->step(global, delta);  // throws, changing nothing, on a non-finite delta
@@ -1567,6 +1592,11 @@ struct Server::Impl {
       const double eps = aggregator->epsilon(most, 1.0, most);
       if (std::isfinite(eps)) metrics["dp.epsilon"] = eps;  // noise 0: no guarantee, nothing to report
     }
+    if (relay_out) {
+      relay_out->updates = static_cast<size_t>(row.updates);
+      for (const auto& [k, v] : metrics)
+        if (k.rfind("client.", 0) == 0) relay_out->metrics[k.substr(7)] = v;
+    }
     store->commit_round(row, metrics, checkpoint(static_cast<int64_t>(r)), dirty, cfg.keep_checkpoints);
     completed = static_cast<int64_t>(r);
     n.rounds = r;
@@ -1653,7 +1683,8 @@ struct Server::Impl {
       std::lock_guard<std::mutex> g(mu);
       // "run finished" tells clients to exit (docs/protocol.md, Bye); any other
       // reason makes them reconnect to a restarted server.
-      const std::string reason = completed.load() >= cfg.rounds ? "run finished" : "server shutting down";
+      const bool over = cfg.gateway() ? root_finished : completed.load() >= cfg.rounds;
+      const std::string reason = over ? "run finished" : "server shutting down";
       for (const auto& [rid, s] : sessions) reply(rid, msg(wire::Bye{reason}));
       sessions.clear();
       by_client.clear();
@@ -1725,6 +1756,51 @@ void Server::run() {
   s.stop_threads();
   spdlog::info("event=stopped round={} accepted={} stale={}", s.completed.load(), s.n.accepted.load(),
                s.n.stale.load());
+}
+
+void Server::start() {
+  Impl& s = *impl_;
+  SPARROW_CHECK(!s.ran, "Server::start()/run() may be called once");
+  s.ran = true;
+  s.start_threads();
+}
+
+std::optional<Server::RelayResult> Server::relay_round(uint64_t round, const Weights& base,
+                                                       const wire::TrainSettings& train) {
+  Impl& s = *impl_;
+  SPARROW_CHECK(s.cfg.gateway(), "relay_round: this server has no upstream (not a gateway)");
+  SPARROW_CHECK(round >= 1, "relay_round: round must be >= 1");
+  for (const auto& [nm, v] : s.global)
+    SPARROW_CHECK(base.count(nm) && base.at(nm).sizes() == v.sizes(),
+                  "relay_round: the root's model lacks '" << nm << "' or has another shape");
+  s.relay_r = round;
+  s.relay_base = &base;
+  s.relay_train = &train;
+  s.relay_out.reset();
+  struct Clear {
+    Impl& s;
+    ~Clear() {
+      s.relay_r.reset();
+      s.relay_base = nullptr;
+      s.relay_train = nullptr;
+    }
+  } clear{s};
+  if (!s.run_round()) return std::nullopt;  // stopped
+  return std::move(s.relay_out);            // nullopt when abandoned
+}
+
+void Server::finish(bool run_over) {
+  impl_->root_finished = run_over;
+  impl_->stop_threads();
+  spdlog::info("event=stopped round={} accepted={} stale={}", impl_->completed.load(), impl_->n.accepted.load(),
+               impl_->n.stale.load());
+}
+
+uint64_t Server::live_samples() const {
+  std::lock_guard<std::mutex> g(impl_->mu);
+  uint64_t total = 0;
+  for (const auto& [rid, sess] : impl_->sessions) total += sess.num_samples;
+  return total;
 }
 
 void Server::stop() noexcept { impl_->stop.store(true); }

@@ -30,11 +30,13 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "compression/state.h"
 #include "server/config.h"
+#include "wire/wire.h"
 
 namespace sparrow::server {
 
@@ -88,6 +90,30 @@ class Server {
   // errors (database write failure); peers' misbehaviour is never fatal.
   // Call at most once.
   void run();
+
+  // ---- Gateway role (cfg.upstream set; server/gateway.h drives it) ----
+  // What one relayed round gives the root: the weighted (by num_samples) mean
+  // delta of the updates collected, their total weight, and the clients'
+  // sample-weighted metrics (train_loss, ...).
+  struct RelayResult {
+    Weights delta;
+    double weight = 0;
+    std::map<std::string, double> metrics;
+    size_t updates = 0;
+  };
+  // Starts the I/O thread and the pool (run() does this itself).
+  void start();
+  // Runs one round with this server's clients for the root's round `round`:
+  // the clients train from `base` with `train` (the root's settings; the
+  // uplink is this server's `compression`), the round closes by this server's
+  // quorum and deadline, and is recorded and checkpointed as round `round`.
+  // nullopt when it was abandoned (no quorum in max_round_wait_s) or stopped.
+  std::optional<RelayResult> relay_round(uint64_t round, const Weights& base, const wire::TrainSettings& train);
+  // Stops the threads started by start(), saying Bye to connected clients:
+  // "run finished" when `run_over` (they exit), else "server shutting down".
+  void finish(bool run_over);
+  // Training samples of the live clients (their Hellos).
+  uint64_t live_samples() const;
 
   // Asks run() to return soon. Thread-safe and async-signal-safe (it only
   // stores to a lock-free atomic flag), so a SIGINT/SIGTERM handler may call it.

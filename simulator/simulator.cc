@@ -250,7 +250,8 @@ std::string summary_json(const Summary& s) {
   if (s.ranks > 1) {
     os << ",\"ranks\":" << s.ranks << ",\"rank_bytes_per_round\":[";
     for (size_t r = 0; r < s.rank_bytes.size(); ++r) os << (r ? "," : "") << fmt_double(s.rank_bytes[r]);
-    os << "]";
+    os << "],\"rank0_send_s\":" << fmt_double(s.rank0_send_s) << ",\"rank0_wait_s\":" << fmt_double(s.rank0_wait_s)
+       << ",\"rank0_fold_s\":" << fmt_double(s.rank0_fold_s);
   }
   os << "}";
   return os.str();
@@ -1246,10 +1247,12 @@ struct Simulator::Impl {
     const double send_s = seconds_since(s0);
     run_local(t, wids, wout, n_sel);
     const double local_s = seconds_since(s0) - send_s;
+    double wait_s = 0, fold_s = 0;
     if (distributed()) {
       receive_round(wids, wout);
+      wait_s = seconds_since(s0) - send_s - local_s;
       spdlog::debug("round {}: ranks: sent in {:.3f} s, rank 0 trained in {:.3f} s, waited {:.3f} s for the others",
-                    t + 1, send_s, local_s, seconds_since(s0) - send_s - local_s);
+                    t + 1, send_s, local_s, wait_s);
     }
     const bool all_trained =
         std::all_of(results.begin(), results.end(), [](const ClientResult& r) { return r.trained; });
@@ -1267,7 +1270,8 @@ struct Simulator::Impl {
     if (distributed()) {
       const auto f0 = Clock::now();
       fold_ranked(t, results, n_sel);
-      spdlog::debug("round {}: ranks: folded in {:.3f} s", t + 1, seconds_since(f0));
+      fold_s = seconds_since(f0);
+      spdlog::debug("round {}: ranks: folded in {:.3f} s", t + 1, fold_s);
     }
     send_alie(t, n_sel);
     // Measured times feed the cost model in client-id order.
@@ -1294,7 +1298,12 @@ struct Simulator::Impl {
     RoundMetrics m;
     m.round = t + 1;
     m.clients = n_sel;
-    if (distributed()) m.rank_bytes = rank_sent;
+    if (distributed()) {
+      m.rank_bytes = rank_sent;
+      m.rank0_send_s = send_s;
+      m.rank0_wait_s = wait_s;
+      m.rank0_fold_s = fold_s;
+    }
     m.bytes_down = downlink_bytes(t, ids);
     if (sa) {
       for (const auto& [c, b] : sa->down) m.bytes_down += b;
@@ -1543,9 +1552,13 @@ Summary Simulator::summary() const {
     for (const auto& m : impl_->history)
       if (m.rank_bytes.size() == s.rank_bytes.size()) {
         for (size_t r = 0; r < m.rank_bytes.size(); ++r) s.rank_bytes[r] += static_cast<double>(m.rank_bytes[r]);
+        s.rank0_send_s += m.rank0_send_s;
+        s.rank0_wait_s += m.rank0_wait_s;
+        s.rank0_fold_s += m.rank0_fold_s;
         ++n;
       }
     for (double& b : s.rank_bytes) b = n > 0 ? b / n : 0.0;
+    for (double* v : {&s.rank0_send_s, &s.rank0_wait_s, &s.rank0_fold_s}) *v = n > 0 ? *v / n : 0.0;
   }
   for (const auto& m : impl_->history) {
     s.bytes_up += m.bytes_up;

@@ -97,6 +97,10 @@ struct RoundMetrics {
   // model to every rank and each rank's clients with their states; rank r:
   // its clients' updates and states). Empty in one process; not persisted.
   std::vector<uint64_t> rank_bytes;
+  // Over MPI ranks, rank 0's seconds this round: sending the round (model,
+  // clients and their states), waiting for the other ranks after training its
+  // own clients, folding every update and state in id order. Not persisted.
+  double rank0_send_s = 0, rank0_wait_s = 0, rank0_fold_s = 0;
 };
 
 struct Summary {
@@ -110,11 +114,13 @@ struct Summary {
   double epsilon = 0;              // DP: after the last completed round (NaN without DP)
   int ranks = 1;                   // MPI ranks of this process's run (1: one process)
   std::vector<double> rank_bytes;  // over ranks: mean bytes each rank sent per round this process ran
+  double rank0_send_s = 0, rank0_wait_s = 0, rank0_fold_s = 0;  // over ranks: means per round
 };
 
 // {"rounds":..,"accuracy":..,"loss":..,"bytes_up":..,"bytes_down":..,"sim_wall_s":..,"real_s":..,"epsilon":..}
 // on one line; NaN values are null. Over MPI ranks also "ranks" and
-// "rank_bytes_per_round" (one mean per rank).
+// "rank_bytes_per_round" (one mean per rank), "rank0_send_s", "rank0_wait_s"
+// and "rank0_fold_s" (means per round).
 std::string summary_json(const Summary& s);
 
 // The model for `name`: core::make_model, plus the simulator's "logreg"

@@ -1461,3 +1461,78 @@ TEST_CASE("secagg: a client refuses a server that asks for both shares of one cl
   CHECK(client.wait(15s).has_value());
   fs::remove_all(dir);
 }
+
+// ---- hierarchical aggregation: gateways (docs/deploy.md) ---------------------------
+
+TEST_CASE("gateways: a root, 2 gateways and 6 clients give the model of a flat run of the same 6 clients") {
+  // Root: 2 participants per round (the gateways, authenticated by client keys
+  // 7 and 8); each gateway runs the root's rounds with 3 clients of its own.
+  // Flat: one server with the same 6 clients. Same seed, same client ids and
+  // shards: FedAvg over gateways weighted by their clients' samples is FedAvg
+  // over the clients.
+  const std::string dir = fresh_dir("gateways");
+  keygen(dir, 8);
+  const std::string common = "rounds = 2\nround_deadline_s = 60\nlr = 0.05\nlocal_epochs = 1\n";
+  // Flat reference.
+  const std::string flat = dir + "/flat";
+  fs::create_directories(flat);
+  fs::copy(dir + "/keys", flat + "/keys");
+  server_toml(flat, common + "clients_per_round = 6\n");
+  {
+    auto server = start_server(flat, flat + "/server.log");
+    const std::string ep = server_endpoint(*server);
+    std::vector<std::unique_ptr<Process>> clients;
+    for (int i = 1; i <= 6; ++i) clients.push_back(start_client(flat, i, ep, 60, i));
+    INFO(log_tail(*server));
+    REQUIRE(server->wait(120s) == 0);
+    for (auto& c : clients) CHECK(c->wait(15s) == 0);
+  }
+  // Two levels.
+  const std::string root = dir + "/root";
+  fs::create_directories(root);
+  fs::copy(dir + "/keys", root + "/keys");
+  server_toml(root, common + "clients_per_round = 2\n");
+  auto rs = start_server(root, root + "/server.log");
+  const std::string root_ep = server_endpoint(*rs);
+  std::vector<std::unique_ptr<Process>> gateways, clients;
+  for (int g = 1; g <= 2; ++g) {
+    const std::string gd = dir + "/gw" + std::to_string(g);
+    fs::create_directories(gd);
+    fs::copy(dir + "/keys", gd + "/keys");
+    server_toml(gd, "clients_per_round = 3\nround_deadline_s = 60\nupstream = \"" + root_ep +
+                        "\"\nupstream_server_key = \"" + dir + "/keys/server.key\"\nupstream_key = \"" + dir +
+                        "/keys/client" + std::to_string(6 + g) + ".key_secret\"\nupstream_id = \"gw" +
+                        std::to_string(g) + "\"\n");
+    gateways.push_back(start_server(gd, gd + "/server.log"));
+    const std::string ep = server_endpoint(*gateways.back());
+    for (int i = 3 * g - 2; i <= 3 * g; ++i) clients.push_back(start_client(gd, i, ep, 60, i));
+  }
+  INFO(log_tail(*rs));
+  REQUIRE(rs->wait(180s) == 0);
+  for (auto& g : gateways) {
+    INFO(log_tail(*g));
+    CHECK(g->wait(30s) == 0);  // the root said "run finished"
+  }
+  for (auto& c : clients) CHECK(c->wait(30s) == 0);  // so did their gateway
+  const auto root_rounds = Db(root + "/server.db").rounds();
+  REQUIRE(root_rounds.size() == 2);
+  for (const auto& r : root_rounds) CHECK(r.updates == 2);
+  for (int g = 1; g <= 2; ++g) {
+    const auto gr = Db(dir + "/gw" + std::to_string(g) + "/server.db").rounds();
+    REQUIRE(gr.size() == 2);  // the root's rounds 1 and 2, each with its 3 clients
+    for (const auto& r : gr) CHECK(r.updates == 3);
+    CHECK(gateways[static_cast<size_t>(g - 1)]->log().find("event=relay_forwarded round=2 updates=3") !=
+          std::string::npos);
+  }
+  const Weights a = final_weights(flat + "/server.db", 2), b = final_weights(root + "/server.db", 2);
+  const Weights w0 = initial_weights(1);
+  double worst = 0, moved = 0;
+  for (const auto& [name, t] : a) {
+    worst = std::max(worst, (b.at(name) - t).abs().max().item<double>());
+    moved = std::max(moved, (t - w0.at(name)).abs().max().item<double>());
+  }
+  INFO("max |two levels - flat| = " << worst << ", max |flat - initial| = " << moved);
+  CHECK(moved > 1e-3);  // the runs trained
+  CHECK(worst < 1e-5);  // float summation order only
+  fs::remove_all(dir);
+}

@@ -1,0 +1,74 @@
+#include "server/gateway.h"
+
+#include <spdlog/spdlog.h>
+
+#include <atomic>
+#include <cmath>
+#include <filesystem>
+#include <limits>
+
+#include "client/session.h"
+#include "core/error.h"
+#include "server/server.h"
+
+namespace sparrow::server {
+namespace {
+
+std::atomic<client::ClientSession*> g_session{nullptr};
+std::atomic<Server*> g_server{nullptr};
+
+}  // namespace
+
+bool run_gateway(Server& server, const ServerConfig& cfg) {
+  SPARROW_CHECK_T(ConfigError, cfg.gateway(), "upstream: not set (this server is not a gateway)");
+  client::SessionConfig sc;
+  sc.server = cfg.upstream;
+  sc.server_key = cfg.upstream_server_key;
+  sc.key = cfg.upstream_key;
+  sc.insecure = cfg.insecure;
+  sc.client_id = cfg.upstream_id;
+  sc.model = cfg.model;
+  sc.state_db = cfg.upstream_state_db.empty() ? cfg.db + "-upstream" : cfg.upstream_state_db;
+  sc.max_message_mb = static_cast<uint64_t>(std::ceil(cfg.max_message_mb));
+  sc.heartbeat_ms = static_cast<uint32_t>(cfg.heartbeat_ms);
+  sc.give_up_s = 0;  // an unreachable or restarting root is retried for as long as the gateway runs
+  client::TaskRunner runner;
+  runner.samples = [&server] { return server.live_samples(); };
+  runner.run = [&server](const wire::Task& task, const Weights& base) {
+    spdlog::info("event=relay_started round={}", task.round);
+    std::optional<Server::RelayResult> res = server.relay_round(task.round, base, task.train);
+    SPARROW_CHECK_T(Error, res.has_value(),
+                    "gateway: round " << task.round << " closed without quorum among its clients (or it stopped)");
+    client::TrainResult tr;
+    tr.delta = std::move(res->delta);
+    tr.num_samples = static_cast<int64_t>(std::llround(res->weight));
+    auto it = res->metrics.find("train_loss");
+    tr.mean_loss = it != res->metrics.end() ? it->second : std::numeric_limits<double>::quiet_NaN();
+    spdlog::info("event=relay_forwarded round={} updates={} samples={}", task.round, res->updates, tr.num_samples);
+    return tr;
+  };
+  client::ClientSession session(sc, std::move(runner));
+  server.start();
+  g_server.store(&server);
+  g_session.store(&session);
+  bool finished = false;
+  try {
+    finished = session.run();
+  } catch (...) {
+    g_session.store(nullptr);
+    g_server.store(nullptr);
+    server.finish(false);
+    throw;
+  }
+  g_session.store(nullptr);
+  g_server.store(nullptr);
+  server.finish(finished);
+  return finished;
+}
+
+void stop_gateway() noexcept {
+  if (auto* s = g_session.load()) s->stop();
+  if (auto* s = g_server.load()) s->stop();
+}
+
+}  // namespace sparrow::server
