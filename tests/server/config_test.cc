@@ -84,7 +84,7 @@ TEST_CASE("server config: `key` is the server's own key file, `server_key` its o
   ServerConfig c = parse_server_config("server_key = \"b.key_secret\"\n");
   const std::string t = to_toml(c);
   CHECK(t.find("key = \"b.key_secret\"") != std::string::npos);
-  CHECK(t.find("server_key") == std::string::npos);
+  CHECK(t.find("\nserver_key") == std::string::npos);  // (a gateway's upstream_server_key is another key)
 }
 
 TEST_CASE("server config identity ignores operational keys") {
@@ -126,4 +126,34 @@ TEST_CASE("examples/service/server.toml is a valid server config") {
   CHECK(c.server_key == "keys/server.key_secret");
   CHECK(c.allow == "keys/allow.txt");
   CHECK_NOTHROW(validate(c));
+}
+
+TEST_CASE("server config: a gateway refuses what only the root can apply, and needs upstream keys") {
+  auto bad = [](const std::string& toml, bool insecure = true) {
+    ServerConfig c = parse_server_config("upstream = \"tcp://127.0.0.1:7070\"\n" + toml);
+    c.insecure = insecure;
+    return what_of([&] { validate(c); });
+  };
+  CHECK(bad("").empty());
+  CHECK(parse_server_config("upstream = \"tcp://127.0.0.1:7070\"\n").gateway());
+  CHECK_FALSE(parse_server_config("").gateway());
+  for (const char* key : {"server_optimizer = \"fedavgm:lr=1,momentum=0.9\"", "aggregator = \"median\"",
+                          "dp = \"central:clip=1,noise=1\"", "downlink = \"topk:ratio=0.1\"",
+                          "algorithm = \"scaffold\"", "secagg = \"secagg+:degree=4\""}) {
+    const std::string k(key);
+    INFO(k);
+    CHECK(bad(k + "\n").find("config key '" + k.substr(0, k.find(' ')) + "'") != std::string::npos);
+  }
+  CHECK(bad("upstream_id = \"\"\n").find("upstream_id") != std::string::npos);
+  CHECK(what_of([] {
+          ServerConfig c = parse_server_config("upstream = \"root:7070\"\n");
+          c.insecure = true;
+          validate(c);
+        }).find("upstream") != std::string::npos);
+  // Without --insecure: the root's public key and this gateway's key pair.
+  CHECK(bad("key = \"s.key_secret\"\nallow = \"a.txt\"\n", false).find("upstream_server_key") != std::string::npos);
+  CHECK(bad("key = \"s.key_secret\"\nallow = \"a.txt\"\nupstream_server_key = \"r.key\"\nupstream_key = "
+            "\"g.key_secret\"\n",
+            false)
+            .empty());
 }
