@@ -658,9 +658,11 @@ struct ClientSession::Impl {
     try {
       std::optional<Weights> base = broadcast_model(task);
       if (!base) return;  // answered with a re-Hello
-      if (task.secagg)
+      if (task.secagg) {
+        SPARROW_CHECK_T(Error, !runner.run,
+                        "task: secure aggregation does not span a gateway (its clients' sum would be unmasked there)");
         start_secagg(task, *base);
-      else
+      } else
         train_and_send(task, *base);
     } catch (const std::exception& e) {
       ++n.tasks_refused;

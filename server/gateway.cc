@@ -34,9 +34,27 @@ bool run_gateway(Server& server, const ServerConfig& cfg) {
   sc.give_up_s = 0;  // an unreachable or restarting root is retried for as long as the gateway runs
   client::TaskRunner runner;
   runner.samples = [&server] { return server.live_samples(); };
-  runner.run = [&server](const wire::Task& task, const Weights& base) {
-    spdlog::info("event=relay_started round={}", task.round);
-    std::optional<Server::RelayResult> res = server.relay_round(task.round, base, task.train);
+  // A failure of the server itself (its database, ...) is fatal as in
+  // Server::run(): kept here, the session stopped, rethrown below. A round
+  // without quorum is only an Error for that round, sent to the root.
+  std::exception_ptr fatal;
+  client::ClientSession* session_ptr = nullptr;
+  runner.run = [&server, &fatal, &session_ptr](const wire::Task& task, const Weights& base) {
+    SPARROW_CHECK_T(Error, !task.secagg,
+                    "gateway: secure aggregation does not span a gateway (its clients' sum "
+                    "would be unmasked here); run SecAgg between a gateway and its clients "
+                    "or without gateways");
+    spdlog::info("event=relay_started round={} deadline_ms={}", task.round, task.deadline_ms);
+    // The round, the wait for live clients included, ends within this server's
+    // max_round_wait_s (relay_round's default): the root always gets an answer.
+    std::optional<Server::RelayResult> res;
+    try {
+      res = server.relay_round(task.round, base, task.train);
+    } catch (...) {
+      fatal = std::current_exception();
+      if (session_ptr) session_ptr->stop();
+      throw;
+    }
     SPARROW_CHECK_T(Error, res.has_value(),
                     "gateway: round " << task.round << " closed without quorum among its clients (or it stopped)");
     client::TrainResult tr;
@@ -48,6 +66,7 @@ bool run_gateway(Server& server, const ServerConfig& cfg) {
     return tr;
   };
   client::ClientSession session(sc, std::move(runner));
+  session_ptr = &session;
   server.start();
   g_server.store(&server);
   g_session.store(&session);
@@ -62,7 +81,8 @@ bool run_gateway(Server& server, const ServerConfig& cfg) {
   }
   g_session.store(nullptr);
   g_server.store(nullptr);
-  server.finish(finished);
+  server.finish(finished && !fatal);
+  if (fatal) std::rethrow_exception(fatal);
   return finished;
 }
 

@@ -184,6 +184,8 @@ struct RoundContext {
   std::vector<wire::NamedTensor> delta;    // downlink: C_{r-1}; empty otherwise
   std::vector<wire::NamedTensor> shared;   // ACP shared factors
   std::vector<wire::NamedTensor> control;  // SCAFFOLD server control
+  // A gateway's round (relay_round): the root's training settings, passed on.
+  std::optional<wire::TrainSettings> relay_train;
 };
 
 // One worker's share of the open round.
@@ -247,6 +249,7 @@ struct Server::Impl {
   std::optional<uint64_t> relay_r;
   const Weights* relay_base = nullptr;
   const wire::TrainSettings* relay_train = nullptr;
+  std::optional<Clock::time_point> relay_until;  // when this relay round ends at the latest
   std::optional<Server::RelayResult> relay_out;
   bool root_finished = false;  // a gateway whose root ended the run: its clients are told so
 
@@ -1100,7 +1103,7 @@ struct Server::Impl {
     t.train.momentum = cfg.momentum;
     t.train.weight_decay = cfg.weight_decay;
     t.train.mu = cfg.algorithm == "fedprox" ? cfg.mu : 0.0;
-    if (relay_train) t.train = *relay_train;  // a gateway passes the root's settings on
+    if (rc.relay_train) t.train = *rc.relay_train;  // a gateway passes the root's settings on
     t.compression = cfg.compression;
     t.seed = rng::derive(rng::derive(rng::derive(cfg.seed, kTaskTag), r), rng::hash_name(s.client_id));
     t.shared = rc.shared;
@@ -1109,7 +1112,7 @@ struct Server::Impl {
     if (auto it = sa_setup.find(s.client_id); it != sa_setup.end()) t.secagg = it->second;
     // A gateway's round 1 model is the root's B_0: sent in full (the client's
     // own seed-built model follows this server's model_seed, not the root's).
-    if (s.last_round && *s.last_round == r - 1 && !(relay_r && r == 1)) {
+    if (s.last_round && *s.last_round == r - 1 && !(rc.relay_train && r == 1)) {
       t.model_encoding = wire::ModelEncoding::kDelta;
       t.base_round = r - 1;
     } else if (down && r >= 2 && s.last_round && *s.last_round == r - 2 && !rc.delta.empty()) {
@@ -1301,6 +1304,7 @@ struct Server::Impl {
       if (cfg.algorithm == "scaffold" && !control.empty()) rc->control.push_back({nm, dense_encoded(control.at(nm))});
     }
     rc->delta = down_last;
+    if (relay_train) rc->relay_train = *relay_train;
     return rc;
   }
 
@@ -1323,6 +1327,14 @@ struct Server::Impl {
         if (stop.load()) return false;
         sweep();
         if (sessions.size() >= need) break;
+        if (relay_until && Clock::now() >= *relay_until) {
+          spdlog::warn(
+              "event=round_abandoned round={} live={} need={} msg=\"the root's deadline passed before enough "
+              "clients were live\"",
+              r, sessions.size(), need);
+          n.abandoned++;
+          return true;  // no relay_out: the root gets an Error for this round
+        }
         if (!logged) spdlog::info("event=waiting_for_clients round={} live={} need={}", r, sessions.size(), need);
         logged = true;
         cv.wait_for(g, kRoundTick);
@@ -1375,9 +1387,13 @@ struct Server::Impl {
     // 3. Collect until all arrived, or the deadline passed with quorum.
     const auto period =
         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(cfg.round_deadline_s));
-    const auto hard = t0 + std::chrono::duration_cast<Clock::duration>(
-                               std::chrono::duration<double>(cfg.effective_max_round_wait_s()));
+    auto hard = t0 + std::chrono::duration_cast<Clock::duration>(
+                         std::chrono::duration<double>(cfg.effective_max_round_wait_s()));
     auto deadline = t0 + period;
+    if (relay_until) {  // a gateway's round ends in time, the wait for clients included
+      hard = std::min(hard, *relay_until);
+      deadline = std::min(deadline, *relay_until);
+    }
     bool abandon = false, stopped = false;
     {
       std::unique_lock<std::mutex> g(mu);
@@ -1766,7 +1782,7 @@ void Server::start() {
 }
 
 std::optional<Server::RelayResult> Server::relay_round(uint64_t round, const Weights& base,
-                                                       const wire::TrainSettings& train) {
+                                                       const wire::TrainSettings& train, double limit_s) {
   Impl& s = *impl_;
   SPARROW_CHECK(s.cfg.gateway(), "relay_round: this server has no upstream (not a gateway)");
   SPARROW_CHECK(round >= 1, "relay_round: round must be >= 1");
@@ -1777,12 +1793,15 @@ std::optional<Server::RelayResult> Server::relay_round(uint64_t round, const Wei
   s.relay_base = &base;
   s.relay_train = &train;
   s.relay_out.reset();
+  const double limit = limit_s > 0 ? limit_s : s.cfg.effective_max_round_wait_s();
+  s.relay_until = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(limit));
   struct Clear {
     Impl& s;
     ~Clear() {
       s.relay_r.reset();
       s.relay_base = nullptr;
       s.relay_train = nullptr;
+      s.relay_until.reset();
     }
   } clear{s};
   if (!s.run_round()) return std::nullopt;  // stopped

@@ -107,8 +107,11 @@ class Server {
   // the clients train from `base` with `train` (the root's settings; the
   // uplink is this server's `compression`), the round closes by this server's
   // quorum and deadline, and is recorded and checkpointed as round `round`.
-  // nullopt when it was abandoned (no quorum in max_round_wait_s) or stopped.
-  std::optional<RelayResult> relay_round(uint64_t round, const Weights& base, const wire::TrainSettings& train);
+  // The whole round, the wait for enough live clients included, ends within
+  // limit_s seconds (<= 0: max_round_wait_s): it closes then with quorum, or
+  // is abandoned. nullopt when it was abandoned or stopped.
+  std::optional<RelayResult> relay_round(uint64_t round, const Weights& base, const wire::TrainSettings& train,
+                                         double limit_s = 0);
   // Stops the threads started by start(), saying Bye to connected clients:
   // "run finished" when `run_over` (they exit), else "server shutting down".
   void finish(bool run_over);

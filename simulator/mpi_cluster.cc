@@ -51,6 +51,10 @@ class MpiCluster final : public Cluster {
     check(MPI_Init_thread(argc, argv, MPI_THREAD_FUNNELED, &provided), "init");
     MPI_Comm_rank(MPI_COMM_WORLD, &rank_);
     MPI_Comm_size(MPI_COMM_WORLD, &size_);
+    if (provided < MPI_THREAD_FUNNELED) {
+      MPI_Finalize();
+      throw Error("MPI: this MPI library does not allow threads in a rank (MPI_THREAD_FUNNELED)");
+    }
   }
   ~MpiCluster() override { MPI_Finalize(); }
 
@@ -108,8 +112,9 @@ bool built_with_mpi() { return false; }
 
 std::unique_ptr<Cluster> join_mpi(int*, char***) {
   if (!started_by_mpi_launcher()) return nullptr;
-  const char* n = std::getenv("OMPI_COMM_WORLD_SIZE");
-  if (n != nullptr && std::strcmp(n, "1") == 0) return nullptr;  // one rank: the plain simulator
+  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"})
+    if (const char* n = std::getenv(v); n != nullptr && std::strcmp(n, "1") == 0)
+      return nullptr;  // one rank: the plain simulator
   throw ConfigError(
       "started by an MPI launcher, but this sparrow-sim was built without MPI (install libopenmpi-dev and "
       "rebuild with -DSPARROW_MPI=ON)");

@@ -68,11 +68,16 @@ void install_signal_handlers() {
   sigaction(SIGUSR1, &sa, nullptr);
 }
 
+// SIGUSR1 on a rank other than 0 (mpirun forwards it to every rank): stop
+// after the clients in training; rank 0 then gives the round up and ends the run.
+extern "C" void on_rank_stop(int) {
+  if (auto* s = g_sim.load()) s->request_stop();  // atomics only
+}
+
 // A rank other than 0 of a run over MPI: builds its simulator from rank 0's
 // config and trains the clients rank 0 sends until the run ends.
 int serve_rank(sparrow::simulator::Cluster& cluster) {
   using namespace sparrow::simulator;
-  signal(SIGUSR1, SIG_IGN);  // mpirun forwards it to every rank: rank 0 acts on it
   std::string text;
   cluster.broadcast(text);
   if (text.empty()) return 0;  // rank 0 did not start the run (it says why)
@@ -80,11 +85,22 @@ int serve_rank(sparrow::simulator::Cluster& cluster) {
     const SimConfig cfg = parse_config_string(text);
     sparrow::core::configure_threads(cfg.workers * local_ranks(), cfg.threads);
     Simulator sim(cfg, false, &cluster);
+    g_sim.store(&sim);
+    struct sigaction sa {};
+    sa.sa_handler = on_rank_stop;
+    sa.sa_flags = SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGUSR1, &sa, nullptr);
     sim.serve();
+    signal(SIGUSR1, SIG_IGN);
+    g_sim.store(nullptr);
     return 0;
   } catch (const std::exception& e) {
+    // The same exit status as rank 0 gives the same error (both may abort first).
+    const bool bad_input =
+        dynamic_cast<const sparrow::ConfigError*>(&e) || dynamic_cast<const sparrow::FormatError*>(&e);
     std::cerr << "sparrow-sim rank " << cluster.rank() << ": " << sparrow::core::error_text(e) << '\n';
-    cluster.abort(1);
+    cluster.abort(bad_input ? sparrow::cli::kBadInput : sparrow::cli::kFailure);
   }
   return 1;  // not reached: abort ends the job
 }
@@ -263,6 +279,9 @@ int main(int argc, char** argv) {
     }
   }
   // Several ranks (mpirun -np R): rank 0 runs what follows, the others serve.
+  // mpirun forwards SIGUSR1 to every rank: ignored until a rank can act on it
+  // (its default action would end the job).
+  signal(SIGUSR1, SIG_IGN);
   std::unique_ptr<Cluster> cluster;
   try {
     cluster = join_mpi(&argc, &argv);

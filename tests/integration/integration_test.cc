@@ -1612,3 +1612,28 @@ TEST_SUITE("slow") {
     fs::remove_all(dir);
   }
 }
+
+TEST_CASE("gateways: a gateway without enough clients answers the root with an error within its max_round_wait_s") {
+  const std::string dir = fresh_dir("gateway_alone");
+  keygen(dir, 2);
+  server_toml(dir, "rounds = 1\nclients_per_round = 1\nround_deadline_s = 60\n");
+  auto root = start_server(dir, dir + "/server.log");
+  const std::string root_ep = server_endpoint(*root);
+  const std::string gd = dir + "/gw";
+  fs::create_directories(gd);
+  fs::copy(dir + "/keys", gd + "/keys");
+  server_toml(gd, "clients_per_round = 2\nround_deadline_s = 1\nmax_round_wait_s = 2\nupstream = \"" + root_ep +
+                      "\"\nupstream_server_key = \"" + dir + "/keys/server.key\"\nupstream_key = \"" + dir +
+                      "/keys/client1.key_secret\"\nupstream_id = \"gw\"\n");
+  auto gw = start_server(gd, gd + "/server.log");
+  INFO(log_tail(*root));
+  // No client ever connects to the gateway: its round is abandoned after 2 s
+  // and the root hears why, long before its own 60 s deadline.
+  CHECK(root->wait_for_log("round 1 closed without quorum among its clients", 30s));
+  CHECK(gw->log().find("event=round_abandoned round=1 live=0 need=2") != std::string::npos);
+  gw->signal(SIGTERM);
+  CHECK(gw->wait(15s) == 130);  // interrupted: the root has not finished the run
+  root->signal(SIGTERM);
+  CHECK(root->wait(15s).has_value());
+  fs::remove_all(dir);
+}
