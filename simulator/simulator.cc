@@ -169,20 +169,16 @@ struct In {
   void need(uint64_t n) const {
     SPARROW_CHECK_T(FormatError, n <= b.size() - off, "rank message truncated at byte " << off << " of " << b.size());
   }
-  uint64_t u64() {
-    need(8);
-    uint64_t v;
-    std::memcpy(&v, b.data() + off, 8);
-    off += 8;
+  template <class T>
+  T get() {
+    need(sizeof(T));
+    T v;
+    std::memcpy(&v, b.data() + off, sizeof(T));
+    off += sizeof(T);
     return v;
   }
-  double f64() {
-    need(8);
-    double v;
-    std::memcpy(&v, b.data() + off, 8);
-    off += 8;
-    return v;
-  }
+  uint64_t u64() { return get<uint64_t>(); }
+  double f64() { return get<double>(); }
   std::string str() {
     const uint64_t n = u64();
     need(n);
@@ -1193,6 +1189,7 @@ struct Simulator::Impl {
     for (size_t w = 0; w < nw; ++w)
       for (size_t j = 0; j < wids[w].size(); ++j, ++k) {
         ClientResult& r = results[k];
+        r.client = wids[w][j];  // also for a client a stop leaves untrained: rank 0 checks every id
         r.state = states[w][j].empty() ? state::ClientState{} : state::ClientState::deserialize(states[w][j]);
         wout[w].push_back(&r);
       }

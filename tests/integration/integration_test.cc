@@ -1464,6 +1464,27 @@ TEST_CASE("secagg: a client refuses a server that asks for both shares of one cl
 
 // ---- hierarchical aggregation: gateways (docs/deploy.md) ---------------------------
 
+namespace {
+
+// DIR/NAME with a copy of DIR/keys: one server's folder.
+std::string server_dir(const std::string& dir, const std::string& name) {
+  const std::string d = dir + "/" + name;
+  fs::create_directories(d);
+  fs::copy(dir + "/keys", d + "/keys");
+  return d;
+}
+
+// A gateway's server.toml in GD: `extra`, and the upstream link to the root at
+// ROOT_EP with client key `key` of DIR/keys, as client id `id`.
+void gateway_toml(const std::string& dir, const std::string& gd, const std::string& root_ep, int key,
+                  const std::string& id, const std::string& extra) {
+  server_toml(gd, extra + "upstream = \"" + root_ep + "\"\nupstream_server_key = \"" + dir +
+                      "/keys/server.key\"\nupstream_key = \"" + dir + "/keys/client" + std::to_string(key) +
+                      ".key_secret\"\nupstream_id = \"" + id + "\"\n");
+}
+
+}  // namespace
+
 TEST_CASE("gateways: a root, 2 gateways and 6 clients give the model of a flat run of the same 6 clients") {
   // Root: 2 participants per round (the gateways, authenticated by client keys
   // 7 and 8); each gateway runs the root's rounds with 3 clients of its own.
@@ -1474,9 +1495,7 @@ TEST_CASE("gateways: a root, 2 gateways and 6 clients give the model of a flat r
   keygen(dir, 8);
   const std::string common = "rounds = 2\nround_deadline_s = 60\nlr = 0.05\nlocal_epochs = 1\n";
   // Flat reference.
-  const std::string flat = dir + "/flat";
-  fs::create_directories(flat);
-  fs::copy(dir + "/keys", flat + "/keys");
+  const std::string flat = server_dir(dir, "flat");
   server_toml(flat, common + "clients_per_round = 6\n");
   {
     auto server = start_server(flat, flat + "/server.log");
@@ -1488,21 +1507,14 @@ TEST_CASE("gateways: a root, 2 gateways and 6 clients give the model of a flat r
     for (auto& c : clients) CHECK(c->wait(15s) == 0);
   }
   // Two levels.
-  const std::string root = dir + "/root";
-  fs::create_directories(root);
-  fs::copy(dir + "/keys", root + "/keys");
+  const std::string root = server_dir(dir, "root");
   server_toml(root, common + "clients_per_round = 2\n");
   auto rs = start_server(root, root + "/server.log");
   const std::string root_ep = server_endpoint(*rs);
   std::vector<std::unique_ptr<Process>> gateways, clients;
   for (int g = 1; g <= 2; ++g) {
-    const std::string gd = dir + "/gw" + std::to_string(g);
-    fs::create_directories(gd);
-    fs::copy(dir + "/keys", gd + "/keys");
-    server_toml(gd, "clients_per_round = 3\nround_deadline_s = 60\nupstream = \"" + root_ep +
-                        "\"\nupstream_server_key = \"" + dir + "/keys/server.key\"\nupstream_key = \"" + dir +
-                        "/keys/client" + std::to_string(6 + g) + ".key_secret\"\nupstream_id = \"gw" +
-                        std::to_string(g) + "\"\n");
+    const std::string gd = server_dir(dir, "gw" + std::to_string(g));
+    gateway_toml(dir, gd, root_ep, 6 + g, "gw" + std::to_string(g), "clients_per_round = 3\nround_deadline_s = 60\n");
     gateways.push_back(start_server(gd, gd + "/server.log"));
     const std::string ep = server_endpoint(*gateways.back());
     for (int i = 3 * g - 2; i <= 3 * g; ++i) clients.push_back(start_client(gd, i, ep, 60, i));
@@ -1567,14 +1579,9 @@ TEST_SUITE("slow") {
     std::vector<std::string> gw_dir;
     std::vector<std::unique_ptr<Process>> gws, clients;
     for (int g = 1; g <= 2; ++g) {
-      const std::string gd = dir + "/gw" + std::to_string(g);
+      const std::string gd = server_dir(dir, "gw" + std::to_string(g));
       gw_dir.push_back(gd);
-      fs::create_directories(gd);
-      fs::copy(dir + "/keys", gd + "/keys");
-      server_toml(gd, "clients_per_round = 2\nround_deadline_s = 5\nupstream = \"" + root_ep +
-                          "\"\nupstream_server_key = \"" + dir + "/keys/server.key\"\nupstream_key = \"" + dir +
-                          "/keys/client" + std::to_string(4 + g) + ".key_secret\"\nupstream_id = \"gw" +
-                          std::to_string(g) + "\"\n");
+      gateway_toml(dir, gd, root_ep, 4 + g, "gw" + std::to_string(g), "clients_per_round = 2\nround_deadline_s = 5\n");
       gws.push_back(start_server(gd, gd + "/server.log", {"listen=tcp://127.0.0.1:" + std::to_string(free_port())}));
       const std::string ep = server_endpoint(*gws.back());
       for (int i = 2 * g - 1; i <= 2 * g; ++i) clients.push_back(start_client(gd, i, ep, 60, i));
@@ -1619,12 +1626,8 @@ TEST_CASE("gateways: a gateway without enough clients answers the root with an e
   server_toml(dir, "rounds = 1\nclients_per_round = 1\nround_deadline_s = 60\n");
   auto root = start_server(dir, dir + "/server.log");
   const std::string root_ep = server_endpoint(*root);
-  const std::string gd = dir + "/gw";
-  fs::create_directories(gd);
-  fs::copy(dir + "/keys", gd + "/keys");
-  server_toml(gd, "clients_per_round = 2\nround_deadline_s = 1\nmax_round_wait_s = 2\nupstream = \"" + root_ep +
-                      "\"\nupstream_server_key = \"" + dir + "/keys/server.key\"\nupstream_key = \"" + dir +
-                      "/keys/client1.key_secret\"\nupstream_id = \"gw\"\n");
+  const std::string gd = server_dir(dir, "gw");
+  gateway_toml(dir, gd, root_ep, 1, "gw", "clients_per_round = 2\nround_deadline_s = 1\nmax_round_wait_s = 2\n");
   auto gw = start_server(gd, gd + "/server.log");
   INFO(log_tail(*root));
   // No client ever connects to the gateway: its round is abandoned after 2 s

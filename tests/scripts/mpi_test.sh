@@ -7,7 +7,8 @@
 #    with a compressed downlink;
 #  - a run of 2 rounds on 2 ranks resumed to 4 on 2 ranks, and one resumed on
 #    one process, equal the uninterrupted run;
-#  - SIGUSR1 to mpirun stops the run gracefully, and --resume continues it;
+#  - SIGUSR1 to mpirun, or to rank 1 alone, stops the run gracefully, and
+#    --resume continues it;
 #  - what cannot run over ranks (secagg) and a bad config end every rank
 #    with a clear message and exit 2, without hanging;
 #  - the summary reports the bytes each rank sent per round.
@@ -19,6 +20,9 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 # Loopback only: no network interface probing on a machine without one.
 export OMPI_MCA_btl=self,vader,tcp OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo
+# Containers often forbid the cross-process memory reads (CMA) of Open MPI's
+# shared-memory transport: copy through shared memory instead.
+export OMPI_MCA_btl_vader_single_copy_mechanism=none
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 fails=0
@@ -132,6 +136,27 @@ grep -q "interrupted after round" "$work/long.log" || fail "SIGUSR1: rank 0 did 
 mpi 2 --resume "$work/long" >/dev/null 2>&1 || fail "resume after SIGUSR1"
 weights "$work/long"
 same_model "$work/long_plain" "$work/long" "stopped by SIGUSR1 on 2 ranks and resumed = uninterrupted"
+
+# The same stop when only rank 1 gets SIGUSR1: its untrained clients make
+# rank 0 give the round up, checkpoint and end the run.
+set +e
+"$mpiexec" -np 2 --oversubscribe "$sim" --config "$work/stc.toml" --set out="$work/long1" --set rounds=200 \
+  --set eval_every=200 >/dev/null 2>"$work/long1.log" &
+pid=$!
+for _ in $(seq 600); do
+  [[ -f "$work/long1/metrics.csv" && $(wc -l <"$work/long1/metrics.csv") -ge 4 ]] && break
+  sleep 0.05
+done
+for p in $(pgrep -f "out=$work/long1"); do
+  if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=1"; then kill -USR1 "$p"; fi
+done
+wait $pid
+rc=$?
+set -e
+[[ $rc == 130 ]] || fail "SIGUSR1 to rank 1 only: exit $rc, expected 130: $(grep -v '^\[' "$work/long1.log" | tail -3)"
+mpi 2 --resume "$work/long1" >/dev/null 2>&1 || fail "resume after SIGUSR1 to rank 1"
+weights "$work/long1"
+same_model "$work/long_plain" "$work/long1" "stopped by SIGUSR1 to rank 1 and resumed = uninterrupted"
 
 # Refusals end every rank: exit 2, a clear message, no hang (timeout 180 s).
 set +e
