@@ -12,10 +12,13 @@
 #  - what cannot run over ranks (secagg) and a bad config end every rank
 #    with a clear message and exit 2, without hanging;
 #  - the summary reports the bytes each rank sent per round.
-# Usage: mpi_test.sh SPARROW_SIM MPIEXEC
+# Usage: mpi_test.sh SPARROW_SIM MPIEXEC [all|default|stop]
+#   default: everything but the stops (ctest sim_mpi_ranks); stop: the two
+#   SIGUSR1 stops (ctest sim_mpi_stop, labelled slow); all: both.
 set -euo pipefail
 sim=$1
 mpiexec=$2
+mode=${3:-all}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
 # Loopback only: no network interface probing on a machine without one.
@@ -78,6 +81,7 @@ downlink = "topk:ratio=0.5"
 seed = 5
 TOML
 
+if [[ $mode != stop ]]; then
 # One process, workers = 1: the reference.
 "$sim" --config "$work/stc.toml" --set out="$work/stc_plain" >/dev/null 2>&1 || fail "stc plain run"
 weights "$work/stc_plain"
@@ -113,6 +117,25 @@ same_model "$work/stc_plain" "$work/stc_res1" "stc: 2 rounds on 2 ranks resumed 
 cmp -s <(cut -d, -f1-6 "$work/stc_plain/metrics.csv") <(cut -d, -f1-6 "$work/stc_res/metrics.csv") ||
   fail "resumed metrics.csv differs from the uninterrupted run's"
 
+# Refusals end every rank: exit 2, a clear message, no hang (timeout 180 s).
+set +e
+mpi 2 --config "$work/stc.toml" --set out="$work/sa" --set compression=none \
+  --set secagg=secagg+:degree=4,threshold=2 >/dev/null 2>"$work/sa.log"
+rc=$?
+set -e
+[[ $rc == 2 ]] || fail "secagg over ranks: exit $rc, expected 2: $(tail -3 "$work/sa.log")"
+grep -q "secagg: not available over MPI ranks" "$work/sa.log" || fail "secagg over ranks: no clear message"
+set +e
+mpi 2 --config "$work/stc.toml" --set out="$work/bad" --set no_such_key=1 >/dev/null 2>"$work/bad.log"
+rc=$?
+set -e
+[[ $rc == 2 ]] || fail "unknown key over ranks: exit $rc, expected 2"
+grep -q "no_such_key" "$work/bad.log" || fail "unknown key over ranks: the message does not name the key"
+[[ ! -e "$work/bad/run.db" ]] || fail "unknown key over ranks: a run folder was written"
+
+fi
+
+if [[ $mode != default ]]; then
 # A graceful stop: mpirun forwards SIGUSR1, rank 0 stops after the clients in
 # training, checkpoints, every rank exits (130); --resume on 2 ranks then ends
 # where the uninterrupted run does.
@@ -158,21 +181,7 @@ mpi 2 --resume "$work/long1" >/dev/null 2>&1 || fail "resume after SIGUSR1 to ra
 weights "$work/long1"
 same_model "$work/long_plain" "$work/long1" "stopped by SIGUSR1 to rank 1 and resumed = uninterrupted"
 
-# Refusals end every rank: exit 2, a clear message, no hang (timeout 180 s).
-set +e
-mpi 2 --config "$work/stc.toml" --set out="$work/sa" --set compression=none \
-  --set secagg=secagg+:degree=4,threshold=2 >/dev/null 2>"$work/sa.log"
-rc=$?
-set -e
-[[ $rc == 2 ]] || fail "secagg over ranks: exit $rc, expected 2: $(tail -3 "$work/sa.log")"
-grep -q "secagg: not available over MPI ranks" "$work/sa.log" || fail "secagg over ranks: no clear message"
-set +e
-mpi 2 --config "$work/stc.toml" --set out="$work/bad" --set no_such_key=1 >/dev/null 2>"$work/bad.log"
-rc=$?
-set -e
-[[ $rc == 2 ]] || fail "unknown key over ranks: exit $rc, expected 2"
-grep -q "no_such_key" "$work/bad.log" || fail "unknown key over ranks: the message does not name the key"
-[[ ! -e "$work/bad/run.db" ]] || fail "unknown key over ranks: a run folder was written"
+fi
 
 if [[ $fails -gt 0 ]]; then
   echo "$fails check(s) failed" >&2
