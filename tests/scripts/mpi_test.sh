@@ -21,11 +21,10 @@ mpiexec=$2
 mode=${3:-all}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
-# Loopback only: no network interface probing on a machine without one.
-export OMPI_MCA_btl=self,vader,tcp OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo
-# Containers often forbid the cross-process memory reads (CMA) of Open MPI's
-# shared-memory transport: copy through shared memory instead.
-export OMPI_MCA_btl_vader_single_copy_mechanism=none
+# Loopback TCP only: works wherever the service's own tests do (containers
+# may forbid the shared-memory transport's cross-process reads, or lack
+# /dev/shm), and no probing of network interfaces.
+export OMPI_MCA_btl=self,tcp OMPI_MCA_btl_tcp_if_include=lo OMPI_MCA_oob_tcp_if_include=lo
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 fails=0
