@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "core/bytes.h"
 #include "core/error.h"
 
 namespace sparrow::compression {
@@ -12,36 +13,11 @@ namespace {
 constexpr char kMagic[4] = {'S', 'P', 'S', 'T'};
 constexpr uint32_t kVersion = 2;  // 2 adds last_round; 1 is still read
 
-template <typename T>
-void put(std::string& out, T v) {
-  out.append(reinterpret_cast<const char*>(&v), sizeof(T));
-}
+using core::put_raw;
 
-class Reader {
- public:
-  explicit Reader(const std::string& b) : b_(b) {}
-  template <typename T>
-  T get() {
-    need(sizeof(T));
-    T v;
-    std::memcpy(&v, b_.data() + pos_, sizeof(T));
-    pos_ += sizeof(T);
-    return v;
-  }
-  const char* take(size_t n) {
-    need(n);
-    const char* p = b_.data() + pos_;
-    pos_ += n;
-    return p;
-  }
-  bool done() const { return pos_ == b_.size(); }
-
- private:
-  void need(size_t n) {
-    SPARROW_CHECK_T(FormatError, n <= b_.size() - pos_, "compressor state: truncated at byte " << pos_);
-  }
-  const std::string& b_;
-  size_t pos_ = 0;
+// A compressor state blob, read with its name in errors.
+struct Reader : core::ByteReader {
+  explicit Reader(const std::string& b) : core::ByteReader(b, "compressor state") {}
 };
 
 }  // namespace
@@ -57,17 +33,17 @@ at::Tensor& State::slot(const std::string& key, const at::Tensor& like) {
 
 std::string State::serialize() const {
   std::string out(kMagic, 4);
-  put<uint32_t>(out, kVersion);
-  put<uint64_t>(out, step);
-  put<int64_t>(out, last_round);
-  put<uint32_t>(out, static_cast<uint32_t>(tensors.size()));
+  put_raw<uint32_t>(out, kVersion);
+  put_raw<uint64_t>(out, step);
+  put_raw<int64_t>(out, last_round);
+  put_raw<uint32_t>(out, static_cast<uint32_t>(tensors.size()));
   for (const auto& [name, t] : tensors) {
     SPARROW_CHECK(t.scalar_type() == at::kFloat, "compressor state '" << name << "' is not float32");
     at::Tensor c = t.contiguous().cpu();
-    put<uint32_t>(out, static_cast<uint32_t>(name.size()));
+    put_raw<uint32_t>(out, static_cast<uint32_t>(name.size()));
     out += name;
-    put<uint32_t>(out, static_cast<uint32_t>(c.dim()));
-    for (int64_t d : c.sizes()) put<int64_t>(out, d);
+    put_raw<uint32_t>(out, static_cast<uint32_t>(c.dim()));
+    for (int64_t d : c.sizes()) put_raw<int64_t>(out, d);
     out.append(reinterpret_cast<const char*>(c.data_ptr<float>()), static_cast<size_t>(c.numel()) * 4);
   }
   return out;

@@ -25,6 +25,7 @@
 #include "client/trainer.h"
 #include "compression/compressor.h"
 #include "compression/lowrank.h"
+#include "core/bytes.h"
 #include "core/data_folder.h"
 #include "secagg/secagg.h"
 #include "core/datasets.h"
@@ -155,36 +156,21 @@ struct ClientResult {
 // u64 length. Only rank 0 and ranks it started exchange them.
 struct Out {
   std::string b;
-  void u64(uint64_t v) { b.append(reinterpret_cast<const char*>(&v), sizeof v); }
-  void f64(double v) { b.append(reinterpret_cast<const char*>(&v), sizeof v); }
+  void u64(uint64_t v) { core::put_raw(b, v); }
+  void f64(double v) { core::put_raw(b, v); }
   void str(const std::string& s) {
     u64(s.size());
     b += s;
   }
 };
 
-struct In {
-  const std::string& b;
-  size_t off = 0;
-  void need(uint64_t n) const {
-    SPARROW_CHECK_T(FormatError, n <= b.size() - off, "rank message truncated at byte " << off << " of " << b.size());
-  }
-  template <class T>
-  T get() {
-    need(sizeof(T));
-    T v;
-    std::memcpy(&v, b.data() + off, sizeof(T));
-    off += sizeof(T);
-    return v;
-  }
+struct In : core::ByteReader {
+  explicit In(const std::string& b) : core::ByteReader(b, "rank message") {}
   uint64_t u64() { return get<uint64_t>(); }
   double f64() { return get<double>(); }
   std::string str() {
     const uint64_t n = u64();
-    need(n);
-    std::string v = b.substr(off, n);
-    off += n;
-    return v;
+    return std::string(take(n), n);
   }
 };
 
@@ -1131,7 +1117,7 @@ struct Simulator::Impl {
         const size_t slot = static_cast<size_t>(r) * nw + w;
         for (size_t j = 0; j < wids[slot].size(); ++j) get_result(in, *wout[slot][j], wids[slot][j]);
       }
-      SPARROW_CHECK_T(FormatError, in.off == msg.size(), "rank message: " << msg.size() - in.off << " bytes left over");
+      SPARROW_CHECK_T(FormatError, in.done(), "rank message: " << in.left() << " bytes left over");
     }
   }
 

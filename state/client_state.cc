@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/bytes.h"
 #include "core/error.h"
 
 namespace sparrow::state {
@@ -51,40 +52,20 @@ void check_compressor_tensor(const std::string& entry, const std::string& slot, 
 // Independent CPU contiguous copy (never aliases the source's storage).
 at::Tensor owned_copy(const at::Tensor& t) { return t.detach().to(at::kCPU).clone(at::MemoryFormat::Contiguous); }
 
-template <typename T>
-void put(std::string& out, T v) {
-  out.append(reinterpret_cast<const char*>(&v), sizeof(T));
-}
+using core::put_raw;
 
 void put_name(std::string& out, const std::string& name) {
-  put<uint32_t>(out, static_cast<uint32_t>(name.size()));
+  put_raw<uint32_t>(out, static_cast<uint32_t>(name.size()));
   out += name;
 }
 
-class Reader {
- public:
-  explicit Reader(const std::string& b) : b_(b) {}
-  template <typename T>
-  T get() {
-    T v;
-    std::memcpy(&v, take(sizeof(T)), sizeof(T));
-    return v;
-  }
-  const char* take(uint64_t n) {
-    SPARROW_CHECK_T(FormatError, n <= b_.size() - pos_, "client state: truncated at byte " << pos_);
-    const char* p = b_.data() + pos_;
-    pos_ += n;
-    return p;
-  }
+// A client state blob, read with its name in errors, plus its names.
+struct Reader : core::ByteReader {
+  explicit Reader(const std::string& b) : core::ByteReader(b, "client state") {}
   std::string name() {
     const uint32_t len = get<uint32_t>();
     return std::string(take(len), len);
   }
-  bool done() const { return pos_ == b_.size(); }
-
- private:
-  const std::string& b_;
-  size_t pos_ = 0;
 };
 
 }  // namespace
@@ -94,23 +75,23 @@ std::string ClientState::serialize() const {
   std::string out;
   out.reserve(approx_bytes() + 4096);  // tensor bytes plus headers: one allocation, no regrowth
   out.append(kMagic, 4);
-  put<uint32_t>(out, kVersion);
-  put<uint64_t>(out, rng);
-  put<uint64_t>(out, rounds);
-  put<uint32_t>(out, static_cast<uint32_t>(compressor.size()));
+  put_raw<uint32_t>(out, kVersion);
+  put_raw<uint64_t>(out, rng);
+  put_raw<uint64_t>(out, rounds);
+  put_raw<uint32_t>(out, static_cast<uint32_t>(compressor.size()));
   for (const auto& [name, s] : compressor) {
     put_name(out, name);
     const std::string blob = s.serialize();
-    put<uint64_t>(out, blob.size());
+    put_raw<uint64_t>(out, blob.size());
     out += blob;
   }
-  put<uint32_t>(out, static_cast<uint32_t>(control.size()));
+  put_raw<uint32_t>(out, static_cast<uint32_t>(control.size()));
   for (const auto& [name, t] : control) {
     at::Tensor c = t.detach().to(at::kCPU).contiguous();
     put_name(out, name);
-    put<uint8_t>(out, code_of(c.scalar_type()));
-    put<uint32_t>(out, static_cast<uint32_t>(c.dim()));
-    for (int64_t d : c.sizes()) put<int64_t>(out, d);
+    put_raw<uint8_t>(out, code_of(c.scalar_type()));
+    put_raw<uint32_t>(out, static_cast<uint32_t>(c.dim()));
+    for (int64_t d : c.sizes()) put_raw<int64_t>(out, d);
     out.append(static_cast<const char*>(c.data_ptr()), c.nbytes());
   }
   return out;
