@@ -38,8 +38,7 @@ bool run_gateway(Server& server, const ServerConfig& cfg) {
   // Server::run(): kept here, the session stopped, rethrown below. A round
   // without quorum is only an Error for that round, sent to the root.
   std::exception_ptr fatal;
-  client::ClientSession* session_ptr = nullptr;
-  runner.run = [&server, &fatal, &session_ptr](const wire::Task& task, const Weights& base) {
+  runner.run = [&server, &fatal](const wire::Task& task, const Weights& base) {
     SPARROW_CHECK_T(Error, !task.secagg,
                     "gateway: secure aggregation does not span a gateway (its clients' sum "
                     "would be unmasked here); run SecAgg between a gateway and its clients "
@@ -52,7 +51,7 @@ bool run_gateway(Server& server, const ServerConfig& cfg) {
       res = server.relay_round(task.round, base, task.train);
     } catch (...) {
       fatal = std::current_exception();
-      if (session_ptr) session_ptr->stop();
+      if (auto* s = g_session.load()) s->stop();
       throw;
     }
     SPARROW_CHECK_T(Error, res.has_value(),
@@ -66,7 +65,6 @@ bool run_gateway(Server& server, const ServerConfig& cfg) {
     return tr;
   };
   client::ClientSession session(sc, std::move(runner));
-  session_ptr = &session;
   server.start();
   g_server.store(&server);
   g_session.store(&session);

@@ -246,10 +246,13 @@ struct Server::Impl {
   std::atomic<int64_t> completed{0};
   // Gateway role: the root's round, model and settings for the round run_round
   // runs now (relay_round), and what it gives back.
-  std::optional<uint64_t> relay_r;
-  const Weights* relay_base = nullptr;
-  const wire::TrainSettings* relay_train = nullptr;
-  std::optional<Clock::time_point> relay_until;  // when this relay round ends at the latest
+  struct Relay {
+    uint64_t round = 0;
+    const Weights* base = nullptr;
+    const wire::TrainSettings* train = nullptr;
+    Clock::time_point until;  // the round ends by then, the wait for live clients included
+  };
+  std::optional<Relay> relay;
   std::optional<Server::RelayResult> relay_out;
   bool root_finished = false;  // a gateway whose root ended the run: its clients are told so
 
@@ -1304,13 +1307,13 @@ struct Server::Impl {
       if (cfg.algorithm == "scaffold" && !control.empty()) rc->control.push_back({nm, dense_encoded(control.at(nm))});
     }
     rc->delta = down_last;
-    if (relay_train) rc->relay_train = *relay_train;
+    if (relay) rc->relay_train = *relay->train;
     return rc;
   }
 
   // Runs round completed + 1. Returns false when stopped.
   bool run_round() {
-    const uint64_t r = relay_r ? *relay_r : static_cast<uint64_t>(completed.load()) + 1;
+    const uint64_t r = relay ? relay->round : static_cast<uint64_t>(completed.load()) + 1;
     const size_t need = static_cast<size_t>(cfg.effective_min_clients());
     // 1. Wait for enough live clients.
     {
@@ -1327,7 +1330,7 @@ struct Server::Impl {
         if (stop.load()) return false;
         sweep();
         if (sessions.size() >= need) break;
-        if (relay_until && Clock::now() >= *relay_until) {
+        if (relay && Clock::now() >= relay->until) {
           spdlog::warn(
               "event=round_abandoned round={} live={} need={} msg=\"the root's deadline passed before enough "
               "clients were live\"",
@@ -1341,9 +1344,9 @@ struct Server::Impl {
       }
     }
     // 2. Select and send tasks (a gateway: from the root's model).
-    if (relay_r) {
+    if (relay) {
       std::lock_guard<std::mutex> g(weights_mu);
-      for (auto& [nm, v] : global) v.copy_(relay_base->at(nm));
+      for (auto& [nm, v] : global) v.copy_(relay->base->at(nm));
     }
     const double started = unix_now();
     const auto t0 = Clock::now();
@@ -1390,9 +1393,9 @@ struct Server::Impl {
     auto hard = t0 + std::chrono::duration_cast<Clock::duration>(
                          std::chrono::duration<double>(cfg.effective_max_round_wait_s()));
     auto deadline = t0 + period;
-    if (relay_until) {  // a gateway's round ends in time, the wait for clients included
-      hard = std::min(hard, *relay_until);
-      deadline = std::min(deadline, *relay_until);
+    if (relay) {  // a gateway's round ends in time, the wait for clients included
+      hard = std::min(hard, relay->until);
+      deadline = std::min(deadline, relay->until);
     }
     bool abandon = false, stopped = false;
     {
@@ -1492,7 +1495,7 @@ struct Server::Impl {
       n.abandoned++;
       return true;
     }
-    if (relay_r) {
+    if (relay) {
       // A gateway: the mean delta goes to the root, which steps its model.
       for (const auto& [nm, v] : delta)
         if (!at::isfinite(v).all().item<bool>()) {
@@ -1789,20 +1792,14 @@ std::optional<Server::RelayResult> Server::relay_round(uint64_t round, const Wei
   for (const auto& [nm, v] : s.global)
     SPARROW_CHECK(base.count(nm) && base.at(nm).sizes() == v.sizes(),
                   "relay_round: the root's model lacks '" << nm << "' or has another shape");
-  s.relay_r = round;
-  s.relay_base = &base;
-  s.relay_train = &train;
-  s.relay_out.reset();
   const double limit = limit_s > 0 ? limit_s : s.cfg.effective_max_round_wait_s();
-  s.relay_until = Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(limit));
+  s.relay =
+      Impl::Relay{round, &base, &train,
+                  Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(limit))};
+  s.relay_out.reset();
   struct Clear {
     Impl& s;
-    ~Clear() {
-      s.relay_r.reset();
-      s.relay_base = nullptr;
-      s.relay_train = nullptr;
-      s.relay_until.reset();
-    }
+    ~Clear() { s.relay.reset(); }
   } clear{s};
   if (!s.run_round()) return std::nullopt;  // stopped
   return std::move(s.relay_out);            // nullopt when abandoned
