@@ -135,50 +135,42 @@ grep -q "no_such_key" "$work/bad.log" || fail "unknown key over ranks: the messa
 fi
 
 if [[ $mode != default ]]; then
-# A graceful stop: mpirun forwards SIGUSR1, rank 0 stops after the clients in
-# training, checkpoints, every rank exits (130); --resume on 2 ranks then ends
-# where the uninterrupted run does.
+# A graceful stop: mpirun forwards SIGUSR1, each rank stops after the clients
+# in training, rank 0 gives the round up, checkpoints, every rank exits (130);
+# --resume on 2 ranks then ends where the uninterrupted run does. When only
+# rank 1 gets SIGUSR1, its untrained clients make rank 0 do the same.
 "$sim" --config "$work/stc.toml" --set out="$work/long_plain" --set rounds=200 --set eval_every=200 >/dev/null 2>&1 ||
   fail "200 rounds plain"
 weights "$work/long_plain"
-set +e
-"$mpiexec" -np 2 --oversubscribe "$sim" --config "$work/stc.toml" --set out="$work/long" --set rounds=200 \
-  --set eval_every=200 >/dev/null 2>"$work/long.log" &
-pid=$!
-for _ in $(seq 600); do
-  [[ -f "$work/long/metrics.csv" && $(wc -l <"$work/long/metrics.csv") -ge 4 ]] && break
-  sleep 0.05
-done
-kill -USR1 $pid
-wait $pid
-rc=$?
-set -e
-[[ $rc == 130 ]] || fail "SIGUSR1 to mpirun: exit $rc, expected 130 (stopped and checkpointed)"
-grep -q "interrupted after round" "$work/long.log" || fail "SIGUSR1: rank 0 did not say where it stopped"
-mpi 2 --resume "$work/long" >/dev/null 2>&1 || fail "resume after SIGUSR1"
-weights "$work/long"
-same_model "$work/long_plain" "$work/long" "stopped by SIGUSR1 on 2 ranks and resumed = uninterrupted"
-
-# The same stop when only rank 1 gets SIGUSR1: its untrained clients make
-# rank 0 give the round up, checkpoint and end the run.
-set +e
-"$mpiexec" -np 2 --oversubscribe "$sim" --config "$work/stc.toml" --set out="$work/long1" --set rounds=200 \
-  --set eval_every=200 >/dev/null 2>"$work/long1.log" &
-pid=$!
-for _ in $(seq 600); do
-  [[ -f "$work/long1/metrics.csv" && $(wc -l <"$work/long1/metrics.csv") -ge 4 ]] && break
-  sleep 0.05
-done
-for p in $(pgrep -f "out=$work/long1"); do
-  if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=1"; then kill -USR1 "$p"; fi
-done
-wait $pid
-rc=$?
-set -e
-[[ $rc == 130 ]] || fail "SIGUSR1 to rank 1 only: exit $rc, expected 130: $(grep -v '^\[' "$work/long1.log" | tail -3)"
-mpi 2 --resume "$work/long1" >/dev/null 2>&1 || fail "resume after SIGUSR1 to rank 1"
-weights "$work/long1"
-same_model "$work/long_plain" "$work/long1" "stopped by SIGUSR1 to rank 1 and resumed = uninterrupted"
+stop_and_resume() {  # NAME TARGET: TARGET is "mpirun" or "rank 1"
+  local name=$1 target=$2 pid rc
+  set +e
+  "$mpiexec" -np 2 --oversubscribe "$sim" --config "$work/stc.toml" --set out="$work/$name" --set rounds=200 \
+    --set eval_every=200 >/dev/null 2>"$work/$name.log" &
+  pid=$!
+  for _ in $(seq 600); do
+    [[ -f "$work/$name/metrics.csv" && $(wc -l <"$work/$name/metrics.csv") -ge 4 ]] && break
+    sleep 0.05
+  done
+  if [[ $target == mpirun ]]; then
+    kill -USR1 $pid
+  else
+    for p in $(pgrep -f "out=$work/$name"); do
+      if tr '\0' '\n' <"/proc/$p/environ" 2>/dev/null | grep -qx "OMPI_COMM_WORLD_RANK=1"; then kill -USR1 "$p"; fi
+    done
+  fi
+  wait $pid
+  rc=$?
+  set -e
+  [[ $rc == 130 ]] ||
+    fail "SIGUSR1 to $target: exit $rc, expected 130 (stopped and checkpointed): $(grep -v '^\[' "$work/$name.log" | tail -3)"
+  grep -q "interrupted after round" "$work/$name.log" || fail "SIGUSR1 to $target: rank 0 did not say where it stopped"
+  mpi 2 --resume "$work/$name" >/dev/null 2>&1 || fail "resume after SIGUSR1 to $target"
+  weights "$work/$name"
+  same_model "$work/long_plain" "$work/$name" "stopped by SIGUSR1 to $target and resumed = uninterrupted"
+}
+stop_and_resume long mpirun
+stop_and_resume long1 "rank 1"
 
 fi
 
