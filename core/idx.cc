@@ -3,6 +3,7 @@
 #include <ATen/ATen.h>
 #include <zlib.h>
 
+#include <algorithm>
 #include <cstring>
 #include <fstream>
 #include <sys/stat.h>
@@ -16,6 +17,23 @@ std::string read_all(const std::string& path) {
   gzFile f = gzopen(path.c_str(), "rb");  // reads plain files transparently
   SPARROW_CHECK_T(FormatError, f != nullptr, "cannot open '" << path << "'");
   std::string out;
+  // gzip's trailer holds the uncompressed size mod 2^32 (a plain file: its
+  // size): reserving it saves the growing string's copies of 47 MB.
+  if (std::ifstream in(path, std::ios::binary); in) {
+    in.seekg(0, std::ios::end);
+    const std::streamoff size = in.tellg();
+    unsigned char b[4] = {0, 0, 0, 0}, magic[2] = {0, 0};
+    in.seekg(0);
+    in.read(reinterpret_cast<char*>(magic), 2);
+    if (magic[0] == 0x1f && magic[1] == 0x8b && size >= 18) {
+      in.seekg(size - 4);
+      in.read(reinterpret_cast<char*>(b), 4);
+      const uint32_t isize = b[0] | (b[1] << 8) | (b[2] << 16) | (uint32_t{b[3]} << 24);
+      if (in) out.reserve(std::min<size_t>(isize, size_t{1} << 31));
+    } else if (size > 0) {
+      out.reserve(static_cast<size_t>(size));
+    }
+  }
   char buf[1 << 16];
   int got;
   while ((got = gzread(f, buf, sizeof(buf))) > 0) out.append(buf, static_cast<size_t>(got));
@@ -58,6 +76,24 @@ at::Tensor read_idx(const std::string& path) {
   return t;
 }
 
+at::Tensor normalize_bytes(const at::Tensor& bytes, float mean, float std) {
+  SPARROW_CHECK_T(FormatError, bytes.scalar_type() == at::kByte, "normalize_bytes: uint8 tensor expected");
+  // The 256 possible values go through ATen's expression once; the images are
+  // then one table lookup per pixel into one allocation. The expression on the
+  // whole split made four 188 MB float tensors for Fashion-MNIST's training
+  // images: 2.6 s of a client's start-up, most of it page faults.
+  const at::Tensor levels = at::arange(256, at::TensorOptions().dtype(at::kByte));
+  const at::Tensor table = ((levels.to(at::kFloat).div_(255.0f) - mean) / std).contiguous();
+  const float* lut = table.data_ptr<float>();
+  const at::Tensor in = bytes.contiguous();
+  at::Tensor out = at::empty(in.sizes(), at::TensorOptions().dtype(at::kFloat));
+  const uint8_t* src = in.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  const int64_t n = in.numel();
+  for (int64_t i = 0; i < n; ++i) dst[i] = lut[src[i]];
+  return out;
+}
+
 ImageSplit load_mnist_format(const std::string& dir, const std::string& split, float mean, float std) {
   SPARROW_CHECK_T(ConfigError, split == "train" || split == "test",
                   "split must be 'train' or 'test', got '" << split << "'");
@@ -74,7 +110,7 @@ ImageSplit load_mnist_format(const std::string& dir, const std::string& split, f
   SPARROW_CHECK_T(FormatError, images.dim() == 3 && labels.dim() == 1 && images.size(0) == labels.size(0),
                   "'" << dir << "': images " << images.sizes() << " and labels " << labels.sizes() << " do not match");
   ImageSplit s;
-  s.images = ((images.to(at::kFloat).div_(255.0f) - mean) / std).unsqueeze(1).contiguous();
+  s.images = normalize_bytes(images, mean, std).unsqueeze(1);
   s.labels = labels.to(at::kLong);
   return s;
 }

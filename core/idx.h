@@ -13,6 +13,10 @@ namespace sparrow::core {
 // stored shape.
 at::Tensor read_idx(const std::string& path);
 
+// ((bytes / 255) - mean) / std as float32 of the same shape, exactly as ATen
+// computes that expression, in one pass (a 256-entry table).
+at::Tensor normalize_bytes(const at::Tensor& bytes, float mean, float std);
+
 // One split of an MNIST-format dataset in `dir`: images as float32 [N, 1, 28, 28]
 // scaled to [0, 1] and normalised by the given mean/std, labels as int64 [N].
 struct ImageSplit {

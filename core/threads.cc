@@ -86,8 +86,19 @@ void tune_allocator() {
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
 }
 
+int env_threads() {
+  const char* s = std::getenv("OMP_NUM_THREADS");
+  if (s == nullptr) return 0;
+  char* end = nullptr;
+  const long n = std::strtol(s, &end, 10);
+  // "4", not "4,2" (nested levels) or junk: those leave the automatic choice.
+  if (end == s || *end != '\0' || n < 1 || n > 1024) return 0;
+  return static_cast<int>(n);
+}
+
 int configure_threads(int workers, int threads) {
   tune_allocator();
+  if (threads <= 0) threads = env_threads();
   const int n = threads > 0 ? threads : std::max(1, available_cores() / std::max(1, workers));
   at::set_num_threads(n);
   if (auto set = sym<void (*)(int)>("openblas_set_num_threads")) set(n);

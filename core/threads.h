@@ -38,9 +38,14 @@ int available_cores();
 // instead of being mmap'ed and unmapped every step). configure_threads calls it.
 void tune_allocator();
 
-// Sets ATen's intra-op threads and the BLAS's threads to `threads`, or, when
-// threads <= 0, to max(1, available_cores() / workers). Returns the count set.
-// Call once at start-up, before worker threads exist.
+// OMP_NUM_THREADS when it holds one positive integer, else 0.
+int env_threads();
+
+// Sets ATen's intra-op threads and the BLAS's threads to `threads`; when
+// threads <= 0, to OMP_NUM_THREADS if the environment sets it (the usual knob,
+// e.g. several clients sharing a machine), else max(1, available_cores() /
+// workers). Returns the count set. Call once at start-up, before worker
+// threads exist.
 int configure_threads(int workers, int threads = 0);
 
 // One line for logs: "BLAS: OpenBLAS 0.3.21 (SkylakeX), 1 thread; small GEMMs: libxsmm (cpx); ATen 1

@@ -82,6 +82,12 @@ TEST_CASE("idx: Fashion-MNIST from the Debian package") {
   // Normalised with the training set's mean and std: roughly zero mean, unit variance.
   CHECK(std::abs(test.images.mean().item<double>()) < 0.1);
   CHECK(test.images.std().item<double>() == doctest::Approx(1.0).epsilon(0.1));
+  // The one-pass table gives exactly the floats of ATen's whole-tensor expression.
+  const at::Tensor raw =
+      sparrow::core::read_idx(std::string(sparrow::core::kFashionMnistDir) + "/t10k-images-idx3-ubyte.gz");
+  const at::Tensor expected = ((raw.to(at::kFloat).div_(255.0f) - 0.2860f) / 0.3530f).unsqueeze(1);
+  CHECK(at::equal(test.images, expected));
+  CHECK_THROWS_AS(sparrow::core::normalize_bytes(raw.to(at::kFloat), 0.f, 1.f), FormatError);
   CHECK_THROWS_AS(sparrow::core::load_mnist_format("/nonexistent", "test"), sparrow::ConfigError);
 }
 
