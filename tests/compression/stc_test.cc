@@ -335,7 +335,7 @@ TEST_CASE("stale momentum in dgc: u and v age together") {
   const at::Tensor u0 = s.tensors.at("u").clone(), v0 = s.tensors.at("v").clone();
   // The codec at round 3 (2 rounds skipped) equals the plain codec fed u, v aged by 0.25,
   // and at round 8 (4 skipped, more than max_age) the plain codec fed zeros.
-  for (const std::pair<int64_t, double> rf :
+  for (const std::pair<int64_t, double>& rf :
        {std::pair<int64_t, double>{3, 0.25}, std::pair<int64_t, double>{8, 0.0}}) {
     const int64_t round = rf.first;  // not a structured binding: CAPTURE's lambda captures it (C++17)
     const double factor = rf.second;
