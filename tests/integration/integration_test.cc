@@ -1590,7 +1590,12 @@ TEST_SUITE("slow") {
     REQUIRE(root->wait_for_log("event=round_completed round=1 ", 120s));
     gws[1]->signal(SIGKILL);
     REQUIRE(gws[1]->wait(10s).has_value());
-    REQUIRE(root->wait_for_log("event=round_completed round=2 ", 120s));
+    // Round 2 closes by quorum without gateway 2. On a loaded machine round 1
+    // may itself have closed by quorum, gateway 2 late, and then the root
+    // already missed gateway 2 before round 2 could start: it waits for a
+    // second live gateway instead.
+    REQUIRE(root->wait_for_any_log({"event=round_completed round=2 ", "event=waiting_for_clients round=2 live=1 "},
+                                   120s) >= 0);
     const auto before = Db(gw_dir[1] + "/server.db").rounds();  // what gateway 2 completed before the kill
     // Restart gateway 2 with the same config (its endpoint from the first log).
     std::smatch m;
@@ -1607,7 +1612,7 @@ TEST_SUITE("slow") {
     REQUIRE(rounds.size() == 4);  // no round lost
     int with_one = 0;
     for (const auto& r : rounds) with_one += r.updates == 1;
-    CHECK(with_one >= 1);               // closed by quorum while gateway 2 was down
+    CHECK(with_one >= 1);               // closed by quorum without gateway 2
     CHECK(rounds.back().updates == 2);  // both gateways again
     const auto after = Db(gw_dir[1] + "/server.db").rounds();
     for (const auto& r : before) {  // the restarted gateway kept what it had completed

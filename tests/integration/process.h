@@ -96,6 +96,19 @@ class Process {
     return log().find(text) != std::string::npos;
   }
 
+  // Polls the log until it contains one of `texts`; the index of the first
+  // found (in `texts` order), or -1 after the timeout.
+  int wait_for_any_log(const std::vector<std::string>& texts, std::chrono::milliseconds timeout) {
+    const auto until = std::chrono::steady_clock::now() + timeout;
+    for (;;) {
+      const std::string text = log();
+      for (size_t i = 0; i < texts.size(); ++i)
+        if (text.find(texts[i]) != std::string::npos) return static_cast<int>(i);
+      if (std::chrono::steady_clock::now() >= until) return -1;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+
  private:
   pid_t pid_ = -1;
   std::optional<int> status_;
