@@ -1229,7 +1229,7 @@ TEST_CASE("secagg: the model equals a plain run's to the quantisation step and t
   // threshold 3) and with plain FedAvg.
   const std::string dir = fresh_dir("secagg_same");
   keygen(dir, 5);
-  std::map<std::string, Weights> result;
+  std::map<std::string, Weights> result, first;
   for (const std::string mode : {"secagg", "plain"}) {
     const std::string sub = dir + "/" + mode;
     fs::create_directories(sub);
@@ -1246,6 +1246,7 @@ TEST_CASE("secagg: the model equals a plain run's to the quantisation step and t
     const auto rounds = Db(sub + "/server.db").rounds();
     REQUIRE(rounds.size() == 2);
     for (const auto& r : rounds) CHECK(r.updates == 5);
+    first[mode] = final_weights(sub + "/server.db", 1);
     result[mode] = final_weights(sub + "/server.db", 2);
     if (mode == "secagg") {
       const std::string slog = server->log();
@@ -1258,15 +1259,22 @@ TEST_CASE("secagg: the model equals a plain run's to the quantisation step and t
         CHECK(clients[i - 1]->log().find("secure aggregation: shares revealed") != std::string::npos);
     }
   }
-  double worst = 0, moved = 0;
+  double worst1 = 0, worst = 0, moved = 0;
   const Weights w0 = initial_weights(1);
   for (const auto& [name, t] : result["plain"]) {
+    worst1 = std::max(worst1, (first["secagg"].at(name) - first["plain"].at(name)).abs().max().item<double>());
     worst = std::max(worst, (result["secagg"].at(name) - t).abs().max().item<double>());
     moved = std::max(moved, (t - w0.at(name)).abs().max().item<double>());
   }
-  INFO("max |secagg - plain| = " << worst << ", max |plain - initial| = " << moved);
-  CHECK(moved > 1e-3);  // the runs trained
-  CHECK(worst < 1e-5);  // two rounds of rounding at 2^-31 * clip, and float summation order
+  INFO("max |secagg - plain| = " << worst1 << " after round 1, " << worst
+                                 << " after round 2; max |plain - initial| = " << moved);
+  CHECK(moved > 1e-3);   // the runs trained
+  CHECK(worst1 < 1e-5);  // one round: rounding at 2^-31 * clip, and float summation order
+  // Round 2 trains from round 1's two models. The stochastic rounding is drawn
+  // afresh each run, and in about one run of four its 1e-9 difference flips a
+  // ReLU in round 2's training: 1.3e-4 after round 2. A lost or doubled
+  // client update would differ by about 1e-2.
+  CHECK(worst < 1e-3);
   fs::remove_all(dir);
 }
 
