@@ -13,27 +13,28 @@
 namespace sparrow::core {
 namespace {
 
+// The size `path` will have once read: a gzip file's trailer holds it mod
+// 2^32, a plain file is its own size; 0 when unknown. Only a hint for reserve().
+size_t size_hint(const std::string& path) {
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in) return 0;
+  const std::streamoff size = in.tellg();
+  unsigned char magic[2] = {0, 0}, b[4] = {0, 0, 0, 0};
+  in.seekg(0);
+  in.read(reinterpret_cast<char*>(magic), 2);
+  if (!(magic[0] == 0x1f && magic[1] == 0x8b && size >= 18)) return size > 0 ? static_cast<size_t>(size) : 0;
+  in.seekg(size - 4);
+  in.read(reinterpret_cast<char*>(b), 4);
+  if (!in) return 0;
+  const uint32_t isize = b[0] | (b[1] << 8) | (b[2] << 16) | (uint32_t{b[3]} << 24);
+  return std::min<size_t>(isize, size_t{1} << 31);
+}
+
 std::string read_all(const std::string& path) {
   gzFile f = gzopen(path.c_str(), "rb");  // reads plain files transparently
   SPARROW_CHECK_T(FormatError, f != nullptr, "cannot open '" << path << "'");
   std::string out;
-  // gzip's trailer holds the uncompressed size mod 2^32 (a plain file: its
-  // size): reserving it saves the growing string's copies of 47 MB.
-  if (std::ifstream in(path, std::ios::binary); in) {
-    in.seekg(0, std::ios::end);
-    const std::streamoff size = in.tellg();
-    unsigned char b[4] = {0, 0, 0, 0}, magic[2] = {0, 0};
-    in.seekg(0);
-    in.read(reinterpret_cast<char*>(magic), 2);
-    if (magic[0] == 0x1f && magic[1] == 0x8b && size >= 18) {
-      in.seekg(size - 4);
-      in.read(reinterpret_cast<char*>(b), 4);
-      const uint32_t isize = b[0] | (b[1] << 8) | (b[2] << 16) | (uint32_t{b[3]} << 24);
-      if (in) out.reserve(std::min<size_t>(isize, size_t{1} << 31));
-    } else if (size > 0) {
-      out.reserve(static_cast<size_t>(size));
-    }
-  }
+  out.reserve(size_hint(path));  // saves the growing string's copies of 47 MB
   char buf[1 << 16];
   int got;
   while ((got = gzread(f, buf, sizeof(buf))) > 0) out.append(buf, static_cast<size_t>(got));

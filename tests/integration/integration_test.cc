@@ -1193,6 +1193,21 @@ Weights final_weights(const std::string& db_path, int64_t round) {
   return sparrow::compression::deserialize_weights(blob);
 }
 
+// max |a - b| over every tensor of a (b must hold the same names).
+double max_abs_diff(const Weights& a, const Weights& b) {
+  double worst = 0;
+  for (const auto& [name, t] : a) worst = std::max(worst, (b.at(name) - t).abs().max().item<double>());
+  return worst;
+}
+
+// DIR/NAME with a copy of DIR/keys: one server's folder.
+std::string server_dir(const std::string& dir, const std::string& name) {
+  const std::string d = dir + "/" + name;
+  fs::create_directories(d);
+  fs::copy(dir + "/keys", d + "/keys");
+  return d;
+}
+
 // The largest value (bytes) the server stores outside its checkpoints: where
 // an individual update would have to be.
 size_t largest_value_outside_checkpoints(const std::string& db_path) {
@@ -1231,9 +1246,7 @@ TEST_CASE("secagg: the model equals a plain run's to the quantisation step and t
   keygen(dir, 5);
   std::map<std::string, Weights> result, first;
   for (const std::string mode : {"secagg", "plain"}) {
-    const std::string sub = dir + "/" + mode;
-    fs::create_directories(sub);
-    fs::copy(dir + "/keys", sub + "/keys");
+    const std::string sub = server_dir(dir, mode);
     server_toml(sub, std::string("rounds = 2\nclients_per_round = 5\nround_deadline_s = 60\nlr = 0.05\n") +
                          (mode == "secagg" ? "secagg = \"secagg+:degree=4,threshold=3\"\n" : ""));
     auto server = start_server(sub, sub + "/server.log");
@@ -1259,13 +1272,9 @@ TEST_CASE("secagg: the model equals a plain run's to the quantisation step and t
         CHECK(clients[i - 1]->log().find("secure aggregation: shares revealed") != std::string::npos);
     }
   }
-  double worst1 = 0, worst = 0, moved = 0;
-  const Weights w0 = initial_weights(1);
-  for (const auto& [name, t] : result["plain"]) {
-    worst1 = std::max(worst1, (first["secagg"].at(name) - first["plain"].at(name)).abs().max().item<double>());
-    worst = std::max(worst, (result["secagg"].at(name) - t).abs().max().item<double>());
-    moved = std::max(moved, (t - w0.at(name)).abs().max().item<double>());
-  }
+  const double worst1 = max_abs_diff(first["plain"], first["secagg"]);
+  const double worst = max_abs_diff(result["plain"], result["secagg"]);
+  const double moved = max_abs_diff(result["plain"], initial_weights(1));
   INFO("max |secagg - plain| = " << worst1 << " after round 1, " << worst
                                  << " after round 2; max |plain - initial| = " << moved);
   CHECK(moved > 1e-3);   // the runs trained
@@ -1474,14 +1483,6 @@ TEST_CASE("secagg: a client refuses a server that asks for both shares of one cl
 
 namespace {
 
-// DIR/NAME with a copy of DIR/keys: one server's folder.
-std::string server_dir(const std::string& dir, const std::string& name) {
-  const std::string d = dir + "/" + name;
-  fs::create_directories(d);
-  fs::copy(dir + "/keys", d + "/keys");
-  return d;
-}
-
 // A gateway's server.toml in GD: `extra`, and the upstream link to the root at
 // ROOT_EP with client key `key` of DIR/keys, as client id `id`.
 void gateway_toml(const std::string& dir, const std::string& gd, const std::string& root_ep, int key,
@@ -1545,12 +1546,7 @@ TEST_CASE("gateways: a root, 2 gateways and 6 clients give the model of a flat r
           std::string::npos);
   }
   const Weights a = final_weights(flat + "/server.db", 2), b = final_weights(root + "/server.db", 2);
-  const Weights w0 = initial_weights(1);
-  double worst = 0, moved = 0;
-  for (const auto& [name, t] : a) {
-    worst = std::max(worst, (b.at(name) - t).abs().max().item<double>());
-    moved = std::max(moved, (t - w0.at(name)).abs().max().item<double>());
-  }
+  const double worst = max_abs_diff(a, b), moved = max_abs_diff(a, initial_weights(1));
   INFO("max |two levels - flat| = " << worst << ", max |flat - initial| = " << moved);
   CHECK(moved > 1e-3);  // the runs trained
   CHECK(worst < 1e-5);  // float summation order only

@@ -88,12 +88,7 @@ class Process {
 
   // Polls the log until it contains `text`.
   bool wait_for_log(const std::string& text, std::chrono::milliseconds timeout) {
-    const auto until = std::chrono::steady_clock::now() + timeout;
-    while (std::chrono::steady_clock::now() < until) {
-      if (log().find(text) != std::string::npos) return true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    return log().find(text) != std::string::npos;
+    return wait_for_any_log({text}, timeout) == 0;
   }
 
   // Polls the log until it contains one of `texts`; the index of the first
