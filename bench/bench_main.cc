@@ -62,6 +62,8 @@ std::vector<Case> default_cases() {
       {"topk", "topk:ratio=0.001", false},
       {"topk_rice_int8", "topk:ratio=0.001,index=rice,values=int8", false},
       {"stc", "stc:ratio=0.001", false},
+      // From the second step on, int8 values at the RoundTrip aggregator's mask (no index bits).
+      {"tcs", "tcs:ratio=0.001,extra=0.0002", false},
       {"randomk", "randomk:ratio=0.001", false},
       {"threshold", "threshold:tau=3.3", false},  // ~0.1% of N(0,1) values pass
       {"dgc", "dgc:ratio=0.001", false},

@@ -16,6 +16,7 @@
 #include "client/data_folder.h"
 #include "client/trainer.h"
 #include "compression/compressor.h"
+#include "compression/mask.h"
 #include "core/error.h"
 #include "core/flat_config.h"
 #include "core/model_digest.h"
@@ -833,7 +834,12 @@ struct ClientSession::Impl {
       c.seed = task.seed;
       c.num_workers = 1;  // the Task does not say how many clients take part
       c.round = static_cast<int64_t>(r);
-      if (auto it = p.shared.find(name); it != p.shared.end()) c.shared_factor = it->second;
+      if (auto it = p.shared.find(name); it != p.shared.end()) {
+        if (p.comp->mask_ratio() > 0)
+          c.mask = compression::mask_of(it->second);  // tcs: the server's mask
+        else
+          c.shared_factor = it->second;
+      }
       const at::Tensor d = t.outgoing.at(name).to(at::kCPU, at::kFloat).contiguous();
       u.tensors.push_back({name, p.comp->encode(d, t.next.compressor[name], c)});
     }

@@ -233,21 +233,20 @@ void encode_rice(const int64_t* idx, uint64_t k, uint32_t b, std::vector<uint8_t
   }
 }
 
-std::vector<int64_t> decode_rice(const Encoded& e, int64_t numel) {
-  SPARROW_CHECK_T(FormatError, e.params.size() == 1, "sparse: Rice coding needs params {b}, got " << e.params.size());
-  const uint32_t b = e.params[0];
+// k Rice-coded positions with parameter b from `indices` (the whole stream).
+std::vector<int64_t> decode_rice_stream(const std::vector<uint8_t>& indices, uint64_t k, uint32_t b, int64_t numel) {
   SPARROW_CHECK_T(FormatError, b <= kMaxRiceParameter,
                   "sparse: Rice parameter " << b << " above " << kMaxRiceParameter);
-  const uint64_t total_bits = static_cast<uint64_t>(e.indices.size()) * 8;
+  const uint64_t total_bits = static_cast<uint64_t>(indices.size()) * 8;
   // Every index costs at least b + 1 bits: a count the stream cannot hold is refused before allocating.
-  SPARROW_CHECK_T(FormatError, e.count <= static_cast<uint64_t>(numel) && e.count <= total_bits / (b + 1),
-                  "sparse: count " << e.count << " exceeds what " << e.indices.size() << " Rice bytes can hold");
-  std::vector<int64_t> idx(e.count);
-  const uint8_t* p = e.indices.data();
+  SPARROW_CHECK_T(FormatError, k <= static_cast<uint64_t>(numel) && k <= total_bits / (b + 1),
+                  "sparse: count " << k << " exceeds what " << indices.size() << " Rice bytes can hold");
+  std::vector<int64_t> idx(k);
+  const uint8_t* p = indices.data();
   uint64_t pos = 0;
   int64_t prev = -1;
   const uint64_t room_limit = static_cast<uint64_t>(numel);
-  for (uint64_t i = 0; i < e.count; ++i) {
+  for (uint64_t i = 0; i < k; ++i) {
     // Unary quotient: skip whole 0xff bytes at once when aligned.
     uint64_t q = 0;
     while (true) {
@@ -272,10 +271,15 @@ std::vector<int64_t> decode_rice(const Encoded& e, int64_t numel) {
     prev = prev + 1 + static_cast<int64_t>((q << b) | r);
     idx[i] = prev;
   }
-  SPARROW_CHECK_T(FormatError, (pos + 7) / 8 == e.indices.size(), "sparse: trailing bytes after the Rice stream");
+  SPARROW_CHECK_T(FormatError, (pos + 7) / 8 == indices.size(), "sparse: trailing bytes after the Rice stream");
   for (uint64_t j = pos; j < total_bits; ++j)
     SPARROW_CHECK_T(FormatError, ((p[j >> 3] >> (j & 7)) & 1) == 0, "sparse: nonzero padding after the Rice stream");
   return idx;
+}
+
+std::vector<int64_t> decode_rice(const Encoded& e, int64_t numel) {
+  SPARROW_CHECK_T(FormatError, e.params.size() == 1, "sparse: Rice coding needs params {b}, got " << e.params.size());
+  return decode_rice_stream(e.indices, e.count, e.params[0], numel);
 }
 
 }  // namespace
@@ -402,6 +406,8 @@ std::vector<int64_t> decode_indices(const Encoded& e) {
     }
     case IndexCoding::kRice:
       return decode_rice(e, numel);
+    case IndexCoding::kMask:
+      throw FormatError("sparse: a masked update's positions need the server's mask (decode_masked_indices)");
     case IndexCoding::kSeeded:
       SPARROW_CHECK_T(FormatError, e.indices.empty(), "sparse: seeded indices carry no index bytes");
       SPARROW_CHECK_T(FormatError, e.count <= static_cast<uint64_t>(numel), "sparse: count exceeds numel");
@@ -491,10 +497,68 @@ Encoded make_sparse(const std::vector<int64_t>& shape, const int64_t* idx, const
   return e;
 }
 
-void decode_sparse_add(const Encoded& e, float* out, float weight) {
-  const std::vector<int64_t> idx = decode_indices(e);
+uint64_t mask_size_of(const Encoded& e) {
+  SPARROW_CHECK_T(FormatError, e.params.size() == 2,
+                  "sparse: a masked update needs params {b, mask size}, got " << e.params.size());
+  SPARROW_CHECK_T(FormatError, e.params[1] <= e.count,
+                  "sparse: mask size " << e.params[1] << " exceeds count " << e.count);
+  return e.params[1];
+}
+
+std::vector<int64_t> decode_mask_extras(const Encoded& e) {
+  const uint64_t m = mask_size_of(e);
+  return decode_rice_stream(e.indices, e.count - m, e.params[0], e.numel());
+}
+
+std::vector<int64_t> decode_masked_indices(const Encoded& e, const Context& ctx) {
+  const uint64_t m = mask_size_of(e);
+  SPARROW_CHECK_T(FormatError, ctx.mask.defined() || m == 0,
+                  "sparse: update '" << ctx.name << "' is on the server's mask (" << m
+                                     << " positions), but there is no mask for it this round");
+  const uint64_t have = ctx.mask.defined() ? static_cast<uint64_t>(ctx.mask.numel()) : 0;
+  SPARROW_CHECK_T(
+      FormatError, have == m,
+      "sparse: update '" << ctx.name << "' was made for a mask of " << m << " positions, this round's has " << have);
+  std::vector<int64_t> idx(e.count);
+  const int64_t numel = e.numel();
+  if (m > 0) {
+    SPARROW_CHECK(ctx.mask.scalar_type() == at::kLong && ctx.mask.is_contiguous() && ctx.mask.device().is_cpu(),
+                  "mask of '" << ctx.name << "' must be a contiguous int64 CPU tensor");
+    const int64_t* mk = ctx.mask.data_ptr<int64_t>();
+    for (uint64_t i = 0; i < m; ++i) {
+      SPARROW_CHECK(mk[i] >= 0 && mk[i] < numel && (i == 0 || mk[i] > mk[i - 1]),
+                    "mask of '" << ctx.name << "' is not ascending within [0, " << numel << ")");
+      idx[i] = mk[i];
+    }
+  }
+  const std::vector<int64_t> extra = decode_mask_extras(e);
+  std::copy(extra.begin(), extra.end(), idx.begin() + static_cast<std::ptrdiff_t>(m));
+  return idx;
+}
+
+void unpack_sparse_values(const Encoded& e, float* dst) {
+  if (e.index_coding != IndexCoding::kMask) {
+    unpack_values(e.values.data(), e.count, e.value_type, value_scale(e), dst);
+    return;
+  }
+  const uint64_t m = mask_size_of(e);
+  const bool scaled = e.value_type == ValueType::kSign || e.value_type == ValueType::kInt8;
+  const float s0 = scaled ? e.scales.at(0) : 0.0f, s1 = scaled ? e.scales.at(1) : 0.0f;
+  if (e.value_type == ValueType::kSign) {
+    // Bits run on across the two parts: unpack all with magnitude 1, then scale.
+    unpack_values(e.values.data(), e.count, e.value_type, 1.0f, dst);
+    for (uint64_t i = 0; i < e.count; ++i) dst[i] *= i < m ? s0 : s1;
+    return;
+  }
+  unpack_values(e.values.data(), m, e.value_type, s0, dst);
+  unpack_values(e.values.data() + value_bytes(e.value_type, m), e.count - m, e.value_type, s1, dst + m);
+}
+
+void decode_sparse_add(const Encoded& e, float* out, float weight, const Context& ctx) {
+  const std::vector<int64_t> idx =
+      e.index_coding == IndexCoding::kMask ? decode_masked_indices(e, ctx) : decode_indices(e);
   std::vector<float> vals(e.count);
-  unpack_values(e.values.data(), e.count, e.value_type, value_scale(e), vals.data());
+  unpack_sparse_values(e, vals.data());
   for (uint64_t i = 0; i < e.count; ++i) out[idx[i]] += weight * vals[i];
 }
 

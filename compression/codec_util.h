@@ -61,6 +61,14 @@ void encode_indices_rice(const int64_t* idx, uint64_t k, uint32_t b, Encoded& e)
 // Decodes e's indices (any coding but kNone), checking ranges, order and count;
 // throws FormatError when they are invalid.
 std::vector<int64_t> decode_indices(const Encoded& e);
+// kMask (time-correlated sparsification): mask size m = params[1] (checked <= count),
+// the count - m Rice-coded positions after the mask's, and all count positions
+// (the mask's from ctx.mask, checked to have m entries, then the others).
+uint64_t mask_size_of(const Encoded& e);
+std::vector<int64_t> decode_mask_extras(const Encoded& e);
+std::vector<int64_t> decode_masked_indices(const Encoded& e, const Context& ctx);
+// The count values of a sparse e (kMask: the mask's part with scales[0], the rest with scales[1]).
+void unpack_sparse_values(const Encoded& e, float* dst);
 // k distinct indices in [0, n), ascending, a pure function of (key, k, n).
 std::vector<int64_t> seeded_indices(uint64_t key, uint64_t k, int64_t n);
 

@@ -35,7 +35,7 @@ void decode_into(const Encoded& e, at::Tensor& out, float weight, const Context&
     case Format::kDense:
       return detail::decode_dense_add(e, o, weight);
     case Format::kSparse:
-      return detail::decode_sparse_add(e, o, weight);
+      return detail::decode_sparse_add(e, o, weight, ctx);
     case Format::kQuantized:
       return detail::decode_quantized_add(e, o, weight);
     case Format::kTernary:

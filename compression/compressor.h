@@ -27,6 +27,10 @@ struct Context {
   int num_workers = 1;       // N, for DGC's local clipping threshold C·N^-1/2
   int64_t round = -1;        // global round (ACP picks P or Q by its parity); -1: use State::step
   at::Tensor shared_factor;  // ACP: the aggregator's current shared factor; undefined: derive from seed
+  // TCS: the server's shared mask, ascending int64 positions into the flattened
+  // tensor (compression/mask.h); undefined: none yet (the codec then sends only
+  // its own top positions). Updates in IndexCoding::kMask decode only with it.
+  at::Tensor mask;
 };
 
 class Compressor {
@@ -37,6 +41,9 @@ class Compressor {
   // Compresses x (float32, any shape, CPU). Reads/updates state; increments state.step.
   // Throws sparrow::Error on a non-float32 or undefined tensor.
   virtual Encoded encode(const at::Tensor& x, State& state, const Context& ctx) const = 0;
+  // The fraction of each tensor's positions the aggregator should broadcast as
+  // its shared mask (Context::mask) for this codec; 0: the codec uses none.
+  virtual double mask_ratio() const { return 0.0; }
   // Same as the free decode(): the format is self-describing.
   at::Tensor decode(const Encoded& e, const Context& ctx = {}) const;
 };

@@ -126,15 +126,25 @@ void validate(const Encoded& e) {
       SPARROW_CHECK_T(FormatError, e.count <= n, "sparse: count " << e.count << " exceeds numel " << n);
       SPARROW_CHECK_T(FormatError, e.index_coding != IndexCoding::kNone, "sparse: no index coding");
       check_values(e, e.count, "sparse");
-      check_scales(e, e.value_type == ValueType::kSign || e.value_type == ValueType::kInt8 ? 1 : 0, "sparse");
+      {
+        const bool scaled = e.value_type == ValueType::kSign || e.value_type == ValueType::kInt8;
+        const bool masked = e.index_coding == IndexCoding::kMask;
+        check_scales(e, scaled ? (masked ? 2 : 1) : 0, "sparse");
+      }
       if (e.value_type == ValueType::kInt8) {
         // q · scale must stay finite for every q in [-127, 127]; -128 is not a code.
-        SPARROW_CHECK_T(FormatError, e.scales[0] >= 0.0f && e.scales[0] <= std::numeric_limits<float>::max() / 127.0f,
-                        "sparse: int8 scale " << e.scales[0] << " outside [0, FLT_MAX/127]");
+        for (const float s : e.scales)
+          SPARROW_CHECK_T(FormatError, s >= 0.0f && s <= std::numeric_limits<float>::max() / 127.0f,
+                          "sparse: int8 scale " << s << " outside [0, FLT_MAX/127]");
         const uint8_t* q = e.values.data();
         for (uint64_t i = 0; i < e.count; ++i)
           SPARROW_CHECK_T(FormatError, q[i] != 0x80,
                           "sparse: int8 code -128 at value " << i << " (codes are -127..127)");
+      }
+      if (e.index_coding == IndexCoding::kMask) {
+        // The mask's own positions are checked against the round's mask when decoding.
+        (void)detail::decode_mask_extras(e);
+        return;
       }
       SPARROW_CHECK_T(FormatError, e.index_coding == IndexCoding::kRice || e.params.empty(),
                       "sparse: unexpected params for this index coding");

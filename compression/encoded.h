@@ -19,7 +19,8 @@ enum class Format : uint8_t {
   // `count` values of value_type at the positions given by index_coding.
   // value_type kSign: one bit per value (1 = negative), magnitude scales[0];
   // kInt8: one signed byte q per value, value = q · scales[0].
-  // index_coding kRice: params = {Rice parameter b}; otherwise params is empty.
+  // index_coding kRice: params = {Rice parameter b}; kMask: {b, mask size m};
+  // otherwise params is empty.
   kSparse = 1,
   // QSGD. params = {levels s, bucket}; scales = one L2 norm per bucket;
   // values = per element Elias-gamma(level + 1) then, when level > 0, a sign bit
@@ -52,6 +53,13 @@ enum class IndexCoding : uint8_t {
   // a 0), then the low b bits, LSB first; a bit stream packed LSB first into bytes,
   // zero padded. About log2(mean gap) + 1.5 bits per index against 8-16 for varints.
   kRice = 4,
+  // Protocol 1.3, time-correlated sparsification (`tcs`): the first params[1] values
+  // sit at the positions of the server's shared mask (Context::mask, which the
+  // server broadcasts with the round's task), so they cost no index bits; the
+  // other count - params[1] at Rice-coded positions in `indices` (parameter
+  // b = params[0], as kRice). kSign and kInt8 carry two scales: scales[0] for the
+  // mask's values, scales[1] for the others. Decoding needs the same mask.
+  kMask = 5,
 };
 
 struct Encoded {

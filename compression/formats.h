@@ -12,7 +12,7 @@
 namespace sparrow::compression::detail {
 
 void decode_dense_add(const Encoded& e, float* out, float weight);
-void decode_sparse_add(const Encoded& e, float* out, float weight);
+void decode_sparse_add(const Encoded& e, float* out, float weight, const Context& ctx);
 void decode_quantized_add(const Encoded& e, float* out, float weight);                        // qsgd.cc
 void decode_ternary_add(const Encoded& e, float* out, float weight);                          // terngrad.cc
 void decode_sign_add(const Encoded& e, float* out, float weight);                             // sign.cc

@@ -5,6 +5,9 @@
 //                                                    Sparse Ternary Compression (Sattler et al. 2019)
 //   randomk:ratio=R[,ef=0|1]                         k shared-seed random indices, unbiased
 //   threshold:tau=T[,ef=0|1]                         Strom (2015): ±tau where |residual| >= tau
+//   tcs:ratio=R[,extra=E][,values=int8|sign|fp16|bf16|fp32][,ef=0|1][,decay=D,max_age=A]
+//                                                    time-correlated sparsification (Ozfatura et al. 2021):
+//                                                    values on the server's mask plus the client's own top-E
 // plus the selection kernels DGC shares (declared in dgc.h).
 #include <ATen/ATen.h>
 
@@ -336,6 +339,110 @@ class ThresholdCompressor final : public Compressor {
   bool ef_;
 };
 
+// Time-correlated sparsification (Ozfatura, Ozfatura & Gündüz, "Time-Correlated
+// Sparsification for Communication-Efficient Federated Learning", ISIT 2021).
+// The aggregator broadcasts a mask per tensor, the ceil(R·n) largest entries of
+// its last model step (mask_ratio() = R; compression/mask.h). A client sends its
+// (error-compensated) update at every mask position, which costs no index bits,
+// plus its own ceil(E·n) largest entries outside the mask at Rice-coded
+// positions, so coordinates that grow large on one client can enter the next
+// mask. Under partial participation this moves the choice of coordinates to the
+// server, which sees every client's contribution: each client's top-k alone
+// picks positions that mostly no other client sends. Values: int8 (max-scaled),
+// sign (one mean magnitude per part, as STC), fp16, bf16 or fp32; the two parts
+// are scaled separately (IndexCoding::kMask). Without a mask (the first round)
+// only the client's own positions go.
+class TcsCompressor final : public Compressor {
+ public:
+  TcsCompressor(double ratio, double extra, bool ef, ValueType vt, StalePolicy stale)
+      : ratio_(ratio), extra_(extra), ef_(ef), vt_(vt), stale_(stale) {}
+  std::string method() const override { return "tcs"; }
+  double mask_ratio() const override { return ratio_; }
+
+  Encoded encode(const at::Tensor& x_in, State& state, const Context& ctx) const override {
+    const at::Tensor x = as_input(x_in, "tcs");
+    const int64_t n = x.numel();
+    std::vector<float> copy;
+    float* src = nullptr;
+    if (ef_) {
+      age_state(state, ctx, stale_, {"residual"});
+      src = compensate_in_place(x, state);
+    } else {
+      copy.assign(x.data_ptr<float>(), x.data_ptr<float>() + n);
+      src = copy.data();
+    }
+    const int64_t* mk = nullptr;
+    int64_t m = 0;
+    if (ctx.mask.defined()) {
+      SPARROW_CHECK(ctx.mask.scalar_type() == at::kLong && ctx.mask.dim() == 1 && ctx.mask.is_contiguous() &&
+                        ctx.mask.device().is_cpu(),
+                    "tcs: the mask of '" << ctx.name << "' must be a contiguous 1-D int64 CPU tensor");
+      mk = ctx.mask.data_ptr<int64_t>();
+      m = ctx.mask.numel();
+      for (int64_t i = 0; i < m; ++i)
+        SPARROW_CHECK(mk[i] >= 0 && mk[i] < n && (i == 0 || mk[i] > mk[i - 1]),
+                      "tcs: the mask of '" << ctx.name << "' is not ascending within [0, " << n << ")");
+    }
+    std::vector<float> vals(static_cast<size_t>(m));
+    for (int64_t i = 0; i < m; ++i) vals[static_cast<size_t>(i)] = src[mk[i]];
+    // The client's own positions: the largest outside the mask (masked entries
+    // set to zero for the selection, then restored). Exact zeros are not sent.
+    for (int64_t i = 0; i < m; ++i) src[mk[i]] = 0.0f;
+    std::vector<int64_t> own = topk_abs_indices(src, n, n == 0 ? 0 : count_for(extra_, n));
+    for (int64_t i = 0; i < m; ++i) src[mk[i]] = vals[static_cast<size_t>(i)];
+    own.erase(std::remove_if(own.begin(), own.end(), [src](int64_t i) { return src[i] == 0.0f; }), own.end());
+    for (const int64_t i : own) vals.push_back(src[i]);
+    const auto total = static_cast<uint64_t>(vals.size());
+
+    Encoded e;
+    e.format = Format::kSparse;
+    e.shape = shape_of(x);
+    e.value_type = vt_;
+    const RiceChoice rice = best_rice(own.data(), own.size());
+    encode_indices_rice(own.data(), own.size(), rice.b, e);
+    e.index_coding = IndexCoding::kMask;
+    e.params = {rice.b, static_cast<uint32_t>(m)};
+    e.count = total;
+    if (vt_ == ValueType::kSign || vt_ == ValueType::kInt8) {
+      // Each part gets its own scale; values are packed as multiples of it.
+      float scale[2] = {0.0f, 0.0f};
+      const uint64_t begin[2] = {0, static_cast<uint64_t>(m)}, end[2] = {static_cast<uint64_t>(m), total};
+      std::vector<float> units(vals.size());
+      for (int part = 0; part < 2; ++part) {
+        double acc = 0.0;
+        float peak = 0.0f;
+        for (uint64_t j = begin[part]; j < end[part]; ++j) {
+          acc += std::fabs(vals[j]);
+          peak = std::max(peak, std::fabs(vals[j]));
+        }
+        const uint64_t cnt = end[part] - begin[part];
+        scale[part] = vt_ == ValueType::kSign ? (cnt > 0 ? static_cast<float>(acc / static_cast<double>(cnt)) : 0.0f)
+                                              : peak / 127.0f;
+        for (uint64_t j = begin[part]; j < end[part]; ++j) units[j] = scale[part] > 0.0f ? vals[j] / scale[part] : 0.0f;
+      }
+      pack_values(units.data(), total, vt_, e.values, 1.0f);
+      e.scales = {scale[0], scale[1]};
+    } else {
+      pack_values(vals.data(), total, vt_, e.values);
+    }
+    if (ef_) {
+      std::vector<float> sent(total);
+      unpack_sparse_values(e, sent.data());
+      for (int64_t i = 0; i < m; ++i) src[mk[i]] -= sent[static_cast<size_t>(i)];
+      for (size_t j = 0; j < own.size(); ++j) src[own[j]] -= sent[static_cast<size_t>(m) + j];
+    }
+    ++state.step;
+    return e;
+  }
+
+ private:
+  double ratio_;
+  double extra_;
+  bool ef_;
+  ValueType vt_;
+  StalePolicy stale_;
+};
+
 }  // namespace
 
 void register_sparsifiers() {
@@ -344,6 +451,17 @@ void register_sparsifiers() {
   });
   register_compressor("stc", [](Spec& spec) {
     return std::make_unique<TopKCompressor>("stc", parse_sparse_options(spec, "stc", true, "sign", "rice"), true);
+  });
+  register_compressor("tcs", [](Spec& spec) {
+    const double ratio = parse_ratio(spec, "tcs", 0.01);
+    const double extra = spec.get_double("extra", ratio / 5.0);
+    SPARROW_CHECK_T(ConfigError, extra > 0.0 && extra <= 1.0, "tcs: extra=" << extra << " must be in (0, 1]");
+    const bool ef = spec.get_bool("ef", true);
+    const std::string vt = spec.get_string("values", "int8");
+    const ValueType v = vt == "sign" ? ValueType::kSign : parse_value_type(vt);
+    const StalePolicy stale = parse_stale_policy(spec, "tcs");
+    SPARROW_CHECK_T(ConfigError, ef || !stale.active(), "tcs: decay and max_age need ef=1 (they age its residual)");
+    return std::make_unique<TcsCompressor>(ratio, extra, ef, v, stale);
   });
   register_compressor("randomk", [](Spec& spec) {
     const double ratio = parse_ratio(spec, "randomk", 0.01);

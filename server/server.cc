@@ -23,6 +23,7 @@
 #include "aggregation/robust.h"
 #include "aggregation/server_optimizer.h"
 #include "compression/compressor.h"
+#include "compression/mask.h"
 #include "compression/lowrank.h"
 #include "compression/state.h"
 #include "core/data_folder.h"
@@ -243,6 +244,9 @@ struct Server::Impl {
   Weights control;                                      // SCAFFOLD c (empty = zeros)
   std::map<std::string, at::Tensor> acp_shared;         // for round completed + 1
   int64_t acp_rank = 0;                                 // > 0 when the uplink is ACP
+  // > 0 when the uplink is TCS: the fraction of each tensor the mask holds. The
+  // masks live in acp_shared under compression::mask_key(name) (checkpointed with it).
+  double mask_ratio = 0;
   std::atomic<int64_t> completed{0};
   // Gateway role: the root's round, model and settings for the round run_round
   // runs now (relay_round), and what it gives back.
@@ -364,6 +368,7 @@ struct Server::Impl {
     sa_params = secagg::Params::parse(cfg.secagg);
     Spec up = Spec::parse(cfg.compression);
     if (up.method() == "acp") acp_rank = up.get_int("rank", 0);
+    mask_ratio = compression::make_compressor(cfg.compression)->mask_ratio();
     if (cfg.downlink != "none") {
       down = compression::make_compressor(cfg.downlink);
       for (const auto& nm : names) broadcast[nm] = global.at(nm).clone();
@@ -1302,6 +1307,12 @@ struct Server::Impl {
         rc->shared.push_back(
             {nm, compression::acp_factor_encoded(sh, global.at(nm).sizes().vec(), static_cast<int64_t>(r) + 1)});
       }
+      if (mask_ratio > 0) {
+        if (auto it = acp_shared.find(compression::mask_key(nm)); it != acp_shared.end()) {
+          c.mask = compression::mask_from_weights(it->second, global.at(nm).numel());
+          rc->shared.push_back({nm, compression::mask_encoded(c.mask, global.at(nm).sizes().vec())});
+        }
+      }
       rc->contexts[nm] = c;
       rc->full.push_back({nm, dense_encoded(b.at(nm))});
       if (cfg.algorithm == "scaffold" && !control.empty()) rc->control.push_back({nm, dense_encoded(control.at(nm))});
@@ -1508,6 +1519,9 @@ struct Server::Impl {
       relay_out->weight = agg.total_weight();
     } else {
       std::lock_guard<std::mutex> g(weights_mu);
+      Weights before;
+      if (mask_ratio > 0)
+        for (const auto& nm : names) before[nm] = global.at(nm).clone();
       try {
         opt->step(global, delta);  // throws, changing nothing, on a non-finite delta
       } catch (const Error& e) {
@@ -1516,6 +1530,11 @@ struct Server::Impl {
         n.abandoned++;
         return true;
       }
+      // TCS: the next round's mask is where this step moved the model most.
+      if (mask_ratio > 0)
+        for (const auto& nm : names)
+          acp_shared[compression::mask_key(nm)] =
+              compression::mask_to_weights(compression::step_mask(global.at(nm) - before.at(nm), mask_ratio));
     }
     if (cfg.algorithm == "scaffold" && !control_sum.empty()) {
       if (control.empty())

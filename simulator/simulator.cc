@@ -24,6 +24,7 @@
 #include "client/batched_trainer.h"
 #include "client/trainer.h"
 #include "compression/compressor.h"
+#include "compression/mask.h"
 #include "compression/lowrank.h"
 #include "core/bytes.h"
 #include "core/data_folder.h"
@@ -386,8 +387,13 @@ struct Simulator::Impl {
   int64_t classes = 10;
   std::vector<int64_t> participations;  // rounds each client was selected (local DP accounting)
   int64_t most_participations = 0;
-  client::Weights server_control;                // SCAFFOLD c (empty = zeros)
-  std::map<std::string, at::Tensor> acp_shared;  // ACP: next round's shared factor per tensor
+  client::Weights server_control;  // SCAFFOLD c (empty = zeros)
+  // What the uplink codec shares with the clients, per tensor, for the next
+  // round: ACP's shared factor under the tensor's name, TCS's mask under
+  // compression::mask_key(name) (as mask_to_weights pairs). Checkpointed and
+  // sent to the other ranks as one map.
+  std::map<std::string, at::Tensor> acp_shared;
+  double mask_ratio = 0;  // > 0: the uplink codec wants a mask of this fraction (tcs)
 
   at::Device device{at::kCPU};
   std::atomic<bool> stop_requested{false};
@@ -841,6 +847,24 @@ struct Simulator::Impl {
     down_bytes = bytes;
   }
 
+  // The TCS mask of tensor n for the coming round (undefined before the first step).
+  at::Tensor tcs_mask(const std::string& n) const {
+    auto it = acp_shared.find(compression::mask_key(n));
+    if (it == acp_shared.end()) return {};
+    return compression::mask_from_weights(it->second, global.at(n).numel());
+  }
+
+  // Wire bytes of the masks that go to each selected client with the round's model.
+  uint64_t mask_bytes() const {
+    uint64_t bytes = 0;
+    if (mask_ratio <= 0) return bytes;
+    for (const auto& n : names) {
+      const at::Tensor mk = tcs_mask(n);
+      if (mk.defined()) bytes += wire::encoded_size(compression::mask_encoded(mk, global.at(n).sizes().vec()), n);
+    }
+    return bytes;
+  }
+
   // Per-tensor codec contexts of round t.
   aggregation::ContextMap contexts(int t, int num_selected) const {
     aggregation::ContextMap ctxs;
@@ -852,6 +876,7 @@ struct Simulator::Impl {
       c.round = t;
       auto it = acp_shared.find(n);
       if (it != acp_shared.end()) c.shared_factor = it->second;
+      if (mask_ratio > 0) c.mask = tcs_mask(n);
       ctxs[n] = c;
     }
     return ctxs;
@@ -1287,7 +1312,7 @@ struct Simulator::Impl {
       m.rank0_wait_s = wait_s;
       m.rank0_fold_s = fold_s;
     }
-    m.bytes_down = downlink_bytes(t, ids);
+    m.bytes_down = downlink_bytes(t, ids) + mask_bytes() * static_cast<uint64_t>(ids.size());
     if (sa) {
       for (const auto& [c, b] : sa->down) m.bytes_down += b;
       sa.reset();
@@ -1314,7 +1339,15 @@ struct Simulator::Impl {
       aggregation::AggregateStats st;
       client::Weights delta = aggregator->finish(agg, static_cast<uint64_t>(t), &st);
       if (st.clip > 0) m.clip = st.clip;
+      client::Weights before;
+      if (mask_ratio > 0)
+        for (const auto& n : names) before[n] = global.at(n).clone();
       server_opt->step(global, delta);
+      // TCS: the next round's mask is where this step moved the model most.
+      if (mask_ratio > 0)
+        for (const auto& n : names)
+          acp_shared[compression::mask_key(n)] =
+              compression::mask_to_weights(compression::step_mask(global.at(n) - before.at(n), mask_ratio));
       update_broadcast(t);
       if (cfg.algorithm == "scaffold" && !control_sum.empty()) {
         if (server_control.empty())
@@ -1406,6 +1439,7 @@ Simulator::Simulator(SimConfig cfg, bool resume, Cluster* cluster) : impl_(std::
   }
   compression::register_builtins();
   s.compressor = compression::make_compressor(s.cfg.compression);
+  s.mask_ratio = s.compressor->mask_ratio();
   if (s.cfg.downlink != "none") s.down = compression::make_compressor(s.cfg.downlink);
   s.server_opt = std::make_unique<aggregation::ServerOptimizer>(s.cfg.server_optimizer);
   s.aggregator = std::make_unique<aggregation::Aggregator>(s.cfg.aggregator, s.cfg.dp, s.cfg.clients_per_round,

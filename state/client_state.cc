@@ -158,6 +158,7 @@ ClientState ClientState::deep_copy() const {
   for (const auto& [name, s] : compressor) {
     compression::State cs;
     cs.step = s.step;
+    cs.last_round = s.last_round;
     for (const auto& [slot, t] : s.tensors) {
       check_compressor_tensor(name, slot, t);
       cs.tensors.emplace(slot, owned_copy(t));

@@ -5,6 +5,7 @@
 #include <chrono>
 
 #include "compression/lowrank.h"
+#include "compression/mask.h"
 #include "core/error.h"
 #include "wire/wire.h"
 
@@ -32,6 +33,7 @@ RoundTripResult RoundTrip::step(const std::vector<std::pair<std::string, at::Ten
     ctx.round = round_;
     auto it = shared_.find(ctx.name);
     if (it != shared_.end()) ctx.shared_factor = it->second;
+    if (auto m = masks_.find(ctx.name); m != masks_.end()) ctx.mask = m->second;
     update.tensors.push_back({ctx.name, compressor_.encode(tensors[i].second, states_[ctx.name], ctx)});
   }
   r.encode_ms = ms_since(t0);
@@ -62,6 +64,10 @@ RoundTripResult RoundTrip::step(const std::vector<std::pair<std::string, at::Ten
     // here), orthonormalised, is the shared factor of the next round.
     if (e.format == compression::Format::kLowRankFactor)
       shared_[got.tensors[i].name] = compression::acp_next_shared(compression::acp_factor(e));
+    // The aggregator's half of TCS: the next mask is where this round's (one
+    // client's) update is largest.
+    if (compressor_.mask_ratio() > 0)
+      masks_[got.tensors[i].name] = compression::step_mask(out, compressor_.mask_ratio());
   }
   r.decode_ms = ms_since(t0);
   ++round_;

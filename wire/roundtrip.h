@@ -39,6 +39,7 @@ class RoundTrip {
   int64_t round_ = 0;
   std::map<std::string, compression::State> states_;
   std::map<std::string, at::Tensor> shared_;   // ACP: the aggregator's shared factor per tensor
+  std::map<std::string, at::Tensor> masks_;    // TCS: the aggregator's mask per tensor
   std::map<std::string, at::Tensor> decoded_;  // output buffers, reused across steps
 };
 

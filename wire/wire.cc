@@ -43,7 +43,7 @@ static_assert(static_cast<int>(fb::Format::MAX) == static_cast<int>(c::Format::k
               "fb::Format must mirror compression::Format");
 static_assert(static_cast<int>(fb::ValueType::MAX) == static_cast<int>(c::ValueType::kInt8),
               "fb::ValueType must mirror compression::ValueType");
-static_assert(static_cast<int>(fb::IndexCoding::MAX) == static_cast<int>(c::IndexCoding::kRice),
+static_assert(static_cast<int>(fb::IndexCoding::MAX) == static_cast<int>(c::IndexCoding::kMask),
               "fb::IndexCoding must mirror compression::IndexCoding");
 
 [[noreturn]] void fail(ErrorCode code, const std::string& what) { throw ProtocolError(code, what); }

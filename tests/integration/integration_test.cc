@@ -828,6 +828,28 @@ TEST_CASE("integration: sparrow-server try runs a server and its clients to the 
   fs::remove_all(dir);
 }
 
+TEST_CASE("integration: tcs through the real server and clients: the mask goes out with each task") {
+  const std::string dir = fresh_dir("tcs");
+  REQUIRE(run_tool({kServerBin, "try", "--clients", "2", "--rounds", "3", "--dir", dir + "/a", "--compression",
+                    "tcs:ratio=0.01,extra=0.002"},
+                   dir + "/a.log") == 0);
+  Db db(dir + "/a/server.db");
+  const auto rounds = db.rounds();
+  REQUIRE(rounds.size() == 3);
+  for (const auto& r : rounds) {
+    CHECK(r.updates == 2);  // every masked update decoded against the server's mask
+    CHECK(r.rejected == 0);
+  }
+  // Round 1 has no mask: each client sends its own 0.2%. From round 2 the
+  // Task carries the mask and each update its 1% of values on it (int8).
+  CHECK(rounds[1].bytes_in > rounds[0].bytes_in);
+  CHECK(rounds[1].bytes_out > rounds[0].bytes_out);
+  // Still far below the dense MLP (2 x 797 KB).
+  CHECK(rounds[1].bytes_in < 2 * 12000);
+  CHECK(rounds[2].eval_accuracy > 0.1);
+  fs::remove_all(dir);
+}
+
 // ---- the live dashboard ------------------------------------------------------------
 
 namespace {

@@ -128,7 +128,7 @@ TEST_CASE("simulator writes csv db and config to the run folder") {
 }
 
 TEST_CASE("simulator resume reproduces the uninterrupted run") {
-  for (const std::string comp : {"none", "dgc:ratio=0.1,momentum=0.9", "acp:rank=2"}) {
+  for (const std::string comp : {"none", "dgc:ratio=0.1,momentum=0.9", "acp:rank=2", "tcs:ratio=0.2,extra=0.05"}) {
     CAPTURE(comp);
     TempDir full("resume_full"), part("resume_part");
     SimConfig c = tiny(full.path);
@@ -157,6 +157,32 @@ TEST_CASE("simulator resume reproduces the uninterrupted run") {
     const std::string csv = read_file(part.path + "/metrics.csv");
     CHECK(std::count(csv.begin(), csv.end(), '\n') == 5);
   }
+}
+
+TEST_CASE("simulator: tcs clients send values on the server's mask, which goes out with the model") {
+  TempDir tdir("tcs"), ddir("tcs_dense");
+  SimConfig c = tiny(tdir.path);
+  c.compression = "tcs:ratio=0.2,extra=0.05,values=fp32";
+  Simulator a(c);
+  a.run();
+  SimConfig d = c;
+  d.out = ddir.path;
+  d.compression = "none";
+  Simulator plain(d);
+  plain.run();
+  REQUIRE(a.history().size() == 4);
+  // Round 1 has no mask: the model alone goes down, and each client sends only
+  // its own top 5%. Later rounds add the mask to the download, and each client
+  // sends values on it too.
+  CHECK(a.history()[0].bytes_down == plain.history()[0].bytes_down);
+  for (size_t t = 1; t < 4; ++t) {
+    CAPTURE(t);
+    CHECK(a.history()[t].bytes_down > plain.history()[t].bytes_down);
+    CHECK(a.history()[t].bytes_up > a.history()[0].bytes_up);
+    CHECK(a.history()[t].bytes_up < plain.history()[t].bytes_up);
+  }
+  // Trained: the loss went down from the first round.
+  CHECK(a.history()[3].train_loss < a.history()[0].train_loss);
 }
 
 TEST_CASE("simulator: downlink compression sends the broadcast delta to last round's clients and resumes exactly") {

@@ -58,6 +58,7 @@ ClientState rich_state(uint64_t seed) {
   s.rounds = 17 + seed;
   sparrow::compression::State w;
   w.step = 3;
+  w.last_round = 40 + static_cast<int64_t>(seed);  // the stale-residual policy's clock
   w.tensors["residual"] = at::randn({4, 5});
   w.tensors["u"] = at::randn({4, 5});
   sparrow::compression::State b;
@@ -95,6 +96,7 @@ void check_equal(const ClientState& a, const ClientState& b) {
     REQUIRE(b.compressor.count(name) == 1);
     const auto& o = b.compressor.at(name);
     CHECK(s.step == o.step);
+    CHECK(s.last_round == o.last_round);
     REQUIRE(s.tensors.size() == o.tensors.size());
     for (const auto& [slot, t] : s.tensors) {
       REQUIRE(o.tensors.count(slot) == 1);

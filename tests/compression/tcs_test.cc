@@ -1,0 +1,245 @@
+// Time-correlated sparsification (tcs): values on the server's shared mask
+// (IndexCoding::kMask, no index bits) plus the client's own top positions, and
+// the mask helpers the aggregators use (compression/mask.h).
+#include "tests/sparrow_test.h"
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <limits>
+#include <set>
+
+#include "compression/codec_util.h"
+#include "compression/compressor.h"
+#include "compression/mask.h"
+#include "core/error.h"
+
+using namespace sparrow::compression;
+using sparrow::ConfigError;
+using sparrow::FormatError;
+namespace cd = sparrow::compression::detail;
+
+namespace {
+
+at::Tensor randn(int64_t n, uint64_t seed) {
+  at::manual_seed(seed);
+  return at::randn({n});
+}
+
+Context with_mask(const at::Tensor& mask) {
+  Context c;
+  c.name = "w";
+  c.seed = 5;
+  c.round = 3;
+  c.mask = mask;
+  return c;
+}
+
+at::Tensor positions(std::vector<int64_t> v) {
+  at::Tensor t = at::empty({static_cast<int64_t>(v.size())}, at::TensorOptions().dtype(at::kLong));
+  std::copy(v.begin(), v.end(), t.data_ptr<int64_t>());
+  return t;
+}
+
+std::vector<int64_t> to_vec(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+}
+
+}  // namespace
+
+TEST_CASE("tcs: without a mask only the client's own top positions go, Rice-coded") {
+  auto c = make_compressor("tcs:ratio=0.05,extra=0.01,values=fp32");
+  CHECK(c->mask_ratio() == doctest::Approx(0.05));
+  const at::Tensor x = randn(1000, 1);
+  State st;
+  const Encoded e = c->encode(x, st, with_mask({}));
+  CHECK(e.format == Format::kSparse);
+  CHECK(e.index_coding == IndexCoding::kMask);
+  REQUIRE(e.params.size() == 2);
+  CHECK(e.params[1] == 0);
+  CHECK(e.count == 10);
+  // The ten largest |x|, at their exact values; decodable without a mask.
+  const at::Tensor d = decode(e, with_mask({}));
+  const auto top = std::get<1>(x.abs().topk(10));
+  std::set<int64_t> want;
+  for (int64_t i = 0; i < 10; ++i) want.insert(top[i].item<int64_t>());
+  for (int64_t i = 0; i < 1000; ++i) CHECK(d[i].item<float>() == (want.count(i) ? x[i].item<float>() : 0.0f));
+  // Error feedback: the residual holds exactly what was not sent.
+  CHECK(at::equal(st.tensors.at("residual") + d, x));
+}
+
+TEST_CASE("tcs: values at every mask position, then the own top positions outside it") {
+  for (const char* vt : {"fp32", "fp16", "bf16", "int8", "sign"}) {
+    CAPTURE(vt);
+    auto c = make_compressor(std::string("tcs:ratio=0.05,extra=0.01,values=") + vt);
+    const at::Tensor x = randn(1000, 2);
+    // A mask on small entries too, so the own top positions are not all on it.
+    const at::Tensor mask = positions({0, 3, 17, 250, 251, 640, 999});
+    State st;
+    const at::Tensor before = at::zeros({1000});
+    const Encoded e = c->encode(x, st, with_mask(mask));
+    REQUIRE(e.index_coding == IndexCoding::kMask);
+    CHECK(e.params[1] == 7);
+    CHECK(e.count == 7 + 10);
+    CHECK_NOTHROW(validate(e));
+    const std::vector<int64_t> idx = cd::decode_masked_indices(e, with_mask(mask));
+    for (size_t i = 0; i < 7; ++i) CHECK(idx[i] == to_vec(mask)[i]);
+    const std::set<int64_t> on_mask(idx.begin(), idx.begin() + 7);
+    for (size_t i = 7; i < idx.size(); ++i) CHECK(on_mask.count(idx[i]) == 0);
+    // The own positions are the largest |x| outside the mask.
+    at::Tensor outside = x.abs().clone();
+    outside.index_put_({mask}, 0.0f);
+    const float tenth = std::get<0>(outside.topk(10))[9].item<float>();
+    for (size_t i = 7; i < idx.size(); ++i) CHECK(std::fabs(x[idx[i]].item<float>()) >= tenth);
+    // Whatever the value type, decoded + residual == compensated input.
+    const at::Tensor d = decode(e, with_mask(mask));
+    CHECK(at::allclose(st.tensors.at("residual") + d, x + before, 1e-5, 1e-6));
+    // Only the sent positions are nonzero.
+    CHECK(d.ne(0).sum().item<int64_t>() <= 17);
+    if (std::string(vt) == "fp32")
+      for (const int64_t i : idx) CHECK(d[i].item<float>() == x[i].item<float>());
+    if (std::string(vt) == "sign" || std::string(vt) == "int8") CHECK(e.scales.size() == 2);
+  }
+}
+
+TEST_CASE("tcs: error feedback carries what was not sent into the next round") {
+  auto c = make_compressor("tcs:ratio=0.02,extra=0.005,values=int8");
+  const at::Tensor mask = positions({1, 5, 9, 13, 400});
+  State st;
+  at::Tensor sent = at::zeros({2000});
+  at::Tensor total = at::zeros({2000});
+  for (int r = 0; r < 6; ++r) {
+    const at::Tensor x = randn(2000, 10 + r);
+    total += x;
+    sent += decode(c->encode(x, st, with_mask(mask)), with_mask(mask));
+  }
+  CHECK(st.step == 6);
+  CHECK(at::allclose(sent + st.tensors.at("residual"), total, 1e-4, 1e-5));
+}
+
+TEST_CASE("tcs: a masked update decodes only with the same mask, and a refusal changes nothing") {
+  auto c = make_compressor("tcs:ratio=0.05,extra=0.01");
+  const at::Tensor mask = positions({2, 4, 8});
+  State st;
+  const Encoded e = c->encode(randn(100, 3), st, with_mask(mask));
+  at::Tensor out = at::ones({100});
+  CHECK_THROWS_AS(decode_add(e, out, 1.0f, with_mask(positions({2, 4}))), FormatError);
+  CHECK_THROWS_AS(decode_add(e, out, 1.0f, with_mask({})), FormatError);
+  CHECK(at::equal(out, at::ones({100})));
+  CHECK_NOTHROW(decode_add(e, out, 1.0f, with_mask(mask)));
+  // decode_indices (no context) cannot place the mask's values.
+  CHECK_THROWS_AS(cd::decode_indices(e), FormatError);
+}
+
+TEST_CASE("tcs: malformed masked updates are refused by validate") {
+  auto c = make_compressor("tcs:ratio=0.05,extra=0.05,values=int8");
+  State st;
+  const Encoded good = c->encode(randn(200, 4), st, with_mask(positions({0, 1, 2})));
+  REQUIRE_NOTHROW(validate(good));
+  Encoded e = good;
+  e.params = {good.params[0]};
+  CHECK_THROWS_AS(validate(e), FormatError);
+  e = good;
+  e.params[1] = static_cast<uint32_t>(good.count + 1);  // mask larger than the update
+  CHECK_THROWS_AS(validate(e), FormatError);
+  e = good;
+  e.scales = {good.scales[0]};  // int8 on a mask needs two scales
+  CHECK_THROWS_AS(validate(e), FormatError);
+  e = good;
+  e.scales[1] = std::numeric_limits<float>::infinity();
+  CHECK_THROWS_AS(validate(e), FormatError);
+  e = good;
+  e.indices.pop_back();  // truncated Rice stream of the own positions
+  CHECK_THROWS_AS(validate(e), FormatError);
+  e = good;
+  e.count += 1;  // a value more than the bytes hold
+  CHECK_THROWS_AS(validate(e), FormatError);
+  e = good;
+  e.format = Format::kDense;  // mask coding on a dense tensor
+  CHECK_THROWS_AS(validate(e), FormatError);
+}
+
+TEST_CASE("tcs: the client refuses a mask outside its tensor, and bad specs are ConfigErrors") {
+  auto c = make_compressor("tcs");
+  State st;
+  CHECK_THROWS_AS(c->encode(randn(10, 5), st, with_mask(positions({3, 10}))), sparrow::Error);
+  CHECK_THROWS_AS(c->encode(randn(10, 5), st, with_mask(positions({4, 3}))), sparrow::Error);
+  CHECK_THROWS_AS(make_compressor("tcs:extra=0"), ConfigError);
+  CHECK_THROWS_AS(make_compressor("tcs:ratio=1.5"), ConfigError);
+  CHECK_THROWS_AS(make_compressor("tcs:values=int4"), ConfigError);
+  CHECK_THROWS_AS(make_compressor("tcs:ef=0,decay=0.5"), ConfigError);
+  CHECK_THROWS_AS(make_compressor("tcs:ratio=0.01,bogus=1"), ConfigError);
+  CHECK(make_compressor("stc")->mask_ratio() == 0.0);
+}
+
+TEST_CASE("mask: the server's mask is the largest nonzero entries of its step") {
+  at::Tensor step = at::zeros({4, 5});
+  step[0][1] = 3.0f;
+  step[2][2] = -5.0f;
+  step[3][4] = 0.5f;
+  step[1][0] = -0.25f;
+  CHECK(to_vec(step_mask(step, 0.1)) == std::vector<int64_t>{1, 12});  // k = 2
+  // More room than nonzeros: only the nonzero entries.
+  CHECK(to_vec(step_mask(step, 0.5)) == std::vector<int64_t>{1, 5, 12, 19});
+}
+
+TEST_CASE("mask: broadcast form and checkpoint form round-trip exactly") {
+  const at::Tensor mask = positions({0, 7, 8, 1000, 49999});
+  const Encoded e = mask_encoded(mask, {500, 100});
+  CHECK(e.format == Format::kSparse);
+  CHECK(to_vec(mask_of(decode(e))) == to_vec(mask));
+  // Positions beyond float32's 2^24 survive the (hi, lo) pairs.
+  const int64_t big = (int64_t{1} << 33) + 12345;
+  const at::Tensor far = positions({5, (int64_t{1} << 24) + 1, big});
+  CHECK(to_vec(mask_from_weights(mask_to_weights(far), big + 1)) == to_vec(far));
+  CHECK_THROWS_AS(mask_from_weights(mask_to_weights(far), big), FormatError);  // out of range
+  at::Tensor w = mask_to_weights(positions({4, 9}));
+  w[1][1] = 3.0f;  // not ascending
+  CHECK_THROWS_AS(mask_from_weights(w, 100), FormatError);
+  w[1][1] = 9.5f;  // not an integer
+  CHECK_THROWS_AS(mask_from_weights(w, 100), FormatError);
+  CHECK_THROWS_AS(mask_from_weights(at::zeros({3}), 100), FormatError);
+  CHECK(mask_key("fc1.weight") == "mask/fc1.weight");
+}
+
+TEST_CASE("tcs: the worked example of docs/protocol.md decodes as documented") {
+  Encoded e;
+  e.format = Format::kSparse;
+  e.shape = {20};
+  e.value_type = ValueType::kInt8;
+  e.index_coding = IndexCoding::kMask;
+  e.count = 4;
+  e.params = {1, 3};
+  e.scales = {0.5f, 0.25f};
+  e.indices = {0x5f};
+  e.values = std::vector<uint8_t>{0x7f, 0x81, 0x00, 0x40};
+  REQUIRE_NOTHROW(validate(e));
+  const at::Tensor d = decode(e, with_mask(positions({2, 4, 8})));
+  at::Tensor want = at::zeros({20});
+  want[2] = 63.5f;
+  want[4] = -63.5f;
+  want[11] = 16.0f;
+  CHECK(at::equal(d, want));
+}
+
+TEST_CASE("tcs: decay ages the residual of a client that skipped rounds") {
+  auto keep = make_compressor("tcs:ratio=0.01,extra=0.01,values=fp32");
+  auto decay = make_compressor("tcs:ratio=0.01,extra=0.01,values=fp32,decay=0.5");
+  State a, b;
+  Context c0 = with_mask({}), c3 = with_mask({});
+  c0.round = 0;
+  c3.round = 3;  // rounds 1 and 2 skipped
+  const at::Tensor x = randn(500, 8);
+  keep->encode(x, a, c0);
+  decay->encode(x, b, c0);
+  CHECK(at::equal(a.tensors.at("residual"), b.tensors.at("residual")));
+  const at::Tensor r0 = a.tensors.at("residual").clone();
+  const at::Tensor zero = at::zeros({500});
+  const Encoded ea = keep->encode(zero, a, c3);
+  const Encoded eb = decay->encode(zero, b, c3);
+  // Compensated = 0.25 x the old residual: the same positions, values a quarter.
+  CHECK(at::allclose(decode(eb, c3), 0.25 * decode(ea, c3)));
+  CHECK(at::allclose(b.tensors.at("residual"), 0.25 * a.tensors.at("residual")));
+  CHECK(at::allclose(a.tensors.at("residual") + decode(ea, c3), r0));
+}
