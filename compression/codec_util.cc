@@ -498,11 +498,17 @@ Encoded make_sparse(const std::vector<int64_t>& shape, const int64_t* idx, const
 }
 
 uint64_t mask_size_of(const Encoded& e) {
-  SPARROW_CHECK_T(FormatError, e.params.size() == 2,
-                  "sparse: a masked update needs params {b, mask size}, got " << e.params.size());
+  SPARROW_CHECK_T(FormatError, e.params.size() == 2 || e.params.size() == 3,
+                  "sparse: a masked update needs params {b, mask size[, block]}, got " << e.params.size());
   SPARROW_CHECK_T(FormatError, e.params[1] <= e.count,
                   "sparse: mask size " << e.params[1] << " exceeds count " << e.count);
+  SPARROW_CHECK_T(FormatError, e.params.size() == 2 || e.params[2] >= 1, "sparse: mask scale block must be >= 1");
   return e.params[1];
+}
+
+uint64_t mask_scale_blocks(const Encoded& e) {
+  const uint64_t m = mask_size_of(e);
+  return e.params.size() == 3 ? (m + e.params[2] - 1) / e.params[2] : 1;
 }
 
 std::vector<int64_t> decode_mask_extras(const Encoded& e) {
@@ -542,16 +548,18 @@ void unpack_sparse_values(const Encoded& e, float* dst) {
     return;
   }
   const uint64_t m = mask_size_of(e);
-  const bool scaled = e.value_type == ValueType::kSign || e.value_type == ValueType::kInt8;
-  const float s0 = scaled ? e.scales.at(0) : 0.0f, s1 = scaled ? e.scales.at(1) : 0.0f;
-  if (e.value_type == ValueType::kSign) {
-    // Bits run on across the two parts: unpack all with magnitude 1, then scale.
-    unpack_values(e.values.data(), e.count, e.value_type, 1.0f, dst);
-    for (uint64_t i = 0; i < e.count; ++i) dst[i] *= i < m ? s0 : s1;
+  if (e.value_type != ValueType::kSign && e.value_type != ValueType::kInt8) {
+    unpack_values(e.values.data(), e.count, e.value_type, 0.0f, dst);
     return;
   }
-  unpack_values(e.values.data(), m, e.value_type, s0, dst);
-  unpack_values(e.values.data() + value_bytes(e.value_type, m), e.count - m, e.value_type, s1, dst + m);
+  // Unit values (±1, or the int8 codes), then each times its group's scale:
+  // the mask's blocks, then the own positions (the last scale).
+  unpack_values(e.values.data(), e.count, e.value_type, 1.0f, dst);
+  const uint64_t block = e.params.size() == 3 ? e.params[2] : std::max<uint64_t>(m, 1);
+  const uint64_t blocks = mask_scale_blocks(e);
+  SPARROW_CHECK_T(FormatError, e.scales.size() == blocks + 1, "sparse: masked update has the wrong number of scales");
+  for (uint64_t i = 0; i < m; ++i) dst[i] *= e.scales[i / block];
+  for (uint64_t i = m; i < e.count; ++i) dst[i] *= e.scales[blocks];
 }
 
 void decode_sparse_add(const Encoded& e, float* out, float weight, const Context& ctx) {

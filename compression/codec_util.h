@@ -65,6 +65,8 @@ std::vector<int64_t> decode_indices(const Encoded& e);
 // the count - m Rice-coded positions after the mask's, and all count positions
 // (the mask's from ctx.mask, checked to have m entries, then the others).
 uint64_t mask_size_of(const Encoded& e);
+// Scales of the mask's values with kSign/kInt8: one, or one per params[2] values when given.
+uint64_t mask_scale_blocks(const Encoded& e);
 std::vector<int64_t> decode_mask_extras(const Encoded& e);
 std::vector<int64_t> decode_masked_indices(const Encoded& e, const Context& ctx);
 // The count values of a sparse e (kMask: the mask's part with scales[0], the rest with scales[1]).

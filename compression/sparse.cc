@@ -354,8 +354,8 @@ class ThresholdCompressor final : public Compressor {
 // only the client's own positions go.
 class TcsCompressor final : public Compressor {
  public:
-  TcsCompressor(double ratio, double extra, bool ef, ValueType vt, StalePolicy stale)
-      : ratio_(ratio), extra_(extra), ef_(ef), vt_(vt), stale_(stale) {}
+  TcsCompressor(double ratio, double extra, bool ef, ValueType vt, int64_t block, StalePolicy stale)
+      : ratio_(ratio), extra_(extra), ef_(ef), vt_(vt), block_(block), stale_(stale) {}
   std::string method() const override { return "tcs"; }
   double mask_ratio() const override { return ratio_; }
 
@@ -389,8 +389,9 @@ class TcsCompressor final : public Compressor {
     // set to zero for the selection, then restored). Exact zeros are not sent.
     for (int64_t i = 0; i < m; ++i) src[mk[i]] = 0.0f;
     std::vector<int64_t> own = topk_abs_indices(src, n, n == 0 ? 0 : count_for(extra_, n));
-    for (int64_t i = 0; i < m; ++i) src[mk[i]] = vals[static_cast<size_t>(i)];
+    // (Before the mask's values are back: a zero here may be a mask position.)
     own.erase(std::remove_if(own.begin(), own.end(), [src](int64_t i) { return src[i] == 0.0f; }), own.end());
+    for (int64_t i = 0; i < m; ++i) src[mk[i]] = vals[static_cast<size_t>(i)];
     for (const int64_t i : own) vals.push_back(src[i]);
     const auto total = static_cast<uint64_t>(vals.size());
 
@@ -402,26 +403,35 @@ class TcsCompressor final : public Compressor {
     encode_indices_rice(own.data(), own.size(), rice.b, e);
     e.index_coding = IndexCoding::kMask;
     e.params = {rice.b, static_cast<uint32_t>(m)};
+    if (block_ > 0) e.params.push_back(static_cast<uint32_t>(block_));
     e.count = total;
     if (vt_ == ValueType::kSign || vt_ == ValueType::kInt8) {
-      // Each part gets its own scale; values are packed as multiples of it.
-      float scale[2] = {0.0f, 0.0f};
-      const uint64_t begin[2] = {0, static_cast<uint64_t>(m)}, end[2] = {static_cast<uint64_t>(m), total};
+      // A scale per group (the mask's blocks, then the own positions); values
+      // are packed as multiples of their group's scale.
+      const auto um = static_cast<uint64_t>(m);
+      const uint64_t step = block_ > 0 ? static_cast<uint64_t>(block_) : std::max<uint64_t>(um, 1);
+      std::vector<uint64_t> bounds;
+      for (uint64_t b = 0; b < um; b += step) bounds.push_back(b);
+      if (block_ == 0 && um == 0) bounds.push_back(0);  // one (empty) mask group
+      bounds.push_back(um);
+      bounds.push_back(total);
       std::vector<float> units(vals.size());
-      for (int part = 0; part < 2; ++part) {
+      e.scales.clear();
+      for (size_t g = 0; g + 1 < bounds.size(); ++g) {
         double acc = 0.0;
         float peak = 0.0f;
-        for (uint64_t j = begin[part]; j < end[part]; ++j) {
+        for (uint64_t j = bounds[g]; j < bounds[g + 1]; ++j) {
           acc += std::fabs(vals[j]);
           peak = std::max(peak, std::fabs(vals[j]));
         }
-        const uint64_t cnt = end[part] - begin[part];
-        scale[part] = vt_ == ValueType::kSign ? (cnt > 0 ? static_cast<float>(acc / static_cast<double>(cnt)) : 0.0f)
-                                              : peak / 127.0f;
-        for (uint64_t j = begin[part]; j < end[part]; ++j) units[j] = scale[part] > 0.0f ? vals[j] / scale[part] : 0.0f;
+        const uint64_t cnt = bounds[g + 1] - bounds[g];
+        const float scale = vt_ == ValueType::kSign
+                                ? (cnt > 0 ? static_cast<float>(acc / static_cast<double>(cnt)) : 0.0f)
+                                : peak / 127.0f;
+        for (uint64_t j = bounds[g]; j < bounds[g + 1]; ++j) units[j] = scale > 0.0f ? vals[j] / scale : 0.0f;
+        e.scales.push_back(scale);
       }
       pack_values(units.data(), total, vt_, e.values, 1.0f);
-      e.scales = {scale[0], scale[1]};
     } else {
       pack_values(vals.data(), total, vt_, e.values);
     }
@@ -440,6 +450,7 @@ class TcsCompressor final : public Compressor {
   double extra_;
   bool ef_;
   ValueType vt_;
+  int64_t block_;  // > 0: one scale per this many mask values (sign, int8)
   StalePolicy stale_;
 };
 
@@ -459,9 +470,14 @@ void register_sparsifiers() {
     const bool ef = spec.get_bool("ef", true);
     const std::string vt = spec.get_string("values", "int8");
     const ValueType v = vt == "sign" ? ValueType::kSign : parse_value_type(vt);
+    const int64_t block = spec.get_int("block", 0);
+    SPARROW_CHECK_T(ConfigError, block >= 0 && block <= (int64_t{1} << 30),
+                    "tcs: block=" << block << " must be in [0, 2^30] (0 = one scale for the whole mask)");
+    SPARROW_CHECK_T(ConfigError, block == 0 || v == ValueType::kSign || v == ValueType::kInt8,
+                    "tcs: block needs values=sign or int8 (the other value types carry no scale)");
     const StalePolicy stale = parse_stale_policy(spec, "tcs");
     SPARROW_CHECK_T(ConfigError, ef || !stale.active(), "tcs: decay and max_age need ef=1 (they age its residual)");
-    return std::make_unique<TcsCompressor>(ratio, extra, ef, v, stale);
+    return std::make_unique<TcsCompressor>(ratio, extra, ef, v, block, stale);
   });
   register_compressor("randomk", [](Spec& spec) {
     const double ratio = parse_ratio(spec, "randomk", 0.01);

@@ -243,3 +243,52 @@ TEST_CASE("tcs: decay ages the residual of a client that skipped rounds") {
   CHECK(at::allclose(b.tensors.at("residual"), 0.25 * a.tensors.at("residual")));
   CHECK(at::allclose(a.tensors.at("residual") + decode(ea, c3), r0));
 }
+
+TEST_CASE("tcs: a mask position is never sent twice, even when few entries outside it are nonzero") {
+  auto c = make_compressor("tcs:ratio=1,extra=1,values=fp32");
+  at::Tensor x = at::zeros({50});
+  x[3] = 1.0f;
+  x[7] = -2.0f;
+  x[40] = 0.5f;
+  State st;
+  const at::Tensor mask = positions({3, 7, 20});
+  const Encoded e = c->encode(x, st, with_mask(mask));
+  CHECK(e.params[1] == 3);
+  CHECK(e.count == 4);  // the mask's 3 (one of them 0) and position 40
+  const std::vector<int64_t> idx = cd::decode_masked_indices(e, with_mask(mask));
+  CHECK(idx == std::vector<int64_t>{3, 7, 20, 40});
+  CHECK(at::equal(decode(e, with_mask(mask)), x));
+}
+
+TEST_CASE("tcs: block=B gives the mask's values one scale per B of them") {
+  const at::Tensor x = randn(3000, 9);
+  const at::Tensor mask = std::get<0>(std::get<1>(x.abs().topk(700)).sort()).contiguous();
+  for (const char* vt : {"sign", "int8"}) {
+    CAPTURE(vt);
+    State plain_state, block_state;
+    auto plain = make_compressor(std::string("tcs:ratio=0.2,extra=0.01,values=") + vt);
+    auto blocked = make_compressor(std::string("tcs:ratio=0.2,extra=0.01,block=64,values=") + vt);
+    const Encoded p = plain->encode(x, plain_state, with_mask(mask));
+    const Encoded b = blocked->encode(x, block_state, with_mask(mask));
+    REQUIRE(b.params.size() == 3);
+    CHECK(b.params[2] == 64);
+    CHECK(b.scales.size() == (700 + 63) / 64 + 1);
+    CHECK_NOTHROW(validate(b));
+    // Same positions; a finer scale sends the mask's values closer to the truth.
+    CHECK(cd::decode_masked_indices(b, with_mask(mask)) == cd::decode_masked_indices(p, with_mask(mask)));
+    const at::Tensor db = decode(b, with_mask(mask)), dp = decode(p, with_mask(mask));
+    const at::Tensor on = x.index({mask});
+    const double err_b = (db.index({mask}) - on).norm().item<double>();
+    const double err_p = (dp.index({mask}) - on).norm().item<double>();
+    CHECK(err_b < err_p);
+    CHECK(at::allclose(block_state.tensors.at("residual") + db, x, 1e-5, 1e-6));
+    Encoded bad = b;
+    bad.scales.pop_back();
+    CHECK_THROWS_AS(validate(bad), FormatError);
+    bad = b;
+    bad.params[2] = 0;
+    CHECK_THROWS_AS(validate(bad), FormatError);
+  }
+  CHECK_THROWS_AS(make_compressor("tcs:block=64,values=fp16"), ConfigError);
+  CHECK_THROWS_AS(make_compressor("tcs:block=-1"), ConfigError);
+}

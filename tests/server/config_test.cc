@@ -137,9 +137,10 @@ TEST_CASE("server config: a gateway refuses what only the root can apply, and ne
   CHECK(bad("").empty());
   CHECK(parse_server_config("upstream = \"tcp://127.0.0.1:7070\"\n").gateway());
   CHECK_FALSE(parse_server_config("").gateway());
-  for (const char* key : {"server_optimizer = \"fedavgm:lr=1,momentum=0.9\"", "aggregator = \"median\"",
-                          "dp = \"central:clip=1,noise=1\"", "downlink = \"topk:ratio=0.1\"",
-                          "algorithm = \"scaffold\"", "secagg = \"secagg+:degree=4\""}) {
+  for (const char* key :
+       {"server_optimizer = \"fedavgm:lr=1,momentum=0.9\"", "aggregator = \"median\"",
+        "dp = \"central:clip=1,noise=1\"", "downlink = \"topk:ratio=0.1\"", "algorithm = \"scaffold\"",
+        "secagg = \"secagg+:degree=4\"", "compression = \"tcs:ratio=0.01\""}) {
     const std::string k(key);
     INFO(k);
     CHECK(bad(k + "\n").find("config key '" + k.substr(0, k.find(' ')) + "'") != std::string::npos);
