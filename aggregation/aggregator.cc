@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "compression/lowrank.h"
+#include "compression/mask.h"
 #include "core/error.h"
 
 namespace sparrow::aggregation {
@@ -122,6 +123,10 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
     } else if (compression::decodes_late(e.format)) {
       p.kind = Pending::kScratch;
       p.scratch = compression::decode(e, p.ctx);  // may throw FormatError; the sums are untouched
+    } else if (e.format == Format::kSparse && e.index_coding == compression::IndexCoding::kMask) {
+      // A masked update decodes only against this round's mask: checked here,
+      // before anything is added, so a mismatch in a later tensor changes nothing.
+      compression::check_mask(e, p.ctx);
     }
     pending.push_back(std::move(p));
   }

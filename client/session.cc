@@ -715,6 +715,7 @@ struct ClientSession::Impl {
     TrainConfig tc;
     std::unique_ptr<compression::Compressor> comp;
     Weights shared, server_control;
+    Weights masks;  // tcs: the server's mask per parameter (int64 positions)
   };
   Prepared prepare(const wire::Task& task, const Weights& base) {
     Prepared p;
@@ -729,8 +730,19 @@ struct ClientSession::Impl {
     validate(tc);
     const bool scaffold = tc.algorithm == "scaffold";
     p.comp = compression::make_compressor(task.compression);
-    check_tensors(task.shared, "task shared", /*exact=*/false, /*same_shape=*/false);
-    p.shared = decode_all(task.shared);
+    if (p.comp->mask_ratio() > 0) {
+      // tcs: each entry is the server's mask of a parameter, a sparse tensor of
+      // its shape whose positions are the mask.
+      check_tensors(task.shared, "task shared", /*exact=*/false);
+      for (const auto& nt : task.shared) {
+        SPARROW_CHECK_T(Error, nt.tensor.format == compression::Format::kSparse,
+                        "task: the mask of '" << nt.name << "' is not a sparse tensor");
+        p.masks[nt.name] = compression::mask_positions(nt.tensor);
+      }
+    } else {
+      check_tensors(task.shared, "task shared", /*exact=*/false, /*same_shape=*/false);
+      p.shared = decode_all(task.shared);
+    }
     SPARROW_CHECK_T(Error, task.control.empty() || scaffold,
                     "task: control variates with algorithm '" << tc.algorithm << "'");
     check_tensors(task.control, "task control", /*exact=*/!task.control.empty());
@@ -834,12 +846,8 @@ struct ClientSession::Impl {
       c.seed = task.seed;
       c.num_workers = 1;  // the Task does not say how many clients take part
       c.round = static_cast<int64_t>(r);
-      if (auto it = p.shared.find(name); it != p.shared.end()) {
-        if (p.comp->mask_ratio() > 0)
-          c.mask = compression::mask_of(it->second);  // tcs: the server's mask
-        else
-          c.shared_factor = it->second;
-      }
+      if (auto it = p.shared.find(name); it != p.shared.end()) c.shared_factor = it->second;
+      if (auto it = p.masks.find(name); it != p.masks.end()) c.mask = it->second;
       const at::Tensor d = t.outgoing.at(name).to(at::kCPU, at::kFloat).contiguous();
       u.tensors.push_back({name, p.comp->encode(d, t.next.compressor[name], c)});
     }

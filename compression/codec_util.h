@@ -69,7 +69,7 @@ uint64_t mask_size_of(const Encoded& e);
 uint64_t mask_scale_blocks(const Encoded& e);
 std::vector<int64_t> decode_mask_extras(const Encoded& e);
 std::vector<int64_t> decode_masked_indices(const Encoded& e, const Context& ctx);
-// The count values of a sparse e (kMask: the mask's part with scales[0], the rest with scales[1]).
+// The count values of a sparse e (kMask: the mask's blocks with their scales, the rest with the last).
 void unpack_sparse_values(const Encoded& e, float* dst);
 // k distinct indices in [0, n), ascending, a pure function of (key, k, n).
 std::vector<int64_t> seeded_indices(uint64_t key, uint64_t k, int64_t n);

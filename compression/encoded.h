@@ -19,7 +19,7 @@ enum class Format : uint8_t {
   // `count` values of value_type at the positions given by index_coding.
   // value_type kSign: one bit per value (1 = negative), magnitude scales[0];
   // kInt8: one signed byte q per value, value = q · scales[0].
-  // index_coding kRice: params = {Rice parameter b}; kMask: {b, mask size m};
+  // index_coding kRice: params = {Rice parameter b}; kMask: {b, mask size m[, block B]};
   // otherwise params is empty.
   kSparse = 1,
   // QSGD. params = {levels s, bucket}; scales = one L2 norm per bucket;
@@ -57,8 +57,9 @@ enum class IndexCoding : uint8_t {
   // sit at the positions of the server's shared mask (Context::mask, which the
   // server broadcasts with the round's task), so they cost no index bits; the
   // other count - params[1] at Rice-coded positions in `indices` (parameter
-  // b = params[0], as kRice). kSign and kInt8 carry two scales: scales[0] for the
-  // mask's values, scales[1] for the others. Decoding needs the same mask.
+  // b = params[0], as kRice). kSign and kInt8 carry one scale for the mask's values
+  // (with params[2] = B: one per B of them), then one for the others. Decoding
+  // needs the same mask.
   kMask = 5,
 };
 

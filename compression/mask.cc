@@ -32,6 +32,25 @@ Encoded mask_encoded(const at::Tensor& mask, const std::vector<int64_t>& shape) 
 
 at::Tensor mask_of(const at::Tensor& decoded) { return decoded.reshape({-1}).nonzero().reshape({-1}).contiguous(); }
 
+void check_mask(const Encoded& e, const Context& ctx) {
+  if (e.format != Format::kSparse || e.index_coding != IndexCoding::kMask) return;
+  const uint64_t m = detail::mask_size_of(e);
+  const uint64_t have = ctx.mask.defined() ? static_cast<uint64_t>(ctx.mask.numel()) : 0;
+  SPARROW_CHECK_T(FormatError, (ctx.mask.defined() || m == 0) && have == m,
+                  "sparse: update '" << ctx.name << "' was made for a mask of " << m << " positions, this round's "
+                                     << (ctx.mask.defined() ? "has " + std::to_string(have) : std::string("has none")));
+}
+
+at::Tensor mask_positions(const Encoded& e) {
+  validate(e);
+  SPARROW_CHECK_T(FormatError, e.format == Format::kSparse && e.index_coding != IndexCoding::kMask,
+                  "mask: expected a sparse tensor with its own positions");
+  const std::vector<int64_t> idx = detail::decode_indices(e);
+  at::Tensor out = at::empty({static_cast<int64_t>(idx.size())}, at::TensorOptions().dtype(at::kLong));
+  std::copy(idx.begin(), idx.end(), out.data_ptr<int64_t>());
+  return out;
+}
+
 std::string mask_key(const std::string& name) { return "mask/" + name; }
 
 at::Tensor mask_to_weights(const at::Tensor& mask) {

@@ -14,6 +14,7 @@
 #include <string>
 #include <vector>
 
+#include "compression/compressor.h"
 #include "compression/encoded.h"
 
 namespace sparrow::compression {
@@ -26,8 +27,16 @@ at::Tensor step_mask(const at::Tensor& step, double ratio);
 // `shape` whose positions are the mask's (sign values, all +1, magnitude 1;
 // Rice, bitmap or varint positions, whichever is smallest).
 Encoded mask_encoded(const at::Tensor& mask, const std::vector<int64_t>& shape);
-// The mask a client reads back: the positions of decode(mask_encoded(...))'s nonzeros.
+// The mask a client reads back: the positions of decode(mask_encoded(...))'s nonzeros,
+// or (mask_positions) those of the sparse tensor itself, whatever its values
+// (validate()s it first; FormatError on a malformed or non-sparse tensor).
 at::Tensor mask_of(const at::Tensor& decoded);
+at::Tensor mask_positions(const Encoded& e);
+
+// Throws FormatError unless a masked update (IndexCoding::kMask, validated)
+// can be decoded with ctx: the round has a mask for it with exactly the
+// update's params[1] positions. A no-op for every other tensor.
+void check_mask(const Encoded& e, const Context& ctx);
 
 // Masks travel in checkpoints and between simulator ranks with the other
 // shared tensors, as float32 weights: key "mask/<name>", a [m, 2] tensor of

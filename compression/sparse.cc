@@ -5,7 +5,7 @@
 //                                                    Sparse Ternary Compression (Sattler et al. 2019)
 //   randomk:ratio=R[,ef=0|1]                         k shared-seed random indices, unbiased
 //   threshold:tau=T[,ef=0|1]                         Strom (2015): ±tau where |residual| >= tau
-//   tcs:ratio=R[,extra=E][,values=int8|sign|fp16|bf16|fp32][,ef=0|1][,decay=D,max_age=A]
+//   tcs:ratio=R[,extra=E][,values=int8|sign|fp16|bf16|fp32][,block=B][,ef=0|1][,decay=D,max_age=A]
 //                                                    time-correlated sparsification (Ozfatura et al. 2021):
 //                                                    values on the server's mask plus the client's own top-E
 // plus the selection kernels DGC shares (declared in dgc.h).
@@ -383,12 +383,20 @@ class TcsCompressor final : public Compressor {
         SPARROW_CHECK(mk[i] >= 0 && mk[i] < n && (i == 0 || mk[i] > mk[i - 1]),
                       "tcs: the mask of '" << ctx.name << "' is not ascending within [0, " << n << ")");
     }
+    SPARROW_CHECK(m < (int64_t{1} << 32), "tcs: a mask of " << m << " positions does not fit the format");
     std::vector<float> vals(static_cast<size_t>(m));
     for (int64_t i = 0; i < m; ++i) vals[static_cast<size_t>(i)] = src[mk[i]];
     // The client's own positions: the largest outside the mask (masked entries
-    // set to zero for the selection, then restored). Exact zeros are not sent.
+    // set to zero for the selection, then restored, also if the selection throws).
+    // Exact zeros are not sent.
     for (int64_t i = 0; i < m; ++i) src[mk[i]] = 0.0f;
-    std::vector<int64_t> own = topk_abs_indices(src, n, n == 0 ? 0 : count_for(extra_, n));
+    std::vector<int64_t> own;
+    try {
+      own = topk_abs_indices(src, n, n == 0 ? 0 : count_for(extra_, n));
+    } catch (...) {
+      for (int64_t i = 0; i < m; ++i) src[mk[i]] = vals[static_cast<size_t>(i)];
+      throw;
+    }
     // (Before the mask's values are back: a zero here may be a mask position.)
     own.erase(std::remove_if(own.begin(), own.end(), [src](int64_t i) { return src[i] == 0.0f; }), own.end());
     for (int64_t i = 0; i < m; ++i) src[mk[i]] = vals[static_cast<size_t>(i)];

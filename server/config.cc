@@ -142,6 +142,8 @@ void validate(const ServerConfig& c) {
       bad("downlink", std::string("is not a valid compressor spec: ") + e.what());
     }
     if (method == "acp") bad("downlink", "cannot be acp (it needs a shared factor); use powersgd, topk, dgc, ...");
+    if (method == "tcs")
+      bad("downlink", "cannot be tcs (it sends values on the server's mask); use stc, topk, dgc, ...");
   }
   try {
     aggregation::ServerOptimizer opt(c.server_optimizer);

@@ -188,6 +188,8 @@ void finish(const core::FlatConfig& f, SimConfig& c, std::optional<double> alpha
   spec_method(f, "downlink", c.downlink, {});
   f.check("downlink", c.downlink.rfind("acp", 0) != 0,
           "acp needs a shared factor per round and cannot compress the broadcast");
+  f.check("downlink", c.downlink.rfind("tcs", 0) != 0,
+          "tcs sends values on the server's mask and cannot compress the broadcast; use stc, topk, dgc, ...");
   spec_method(f, "server_optimizer", c.server_optimizer, {});
   check_robust(f, c);
   f.check("workers", c.workers >= 1, "must be >= 1");

@@ -207,6 +207,22 @@ TEST_CASE("aggregator: rejected updates change nothing") {
     u.back().second = q;
     CHECK_THROWS_AS(agg.add(u, 1.0), sparrow::FormatError);
   }
+  SUBCASE("masked last tensor made for another mask") {
+    // Two dense tensors are added before the masked one is reached; a mask of
+    // another size must be refused before anything is added.
+    auto tcs = sparrow::compression::make_compressor("tcs:ratio=0.1,extra=0.05,values=fp32");
+    sparrow::compression::State st;
+    sparrow::compression::Context made;
+    made.name = "fc";
+    at::Tensor mk = at::arange(0, 120, 10, at::TensorOptions().dtype(at::kLong));  // 12 positions
+    made.mask = mk;
+    EncodedUpdate u = good;
+    u.back().second = tcs->encode(at::randn({12, 10}), st, made);
+    sparrow::compression::Context other = made;
+    other.mask = mk.narrow(0, 0, 11);
+    CHECK_THROWS_AS(agg.add(u, 1.0, {{"fc", other}}), sparrow::FormatError);
+    CHECK_THROWS_AS(agg.add(u, 1.0), sparrow::FormatError);  // no mask at all
+  }
   check_unchanged();
   // And the aggregator still works.
   agg.add(good, 1.0);

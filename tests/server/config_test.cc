@@ -58,6 +58,7 @@ TEST_CASE("server config rejects wrong types and bad values") {
   CHECK(bad("clients_per_round = 2\nquorum = 3\n").find("quorum") != std::string::npos);
   CHECK(bad("compression = \"dgc:nonsense=1\"\n").find("compression") != std::string::npos);
   CHECK(bad("downlink = \"acp:rank=2\"\n").find("downlink") != std::string::npos);
+  CHECK(bad("downlink = \"tcs:ratio=0.01\"\n").find("downlink") != std::string::npos);
   CHECK(bad("server_optimizer = \"sgd\"\n").find("server_optimizer") != std::string::npos);
   CHECK(bad("algorithm = \"fedsgd\"\n").find("algorithm") != std::string::npos);
   CHECK(bad("momentum = 1.5\n").find("momentum") != std::string::npos);

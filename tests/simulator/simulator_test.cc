@@ -248,6 +248,7 @@ TEST_CASE("simulator: downlink compression sends the broadcast delta to last rou
   for (size_t i = 0; i < 6; ++i) check_same_metrics(a.history()[i], r.history()[i]);
   check_same_weights(a.global(), r.global());
   CHECK_THROWS_AS(parse_config_string("downlink = \"acp:rank=2\"\n"), sparrow::ConfigError);
+  CHECK_THROWS_AS(parse_config_string("downlink = \"tcs:ratio=0.01\"\n"), sparrow::ConfigError);
   // W - B is the error feedback: the codec's own residual must not count the
   // unsent part again, so ef=1 and ef=0 broadcast the same model.
   TempDir ef1("downlink_ef1"), ef0("downlink_ef0");

@@ -272,12 +272,25 @@ Message golden_rice() {
   return m;
 }
 
+// Protocol 1.3: a masked sparse tensor (docs/protocol.md's example) in an update,
+// and the Task that carries its mask (a Sparse tensor of sign values) in `shared`.
+Message golden_mask() {
+  ModelUpdate u;
+  u.round = 10;
+  u.client_id = "client-4";
+  u.num_samples = 21;
+  u.tensors.push_back({"fc.weight", masked_tensor()});
+  Message m;
+  m.minor = 3;
+  m.body = std::move(u);
+  return m;
+}
+
 const std::vector<std::pair<std::string, Message (*)()>>& golden_files() {
-  static const std::vector<std::pair<std::string, Message (*)()>> files = {{"update_v1_dense.bin", golden_dense},
-                                                                           {"update_v1_sparse.bin", golden_sparse},
-                                                                           {"error_v1.bin", golden_error},
-                                                                           {"secagg_v1_1.bin", golden_secagg},
-                                                                           {"update_v1_2_rice.bin", golden_rice}};
+  static const std::vector<std::pair<std::string, Message (*)()>> files = {
+      {"update_v1_dense.bin", golden_dense}, {"update_v1_sparse.bin", golden_sparse},
+      {"error_v1.bin", golden_error},        {"secagg_v1_1.bin", golden_secagg},
+      {"update_v1_2_rice.bin", golden_rice}, {"update_v1_3_mask.bin", golden_mask}};
   return files;
 }
 
@@ -611,7 +624,11 @@ TEST_CASE("wire: golden buffers (regenerate with SPARROW_WRITE_GOLDEN=1)") {
     const Message got = parse(bytes);
     check_same(got, golden.second());
     CHECK(got.major == 1);
-    CHECK(got.minor == (name.find("v1_2") != std::string::npos ? 2 : name.find("v1_1") != std::string::npos ? 1 : 0));
+    const int minor = name.find("v1_3") != std::string::npos   ? 3
+                      : name.find("v1_2") != std::string::npos ? 2
+                      : name.find("v1_1") != std::string::npos ? 1
+                                                               : 0;
+    CHECK(got.minor == minor);
   }
 }
 
