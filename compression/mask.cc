@@ -16,8 +16,23 @@ at::Tensor step_mask(const at::Tensor& step, double ratio) {
   const int64_t n = s.numel();
   const int64_t k = std::min<int64_t>(n, static_cast<int64_t>(std::ceil(ratio * static_cast<double>(n))));
   const float* p = s.data_ptr<float>();
-  std::vector<int64_t> idx = detail::topk_abs_indices(p, n, k);
-  idx.erase(std::remove_if(idx.begin(), idx.end(), [p](int64_t i) { return p[i] == 0.0f; }), idx.end());
+  // The step's nonzeros first: a sparse step (a sparse aggregate under plain
+  // FedAvg) would otherwise make every zero a top-k candidate.
+  std::vector<int64_t> nz;
+  for (int64_t i = 0; i < n; ++i)
+    if (p[i] != 0.0f) nz.push_back(i);
+  std::vector<int64_t> idx;
+  if (static_cast<int64_t>(nz.size()) <= k) {
+    idx = std::move(nz);
+  } else if (static_cast<int64_t>(nz.size()) == n) {
+    idx = detail::topk_abs_indices(p, n, k);
+  } else {
+    std::vector<float> vals(nz.size());
+    for (size_t j = 0; j < nz.size(); ++j) vals[j] = p[nz[j]];
+    const std::vector<int64_t> pick = detail::topk_abs_indices(vals.data(), static_cast<int64_t>(vals.size()), k);
+    idx.reserve(pick.size());
+    for (const int64_t j : pick) idx.push_back(nz[static_cast<size_t>(j)]);  // ascending, as pick is
+  }
   at::Tensor out = at::empty({static_cast<int64_t>(idx.size())}, at::TensorOptions().dtype(at::kLong));
   std::copy(idx.begin(), idx.end(), out.data_ptr<int64_t>());
   return out;

@@ -292,3 +292,15 @@ TEST_CASE("tcs: block=B gives the mask's values one scale per B of them") {
   CHECK_THROWS_AS(make_compressor("tcs:block=64,values=fp16"), ConfigError);
   CHECK_THROWS_AS(make_compressor("tcs:block=-1"), ConfigError);
 }
+
+TEST_CASE("mask: a sparse step's mask is its largest nonzero entries, whatever their number") {
+  at::Tensor step = at::zeros({100000});
+  for (int64_t i = 0; i < 50; ++i) step[i * 1999] = static_cast<float>(i + 1) * (i % 2 ? -1.0f : 1.0f);
+  // Room for all 50: every nonzero, ascending.
+  std::vector<int64_t> all;
+  for (int64_t i = 0; i < 50; ++i) all.push_back(i * 1999);
+  CHECK(to_vec(step_mask(step, 0.01)) == all);
+  // Room for 10 (ratio 1e-4): the ten largest |value|, i = 40..49.
+  std::vector<int64_t> top(all.begin() + 40, all.end());
+  CHECK(to_vec(step_mask(step, 1e-4)) == top);
+}
