@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <variant>
 
+#include <ATen/ATen.h>
+
 #include "compression/compressor.h"
 #include "core/error.h"
 #include "wire/wire.h"
@@ -27,6 +29,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       try {
         (void)sparrow::compression::decode(t.tensor);
       } catch (const sparrow::Error&) {
+      }
+      // A masked update (tcs) decodes against the round's mask: here the first
+      // params[1] positions, when the tensor holds that many.
+      const auto& e = t.tensor;
+      if (e.format == sparrow::compression::Format::kSparse &&
+          e.index_coding == sparrow::compression::IndexCoding::kMask && e.params.size() >= 2 &&
+          static_cast<int64_t>(e.params[1]) <= e.numel()) {
+        sparrow::compression::Context ctx;
+        ctx.mask = at::arange(static_cast<int64_t>(e.params[1]), at::TensorOptions().dtype(at::kLong));
+        try {
+          (void)sparrow::compression::decode(e, ctx);
+        } catch (const sparrow::Error&) {
+        }
       }
     }
   return 0;
