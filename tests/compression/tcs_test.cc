@@ -203,26 +203,6 @@ TEST_CASE("mask: broadcast form and checkpoint form round-trip exactly") {
   CHECK(mask_key("fc1.weight") == "mask/fc1.weight");
 }
 
-TEST_CASE("tcs: the worked example of docs/protocol.md decodes as documented") {
-  Encoded e;
-  e.format = Format::kSparse;
-  e.shape = {20};
-  e.value_type = ValueType::kInt8;
-  e.index_coding = IndexCoding::kMask;
-  e.count = 4;
-  e.params = {1, 3};
-  e.scales = {0.5f, 0.25f};
-  e.indices = {0x5f};
-  e.values = std::vector<uint8_t>{0x7f, 0x81, 0x00, 0x40};
-  REQUIRE_NOTHROW(validate(e));
-  const at::Tensor d = decode(e, with_mask(positions({2, 4, 8})));
-  at::Tensor want = at::zeros({20});
-  want[2] = 63.5f;
-  want[4] = -63.5f;
-  want[11] = 16.0f;
-  CHECK(at::equal(d, want));
-}
-
 TEST_CASE("tcs: decay ages the residual of a client that skipped rounds") {
   auto keep = make_compressor("tcs:ratio=0.01,extra=0.01,values=fp32");
   auto decay = make_compressor("tcs:ratio=0.01,extra=0.01,values=fp32,decay=0.5");

@@ -735,6 +735,20 @@ TEST_CASE("wire: the worked examples of docs/protocol.md hold") {
 
 // ---- corpus: truncations and mutations ----------------------------------------------------
 
+TEST_CASE("wire: the masked (tcs) example of docs/protocol.md decodes as documented") {
+  const Message m = parse(serialize(update_message({{"w", masked_tensor()}})));
+  const Encoded e = std::get<ModelUpdate>(m.body).tensors.at(0).tensor;
+  compression::Context ctx;
+  ctx.mask = at::tensor(std::vector<int64_t>{2, 4, 8});
+  const at::Tensor d = compression::decode(e, ctx);
+  at::Tensor want = at::zeros({20});
+  want[2] = 63.5f;
+  want[4] = -63.5f;
+  want[11] = 16.0f;
+  CHECK(at::equal(d, want));
+  CHECK_THROWS_AS(compression::decode(e), sparrow::FormatError);  // needs the round's mask
+}
+
 TEST_CASE("wire: every truncation of a valid message is rejected") {
   for (const std::string& bytes : corpus()) {
     for (size_t len = 0; len < bytes.size(); ++len) {
