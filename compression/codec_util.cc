@@ -506,9 +506,33 @@ uint64_t mask_size_of(const Encoded& e) {
   return e.params[1];
 }
 
-uint64_t mask_scale_blocks(const Encoded& e) {
+MaskScaleGroups mask_scale_groups(const Encoded& e) {
+  MaskScaleGroups g;
+  g.m = mask_size_of(e);
+  g.block = e.params.size() == 3 ? e.params[2] : std::max<uint64_t>(g.m, 1);
+  g.blocks = e.params.size() == 3 ? (g.m + g.block - 1) / g.block : 1;
+  return g;
+}
+
+const int64_t* mask_data(const Context& ctx, int64_t numel) {
+  if (!ctx.mask.defined()) return nullptr;
+  const at::Tensor& mk = ctx.mask;
+  SPARROW_CHECK(mk.scalar_type() == at::kLong && mk.dim() == 1 && mk.is_contiguous() && mk.device().is_cpu(),
+                "the mask of '" << ctx.name << "' must be a contiguous 1-D int64 CPU tensor");
+  const int64_t* p = mk.data_ptr<int64_t>();
+  for (int64_t i = 0, m = mk.numel(); i < m; ++i)
+    SPARROW_CHECK(p[i] >= 0 && p[i] < numel && (i == 0 || p[i] > p[i - 1]),
+                  "the mask of '" << ctx.name << "' is not ascending within [0, " << numel << ")");
+  return p;
+}
+
+uint64_t mask_size_for(const Encoded& e, const Context& ctx) {
   const uint64_t m = mask_size_of(e);
-  return e.params.size() == 3 ? (m + e.params[2] - 1) / e.params[2] : 1;
+  const uint64_t have = ctx.mask.defined() ? static_cast<uint64_t>(ctx.mask.numel()) : 0;
+  SPARROW_CHECK_T(FormatError, (ctx.mask.defined() || m == 0) && have == m,
+                  "sparse: update '" << ctx.name << "' was made for a mask of " << m << " positions, this round's "
+                                     << (ctx.mask.defined() ? "has " + std::to_string(have) : std::string("has none")));
+  return m;
 }
 
 std::vector<int64_t> decode_mask_extras(const Encoded& e) {
@@ -517,26 +541,9 @@ std::vector<int64_t> decode_mask_extras(const Encoded& e) {
 }
 
 std::vector<int64_t> decode_masked_indices(const Encoded& e, const Context& ctx) {
-  const uint64_t m = mask_size_of(e);
-  SPARROW_CHECK_T(FormatError, ctx.mask.defined() || m == 0,
-                  "sparse: update '" << ctx.name << "' is on the server's mask (" << m
-                                     << " positions), but there is no mask for it this round");
-  const uint64_t have = ctx.mask.defined() ? static_cast<uint64_t>(ctx.mask.numel()) : 0;
-  SPARROW_CHECK_T(
-      FormatError, have == m,
-      "sparse: update '" << ctx.name << "' was made for a mask of " << m << " positions, this round's has " << have);
+  const uint64_t m = mask_size_for(e, ctx);
   std::vector<int64_t> idx(e.count);
-  const int64_t numel = e.numel();
-  if (m > 0) {
-    SPARROW_CHECK(ctx.mask.scalar_type() == at::kLong && ctx.mask.is_contiguous() && ctx.mask.device().is_cpu(),
-                  "mask of '" << ctx.name << "' must be a contiguous int64 CPU tensor");
-    const int64_t* mk = ctx.mask.data_ptr<int64_t>();
-    for (uint64_t i = 0; i < m; ++i) {
-      SPARROW_CHECK(mk[i] >= 0 && mk[i] < numel && (i == 0 || mk[i] > mk[i - 1]),
-                    "mask of '" << ctx.name << "' is not ascending within [0, " << numel << ")");
-      idx[i] = mk[i];
-    }
-  }
+  if (m > 0) std::copy_n(mask_data(ctx, e.numel()), m, idx.begin());
   const std::vector<int64_t> extra = decode_mask_extras(e);
   std::copy(extra.begin(), extra.end(), idx.begin() + static_cast<std::ptrdiff_t>(m));
   return idx;
@@ -547,19 +554,15 @@ void unpack_sparse_values(const Encoded& e, float* dst) {
     unpack_values(e.values.data(), e.count, e.value_type, value_scale(e), dst);
     return;
   }
-  const uint64_t m = mask_size_of(e);
   if (e.value_type != ValueType::kSign && e.value_type != ValueType::kInt8) {
     unpack_values(e.values.data(), e.count, e.value_type, 0.0f, dst);
     return;
   }
-  // Unit values (±1, or the int8 codes), then each times its group's scale:
-  // the mask's blocks, then the own positions (the last scale).
+  // Unit values (±1, or the int8 codes), then each times its group's scale.
   unpack_values(e.values.data(), e.count, e.value_type, 1.0f, dst);
-  const uint64_t block = e.params.size() == 3 ? e.params[2] : std::max<uint64_t>(m, 1);
-  const uint64_t blocks = mask_scale_blocks(e);
-  SPARROW_CHECK_T(FormatError, e.scales.size() == blocks + 1, "sparse: masked update has the wrong number of scales");
-  for (uint64_t i = 0; i < m; ++i) dst[i] *= e.scales[i / block];
-  for (uint64_t i = m; i < e.count; ++i) dst[i] *= e.scales[blocks];
+  const MaskScaleGroups g = mask_scale_groups(e);
+  SPARROW_CHECK_T(FormatError, e.scales.size() == g.blocks + 1, "sparse: masked update has the wrong number of scales");
+  for (uint64_t i = 0; i < e.count; ++i) dst[i] *= e.scales[g.of(i)];
 }
 
 void decode_sparse_add(const Encoded& e, float* out, float weight, const Context& ctx) {

@@ -65,8 +65,20 @@ std::vector<int64_t> decode_indices(const Encoded& e);
 // the count - m Rice-coded positions after the mask's, and all count positions
 // (the mask's from ctx.mask, checked to have m entries, then the others).
 uint64_t mask_size_of(const Encoded& e);
-// Scales of the mask's values with kSign/kInt8: one, or one per params[2] values when given.
-uint64_t mask_scale_blocks(const Encoded& e);
+// The same, checked against the round's mask: FormatError unless ctx.mask holds
+// exactly m positions (none when m = 0).
+uint64_t mask_size_for(const Encoded& e, const Context& ctx);
+// ctx.mask's positions after checking them (a contiguous 1-D int64 CPU tensor,
+// ascending within [0, numel); sparrow::Error otherwise), nullptr without a mask.
+const int64_t* mask_data(const Context& ctx, int64_t numel);
+// The scale groups of a kMask update with kSign/kInt8 values: the mask's values
+// in blocks of `block` (one block when params has no B), then the own
+// positions; value i takes scales[of(i)], and there are blocks + 1 scales.
+struct MaskScaleGroups {
+  uint64_t m = 0, block = 1, blocks = 1;
+  uint64_t of(uint64_t i) const { return i < m ? i / block : blocks; }
+};
+MaskScaleGroups mask_scale_groups(const Encoded& e);
 std::vector<int64_t> decode_mask_extras(const Encoded& e);
 std::vector<int64_t> decode_masked_indices(const Encoded& e, const Context& ctx);
 // The count values of a sparse e (kMask: the mask's blocks with their scales, the rest with the last).

@@ -129,7 +129,7 @@ void validate(const Encoded& e) {
       {
         const bool scaled = e.value_type == ValueType::kSign || e.value_type == ValueType::kInt8;
         const bool masked = e.index_coding == IndexCoding::kMask;
-        check_scales(e, scaled ? (masked ? detail::mask_scale_blocks(e) + 1 : 1) : 0, "sparse");
+        check_scales(e, scaled ? (masked ? detail::mask_scale_groups(e).blocks + 1 : 1) : 0, "sparse");
       }
       if (e.value_type == ValueType::kInt8) {
         // q · scale must stay finite for every q in [-127, 127]; -128 is not a code.

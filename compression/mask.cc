@@ -9,6 +9,15 @@
 #include "core/error.h"
 
 namespace sparrow::compression {
+namespace {
+
+at::Tensor positions_tensor(const std::vector<int64_t>& idx) {
+  at::Tensor out = at::empty({static_cast<int64_t>(idx.size())}, at::TensorOptions().dtype(at::kLong));
+  std::copy(idx.begin(), idx.end(), out.data_ptr<int64_t>());
+  return out;
+}
+
+}  // namespace
 
 at::Tensor step_mask(const at::Tensor& step, double ratio) {
   SPARROW_CHECK(ratio > 0.0 && ratio <= 1.0, "step_mask: ratio " << ratio << " must be in (0, 1]");
@@ -33,9 +42,7 @@ at::Tensor step_mask(const at::Tensor& step, double ratio) {
     idx.reserve(pick.size());
     for (const int64_t j : pick) idx.push_back(nz[static_cast<size_t>(j)]);  // ascending, as pick is
   }
-  at::Tensor out = at::empty({static_cast<int64_t>(idx.size())}, at::TensorOptions().dtype(at::kLong));
-  std::copy(idx.begin(), idx.end(), out.data_ptr<int64_t>());
-  return out;
+  return positions_tensor(idx);
 }
 
 Encoded mask_encoded(const at::Tensor& mask, const std::vector<int64_t>& shape) {
@@ -45,28 +52,23 @@ Encoded mask_encoded(const at::Tensor& mask, const std::vector<int64_t>& shape) 
                              ValueType::kSign, 1.0f, detail::IndexMode::kRice);
 }
 
-at::Tensor mask_of(const at::Tensor& decoded) { return decoded.reshape({-1}).nonzero().reshape({-1}).contiguous(); }
-
 void check_mask(const Encoded& e, const Context& ctx) {
-  if (e.format != Format::kSparse || e.index_coding != IndexCoding::kMask) return;
-  const uint64_t m = detail::mask_size_of(e);
-  const uint64_t have = ctx.mask.defined() ? static_cast<uint64_t>(ctx.mask.numel()) : 0;
-  SPARROW_CHECK_T(FormatError, (ctx.mask.defined() || m == 0) && have == m,
-                  "sparse: update '" << ctx.name << "' was made for a mask of " << m << " positions, this round's "
-                                     << (ctx.mask.defined() ? "has " + std::to_string(have) : std::string("has none")));
+  if (e.format == Format::kSparse && e.index_coding == IndexCoding::kMask) (void)detail::mask_size_for(e, ctx);
 }
 
 at::Tensor mask_positions(const Encoded& e) {
   validate(e);
   SPARROW_CHECK_T(FormatError, e.format == Format::kSparse && e.index_coding != IndexCoding::kMask,
                   "mask: expected a sparse tensor with its own positions");
-  const std::vector<int64_t> idx = detail::decode_indices(e);
-  at::Tensor out = at::empty({static_cast<int64_t>(idx.size())}, at::TensorOptions().dtype(at::kLong));
-  std::copy(idx.begin(), idx.end(), out.data_ptr<int64_t>());
-  return out;
+  return positions_tensor(detail::decode_indices(e));
 }
 
 std::string mask_key(const std::string& name) { return "mask/" + name; }
+
+void put_step_masks(std::map<std::string, at::Tensor>& shared, const std::map<std::string, at::Tensor>& before,
+                    const std::map<std::string, at::Tensor>& after, double ratio) {
+  for (const auto& [name, w] : after) shared[mask_key(name)] = mask_to_weights(step_mask(w - before.at(name), ratio));
+}
 
 at::Tensor mask_to_weights(const at::Tensor& mask) {
   const at::Tensor m = mask.contiguous();

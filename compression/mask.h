@@ -27,10 +27,9 @@ at::Tensor step_mask(const at::Tensor& step, double ratio);
 // `shape` whose positions are the mask's (sign values, all +1, magnitude 1;
 // Rice, bitmap or varint positions, whichever is smallest).
 Encoded mask_encoded(const at::Tensor& mask, const std::vector<int64_t>& shape);
-// The mask a client reads back: the positions of decode(mask_encoded(...))'s nonzeros,
-// or (mask_positions) those of the sparse tensor itself, whatever its values
-// (validate()s it first; FormatError on a malformed or non-sparse tensor).
-at::Tensor mask_of(const at::Tensor& decoded);
+// The mask a client reads back: the positions of the sparse tensor itself,
+// whatever its values (validate()s it first; FormatError on a malformed or
+// non-sparse tensor).
 at::Tensor mask_positions(const Encoded& e);
 
 // Throws FormatError unless a masked update (IndexCoding::kMask, validated)
@@ -44,6 +43,10 @@ void check_mask(const Encoded& e, const Context& ctx);
 // position below 2^40. mask_from_weights throws FormatError on a tensor that
 // is not such a pair list, ascending, within [0, numel).
 std::string mask_key(const std::string& name);
+// After a model step from `before` to `after`: shared[mask_key(name)] = the
+// checkpoint form of step_mask(after[name] - before[name], ratio), every tensor.
+void put_step_masks(std::map<std::string, at::Tensor>& shared, const std::map<std::string, at::Tensor>& before,
+                    const std::map<std::string, at::Tensor>& after, double ratio);
 at::Tensor mask_to_weights(const at::Tensor& mask);
 at::Tensor mask_from_weights(const at::Tensor& w, int64_t numel);
 

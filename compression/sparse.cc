@@ -371,18 +371,8 @@ class TcsCompressor final : public Compressor {
       copy.assign(x.data_ptr<float>(), x.data_ptr<float>() + n);
       src = copy.data();
     }
-    const int64_t* mk = nullptr;
-    int64_t m = 0;
-    if (ctx.mask.defined()) {
-      SPARROW_CHECK(ctx.mask.scalar_type() == at::kLong && ctx.mask.dim() == 1 && ctx.mask.is_contiguous() &&
-                        ctx.mask.device().is_cpu(),
-                    "tcs: the mask of '" << ctx.name << "' must be a contiguous 1-D int64 CPU tensor");
-      mk = ctx.mask.data_ptr<int64_t>();
-      m = ctx.mask.numel();
-      for (int64_t i = 0; i < m; ++i)
-        SPARROW_CHECK(mk[i] >= 0 && mk[i] < n && (i == 0 || mk[i] > mk[i - 1]),
-                      "tcs: the mask of '" << ctx.name << "' is not ascending within [0, " << n << ")");
-    }
+    const int64_t* mk = mask_data(ctx, n);
+    const int64_t m = mk ? ctx.mask.numel() : 0;
     SPARROW_CHECK(m < (int64_t{1} << 32), "tcs: a mask of " << m << " positions does not fit the format");
     std::vector<float> vals(static_cast<size_t>(m));
     for (int64_t i = 0; i < m; ++i) vals[static_cast<size_t>(i)] = src[mk[i]];
@@ -414,30 +404,27 @@ class TcsCompressor final : public Compressor {
     if (block_ > 0) e.params.push_back(static_cast<uint32_t>(block_));
     e.count = total;
     if (vt_ == ValueType::kSign || vt_ == ValueType::kInt8) {
-      // A scale per group (the mask's blocks, then the own positions); values
-      // are packed as multiples of their group's scale.
-      const auto um = static_cast<uint64_t>(m);
-      const uint64_t step = block_ > 0 ? static_cast<uint64_t>(block_) : std::max<uint64_t>(um, 1);
-      std::vector<uint64_t> bounds;
-      for (uint64_t b = 0; b < um; b += step) bounds.push_back(b);
-      if (block_ == 0 && um == 0) bounds.push_back(0);  // one (empty) mask group
-      bounds.push_back(um);
-      bounds.push_back(total);
+      // A scale per group (the decoder's groups: the mask's blocks, then the
+      // own positions); values are packed as multiples of their group's scale.
+      const MaskScaleGroups g = mask_scale_groups(e);
+      std::vector<double> sum(g.blocks + 1, 0.0);
+      std::vector<float> peak(g.blocks + 1, 0.0f);
+      std::vector<uint64_t> cnt(g.blocks + 1, 0);
+      for (uint64_t j = 0; j < total; ++j) {
+        const uint64_t k = g.of(j);
+        sum[k] += std::fabs(vals[j]);
+        peak[k] = std::max(peak[k], std::fabs(vals[j]));
+        ++cnt[k];
+      }
+      e.scales.assign(g.blocks + 1, 0.0f);
+      for (uint64_t k = 0; k <= g.blocks; ++k)
+        e.scales[k] = vt_ == ValueType::kSign
+                          ? (cnt[k] > 0 ? static_cast<float>(sum[k] / static_cast<double>(cnt[k])) : 0.0f)
+                          : peak[k] / 127.0f;
       std::vector<float> units(vals.size());
-      e.scales.clear();
-      for (size_t g = 0; g + 1 < bounds.size(); ++g) {
-        double acc = 0.0;
-        float peak = 0.0f;
-        for (uint64_t j = bounds[g]; j < bounds[g + 1]; ++j) {
-          acc += std::fabs(vals[j]);
-          peak = std::max(peak, std::fabs(vals[j]));
-        }
-        const uint64_t cnt = bounds[g + 1] - bounds[g];
-        const float scale = vt_ == ValueType::kSign
-                                ? (cnt > 0 ? static_cast<float>(acc / static_cast<double>(cnt)) : 0.0f)
-                                : peak / 127.0f;
-        for (uint64_t j = bounds[g]; j < bounds[g + 1]; ++j) units[j] = scale > 0.0f ? vals[j] / scale : 0.0f;
-        e.scales.push_back(scale);
+      for (uint64_t j = 0; j < total; ++j) {
+        const float scale = e.scales[g.of(j)];
+        units[j] = scale > 0.0f ? vals[j] / scale : 0.0f;
       }
       pack_values(units.data(), total, vt_, e.values, 1.0f);
     } else {

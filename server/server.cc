@@ -1521,7 +1521,7 @@ struct Server::Impl {
       std::lock_guard<std::mutex> g(weights_mu);
       Weights before;
       if (mask_ratio > 0)
-        for (const auto& nm : names) before[nm] = global.at(nm).clone();
+        for (const auto& [nm, v] : global) before[nm] = v.clone();
       try {
         opt->step(global, delta);  // throws, changing nothing, on a non-finite delta
       } catch (const Error& e) {
@@ -1531,10 +1531,7 @@ struct Server::Impl {
         return true;
       }
       // TCS: the next round's mask is where this step moved the model most.
-      if (mask_ratio > 0)
-        for (const auto& nm : names)
-          acp_shared[compression::mask_key(nm)] =
-              compression::mask_to_weights(compression::step_mask(global.at(nm) - before.at(nm), mask_ratio));
+      if (mask_ratio > 0) compression::put_step_masks(acp_shared, before, global, mask_ratio);
     }
     if (cfg.algorithm == "scaffold" && !control_sum.empty()) {
       if (control.empty())

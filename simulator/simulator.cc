@@ -1341,13 +1341,10 @@ struct Simulator::Impl {
       if (st.clip > 0) m.clip = st.clip;
       client::Weights before;
       if (mask_ratio > 0)
-        for (const auto& n : names) before[n] = global.at(n).clone();
+        for (const auto& [n, v] : global) before[n] = v.clone();
       server_opt->step(global, delta);
       // TCS: the next round's mask is where this step moved the model most.
-      if (mask_ratio > 0)
-        for (const auto& n : names)
-          acp_shared[compression::mask_key(n)] =
-              compression::mask_to_weights(compression::step_mask(global.at(n) - before.at(n), mask_ratio));
+      if (mask_ratio > 0) compression::put_step_masks(acp_shared, before, global, mask_ratio);
       update_broadcast(t);
       if (cfg.algorithm == "scaffold" && !control_sum.empty()) {
         if (server_control.empty())
