@@ -28,7 +28,9 @@ std::string shape_str(const std::vector<int64_t>& s) {
 
 // How one validated tensor of an update will be added.
 struct Pending {
-  enum Kind { kDecodeAdd, kScratch, kFactor } kind = kDecodeAdd;
+  // kFill: a dense fp32 tensor into an all-zero slot, finiteness checked while
+  // it is written (compression::decode_fill).
+  enum Kind { kDecodeAdd, kScratch, kFactor, kFill } kind = kDecodeAdd;
   const std::string* name = nullptr;
   const Encoded* e = nullptr;
   Context ctx;
@@ -82,7 +84,8 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
     SPARROW_CHECK_T(FormatError, it != slots_.end(), "aggregator: unknown tensor '" << name << "' in update");
     SPARROW_CHECK_T(FormatError, seen.insert(name).second, "aggregator: tensor '" << name << "' sent twice");
     const Slot& s = it->second;
-    compression::validate(e);
+    const bool fill = s.zero && e.format == Format::kDense && e.value_type == compression::ValueType::kF32;
+    compression::validate(e, fill ? compression::ValueCheck::kDeferDenseF32 : compression::ValueCheck::kScan);
     SPARROW_CHECK_T(
         FormatError, e.shape == s.shape,
         "aggregator: tensor '" << name << "' has shape " << shape_str(e.shape) << ", model has " << shape_str(s.shape));
@@ -128,13 +131,29 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
       // before anything is added, so a mismatch in a later tensor changes nothing.
       compression::check_mask(e, p.ctx);
     }
+    if (fill) p.kind = Pending::kFill;
     pending.push_back(std::move(p));
   }
   for (const auto& [name, s] : slots_) {
     SPARROW_CHECK_T(FormatError, seen.count(name), "aggregator: update lacks tensor '" << name << "'");
   }
 
-  // ---- Phase 2: add. After phase 1 only resource exhaustion should throw here;
+  // ---- Phase 2a: fills, which may still find a non-finite value: one throws
+  // with its slot zero again, and the fills before it are zeroed, exactly.
+  std::vector<size_t> filled;
+  try {
+    for (size_t i = 0; i < pending.size(); ++i) {
+      if (pending[i].kind != Pending::kFill) continue;
+      Slot& s = slots_.at(*pending[i].name);
+      compression::decode_fill(*pending[i].e, s.sum, w, pending[i].ctx);
+      filled.push_back(i);
+    }
+  } catch (...) {
+    for (size_t i : filled) slots_.at(*pending[i].name).sum.zero_();
+    throw;
+  }
+
+  // ---- Phase 2b: add. After phase 1 only resource exhaustion should throw here;
   // if anything does, what this update already added is taken back out.
   size_t done = 0;
   std::vector<bool> created(pending.size(), false);
@@ -147,6 +166,8 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
       Pending& p = pending[done];
       Slot& s = slots_.at(*p.name);
       switch (p.kind) {
+        case Pending::kFill:
+          break;
         case Pending::kDecodeAdd:
           compression::decode_add(*p.e, s.sum, w, p.ctx);
           break;
@@ -166,10 +187,13 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
       }
     }
   } catch (...) {
+    for (size_t i : filled) slots_.at(*pending[i].name).sum.zero_();
     for (size_t i = 0; i < done; ++i) {
       Pending& p = pending[i];
       Slot& s = slots_.at(*p.name);
       switch (p.kind) {
+        case Pending::kFill:
+          break;
         case Pending::kDecodeAdd:
           compression::decode_add(*p.e, s.sum, -w, p.ctx);
           break;
@@ -189,6 +213,8 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
     }
     throw;
   }
+  for (const Pending& p : pending)
+    if (p.kind != Pending::kFactor) slots_.at(*p.name).zero = false;
   total_weight_ += weight;
   ++count_;
 }
@@ -208,7 +234,10 @@ void StreamingAggregator::merge(const StreamingAggregator& partial) {
   }
   for (auto& [name, s] : slots_) {
     const Slot& ps = partial.slots_.at(name);
-    s.sum.add_(ps.sum);
+    if (!ps.zero) {
+      s.sum.add_(ps.sum);
+      s.zero = false;
+    }
     if (ps.which < 0) continue;
     if (s.which < 0) {
       s.factor_sum = ps.factor_sum.clone();
@@ -243,7 +272,8 @@ at::Tensor StreamingAggregator::factor_mean(const std::string& name) const {
 
 void StreamingAggregator::reset() {
   for (auto& [name, s] : slots_) {
-    s.sum.zero_();
+    if (!s.zero) s.sum.zero_();
+    s.zero = true;
     s.factor_sum = at::Tensor();
     s.shared = at::Tensor();
     s.which = -1;

@@ -55,6 +55,11 @@ class StreamingAggregator {
   // this update already added are subtracted again (restored up to fp32
   // rounding) and the exception propagates.
   //
+  // A dense fp32 tensor whose slot is still all zero (the first update a
+  // worker's partial takes in a round) is checked and written in one pass
+  // (compression::decode_fill): its values are read once, and a non-finite
+  // value found half way zeroes the slot again, so the rejection is exact.
+  //
   // kLowRankFactor tensors need the round's shared factor: contexts[name]
   // .shared_factor, or, when undefined, the seeded initial one derived from
   // contexts[name] (seed, name) exactly as the clients derive it.
@@ -90,6 +95,7 @@ class StreamingAggregator {
     at::Tensor factor_sum;  // ACP: Σ w·F ({k, r}); undefined until a factor arrives
     at::Tensor shared;      // ACP: the shared factor the factors were taken against
     int which = -1;         // ACP: 0 = P sent, 1 = Q sent; -1 = no factor yet
+    bool zero = true;       // sum is all zero (nothing added since construction or reset())
   };
   Slot& slot(const std::string& name);
   const Slot& slot(const std::string& name) const;

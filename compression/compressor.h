@@ -56,6 +56,14 @@ at::Tensor decode(const Encoded& e, const Context& ctx = {});
 // Throws FormatError on a malformed e, and then leaves out unchanged.
 void decode_add(const Encoded& e, at::Tensor& out, float weight, const Context& ctx = {});
 
+// out = weight · decode(e) for an `out` the caller knows to be all zero (float32,
+// contiguous, numel == e.numel()). A dense fp32 tensor whose values are not yet
+// known finite (validate(e, ValueCheck::kDeferDenseF32)) is scanned and written
+// in one pass, chunk by chunk: one read of the values, no read of out. On a
+// non-finite value it throws FormatError and out is all zero again. Every other
+// tensor: decode_add (same guarantees).
+void decode_fill(const Encoded& e, at::Tensor& out, float weight, const Context& ctx = {});
+
 // True for formats whose malformation can surface only while decoding (a
 // truncated Elias-gamma stream, a TernGrad code 3, nonzero padding), which
 // validate() cannot see: decode_add and aggregators decode these into scratch.

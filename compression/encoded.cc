@@ -33,7 +33,7 @@ void check_finite_bits(const uint8_t* bytes, uint64_t n, Bits mask, const char* 
     for (uint64_t i = b; i < e; ++i) {
       Bits u;
       std::memcpy(&u, bytes + sizeof(Bits) * i, sizeof(Bits));
-      SPARROW_CHECK_T(FormatError, (u & mask) != mask, what << ": value " << i << " is not finite");
+      SPARROW_CHECK_T(NonFiniteError, (u & mask) != mask, what << ": value " << i << " is not finite");
     }
   }
 }
@@ -47,13 +47,15 @@ void check_finite_16(const uint8_t* bytes, uint64_t n, ValueType vt, const char*
   check_finite_bits<uint16_t>(bytes, n, vt == ValueType::kF16 ? 0x7c00 : 0x7f80, what);
 }
 
-void check_values(const Encoded& e, uint64_t n, const char* what) {
+uint64_t values_tag(const Encoded& e, uint64_t n) { return (n << 3) | (static_cast<uint64_t>(e.value_type) + 1); }
+
+void check_values(const Encoded& e, uint64_t n, const char* what, bool scan = true) {
   const size_t want = detail::value_bytes(e.value_type, n);
   SPARROW_CHECK_T(FormatError, e.values.size() == want,
                   what << ": " << e.values.size() << " value bytes, expected " << want);
   // Scanned once per update: the parser's verdict holds until the bytes change.
-  const uint64_t tag = (n << 3) | (static_cast<uint64_t>(e.value_type) + 1);
-  if (e.values.checked(tag)) return;
+  const uint64_t tag = values_tag(e, n);
+  if (!scan || e.values.checked(tag)) return;
   if (e.value_type == ValueType::kF32) check_finite_f32(e.values.data(), n, what);
   if (e.value_type == ValueType::kF16 || e.value_type == ValueType::kBF16)
     check_finite_16(e.values.data(), n, e.value_type, what);
@@ -104,7 +106,12 @@ const char* format_name(Format f) {
   return "unknown";
 }
 
-void validate(const Encoded& e) {
+namespace detail {
+bool values_known_finite(const Encoded& e, uint64_t n) { return e.values.checked(values_tag(e, n)); }
+void mark_values_finite(const Encoded& e, uint64_t n) { e.values.set_checked(values_tag(e, n)); }
+}  // namespace detail
+
+void validate(const Encoded& e, ValueCheck check) {
   SPARROW_CHECK_T(FormatError, e.shape.size() <= kMaxDims,
                   "tensor has " << e.shape.size() << " dimensions (max " << kMaxDims << ")");
   int64_t numel = 1;
@@ -120,7 +127,7 @@ void validate(const Encoded& e) {
           FormatError, e.value_type != ValueType::kSign && e.value_type != ValueType::kInt8,
           "dense: " << (e.value_type == ValueType::kSign ? "sign" : "int8") << " value type is not allowed");
       check_no_indices(e, "dense");
-      check_values(e, n, "dense");
+      check_values(e, n, "dense", check == ValueCheck::kScan || e.value_type != ValueType::kF32);
       return;
     case Format::kSparse:
       SPARROW_CHECK_T(FormatError, e.count <= n, "sparse: count " << e.count << " exceeds numel " << n);

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "compression/bytes.h"
+#include "core/error.h"
 
 namespace sparrow::compression {
 
@@ -87,6 +88,28 @@ const char* format_name(Format f);
 // values/indices/scales/params consistent with the format, sparse index ranges
 // and counts valid, float scales and fp32 values finite. Throws FormatError.
 // decode() calls it; the wire parser calls it on every tensor.
-void validate(const Encoded& e);
+//
+// The finiteness scan runs once per update: its verdict is memoised on the
+// value bytes (compression::Bytes), so later validate() calls skip it.
+// ValueCheck::kDeferDenseF32 checks everything but the finiteness of a dense
+// fp32 tensor's values (their size still) and leaves the scan to whoever reads
+// them next: validate(), decode() and decode_add() scan then, and decode_fill()
+// fuses the scan with its write, so a large dense update is read once, not
+// twice, between the wire and the aggregate (sparrow-server's workers).
+enum class ValueCheck { kScan, kDeferDenseF32 };
+// What the finiteness scan throws (values holding NaN or ±Inf): a FormatError,
+// which a receiver that defers the scan can still tell from the others (the
+// server answers it with kMalformed, as when wire::parse finds it).
+class NonFiniteError : public FormatError {
+ public:
+  using FormatError::FormatError;
+};
+void validate(const Encoded& e, ValueCheck check = ValueCheck::kScan);
+
+namespace detail {
+// validate()'s memo for e's values (dense: e.numel() values; sparse: e.count).
+bool values_known_finite(const Encoded& e, uint64_t n);
+void mark_values_finite(const Encoded& e, uint64_t n);
+}  // namespace detail
 
 }  // namespace sparrow::compression

@@ -12,6 +12,10 @@
 namespace sparrow::compression::detail {
 
 void decode_dense_add(const Encoded& e, float* out, float weight);
+// out = weight · values of a dense fp32 e, each chunk scanned for non-finite
+// values before it is written; on one, out[0, written) is zeroed again and
+// FormatError is thrown. (decode_fill's fused path; size already validated.)
+void fill_dense_f32_checked(const Encoded& e, float* out, float weight);
 void decode_sparse_add(const Encoded& e, float* out, float weight, const Context& ctx);
 void decode_quantized_add(const Encoded& e, float* out, float weight);                        // qsgd.cc
 void decode_ternary_add(const Encoded& e, float* out, float weight);                          // terngrad.cc

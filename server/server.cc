@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cerrno>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
@@ -17,6 +18,8 @@
 #include <set>
 #include <sstream>
 #include <thread>
+#include <sys/eventfd.h>
+#include <unistd.h>
 #include <zmq.hpp>
 
 #include "aggregation/aggregator.h"
@@ -300,9 +303,26 @@ struct Server::Impl {
   std::map<std::string, std::vector<std::pair<std::string, double>>> sa_metrics;  // masked updates' metrics
   uint64_t sa_attempt = 0;  // graph seeds differ when a round is retried
 
-  // Outbox (any thread -> I/O thread).
+  // Outbox (any thread -> I/O thread). A reply queued on an empty outbox
+  // signals `wake`, which the I/O thread polls next to the socket: an Ack leaves
+  // at once instead of at the end of the poll interval.
   std::mutex out_mu;
   std::deque<std::pair<std::string, std::string>> outbox;
+  struct EventFd {
+    int fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    EventFd() { SPARROW_CHECK(fd >= 0, "eventfd: " << std::strerror(errno)); }
+    EventFd(const EventFd&) = delete;
+    EventFd& operator=(const EventFd&) = delete;
+    ~EventFd() { ::close(fd); }
+    void signal() const {
+      const uint64_t one = 1;
+      (void)!::write(fd, &one, sizeof one);  // only fails when the counter is full: already signalled
+    }
+    void clear() const {
+      uint64_t v;
+      (void)!::read(fd, &v, sizeof v);
+    }
+  } wake;
 
   // Worker pool.
   std::mutex job_mu;
@@ -375,6 +395,9 @@ struct Server::Impl {
     }
     limits.max_bytes = cfg.max_message_bytes();
     limits.max_elements = static_cast<uint64_t>(numel) * 2 + (uint64_t{1} << 20);
+    // A dense fp32 update's finiteness is checked while the aggregator folds
+    // it (one read of the values instead of two); every consumer validates.
+    limits.update_values = compression::ValueCheck::kDeferDenseF32;
     partials.resize(static_cast<size_t>(cfg.workers));
     aggregator = std::make_unique<aggregation::Aggregator>(cfg.aggregator, cfg.dp, cfg.clients_per_round,
                                                            rng::derive(cfg.seed, kDpTag));
@@ -596,6 +619,7 @@ struct Server::Impl {
 
   void send_bytes(const std::string& routing_id, std::string bytes) {
     std::lock_guard<std::mutex> g(out_mu);
+    if (outbox.empty()) wake.signal();
     outbox.emplace_back(routing_id, std::move(bytes));
   }
   void reply(const std::string& routing_id, const wire::Message& m) { send_bytes(routing_id, wire::serialize(m)); }
@@ -652,9 +676,12 @@ struct Server::Impl {
       // Back-pressure: a full job queue stops reading (libzmq buffers, then
       // TCP flow control), never drops or rejects updates.
       const bool can_read = queued < max_jobs;
-      zmq::pollitem_t item{static_cast<void*>(router), 0, static_cast<short>(can_read ? ZMQ_POLLIN : 0), 0};
+      zmq::pollitem_t items[2] = {{static_cast<void*>(router), 0, static_cast<short>(can_read ? ZMQ_POLLIN : 0), 0},
+                                  {nullptr, wake.fd, ZMQ_POLLIN, 0}};
+      const zmq::pollitem_t& item = items[0];
       try {
-        zmq::poll(&item, 1, kPollInterval);
+        zmq::poll(items, 2, kPollInterval);
+        if (items[1].revents & ZMQ_POLLIN) wake.clear();
         if (can_read && (item.revents & ZMQ_POLLIN))
           for (int i = 0; i < 256; ++i)
             if (!receive_one()) break;
@@ -1183,8 +1210,12 @@ struct Server::Impl {
       rc = round_ctx;
     }
     std::string error;
+    ErrorCode code = ErrorCode::kRejected;
     try {
       fold(partials[w], u, *rc);
+    } catch (const compression::NonFiniteError& e) {  // the value scan wire::parse deferred
+      error = e.what();
+      code = ErrorCode::kMalformed;
     } catch (const std::bad_alloc&) {
       error = "out of memory";
     } catch (const std::exception& e) {  // sparrow::Error, and anything LibTorch throws on odd input
@@ -1215,7 +1246,7 @@ struct Server::Impl {
       spdlog::debug("event=update_accepted client={} round={}", u.client_id, u.round);
     } else {
       spdlog::warn("event=update_rejected client={} round={} error=\"{}\"", u.client_id, u.round, error);
-      reply_error(rid, ErrorCode::kRejected, "update rejected: " + error, u.round);
+      reply_error(rid, code, "update rejected: " + error, u.round);
     }
     cv.notify_all();
   }

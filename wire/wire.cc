@@ -385,7 +385,7 @@ uint64_t checked_numel(const std::vector<int64_t>& shape, uint64_t budget, const
   return n;
 }
 
-NamedTensor tensor_of(const fb::EncodedTensor& t, size_t i, uint64_t& budget, const Owner& owner) {
+NamedTensor tensor_of(const fb::EncodedTensor& t, size_t i, uint64_t& budget, const Owner& owner, c::ValueCheck check) {
   NamedTensor out;
   out.name = std::string(text_of(t.name(), "tensor " + std::to_string(i) + "'s name"));
   if (out.name.empty()) fail(ErrorCode::kMalformed, "tensor " + std::to_string(i) + " has no name");
@@ -426,7 +426,7 @@ NamedTensor tensor_of(const fb::EncodedTensor& t, size_t i, uint64_t& budget, co
   else if (tv)
     e.values.assign(tv->data(), tv->data() + tv->size());
   try {
-    c::validate(e);
+    c::validate(e, check);
   } catch (const sparrow::Error& err) {
     fail(ErrorCode::kMalformed, "tensor '" + name + "': " + err.what());
   }
@@ -436,14 +436,14 @@ NamedTensor tensor_of(const fb::EncodedTensor& t, size_t i, uint64_t& budget, co
 // A vector of tensors, names unique within it; `budget` is the message's
 // remaining element allowance (shared by all its tensor vectors).
 std::vector<NamedTensor> tensors_of(const flatbuffers::Vector<flatbuffers::Offset<fb::EncodedTensor>>* tensors,
-                                    uint64_t& budget, const Owner& owner) {
+                                    uint64_t& budget, const Owner& owner, c::ValueCheck check = c::ValueCheck::kScan) {
   std::vector<NamedTensor> out;
   if (!tensors) return out;
   out.reserve(tensors->size());
   std::unordered_set<std::string_view> names;
   for (flatbuffers::uoffset_t i = 0; i < tensors->size(); ++i) {
     const fb::EncodedTensor& t = *tensors->Get(i);
-    out.push_back(tensor_of(t, i, budget, owner));
+    out.push_back(tensor_of(t, i, budget, owner, check));
     // A view into the verified buffer, which outlives this function.
     if (!names.insert(std::string_view(t.name()->c_str(), t.name()->size())).second)
       fail(ErrorCode::kMalformed, "duplicate tensor name '" + out.back().name + "'");
@@ -478,13 +478,13 @@ std::vector<std::pair<std::string, double>> metrics_of(
   return out;
 }
 
-ModelUpdate update_of(const fb::ModelUpdate& u, uint64_t max_elements, const Owner& owner) {
+ModelUpdate update_of(const fb::ModelUpdate& u, uint64_t max_elements, const Owner& owner, c::ValueCheck check) {
   ModelUpdate out;
   out.round = u.round();
   out.num_samples = u.num_samples();
   out.client_id = std::string(text_of(u.client_id(), "client_id"));
   uint64_t budget = max_elements;
-  out.tensors = tensors_of(u.tensors(), budget, owner);
+  out.tensors = tensors_of(u.tensors(), budget, owner, check);
   out.control_delta = tensors_of(u.control_delta(), budget, owner);
   out.metrics = metrics_of(u.metrics());
   return out;
@@ -705,7 +705,7 @@ Message parse_verified(const uint8_t* buf, size_t size, const ParseLimits& limit
     case fb::Body::ModelUpdate: {
       const fb::ModelUpdate* u = m->body_as_ModelUpdate();
       if (!u) fail(ErrorCode::kMalformed, "ModelUpdate body missing");
-      out.body = update_of(*u, limits.max_elements, owner);
+      out.body = update_of(*u, limits.max_elements, owner, limits.update_values);
       return out;
     }
     case fb::Body::Error: {

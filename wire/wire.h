@@ -224,6 +224,11 @@ const char* body_name(const Body& body);
 struct ParseLimits {
   size_t max_bytes = kDefaultMaxMessageBytes;
   uint64_t max_elements = kDefaultMaxElements;
+  // How a ModelUpdate's tensors are validated. kDeferDenseF32 leaves the
+  // finiteness scan of dense fp32 values to their consumer (the aggregator,
+  // which scans them while folding: compression::decode_fill); every
+  // consumer validates, so deferring moves the scan and never drops it.
+  compression::ValueCheck update_values = compression::ValueCheck::kScan;
 };
 
 // The exact bytes that go on the wire (one ZeroMQ frame). Does not validate the

@@ -253,6 +253,58 @@ TEST_CASE("aggregator: a failure midway through an update is rolled back") {
   check_close(agg.mean(), direct_mean(all));
 }
 
+TEST_CASE("aggregator: a dense update into an all-zero sum is checked while written, exactly undone") {
+  // conv and fc dense fp32 whose finiteness was not scanned yet (as the server
+  // parses them), bias sparse: the dense ones take the fused fill.
+  auto dense = make_clients("none", 3, 11);
+  auto sparse = make_clients("topk:ratio=0.5", 1, 12);
+  const auto unscanned = [](EncodedUpdate u) {  // writable bytes drop the scan memo
+    for (auto& entry : u) (void)entry.second.values.data();
+    return u;
+  };
+  const auto with_nan_in = [&](EncodedUpdate u, const std::string& name) {
+    for (auto& [n, e] : u)
+      if (n == name) {
+        const float nan = std::nanf("");
+        std::memcpy(e.values.data() + e.values.size() - 4, &nan, 4);  // the last value
+      }
+    return unscanned(u);
+  };
+  EncodedUpdate mixed = dense[0].update;
+  for (auto& [n, e] : mixed)
+    if (n == "bias") e = sparse[0].update[1].second;
+  StreamingAggregator agg(kModel);
+  SUBCASE("a NaN in the second dense tensor leaves every sum exactly zero") {
+    CHECK_THROWS_AS(agg.add(with_nan_in(mixed, "fc"), 2.0), NonFiniteError);
+    CHECK(agg.count() == 0);
+    CHECK(agg.total_weight() == 0.0);
+    agg.add(unscanned(dense[1].update), 1.0);  // then a good one: the mean is exactly its values
+    for (const auto& [name, e] : dense[1].update) CHECK(at::equal(agg.mean().at(name), decode(e)));
+  }
+  SUBCASE("into a sum that holds an update: scanned first, the sum bit for bit unchanged") {
+    agg.add(unscanned(mixed), 2.0);
+    const auto before = agg.mean();
+    CHECK_THROWS_AS(agg.add(with_nan_in(dense[1].update, "conv"), 1.0), NonFiniteError);
+    CHECK(agg.count() == 1);
+    CHECK(identical(agg.mean(), before));
+  }
+  SUBCASE("fill, add and reset give the same mean as adds into zeroed sums") {
+    agg.add(unscanned(mixed), 2.0);
+    agg.add(unscanned(dense[1].update), 1.5);
+    agg.add(unscanned(dense[2].update), 0.5);
+    std::vector<Client> all = {dense[0], dense[1], dense[2]};
+    all[0].update = mixed;
+    all[0].weight = 2.0;
+    all[1].weight = 1.5;
+    all[2].weight = 0.5;
+    check_close(agg.mean(), direct_mean(all));
+    agg.reset();
+    CHECK(agg.count() == 0);
+    agg.add(unscanned(dense[2].update), 3.0);  // a fill again after reset
+    check_close(agg.mean(), direct_mean({dense[2]}));
+  }
+}
+
 TEST_CASE("aggregator: ACP factors aggregate with the shared factor") {
   const TensorShapes model = {{"w", {16, 24}}, {"b", {24}}};
   const int64_t rank = 2;

@@ -2,6 +2,10 @@
 
 #include <ATen/ATen.h>
 
+#include <cstring>
+#include <limits>
+#include <utility>
+
 #include "compression/compressor.h"
 #include "core/error.h"
 
@@ -88,4 +92,47 @@ TEST_CASE("validate names the first non-finite value of a large tensor") {
       CHECK_THROWS_WITH_AS(validate(bad), doctest::Contains(want.c_str()), sparrow::FormatError);
     }
   }
+}
+
+TEST_CASE("decode_fill: a deferred scan runs while the values are written") {
+  auto c = make_compressor("none");
+  State s;
+  at::manual_seed(3);
+  const at::Tensor x = at::randn({5000});
+  const Encoded e = c->encode(x, s, {});
+  // Deferred validation checks sizes, not finiteness.
+  Encoded bad = e;
+  const float inf = std::numeric_limits<float>::infinity();
+  std::memcpy(bad.values.data() + 4 * 3000, &inf, 4);
+  CHECK_NOTHROW(validate(bad, ValueCheck::kDeferDenseF32));
+  CHECK_THROWS_AS(validate(bad), NonFiniteError);
+  Encoded short_values = e;
+  short_values.values.pop_back();
+  CHECK_THROWS_AS(validate(short_values, ValueCheck::kDeferDenseF32), sparrow::FormatError);
+  // The fill equals weight * values; a non-finite value (past the first chunks)
+  // throws with the output all zero again.
+  at::Tensor out = at::zeros({5000});
+  decode_fill(e, out, 0.5f);
+  CHECK(at::equal(out, x * 0.5f));
+  at::Tensor zero = at::zeros({5000});
+  CHECK_THROWS_WITH_AS(decode_fill(bad, zero, 2.0f), doctest::Contains("value 3000 is not finite"), NonFiniteError);
+  CHECK(at::equal(zero, at::zeros({5000})));
+  // The scan's verdict is kept: the next validate does not rescan (a value
+  // changed behind the memo's back shows it), and decode_fill of values known
+  // finite adds like decode_add.
+  Encoded good = e;
+  at::Tensor twice = at::zeros({5000});
+  decode_fill(good, twice, 1.0f);
+  float* raw = reinterpret_cast<float*>(const_cast<uint8_t*>(std::as_const(good.values).data()));
+  raw[10] = inf;  // after the scan: the memo says finite
+  CHECK_NOTHROW(validate(good));
+  // Other formats: decode_add.
+  auto fp16 = make_compressor("fp16");
+  const Encoded h = fp16->encode(x, s, {});
+  at::Tensor hout = at::zeros({5000});
+  decode_fill(h, hout, 1.0f);
+  CHECK(at::equal(hout, decode(h)));
+  at::Tensor wrong = at::zeros({4999});
+  Encoded fresh = c->encode(x, s, {});
+  CHECK_THROWS_AS(decode_fill(fresh, wrong, 1.0f), sparrow::FormatError);
 }

@@ -1271,4 +1271,26 @@ TEST_CASE("parse with an owner: dense values are views into the frame, decoded t
   const auto bad_frame = std::make_shared<const std::string>(bad);
   CHECK_THROWS_AS(parse(bad_frame->data(), bad_frame->size(), ParseLimits{}, bad_frame), ProtocolError);
   CHECK_THROWS_AS(parse(bad), ProtocolError);
+  // A receiver that defers the scan of updates' dense fp32 values (the server:
+  // its aggregator scans while folding) gets the update; the scan still runs
+  // for whoever reads the values next.
+  ParseLimits deferred;
+  deferred.update_values = compression::ValueCheck::kDeferDenseF32;
+  const Message later = parse(bad_frame->data(), bad_frame->size(), deferred, bad_frame);
+  const compression::Encoded& unscanned = std::get<ModelUpdate>(later.body).tensors.at(0).tensor;
+  CHECK_THROWS_AS(compression::validate(unscanned), compression::NonFiniteError);
+  CHECK_THROWS_AS(compression::decode(unscanned), compression::NonFiniteError);
+  // Only updates: a Task's dense values are scanned as before.
+  Task t;
+  t.round = 1;
+  t.weights = {{"w", none->encode(x, st, {})}};
+  Message tm;
+  tm.body = t;
+  const std::string good_task = serialize(tm);
+  CHECK_NOTHROW(parse(good_task.data(), good_task.size(), deferred));
+  const float inf = std::numeric_limits<float>::infinity();
+  std::memcpy(t.weights[0].tensor.values.data(), &inf, 4);
+  tm.body = t;
+  const std::string bad_task = serialize(tm);
+  CHECK_THROWS_AS(parse(bad_task.data(), bad_task.size(), deferred), ProtocolError);
 }
