@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "compression/lowrank.h"
 #include "compression/state.h"
 #include "core/error.h"
 #include "core/spec.h"
@@ -73,9 +74,15 @@ ServerOptimizer::ServerOptimizer(const std::string& spec_text) : kind_(Kind::kFe
     momentum_ = in_unit(spec, "momentum", 0.0);
     ratio_ = spec.get_double("ratio", 0.01);
     SPARROW_CHECK_T(ConfigError, ratio_ > 0.0 && ratio_ <= 1.0, "fedtopk: ratio must be in (0, 1], got " << ratio_);
+  } else if (method_ == "fedlowrank") {
+    kind_ = Kind::kFedLowRank;
+    lr_ = positive(spec, "lr", 1.0);
+    momentum_ = in_unit(spec, "momentum", 0.0);
+    rank_ = spec.get_int("rank", 4);
+    SPARROW_CHECK_T(ConfigError, rank_ >= 1 && rank_ <= 1024, "fedlowrank: rank must be in [1, 1024], got " << rank_);
   } else {
     throw ConfigError("unknown server optimizer '" + method_ +
-                      "' (known: fedavg, fedavgm, fedadam, fedyogi, fedadagrad, fedtopk)");
+                      "' (known: fedavg, fedavgm, fedadam, fedyogi, fedadagrad, fedtopk, fedlowrank)");
   }
   spec.check_all_consumed();
 }
@@ -95,8 +102,8 @@ void ServerOptimizer::step(std::map<std::string, at::Tensor>& weights, const std
                   "server optimizer: '" << name << "' weight " << w.sizes() << " vs delta " << it->second.sizes());
     SPARROW_CHECK(it->second.numel() == 0 || at::isfinite(it->second).all().item<bool>(),
                   "server optimizer: delta of '" << name << "' is not finite");
-    SPARROW_CHECK(kind_ != Kind::kFedTopK || w.is_contiguous(),
-                  "server optimizer: fedtopk needs contiguous weights ('" << name << "' is not)");
+    SPARROW_CHECK((kind_ != Kind::kFedTopK && kind_ != Kind::kFedLowRank) || w.is_contiguous(),
+                  "server optimizer: " << method_ << " needs contiguous weights ('" << name << "' is not)");
     if (have_state) {
       const auto& ref = kind_ == Kind::kFedAvgM ? m_ : v_;
       auto sit = ref.find(name);
@@ -166,6 +173,36 @@ void ServerOptimizer::step(std::map<std::string, at::Tensor>& weights, const std
         if (momentum_ > 0.0) m.view(-1).index_fill_(0, idx, 0.0f);
         break;
       }
+      case Kind::kFedLowRank: {
+        at::Tensor& m = m_[name];
+        at::Tensor& e = v_[name];
+        const auto opts = at::TensorOptions().dtype(at::kFloat);
+        if (!m.defined()) m = at::zeros(w.sizes(), opts);
+        if (!e.defined()) e = at::zeros(w.sizes(), opts);
+        m.mul_(static_cast<float>(momentum_)).add_(d);
+        e.add_(m, lr);
+        const std::vector<int64_t> shape = w.sizes().vec();
+        if (!compression::lowrank_compressible(shape, rank_)) {
+          w.add_(e);
+          e.zero_();
+          break;
+        }
+        const compression::LowRankDims dims = compression::lowrank_dims(shape, rank_);
+        at::Tensor& q = q_[name];
+        if (!q.defined()) {
+          compression::Context ctx;
+          ctx.name = name;
+          q = compression::acp_initial_shared(ctx, dims, 0);  // seeded, orthonormal {cols, r}
+        }
+        const at::Tensor mat = e.view({dims.rows, dims.cols});
+        at::Tensor p = at::mm(mat, q);
+        compression::orthonormalize_columns(p);
+        q = at::mm(mat.t(), p);
+        const at::Tensor approx = at::mm(p, q.t());
+        w.view({dims.rows, dims.cols}).add_(approx);
+        mat.sub_(approx);
+        break;
+      }
     }
   }
   ++steps_;
@@ -176,6 +213,7 @@ std::string ServerOptimizer::serialize_state() const {
   st.step = steps_;
   for (const auto& [name, t] : m_) st.tensors["m/" + name] = t;
   for (const auto& [name, t] : v_) st.tensors["v/" + name] = t;
+  for (const auto& [name, t] : q_) st.tensors["q/" + name] = t;
   std::string out(kMagic, 4);
   put_u32(out, kVersion);
   put_u32(out, static_cast<uint32_t>(method_.size()));
@@ -195,19 +233,21 @@ void ServerOptimizer::deserialize_state(const std::string& bytes) {
   SPARROW_CHECK_T(FormatError, method == method_,
                   "server optimizer state was saved by '" << method << "', this optimizer is '" << method_ << "'");
   const compression::State st = compression::State::deserialize(bytes.substr(12 + len));
-  std::map<std::string, at::Tensor> m, v;
+  std::map<std::string, at::Tensor> m, v, q;
   for (const auto& [key, t] : st.tensors) {
     if (key.rfind("m/", 0) == 0) {
       m[key.substr(2)] = t;
     } else if (key.rfind("v/", 0) == 0) {
       v[key.substr(2)] = t;
+    } else if (key.rfind("q/", 0) == 0 && kind_ == Kind::kFedLowRank) {
+      q[key.substr(2)] = t;
     } else {
       throw FormatError("server optimizer state: unexpected slot '" + key + "'");
     }
   }
   const bool want_m = kind_ != Kind::kFedAvg;
-  const bool want_v =
-      kind_ == Kind::kFedAdam || kind_ == Kind::kFedYogi || kind_ == Kind::kFedAdagrad || kind_ == Kind::kFedTopK;
+  const bool want_v = kind_ == Kind::kFedAdam || kind_ == Kind::kFedYogi || kind_ == Kind::kFedAdagrad ||
+                      kind_ == Kind::kFedTopK || kind_ == Kind::kFedLowRank;
   SPARROW_CHECK_T(FormatError, want_m || m.empty(), "server optimizer state: " << method_ << " keeps no m");
   SPARROW_CHECK_T(FormatError, want_v || v.empty(), "server optimizer state: " << method_ << " keeps no v");
   if (want_v) {
@@ -218,15 +258,26 @@ void ServerOptimizer::deserialize_state(const std::string& bytes) {
                       "server optimizer state: m and v of '" << name << "' do not match");
     }
   }
+  for (const auto& [name, t] : q) {
+    auto it = m.find(name);
+    SPARROW_CHECK_T(FormatError, it != m.end() && t.dim() == 2 && t.scalar_type() == at::kFloat,
+                    "server optimizer state: factor of '" << name << "' does not match");
+    const compression::LowRankDims d = compression::lowrank_dims(it->second.sizes().vec(), rank_);
+    SPARROW_CHECK_T(FormatError, t.size(0) == d.cols && t.size(1) == d.rank,
+                    "server optimizer state: factor of '" << name << "' is " << t.sizes() << ", rank " << rank_
+                                                          << " needs {" << d.cols << ", " << d.rank << "}");
+  }
   steps_ = st.step;
   m_ = std::move(m);
   v_ = std::move(v);
+  q_ = std::move(q);
 }
 
 void ServerOptimizer::reset_state() {
   steps_ = 0;
   m_.clear();
   v_.clear();
+  q_.clear();
 }
 
 at::Tensor ServerOptimizer::first_moment(const std::string& name) const {

@@ -27,6 +27,13 @@
 //   With the exact (dense) aggregate this is the upper bound of what a k-sparse
 //   model step can reach (docs/results.md); with a sparse downlink it is what the
 //   clients would receive.
+//   fedlowrank:rank=R[,lr=1,momentum=0]   rank-R server step with server-side error
+//     feedback: PowerSGD (Vogels et al., NeurIPS 2019) on one worker, warm-started,
+//     applied to the exact aggregate. m = momentum·m + Δ;  e += lr·m;  per tensor
+//     that PowerSGD/ACP compress at rank R (compression/lowrank.h), M = e as rows ×
+//     cols: P = orth(M·Q);  Q = Mᵀ·P;  x += P·Qᵀ;  e −= P·Qᵀ (Q kept for the next
+//     step, starting from ACP's seeded factor); any other tensor: x += e;  e = 0.
+//     The upper bound of what a rank-R model step can reach (docs/results.md).
 //
 // State (m, v per tensor and the step count) is created on the first step()
 // from the shapes of `weights` and is serialisable for checkpoints.
@@ -71,7 +78,7 @@ class ServerOptimizer {
   at::Tensor second_moment(const std::string& name) const;
 
  private:
-  enum class Kind { kFedAvg, kFedAvgM, kFedAdam, kFedYogi, kFedAdagrad, kFedTopK };
+  enum class Kind { kFedAvg, kFedAvgM, kFedAdam, kFedYogi, kFedAdagrad, kFedTopK, kFedLowRank };
   Kind kind_;
   std::string method_;
   std::string spec_;
@@ -81,9 +88,11 @@ class ServerOptimizer {
   double beta2_ = 0.0;
   double tau_ = 0.0;
   double ratio_ = 0.0;
+  int64_t rank_ = 0;
   uint64_t steps_ = 0;
   std::map<std::string, at::Tensor> m_;
   std::map<std::string, at::Tensor> v_;
+  std::map<std::string, at::Tensor> q_;  // fedlowrank: the warm-start factor Q ({cols, r}) per compressed tensor
 };
 
 }  // namespace sparrow::aggregation

@@ -166,6 +166,53 @@ TEST_CASE("server optimizer: fedtopk applies the k largest of the error-compensa
   CHECK_THROWS_AS(ServerOptimizer{"fedtopk:momentum=1"}, sparrow::ConfigError);
 }
 
+TEST_CASE("server optimizer: fedlowrank steps by a rank-R PowerSGD approximation with error feedback") {
+  // A rank-1 delta is recovered exactly by one warm-started power step at rank 1.
+  const at::Tensor u = at::tensor({1.0f, -2.0f, 0.5f, 3.0f, 1.5f, -1.0f}),
+                   v = at::tensor({2.0f, 0.0f, -1.0f, 4.0f, 1.0f});
+  const at::Tensor rank1 = at::outer(u, v);  // 6 x 5: rank 1 is compressible ((6+5)*1*2 < 30)
+  ServerOptimizer opt("fedlowrank:rank=1");
+  Weights w{{"m", at::zeros({6, 5})}, {"b", at::zeros({5})}};
+  opt.step(w, {{"m", rank1}, {"b", at::tensor({1.0f, 2.0f, 3.0f, 4.0f, 5.0f})}});
+  CHECK(at::allclose(w.at("m"), rank1, 1e-5, 1e-5));
+  CHECK(at::allclose(opt.second_moment("m"), at::zeros({6, 5}), 1e-5, 1e-5));
+  // A 1-D tensor is not compressed: it steps by the whole (error-compensated) delta.
+  CHECK(at::equal(w.at("b"), at::tensor({1.0f, 2.0f, 3.0f, 4.0f, 5.0f})));
+  // A full-rank delta: each step moves the matrix by a rank-1 matrix, and the
+  // model plus the error always equals the sum of the deltas (nothing is lost).
+  ServerOptimizer ef("fedlowrank:rank=1,lr=0.5,momentum=0.5");
+  Weights x = random_weights(3);
+  const Weights x0 = clone(x);
+  Weights sum{{"a", at::zeros({5, 7})}, {"b", at::zeros({11})}};
+  Weights m_sum{{"a", at::zeros({5, 7})}, {"b", at::zeros({11})}};
+  Weights m{{"a", at::zeros({5, 7})}, {"b", at::zeros({11})}};
+  for (int t = 0; t < 20; ++t) {
+    Weights d = random_weights(300 + t, 0.1);
+    for (auto& [k, mk] : m) {
+      mk = mk * 0.5 + d.at(k);  // the momentum as the optimizer keeps it
+      m_sum.at(k) += mk;
+    }
+    const Weights before = clone(x);
+    ef.step(x, d);
+    const at::Tensor moved = x.at("a") - before.at("a");
+    CHECK(at::linalg_matrix_rank(moved).item<int64_t>() <= 1);
+  }
+  for (const auto& [k, xv] : x) CHECK(at::allclose(xv - x0.at(k) + ef.second_moment(k), m_sum.at(k) * 0.5, 1e-4, 1e-4));
+  // The state (momentum, error, the warm-start factor) survives a checkpoint:
+  // the next step is bit for bit the same.
+  ServerOptimizer back("fedlowrank:rank=1,lr=0.5,momentum=0.5");
+  back.deserialize_state(ef.serialize_state());
+  Weights x1 = clone(x), x2 = clone(x);
+  const Weights d = random_weights(999, 0.1);
+  ef.step(x1, d);
+  back.step(x2, d);
+  for (const auto& [k, xv] : x1) CHECK(at::equal(xv, x2.at(k)));
+  ServerOptimizer other_rank("fedlowrank:rank=2,lr=0.5,momentum=0.5");
+  CHECK_THROWS_AS(other_rank.deserialize_state(ef.serialize_state()), sparrow::FormatError);
+  CHECK_THROWS_AS(ServerOptimizer{"fedlowrank:rank=0"}, sparrow::ConfigError);
+  CHECK_THROWS_AS(ServerOptimizer{"fedlowrank:rank=4,ratio=0.1"}, sparrow::ConfigError);
+}
+
 TEST_CASE("server optimizer: fedadam, fedyogi, fedadagrad match Algorithm 2") {
   struct Case {
     const char* spec;
