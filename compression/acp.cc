@@ -55,7 +55,7 @@ void expand_add(const at::Tensor& f, const at::Tensor& s, int which, int64_t row
 
 class AcpCompressor final : public Compressor {
  public:
-  AcpCompressor(int64_t rank, bool ef) : rank_(rank), ef_(ef) {}
+  AcpCompressor(int64_t rank, bool ef, detail::StalePolicy stale) : rank_(rank), ef_(ef), stale_(stale) {}
   std::string method() const override { return "acp"; }
 
   Encoded encode(const at::Tensor& x_in, State& state, const Context& ctx) const override {
@@ -74,6 +74,7 @@ class AcpCompressor final : public Compressor {
     const int which = which_of(round);
     // Checked before the state changes, so a bad shared factor leaves it intact.
     const at::Tensor s = shared_for(ctx, n, m, r, which, "acp encode");
+    if (ef_) detail::age_state(state, ctx, stale_, {"residual"});
 
     // M' = M + E is built in the residual slot during the product's pass.
     const float* xp = x.data_ptr<float>();
@@ -105,6 +106,7 @@ class AcpCompressor final : public Compressor {
  private:
   int64_t rank_;
   bool ef_;
+  detail::StalePolicy stale_;
 };
 
 }  // namespace
@@ -225,7 +227,9 @@ void register_acp() {
     const int64_t rank = spec.get_int("rank", 0);
     SPARROW_CHECK_T(ConfigError, rank >= 1, "acp: rank must be >= 1, got " << rank);
     const bool ef = spec.get_bool("ef", true);
-    return std::make_unique<AcpCompressor>(rank, ef);
+    const detail::StalePolicy stale = detail::parse_stale_policy(spec, "acp");
+    SPARROW_CHECK_T(ConfigError, ef || !stale.active(), "acp: decay/max_age act on the residual: they need ef=1");
+    return std::make_unique<AcpCompressor>(rank, ef, stale);
   });
 }
 
