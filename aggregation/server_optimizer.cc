@@ -87,6 +87,17 @@ ServerOptimizer::ServerOptimizer(const std::string& spec_text) : kind_(Kind::kFe
   spec.check_all_consumed();
 }
 
+at::Tensor& ServerOptimizer::compensate(const std::string& name, const at::Tensor& w, const at::Tensor& d, float lr) {
+  at::Tensor& m = m_[name];
+  at::Tensor& e = v_[name];
+  const auto opts = at::TensorOptions().dtype(at::kFloat);
+  if (!m.defined()) m = at::zeros(w.sizes(), opts);
+  if (!e.defined()) e = at::zeros(w.sizes(), opts);
+  m.mul_(static_cast<float>(momentum_)).add_(d);
+  e.add_(m, lr);
+  return e;
+}
+
 void ServerOptimizer::step(std::map<std::string, at::Tensor>& weights, const std::map<std::string, at::Tensor>& delta) {
   // Everything is checked before anything changes.
   SPARROW_CHECK(weights.size() == delta.size(),
@@ -155,13 +166,8 @@ void ServerOptimizer::step(std::map<std::string, at::Tensor>& weights, const std
         break;
       }
       case Kind::kFedTopK: {
+        at::Tensor& e = compensate(name, w, d, lr);
         at::Tensor& m = m_[name];
-        at::Tensor& e = v_[name];
-        const auto opts = at::TensorOptions().dtype(at::kFloat);
-        if (!m.defined()) m = at::zeros(w.sizes(), opts);
-        if (!e.defined()) e = at::zeros(w.sizes(), opts);
-        m.mul_(static_cast<float>(momentum_)).add_(d);
-        e.add_(m, lr);
         const int64_t n = e.numel();
         if (n == 0) break;
         const int64_t k = std::min<int64_t>(n, std::max<int64_t>(1, static_cast<int64_t>(std::ceil(ratio_ * n))));
@@ -174,13 +180,7 @@ void ServerOptimizer::step(std::map<std::string, at::Tensor>& weights, const std
         break;
       }
       case Kind::kFedLowRank: {
-        at::Tensor& m = m_[name];
-        at::Tensor& e = v_[name];
-        const auto opts = at::TensorOptions().dtype(at::kFloat);
-        if (!m.defined()) m = at::zeros(w.sizes(), opts);
-        if (!e.defined()) e = at::zeros(w.sizes(), opts);
-        m.mul_(static_cast<float>(momentum_)).add_(d);
-        e.add_(m, lr);
+        at::Tensor& e = compensate(name, w, d, lr);
         const std::vector<int64_t> shape = w.sizes().vec();
         if (!compression::lowrank_compressible(shape, rank_)) {
           w.add_(e);

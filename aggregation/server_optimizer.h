@@ -79,6 +79,9 @@ class ServerOptimizer {
 
  private:
   enum class Kind { kFedAvg, kFedAvgM, kFedAdam, kFedYogi, kFedAdagrad, kFedTopK, kFedLowRank };
+  // fedtopk / fedlowrank: m = momentum·m + d;  e += lr·m (both created as
+  // zeros on the first step); returns e.
+  at::Tensor& compensate(const std::string& name, const at::Tensor& w, const at::Tensor& d, float lr);
   Kind kind_;
   std::string method_;
   std::string spec_;
