@@ -3,7 +3,6 @@
 
 #include <cstdint>
 #include <cstring>
-#include <string>
 
 #include "compression/codec_util.h"
 #include "compression/formats.h"
@@ -36,36 +35,19 @@ class DenseCompressor final : public Compressor {
 }  // namespace
 
 void fill_dense_f32_checked(const Encoded& e, float* out, float weight) {
-  const uint64_t n = static_cast<uint64_t>(e.numel());
-  const uint8_t* bytes = e.values.data();
-  // 4 KiB chunks: scanned from memory, then written from L1. On 25M values
-  // (Zen 4, -O3) this takes 6.6 ms against 9.1 ms for a scan, then an add;
-  // streaming stores and larger chunks measured slower.
-  constexpr uint64_t kChunk = 1024;
-  for (uint64_t b = 0; b < n; b += kChunk) {
-    const uint64_t m = std::min(kChunk, n - b);
-    uint32_t bad = 0;
-    for (uint64_t i = 0; i < m; ++i) {
-      uint32_t u;
-      std::memcpy(&u, bytes + 4 * (b + i), 4);
-      bad |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
-    }
-    if (bad) {
-      std::memset(out, 0, sizeof(float) * b);
-      uint64_t at = b;
-      for (uint64_t i = 0; i < m; ++i) {
-        uint32_t u;
-        std::memcpy(&u, bytes + 4 * (b + i), 4);
-        if ((u & 0x7f800000u) == 0x7f800000u) {
-          at = b + i;
-          break;
-        }
-      }
-      throw NonFiniteError("dense: value " + std::to_string(at) + " is not finite");
-    }
-    const float* v = reinterpret_cast<const float*>(bytes) + b;
-    float* o = out + b;
-    for (uint64_t i = 0; i < m; ++i) o[i] = weight * v[i];
+  // Each 4 KiB block is scanned from memory, then written from L1. On 25M
+  // values (Zen 4, -O3) this takes 6.6 ms against 9.1 ms for a scan, then an
+  // add; streaming stores and larger blocks measured slower.
+  const float* v = reinterpret_cast<const float*>(e.values.data());
+  uint64_t written = 0;
+  try {
+    scan_finite_f32(e.values.data(), static_cast<uint64_t>(e.numel()), "dense", [&](uint64_t begin, uint64_t end) {
+      for (uint64_t i = begin; i < end; ++i) out[i] = weight * v[i];
+      written = end;
+    });
+  } catch (...) {
+    std::memset(out, 0, sizeof(float) * written);
+    throw;
   }
 }
 

@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 
 #include "compression/codec_util.h"
+#include "compression/formats.h"
 #include "core/error.h"
 
 namespace sparrow::compression {
@@ -17,9 +19,10 @@ constexpr int64_t kMaxNumel = int64_t{1} << 40;
 // Non-finite values are found a block at a time: the block's test is a
 // branch-free OR over its exponent bits (vectorised), and only a block that
 // fails is searched for the first bad index. mask: the exponent bits of the
-// format (all set = inf or nan).
-template <typename Bits>
-void check_finite_bits(const uint8_t* bytes, uint64_t n, Bits mask, const char* what) {
+// format (all set = inf or nan). done(begin, end) is called for each block
+// found finite, before the next is read.
+template <typename Bits, typename Done>
+void check_finite_bits(const uint8_t* bytes, uint64_t n, Bits mask, const char* what, Done&& done) {
   constexpr uint64_t kBlock = 1024;
   for (uint64_t b = 0; b < n; b += kBlock) {
     const uint64_t e = std::min(n, b + kBlock);
@@ -29,7 +32,10 @@ void check_finite_bits(const uint8_t* bytes, uint64_t n, Bits mask, const char* 
       std::memcpy(&u, bytes + sizeof(Bits) * i, sizeof(Bits));
       bad |= static_cast<Bits>((u & mask) == mask);
     }
-    if (!bad) continue;
+    if (!bad) {
+      done(b, e);
+      continue;
+    }
     for (uint64_t i = b; i < e; ++i) {
       Bits u;
       std::memcpy(&u, bytes + sizeof(Bits) * i, sizeof(Bits));
@@ -38,13 +44,15 @@ void check_finite_bits(const uint8_t* bytes, uint64_t n, Bits mask, const char* 
   }
 }
 
+constexpr auto kNoBlockAction = [](uint64_t, uint64_t) {};
+
 void check_finite_f32(const uint8_t* bytes, uint64_t n, const char* what) {
-  check_finite_bits<uint32_t>(bytes, n, 0x7f800000u, what);
+  check_finite_bits<uint32_t>(bytes, n, 0x7f800000u, what, kNoBlockAction);
 }
 
 void check_finite_16(const uint8_t* bytes, uint64_t n, ValueType vt, const char* what) {
   // fp16: exponent bits 0x7c00 all set = inf/nan; bf16: 0x7f80.
-  check_finite_bits<uint16_t>(bytes, n, vt == ValueType::kF16 ? 0x7c00 : 0x7f80, what);
+  check_finite_bits<uint16_t>(bytes, n, vt == ValueType::kF16 ? 0x7c00 : 0x7f80, what, kNoBlockAction);
 }
 
 uint64_t values_tag(const Encoded& e, uint64_t n) { return (n << 3) | (static_cast<uint64_t>(e.value_type) + 1); }
@@ -107,6 +115,10 @@ const char* format_name(Format f) {
 }
 
 namespace detail {
+void scan_finite_f32(const uint8_t* bytes, uint64_t n, const char* what,
+                     const std::function<void(uint64_t, uint64_t)>& done) {
+  check_finite_bits<uint32_t>(bytes, n, 0x7f800000u, what, done);
+}
 bool values_known_finite(const Encoded& e, uint64_t n) { return e.values.checked(values_tag(e, n)); }
 void mark_values_finite(const Encoded& e, uint64_t n) { e.values.set_checked(values_tag(e, n)); }
 }  // namespace detail

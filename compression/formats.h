@@ -7,15 +7,23 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
+#include <functional>
+
 #include "compression/compressor.h"
 
 namespace sparrow::compression::detail {
 
 void decode_dense_add(const Encoded& e, float* out, float weight);
-// out = weight · values of a dense fp32 e, each chunk scanned for non-finite
+// out = weight · values of a dense fp32 e, each block scanned for non-finite
 // values before it is written; on one, out[0, written) is zeroed again and
-// FormatError is thrown. (decode_fill's fused path; size already validated.)
+// NonFiniteError is thrown. (decode_fill's fused path; size already validated.)
 void fill_dense_f32_checked(const Encoded& e, float* out, float weight);
+// validate()'s finiteness scan of n fp32 values (encoded.cc), a block of 1,024
+// at a time, calling done(begin, end) after each block found finite; throws
+// NonFiniteError naming the first non-finite value.
+void scan_finite_f32(const uint8_t* bytes, uint64_t n, const char* what,
+                     const std::function<void(uint64_t, uint64_t)>& done);
 void decode_sparse_add(const Encoded& e, float* out, float weight, const Context& ctx);
 void decode_quantized_add(const Encoded& e, float* out, float weight);                        // qsgd.cc
 void decode_ternary_add(const Encoded& e, float* out, float weight);                          // terngrad.cc
