@@ -1,10 +1,9 @@
-// acp:rank=r[,ef=0|1] — ACP-SGD (Zhang, Zhang, Shi, Chu, Li, "Evaluation and
-// optimization of gradient compression for distributed deep learning", ICDCS
-// 2023; code lzhangbv/acpsgd). Alternating compressed power iteration: each
-// round a client sends one factor against the aggregator's shared, orthonormal
-// other factor, so the aggregate is a plain (weighted) sum of factors and one
-// round trip suffices. Error feedback is local, E = (M + E) − P·Qᵀ with the
-// factor this client sent (as in acpsgd.py). The aggregator side is in lowrank.h.
+// acp:rank=r[,ef=0|1][,values=fp32|fp16|bf16|int8][,decay=D,max_age=A] — ACP-SGD (Zhang, Zhang, Shi, Chu, Li,
+// "Evaluation and optimization of gradient compression for distributed deep learning", ICDCS 2023; code
+// lzhangbv/acpsgd). Alternating compressed power iteration: each round a client sends one factor against the
+// aggregator's shared, orthonormal other factor, so the aggregate is a plain (weighted) sum of factors and one round
+// trip suffices. Error feedback is local, E = (M + E) − P·Qᵀ with the factor this client sent (as in acpsgd.py), as the
+// aggregator decodes it (values= other than fp32 rounds it: protocol 1.4). The aggregator side is in lowrank.h.
 #include <ATen/ATen.h>
 
 #include <cstring>
@@ -55,7 +54,8 @@ void expand_add(const at::Tensor& f, const at::Tensor& s, int which, int64_t row
 
 class AcpCompressor final : public Compressor {
  public:
-  AcpCompressor(int64_t rank, bool ef, detail::StalePolicy stale) : rank_(rank), ef_(ef), stale_(stale) {}
+  AcpCompressor(int64_t rank, bool ef, detail::StalePolicy stale, ValueType vt)
+      : rank_(rank), ef_(ef), stale_(stale), vt_(vt) {}
   std::string method() const override { return "acp"; }
 
   Encoded encode(const at::Tensor& x_in, State& state, const Context& ctx) const override {
@@ -87,7 +87,12 @@ class AcpCompressor final : public Compressor {
     } else {
       detail::skinny_mm_t(src, add, res, n, m, s.data_ptr<float>(), r, f.data_ptr<float>());  // Q = M'ᵀ·P̂
     }
-    if (ef_) {  // E = M' − P·Q̂ᵀ or M' − P̂·Qᵀ
+    e.format = Format::kLowRankFactor;
+    e.value_type = vt_;
+    e.params = {static_cast<uint32_t>(n), static_cast<uint32_t>(m), static_cast<uint32_t>(r),
+                static_cast<uint32_t>(which)};
+    detail::pack_factor(f, vt_, e);  // f is now what the aggregator decodes
+    if (ef_) {                       // E = M' − P·Q̂ᵀ or M' − P̂·Qᵀ
       if (which == 0) {
         detail::rank_update(res, n, m, f.data_ptr<float>(), s.data_ptr<float>(), r, -1.0f);
       } else {
@@ -95,11 +100,6 @@ class AcpCompressor final : public Compressor {
       }
     }
     ++state.step;
-
-    e.format = Format::kLowRankFactor;
-    e.params = {static_cast<uint32_t>(n), static_cast<uint32_t>(m), static_cast<uint32_t>(r),
-                static_cast<uint32_t>(which)};
-    detail::pack_values(f.data_ptr<float>(), static_cast<uint64_t>(f.numel()), ValueType::kF32, e.values);
     return e;
   }
 
@@ -107,6 +107,7 @@ class AcpCompressor final : public Compressor {
   int64_t rank_;
   bool ef_;
   detail::StalePolicy stale_;
+  ValueType vt_;
 };
 
 }  // namespace
@@ -145,7 +146,7 @@ at::Tensor acp_factor(const Encoded& e) {
   SPARROW_CHECK_T(FormatError, e.format == Format::kLowRankFactor,
                   "acp: expected a low-rank factor, got format " << format_name(e.format));
   const int64_t k = e.params[3] == 0 ? e.params[0] : e.params[1];
-  return detail::factor_from_bytes(e.values.data(), k, e.params[2]);
+  return detail::factor_of(e, 0, k, e.params[2]);
 }
 
 void acp_add_factor(const Encoded& e, int64_t round, at::Tensor& acc, float weight) {
@@ -217,7 +218,7 @@ void decode_factor_add(const Encoded& e, at::Tensor& out, float weight, const Co
   const int64_t rows = e.params[0], cols = e.params[1], r = e.params[2];
   const int which = static_cast<int>(e.params[3]);
   const at::Tensor s = shared_for(ctx, rows, cols, r, which, "acp decode");
-  const at::Tensor f = factor_from_bytes(e.values.data(), which == 0 ? rows : cols, r);
+  const at::Tensor f = factor_of(e, 0, which == 0 ? rows : cols, r);
   expand_add(f, s, which, rows, cols, out, weight);
 }
 
@@ -229,7 +230,8 @@ void register_acp() {
     const bool ef = spec.get_bool("ef", true);
     const detail::StalePolicy stale = detail::parse_stale_policy(spec, "acp");
     SPARROW_CHECK_T(ConfigError, ef || !stale.active(), "acp: decay/max_age act on the residual: they need ef=1");
-    return std::make_unique<AcpCompressor>(rank, ef, stale);
+    const ValueType vt = detail::parse_factor_values(spec, "acp");
+    return std::make_unique<AcpCompressor>(rank, ef, stale, vt);
   });
 }
 

@@ -205,12 +205,18 @@ void validate(const Encoded& e, ValueCheck check) {
       SPARROW_CHECK_T(FormatError, rows * cols == n,
                       what << ": " << rows << "x" << cols << " does not match numel " << n);
       SPARROW_CHECK_T(FormatError, rank >= 1 && rank <= rows && rank <= cols, what << ": bad rank " << rank);
-      SPARROW_CHECK_T(FormatError, e.value_type == ValueType::kF32, what << ": factors must be fp32");
+      // fp32 since 1.0; fp16, bf16 and int8 (one scale per factor column) since 1.4.
+      SPARROW_CHECK_T(FormatError,
+                      e.value_type == ValueType::kF32 || e.value_type == ValueType::kF16 ||
+                          e.value_type == ValueType::kBF16 || e.value_type == ValueType::kInt8,
+                      what << ": factors must be fp32, fp16, bf16 or int8");
       uint64_t floats = (rows + cols) * rank;
       if (factor) {
         SPARROW_CHECK_T(FormatError, e.params[3] <= 1, what << ": factor selector must be 0 (P) or 1 (Q)");
         floats = (e.params[3] == 0 ? rows : cols) * rank;
       }
+      check_scales(e, e.value_type == ValueType::kInt8 ? (factor ? 1 : 2) * rank : 0, what);
+      for (float s : e.scales) SPARROW_CHECK_T(FormatError, s >= 0.0f, what << ": negative scale");
       check_values(e, floats, what);
       return;
     }

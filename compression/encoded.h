@@ -33,15 +33,19 @@ enum class Format : uint8_t {
   // 1-bit sign. scales[0] = magnitude; values = 1 bit per element (1 = negative).
   kSign = 4,
   // PowerSGD. params = {rows n, cols m, rank r}; values = P (n×r) then Q (m×r),
-  // fp32 row-major. Decodes to P·Qᵀ reshaped to `shape`.
+  // row-major, of value_type kF32, or since protocol 1.4 kF16, kBF16 or kInt8
+  // (kInt8: scales = one per column of P, then one per column of Q; value at
+  // (i, j) = q · scale[j]). Decodes to P·Qᵀ reshaped to `shape`.
   kLowRank = 5,
   // ACP-SGD, one factor. params = {rows n, cols m, rank r, which (0 = P, 1 = Q)};
-  // values = that factor, fp32 row-major. Decoding needs the other factor, the
-  // aggregator's shared one, from Context::shared_factor.
+  // values = that factor, row-major, value types as kLowRank (kInt8: r scales).
+  // Decoding needs the other factor, the aggregator's shared one, from
+  // Context::shared_factor.
   kLowRankFactor = 6,
 };
 
-// kInt8 (protocol 1.2): sparse only, symmetric 8-bit codes q in [-127, 127], value = q · scales[0].
+// kInt8 (protocol 1.2): symmetric 8-bit codes q in [-127, 127], value = q · scale: sparse
+// (scales[0]; kMask: see below) and, since 1.4, low-rank factors (one scale per column).
 enum class ValueType : uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2, kSign = 3, kInt8 = 4 };
 
 enum class IndexCoding : uint8_t {

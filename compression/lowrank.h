@@ -37,6 +37,7 @@
 
 #include "compression/compressor.h"
 #include "compression/encoded.h"
+#include "core/spec.h"
 
 namespace sparrow::compression {
 
@@ -112,8 +113,17 @@ namespace sparrow::compression::detail {
 // rng::normal(key, i·r + j) and the whole matrix orthonormalised again.
 // Returns the number of columns still zero afterwards (normally 0).
 int64_t orthonormalize_refill(at::Tensor& m, uint64_t key);
-// Copies k·r fp32 values (row-major) into a new {k, r} tensor.
-at::Tensor factor_from_bytes(const uint8_t* bytes, int64_t k, int64_t r);
+// Factor `part` of a validated low-rank e as a new {k, r} fp32 tensor: part 0
+// is P (kLowRank) or the one factor (kLowRankFactor), part 1 is Q (kLowRank),
+// which follows P's rows·r values. Unpacks e.value_type: fp32, fp16, bf16, or
+// int8 with one scale per factor column (e.scales: P's r, then Q's r).
+at::Tensor factor_of(const Encoded& e, int part, int64_t k, int64_t r);
+// Appends factor f ({k, r} fp32, contiguous) to e.values in type vt (kInt8: its
+// r column scales max|column| / 127 to e.scales) and overwrites f with what a
+// receiver decodes, so error feedback keeps the rounding. vt: kF32, kF16, kBF16, kInt8.
+void pack_factor(at::Tensor& f, ValueType vt, Encoded& e);
+// The value types a factor may travel in (spec key values=), fp32 by default.
+ValueType parse_factor_values(Spec& spec, const char* method);
 // Registers "acp" (acp.cc); called by register_lowrank() in powersgd.cc.
 void register_acp();
 

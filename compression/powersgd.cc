@@ -1,5 +1,7 @@
-// powersgd:rank=r[,warm_start=0|1][,ef=0|1] — PowerSGD (Vogels, Karimireddy,
-// Jaggi, NeurIPS 2019), one power-iteration step per encode.
+// powersgd:rank=r[,warm_start=0|1][,ef=0|1][,values=fp32|fp16|bf16|int8][,iters=N]
+// — PowerSGD (Vogels, Karimireddy, Jaggi, NeurIPS 2019), one power-iteration step
+// per encode (iters=N: N steps, the wire unchanged). values= sets the factors' type on the wire (protocol 1.4 for all
+// but fp32; int8 with one scale per factor column); the rounding stays in E.
 //
 // This is PyTorch's powerSGD_hook with the all-reduces removed (N = 1): in
 // federated learning each client sends both of its own factors in one message,
@@ -258,16 +260,61 @@ void rank_update(float* a, int64_t n, int64_t m, const float* p, const float* q,
   });
 }
 
-at::Tensor factor_from_bytes(const uint8_t* bytes, int64_t k, int64_t r) {
+at::Tensor factor_of(const Encoded& e, int part, int64_t k, int64_t r) {
   at::Tensor f = at::empty({k, r}, at::TensorOptions().dtype(at::kFloat));
-  if (k > 0 && r > 0) std::memcpy(f.data_ptr<float>(), bytes, static_cast<size_t>(k * r) * sizeof(float));
+  if (k <= 0 || r <= 0) return f;
+  const uint64_t n = static_cast<uint64_t>(k * r);
+  const uint64_t first = part == 0 ? 0 : static_cast<uint64_t>(e.params[0]) * static_cast<uint64_t>(r);
+  float* a = f.data_ptr<float>();
+  if (e.value_type != ValueType::kInt8) {
+    unpack_values(e.values.data() + value_bytes(e.value_type, first), n, e.value_type, 0.0f, a);
+    return f;
+  }
+  const float* scale = e.scales.data() + static_cast<size_t>(part) * static_cast<size_t>(r);
+  const auto* q = reinterpret_cast<const int8_t*>(e.values.data() + first);
+  for (int64_t i = 0; i < k; ++i)
+    for (int64_t j = 0; j < r; ++j) a[i * r + j] = static_cast<float>(q[i * r + j]) * scale[j];
   return f;
+}
+
+void pack_factor(at::Tensor& f, ValueType vt, Encoded& e) {
+  const int64_t k = f.size(0), r = f.size(1);
+  const uint64_t n = static_cast<uint64_t>(k * r);
+  float* a = f.data_ptr<float>();
+  const size_t base = e.values.size();
+  if (vt != ValueType::kInt8) {
+    pack_values(a, n, vt, e.values);
+    if (vt != ValueType::kF32) unpack_values(e.values.data() + base, n, vt, 0.0f, a);
+    return;
+  }
+  std::vector<float> scale(static_cast<size_t>(r), 0.0f);
+  for (int64_t i = 0; i < k; ++i)
+    for (int64_t j = 0; j < r; ++j) scale[j] = std::max(scale[j], std::fabs(a[i * r + j]));
+  for (float& s : scale) s /= 127.0f;
+  e.values.resize_uninitialized(base + n);
+  auto* q = reinterpret_cast<int8_t*>(e.values.data() + base);
+  for (int64_t i = 0; i < k; ++i) {
+    for (int64_t j = 0; j < r; ++j) {
+      const float s = scale[j];
+      const float v = s > 0.0f ? std::nearbyint(std::clamp(a[i * r + j] / s, -127.0f, 127.0f)) : 0.0f;
+      q[i * r + j] = static_cast<int8_t>(v);
+      a[i * r + j] = v * s;
+    }
+  }
+  e.scales.insert(e.scales.end(), scale.begin(), scale.end());
+}
+
+ValueType parse_factor_values(Spec& spec, const char* method) {
+  const std::string text = spec.get_string("values", "fp32");
+  SPARROW_CHECK_T(ConfigError, text == "fp32" || text == "fp16" || text == "bf16" || text == "int8",
+                  method << ": values='" << text << "' is not one of fp32, fp16, bf16, int8");
+  return parse_value_type(text);
 }
 
 void decode_lowrank_add(const Encoded& e, at::Tensor& out, float weight) {
   const int64_t rows = e.params[0], cols = e.params[1], r = e.params[2];
-  const at::Tensor p = factor_from_bytes(e.values.data(), rows, r);
-  const at::Tensor q = factor_from_bytes(e.values.data() + rows * r * sizeof(float), cols, r);
+  const at::Tensor p = factor_of(e, 0, rows, r);
+  const at::Tensor q = factor_of(e, 1, cols, r);
   rank_update(out.data_ptr<float>(), rows, cols, p.data_ptr<float>(), q.data_ptr<float>(), r, weight);
 }
 
@@ -275,7 +322,8 @@ namespace {
 
 class PowerSgdCompressor final : public Compressor {
  public:
-  PowerSgdCompressor(int64_t rank, bool warm_start, bool ef) : rank_(rank), warm_start_(warm_start), ef_(ef) {}
+  PowerSgdCompressor(int64_t rank, bool warm_start, bool ef, ValueType vt, int64_t iters)
+      : rank_(rank), warm_start_(warm_start), ef_(ef), vt_(vt), iters_(iters) {}
   std::string method() const override { return "powersgd"; }
 
   Encoded encode(const at::Tensor& x_in, State& state, const Context& ctx) const override {
@@ -315,14 +363,25 @@ class PowerSgdCompressor final : public Compressor {
       detail::skinny_mm(xp, nullptr, nullptr, n, m, q.data_ptr<float>(), r, p.data_ptr<float>());
     }
     orthonormalize_columns(p);
-    q = at::empty({m, r}, at::TensorOptions().dtype(at::kFloat));  // Q = M'ᵀ P
-    detail::skinny_mm_t(mc, nullptr, nullptr, n, m, p.data_ptr<float>(), r, q.data_ptr<float>());
-
+    // iters > 1: more power steps on M' before the final Q, for a P closer to
+    // M's top-r left singular space (a client's warm-start Q is from the last
+    // round it took part in, and in FL that is usually many rounds ago).
+    for (int64_t it = 1; it < iters_; ++it) {
+      detail::skinny_mm_t(mc, nullptr, nullptr, n, m, p.data_ptr<float>(), r, q.data_ptr<float>());
+      detail::orthonormalize_refill(q, tensor_key(ctx));
+      detail::skinny_mm(mc, nullptr, nullptr, n, m, q.data_ptr<float>(), r, p.data_ptr<float>());
+      orthonormalize_columns(p);
+    }
     e.format = Format::kLowRank;
+    e.value_type = vt_;
     e.params = {static_cast<uint32_t>(n), static_cast<uint32_t>(m), static_cast<uint32_t>(r)};
-    e.values.reserve(static_cast<size_t>((n + m) * r) * sizeof(float));
-    pack_values(p.data_ptr<float>(), static_cast<uint64_t>(n * r), ValueType::kF32, e.values);
-    pack_values(q.data_ptr<float>(), static_cast<uint64_t>(m * r), ValueType::kF32, e.values);
+    e.values.reserve(value_bytes(vt_, static_cast<uint64_t>((n + m) * r)));
+    // P as the receiver will see it (rounded to vt_), then Q = M'ᵀ P̃ against
+    // that P̃, so Q absorbs P's rounding; E = M' − P̃·Q̃ᵀ keeps the rest.
+    pack_factor(p, vt_, e);
+    q = at::empty({m, r}, at::TensorOptions().dtype(at::kFloat));
+    detail::skinny_mm_t(mc, nullptr, nullptr, n, m, p.data_ptr<float>(), r, q.data_ptr<float>());
+    pack_factor(q, vt_, e);
 
     if (ef_) detail::rank_update(res, n, m, p.data_ptr<float>(), q.data_ptr<float>(), r, -1.0f);  // E = M' − P·Qᵀ
     if (warm_start_) {
@@ -337,6 +396,8 @@ class PowerSgdCompressor final : public Compressor {
   int64_t rank_;
   bool warm_start_;
   bool ef_;
+  ValueType vt_;
+  int64_t iters_;
 };
 
 }  // namespace
@@ -348,7 +409,10 @@ void register_lowrank() {
     SPARROW_CHECK_T(ConfigError, rank >= 1, "powersgd: rank must be >= 1, got " << rank);
     const bool warm_start = spec.get_bool("warm_start", true);
     const bool ef = spec.get_bool("ef", true);
-    return std::make_unique<PowerSgdCompressor>(rank, warm_start, ef);
+    const ValueType vt = parse_factor_values(spec, "powersgd");
+    const int64_t iters = spec.get_int("iters", 1);
+    SPARROW_CHECK_T(ConfigError, iters >= 1 && iters <= 16, "powersgd: iters must be in [1, 16], got " << iters);
+    return std::make_unique<PowerSgdCompressor>(rank, warm_start, ef, vt, iters);
   });
   register_acp();
 }

@@ -604,3 +604,147 @@ TEST_CASE("acp: next shared factor refills vanished columns") {
   CHECK(orth_defect(sg) < 1e-5);
   CHECK(at::mm(sg.t(), sg).diagonal().min().item<float>() > 0.99f);
 }
+
+// ---- factors in 16 or 8 bits (protocol 1.4) -------------------------------------
+
+TEST_CASE("powersgd/acp: values= sends the factors in fp16, bf16 or int8, the rounding kept in E") {
+  at::manual_seed(23);
+  const at::Tensor x = decaying_matrix(96, 40, 0.7, 23);
+  struct Want {
+    const char* values;
+    ValueType vt;
+    size_t bytes_per_value;
+    double max_rel;  // of one factor's decode against the fp32 encode's
+  };
+  for (const Want w : {Want{"fp16", ValueType::kF16, 2, 2e-3}, Want{"bf16", ValueType::kBF16, 2, 1.5e-2},
+                       Want{"int8", ValueType::kInt8, 1, 4e-2}}) {
+    for (const char* method : {"powersgd", "acp"}) {
+      CAPTURE(w.values);
+      CAPTURE(method);
+      const std::string base = std::string(method) + ":rank=3";
+      auto c32 = make_compressor(base);
+      auto c = make_compressor(base + ",values=" + w.values);
+      State s32, s;
+      const Context ctx = named("q");
+      const Encoded e32 = c32->encode(x, s32, ctx);
+      const Encoded e = c->encode(x, s, ctx);
+      CHECK(e.format == e32.format);
+      CHECK(e.value_type == w.vt);
+      CHECK(e.params == e32.params);
+      const uint64_t n = e32.values.size() / 4;
+      CHECK(e.values.size() == n * w.bytes_per_value);
+      // int8: one scale per column of each factor sent (P and Q: 2r; ACP: r).
+      CHECK(e.scales.size() == (w.vt == ValueType::kInt8 ? (method[0] == 'p' ? 6u : 3u) : 0u));
+      CHECK_NOTHROW(validate(e));
+      const at::Tensor d = decode(e, ctx), d32 = decode(e32, ctx);
+      CHECK(rel_err(d, d32) < w.max_rel);
+      // Error feedback keeps exactly what the receiver did not get: x = decode + E.
+      CHECK(rel_err(d + s.tensors.at("residual"), x) < 1e-5);
+      // A later step starts from that residual; state round-trips as before.
+      State restored = State::deserialize(s.serialize());
+      const at::Tensor x2 = at::randn({96, 40});
+      CHECK(c->encode(x2, s, ctx).values == c->encode(x2, restored, ctx).values);
+    }
+  }
+}
+
+TEST_CASE("powersgd/acp: int8 factors keep small columns (one scale per column)") {
+  // Singular values 1 and 1e-3: with one scale per factor the second column of
+  // Q would round to zero; with one per column it keeps 8 bits of its own.
+  at::manual_seed(29);
+  at::Tensor u = std::get<0>(at::linalg_qr(at::randn({64, 2})));
+  at::Tensor v = std::get<0>(at::linalg_qr(at::randn({48, 2})));
+  const at::Tensor x = at::mm(u * at::tensor({1.0f, 1e-3f}), v.t()).contiguous();
+  State s;
+  auto c = make_compressor("powersgd:rank=2,values=int8,warm_start=0");
+  // x has rank 2, so one power step from the seeded Q finds both directions.
+  const Encoded e = c->encode(x, s, named("cols"));
+  REQUIRE(e.scales.size() == 4);
+  const float q0 = e.scales[2], q1 = e.scales[3];  // Q's two column scales
+  CHECK(q1 > 0.0f);
+  CHECK(q1 < 1e-2f * q0);
+  CHECK(rel_err(decode(e), x) < 0.05);
+}
+
+TEST_CASE("powersgd/acp: malformed 1.4 factors are FormatErrors") {
+  at::manual_seed(31);
+  const at::Tensor x = at::randn({32, 16});
+  for (const char* spec : {"powersgd:rank=2,values=int8", "acp:rank=2,values=int8"}) {
+    CAPTURE(spec);
+    State s;
+    const Encoded e = make_compressor(spec)->encode(x, s, named("m"));
+    Encoded bad = e;
+    bad.scales.pop_back();  // a column without its scale
+    CHECK_THROWS_AS(validate(bad), sparrow::FormatError);
+    bad = e;
+    bad.scales[0] = -1.0f;
+    CHECK_THROWS_AS(validate(bad), sparrow::FormatError);
+    bad = e;
+    bad.scales[0] = std::nanf("");
+    CHECK_THROWS_AS(validate(bad), sparrow::FormatError);
+    bad = e;
+    bad.values.resize(bad.values.size() - 1);
+    CHECK_THROWS_AS(validate(bad), sparrow::FormatError);
+    bad = e;
+    bad.value_type = ValueType::kSign;  // not a factor type
+    CHECK_THROWS_AS(validate(bad), sparrow::FormatError);
+  }
+  State s;
+  Encoded h = make_compressor("powersgd:rank=2,values=fp16")->encode(x, s, named("m"));
+  Encoded bad = h;
+  bad.scales = {1.0f};  // fp16 factors carry no scales
+  CHECK_THROWS_AS(validate(bad), sparrow::FormatError);
+  bad = h;
+  const uint16_t inf16 = 0x7c00;
+  std::memcpy(bad.values.data(), &inf16, 2);
+  CHECK_THROWS_AS(validate(bad), sparrow::FormatError);
+  for (const char* cfg : {"powersgd:rank=2,values=sign", "acp:rank=2,values=fp8", "powersgd:rank=2,values="}) {
+    CAPTURE(cfg);
+    CHECK_THROWS_AS(make_compressor(cfg), sparrow::ConfigError);
+  }
+}
+
+TEST_CASE("acp: int8 factors aggregate linearly, as the clients' decodes") {
+  at::manual_seed(37);
+  const std::vector<int64_t> shape{48, 20};
+  const LowRankDims d = lowrank_dims(shape, 3);
+  auto c = make_compressor("acp:rank=3,values=int8");
+  for (int64_t round : {0, 1}) {
+    CAPTURE(round);
+    Context ctx = named("lin8");
+    ctx.round = round;
+    ctx.shared_factor = acp_next_shared(at::randn(acp_shared_shape(d, round)));
+    at::Tensor sum_dec = at::zeros(shape);
+    at::Tensor sum_f = at::zeros(acp_sent_shape(d, round));
+    for (float w : {0.5f, 2.0f, 1.0f}) {
+      State s;
+      const Encoded e = c->encode(at::randn(shape), s, ctx);
+      decode_add(e, sum_dec, w, ctx);
+      acp_add_factor(e, round, sum_f, w);
+    }
+    CHECK(rel_err(acp_update(sum_f, ctx.shared_factor, round, shape), sum_dec) < 1e-5);
+  }
+}
+
+TEST_CASE("powersgd: iters=N runs N power steps per encode, closer to the best rank-r approximation") {
+  const at::Tensor x = decaying_matrix(120, 80, 0.6, 41);
+  const double best = best_rank_error(x, 3) / x.norm().item<double>();
+  double prev = 1e9;
+  for (int iters : {1, 2, 8}) {
+    CAPTURE(iters);
+    State s;
+    const Encoded e =
+        make_compressor("powersgd:rank=3,warm_start=0,iters=" + std::to_string(iters))->encode(x, s, named("it"));
+    CHECK(e.values.size() == (120 + 80) * 3 * 4);  // the wire is the same
+    const double err = rel_err(decode(e), x);
+    MESSAGE("iters " << iters << ": rel error " << err << " (best rank 3: " << best << ")");
+    CHECK(err < prev);
+    CHECK(rel_err(decode(e) + s.tensors.at("residual"), x) < 1e-5);
+    prev = err;
+  }
+  CHECK(prev < 1.01 * best);
+  for (const char* bad : {"powersgd:rank=2,iters=0", "powersgd:rank=2,iters=17", "acp:rank=2,iters=2"}) {
+    CAPTURE(bad);
+    CHECK_THROWS_AS(make_compressor(bad), sparrow::ConfigError);
+  }
+}

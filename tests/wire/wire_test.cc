@@ -132,12 +132,31 @@ Encoded lowrank_tensor() {  // 2x3, rank 1: P (2x1) then Q (3x1)
   return e;
 }
 
+// Protocol 1.4: the same 2x3 rank-1 product with int8 factors, one scale per
+// factor column: P = [1, 2] as q = [64, 127] with scale 2/127, Q = [3, 4, 5] as
+// q = [76, 102, 127] with scale 5/127.
+Encoded lowrank_int8_tensor() {
+  Encoded e = lowrank_tensor();
+  e.value_type = ValueType::kInt8;
+  e.scales = {2.0f / 127, 5.0f / 127};
+  e.values = {64, 127, 76, 102, 127};  // round(v / scale)
+  return e;
+}
+
 Encoded factor_tensor() {  // 2x3, rank 1, the Q factor (3x1)
   Encoded e;
   e.format = Format::kLowRankFactor;
   e.shape = {2, 3};
   e.params = {2, 3, 1, 1};
   e.values = f32_bytes({1, 2, 3});
+  return e;
+}
+
+// Protocol 1.4: the ACP factor in fp16.
+Encoded factor_fp16_tensor() {
+  Encoded e = factor_tensor();
+  e.value_type = ValueType::kF16;
+  e.values = {0x00, 0x3c, 0x00, 0x40, 0x00, 0x42};  // 1, 2, 3
   return e;
 }
 
@@ -474,6 +493,8 @@ TEST_CASE("wire: every format round trips field for field") {
                                     {"ternary", ternary_tensor()},
                                     {"lowrank", lowrank_tensor()},
                                     {"factor", factor_tensor()},
+                                    {"lowrank_int8", lowrank_int8_tensor()},
+                                    {"factor_fp16", factor_fp16_tensor()},
                                     {"masked", masked_tensor()}},
                                    {{"loss", 0.5}, {"seconds", 12.0}});
   const std::string bytes = serialize(m);
@@ -684,6 +705,10 @@ TEST_CASE("wire: the worked examples of docs/protocol.md hold") {
   const float m = 0.125f;
   CHECK(values(sign_tensor()) == std::vector<float>{-m, m, -m, m, m, -m, m, -m, -m, m});
   CHECK(values(lowrank_tensor()) == std::vector<float>{3, 4, 5, 6, 8, 10});
+  const std::vector<float> q8 = values(lowrank_int8_tensor());
+  const std::vector<float> want8{3, 4, 5, 6, 8, 10};
+  REQUIRE(q8.size() == want8.size());
+  for (size_t i = 0; i < q8.size(); ++i) CHECK(q8[i] == doctest::Approx(want8[i]).epsilon(0.02));
 
   // The counter RNG.
   CHECK(rng::at(0, 0) == 0xe220a8397b1dcdafull);
