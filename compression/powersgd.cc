@@ -1,7 +1,10 @@
-// powersgd:rank=r[,warm_start=0|1][,ef=0|1][,values=fp32|fp16|bf16|int8][,iters=N]
-// — PowerSGD (Vogels, Karimireddy, Jaggi, NeurIPS 2019), one power-iteration step
-// per encode (iters=N: N steps, the wire unchanged). values= sets the factors' type on the wire (protocol 1.4 for all
-// but fp32; int8 with one scale per factor column); the rounding stays in E.
+// powersgd:rank=r[,warm_start=0|1][,ef=0|1][,values=fp32|fp16|bf16|int8]
+//          [,iters=N][,decay=D,max_age=A]
+// PowerSGD (Vogels, Karimireddy, Jaggi, NeurIPS 2019), one power-iteration step
+// per encode (iters=N: N steps, the wire unchanged). values= sets the factors'
+// type on the wire (protocol 1.4 for all but fp32; int8 with one scale per
+// factor column); the rounding stays in E. decay/max_age age the residual of a
+// client that skipped rounds (codec_util.h's StalePolicy).
 //
 // This is PyTorch's powerSGD_hook with the all-reduces removed (N = 1): in
 // federated learning each client sends both of its own factors in one message,
@@ -322,8 +325,8 @@ namespace {
 
 class PowerSgdCompressor final : public Compressor {
  public:
-  PowerSgdCompressor(int64_t rank, bool warm_start, bool ef, ValueType vt, int64_t iters)
-      : rank_(rank), warm_start_(warm_start), ef_(ef), vt_(vt), iters_(iters) {}
+  PowerSgdCompressor(int64_t rank, bool warm_start, bool ef, ValueType vt, int64_t iters, detail::StalePolicy stale)
+      : rank_(rank), warm_start_(warm_start), ef_(ef), vt_(vt), iters_(iters), stale_(stale) {}
   std::string method() const override { return "powersgd"; }
 
   Encoded encode(const at::Tensor& x_in, State& state, const Context& ctx) const override {
@@ -352,6 +355,7 @@ class PowerSgdCompressor final : public Compressor {
       q = acp_initial_factor(ctx, n, m, r, 1);
     }
 
+    if (ef_) detail::age_state(state, ctx, stale_, {"residual"});
     // M' = M + E is built in the residual slot during the first product's pass.
     const float* xp = x.data_ptr<float>();
     float* res = ef_ ? detail::residual_data(state, x) : nullptr;
@@ -398,6 +402,7 @@ class PowerSgdCompressor final : public Compressor {
   bool ef_;
   ValueType vt_;
   int64_t iters_;
+  detail::StalePolicy stale_;
 };
 
 }  // namespace
@@ -412,7 +417,9 @@ void register_lowrank() {
     const ValueType vt = parse_factor_values(spec, "powersgd");
     const int64_t iters = spec.get_int("iters", 1);
     SPARROW_CHECK_T(ConfigError, iters >= 1 && iters <= 16, "powersgd: iters must be in [1, 16], got " << iters);
-    return std::make_unique<PowerSgdCompressor>(rank, warm_start, ef, vt, iters);
+    const detail::StalePolicy stale = detail::parse_stale_policy(spec, "powersgd");
+    SPARROW_CHECK_T(ConfigError, ef || !stale.active(), "powersgd: decay/max_age act on the residual: they need ef=1");
+    return std::make_unique<PowerSgdCompressor>(rank, warm_start, ef, vt, iters, stale);
   });
   register_acp();
 }

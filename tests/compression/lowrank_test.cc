@@ -444,33 +444,36 @@ TEST_CASE("acp: rounds alternate between P and Q") {
   CHECK(acp_shared_shape(d, 1) == std::vector<int64_t>{40, 2});
 }
 
-TEST_CASE("acp: decay ages the residual of a client that skipped rounds") {
-  at::manual_seed(21);
-  const at::Tensor x = at::randn({40, 24}), y = at::randn({40, 24});
-  auto plain = make_compressor("acp:rank=2");
-  auto decayed = make_compressor("acp:rank=2,decay=0.5");
-  auto reset = make_compressor("acp:rank=2,max_age=1");
-  Context ctx = named("a");
-  ctx.round = 0;
-  State a, b, c;
-  plain->encode(x, a, ctx);
-  decayed->encode(x, b, ctx);
-  reset->encode(x, c, ctx);
-  REQUIRE(at::equal(a.tensors.at("residual"), b.tensors.at("residual")));
-  REQUIRE(at::sum(at::abs(a.tensors.at("residual"))).item<double>() > 0);
-  // Back in round 4 after skipping rounds 1 to 3 (the same parity of round):
-  // decay=0.5 multiplies the residual by 0.5^3 first, max_age=1 zeroes it.
-  ctx.round = 4;
-  State manual = State::deserialize(a.serialize());  // deep copies
-  manual.tensors.at("residual").mul_(0.125);
-  State zeroed = State::deserialize(a.serialize());
-  zeroed.tensors.at("residual").zero_();
-  State fresh = State::deserialize(zeroed.serialize());
-  CHECK(decayed->encode(y, b, ctx).values == plain->encode(y, manual, ctx).values);
-  CHECK(reset->encode(y, c, ctx).values == plain->encode(y, zeroed, ctx).values);
-  CHECK_FALSE(plain->encode(y, a, ctx).values == plain->encode(y, fresh, ctx).values);
-  CHECK_THROWS_AS(make_compressor("acp:rank=2,ef=0,decay=0.5"), sparrow::ConfigError);
-  CHECK_THROWS_AS(make_compressor("acp:rank=2,decay=1.5"), sparrow::ConfigError);
+TEST_CASE("acp/powersgd: decay ages the residual of a client that skipped rounds") {
+  for (const std::string method : {"acp", "powersgd"}) {
+    CAPTURE(method);
+    at::manual_seed(21);
+    const at::Tensor x = at::randn({40, 24}), y = at::randn({40, 24});
+    auto plain = make_compressor(method + ":rank=2");
+    auto decayed = make_compressor(method + ":rank=2,decay=0.5");
+    auto reset = make_compressor(method + ":rank=2,max_age=1");
+    Context ctx = named("a");
+    ctx.round = 0;
+    State a, b, c;
+    plain->encode(x, a, ctx);
+    decayed->encode(x, b, ctx);
+    reset->encode(x, c, ctx);
+    REQUIRE(at::equal(a.tensors.at("residual"), b.tensors.at("residual")));
+    REQUIRE(at::sum(at::abs(a.tensors.at("residual"))).item<double>() > 0);
+    // Back in round 4 after skipping rounds 1 to 3 (for acp the same parity of
+    // round): decay=0.5 multiplies the residual by 0.5^3 first, max_age=1 zeroes it.
+    ctx.round = 4;
+    State manual = State::deserialize(a.serialize());  // deep copies
+    manual.tensors.at("residual").mul_(0.125);
+    State zeroed = State::deserialize(a.serialize());
+    zeroed.tensors.at("residual").zero_();
+    State fresh = State::deserialize(zeroed.serialize());
+    CHECK(decayed->encode(y, b, ctx).values == plain->encode(y, manual, ctx).values);
+    CHECK(reset->encode(y, c, ctx).values == plain->encode(y, zeroed, ctx).values);
+    CHECK_FALSE(plain->encode(y, a, ctx).values == plain->encode(y, fresh, ctx).values);
+    CHECK_THROWS_AS(make_compressor(method + ":rank=2,ef=0,decay=0.5"), sparrow::ConfigError);
+    CHECK_THROWS_AS(make_compressor(method + ":rank=2,decay=1.5"), sparrow::ConfigError);
+  }
 }
 
 TEST_CASE("acp: a wrong shared factor throws on encode and decode") {
