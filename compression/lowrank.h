@@ -52,7 +52,9 @@ LowRankDims lowrank_dims(const std::vector<int64_t>& shape, int64_t rank);
 
 // True iff PowerSGD/ACP with this rank send factors for a tensor of this shape
 // (see the rule above; rows and cols must also fit the wire's uint32 params).
-bool lowrank_compressible(const std::vector<int64_t>& shape, int64_t rank);
+// min_rate: the smallest rows·cols / ((rows + cols)·r) that is worth factors
+// (PyTorch's min_compression_rate; 2 for acp, powersgd's min_rate=).
+bool lowrank_compressible(const std::vector<int64_t>& shape, int64_t rank, double min_rate = 2.0);
 
 // Orthonormalises the columns of a 2-D float32 CPU matrix in place: modified
 // Gram–Schmidt, each column projected twice ("twice is enough"), accumulated in

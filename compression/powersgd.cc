@@ -1,10 +1,12 @@
 // powersgd:rank=r[,warm_start=0|1][,ef=0|1][,values=fp32|fp16|bf16|int8]
-//          [,iters=N][,decay=D,max_age=A]
+//          [,iters=N][,min_rate=R][,decay=D,max_age=A]
 // PowerSGD (Vogels, Karimireddy, Jaggi, NeurIPS 2019), one power-iteration step
 // per encode (iters=N: N steps, the wire unchanged). values= sets the factors'
 // type on the wire (protocol 1.4 for all but fp32; int8 with one scale per
 // factor column); the rounding stays in E. decay/max_age age the residual of a
-// client that skipped rounds (codec_util.h's StalePolicy).
+// client that skipped rounds (codec_util.h's StalePolicy). A matrix travels as
+// factors only when they are at least min_rate (default 2, as PyTorch's
+// min_compression_rate) times smaller than it; otherwise dense fp32.
 //
 // This is PyTorch's powerSGD_hook with the all-reduces removed (N = 1): in
 // federated learning each client sends both of its own factors in one message,
@@ -43,14 +45,13 @@ LowRankDims lowrank_dims(const std::vector<int64_t>& shape, int64_t rank) {
   return d;
 }
 
-bool lowrank_compressible(const std::vector<int64_t>& shape, int64_t rank) {
+bool lowrank_compressible(const std::vector<int64_t>& shape, int64_t rank, double min_rate) {
   if (shape.size() < 2) return false;
   const LowRankDims d = lowrank_dims(shape, rank);
   if (d.rank < 1) return false;
   constexpr int64_t kMaxParam = std::numeric_limits<uint32_t>::max();
   if (d.rows > kMaxParam || d.cols > kMaxParam) return false;
-  constexpr int64_t kMinCompressionRate = 2;
-  return (d.rows + d.cols) * d.rank * kMinCompressionRate < d.rows * d.cols;
+  return static_cast<double>((d.rows + d.cols) * d.rank) * min_rate < static_cast<double>(d.rows * d.cols);
 }
 
 namespace {
@@ -325,8 +326,9 @@ namespace {
 
 class PowerSgdCompressor final : public Compressor {
  public:
-  PowerSgdCompressor(int64_t rank, bool warm_start, bool ef, ValueType vt, int64_t iters, detail::StalePolicy stale)
-      : rank_(rank), warm_start_(warm_start), ef_(ef), vt_(vt), iters_(iters), stale_(stale) {}
+  PowerSgdCompressor(int64_t rank, bool warm_start, bool ef, ValueType vt, int64_t iters, double min_rate,
+                     detail::StalePolicy stale)
+      : rank_(rank), warm_start_(warm_start), ef_(ef), vt_(vt), iters_(iters), min_rate_(min_rate), stale_(stale) {}
   std::string method() const override { return "powersgd"; }
 
   Encoded encode(const at::Tensor& x_in, State& state, const Context& ctx) const override {
@@ -334,7 +336,7 @@ class PowerSgdCompressor final : public Compressor {
     Encoded e;
     e.shape = shape_of(x);
     ++state.step;
-    if (!lowrank_compressible(e.shape, rank_)) {
+    if (!lowrank_compressible(e.shape, rank_, min_rate_)) {
       e.format = Format::kDense;
       pack_values(x.data_ptr<float>(), static_cast<uint64_t>(x.numel()), ValueType::kF32, e.values);
       return e;
@@ -402,6 +404,7 @@ class PowerSgdCompressor final : public Compressor {
   bool ef_;
   ValueType vt_;
   int64_t iters_;
+  double min_rate_;
   detail::StalePolicy stale_;
 };
 
@@ -417,9 +420,12 @@ void register_lowrank() {
     const ValueType vt = parse_factor_values(spec, "powersgd");
     const int64_t iters = spec.get_int("iters", 1);
     SPARROW_CHECK_T(ConfigError, iters >= 1 && iters <= 16, "powersgd: iters must be in [1, 16], got " << iters);
+    const double min_rate = spec.get_double("min_rate", 2.0);
+    SPARROW_CHECK_T(ConfigError, std::isfinite(min_rate) && min_rate >= 1.0,
+                    "powersgd: min_rate must be >= 1, got " << min_rate);
     const detail::StalePolicy stale = detail::parse_stale_policy(spec, "powersgd");
     SPARROW_CHECK_T(ConfigError, ef || !stale.active(), "powersgd: decay/max_age act on the residual: they need ef=1");
-    return std::make_unique<PowerSgdCompressor>(rank, warm_start, ef, vt, iters, stale);
+    return std::make_unique<PowerSgdCompressor>(rank, warm_start, ef, vt, iters, min_rate, stale);
   });
   register_acp();
 }

@@ -751,3 +751,21 @@ TEST_CASE("powersgd: iters=N runs N power steps per encode, closer to the best r
     CHECK_THROWS_AS(make_compressor(bad), sparrow::ConfigError);
   }
 }
+
+TEST_CASE("powersgd: min_rate sends a matrix dense unless its factors are that many times smaller") {
+  // 10 x 200 at rank 4: (10 + 200)·4 = 840 values against 2,000, 2.4x.
+  CHECK(lowrank_compressible({10, 200}, 4));
+  CHECK_FALSE(lowrank_compressible({10, 200}, 4, 3.0));
+  CHECK(lowrank_compressible({200, 200}, 4, 3.0));  // 25x
+  const at::Tensor x = at::randn({10, 200});
+  State s2, s3;
+  const Encoded e2 = make_compressor("powersgd:rank=4")->encode(x, s2, named("out"));
+  const Encoded e3 = make_compressor("powersgd:rank=4,min_rate=3")->encode(x, s3, named("out"));
+  CHECK(e2.format == Format::kLowRank);
+  CHECK(e3.format == Format::kDense);
+  CHECK(at::equal(decode(e3), x));
+  for (const char* bad : {"powersgd:rank=4,min_rate=0.5", "powersgd:rank=4,min_rate=nan", "acp:rank=4,min_rate=3"}) {
+    CAPTURE(bad);
+    CHECK_THROWS_AS(make_compressor(bad), sparrow::ConfigError);
+  }
+}
