@@ -279,11 +279,21 @@ Message golden_rice() {
 // Protocol 1.3: a masked sparse tensor (docs/protocol.md's example) in an update.
 Message golden_mask() { return update_message(10, "client-4", 21, 3, {{"fc.weight", masked_tensor()}}); }
 
+// Protocol 1.4: PowerSGD factors in int8 (one scale per column) and an ACP factor in fp16.
+Message golden_lowrank8() {
+  return update_message(11, "client-5", 23, 4,
+                        {{"fc.weight", lowrank_int8_tensor()}, {"fc2.weight", factor_fp16_tensor()}});
+}
+
 const std::vector<std::pair<std::string, Message (*)()>>& golden_files() {
   static const std::vector<std::pair<std::string, Message (*)()>> files = {
-      {"update_v1_dense.bin", golden_dense}, {"update_v1_sparse.bin", golden_sparse},
-      {"error_v1.bin", golden_error},        {"secagg_v1_1.bin", golden_secagg},
-      {"update_v1_2_rice.bin", golden_rice}, {"update_v1_3_mask.bin", golden_mask}};
+      {"update_v1_dense.bin", golden_dense},
+      {"update_v1_sparse.bin", golden_sparse},
+      {"error_v1.bin", golden_error},
+      {"secagg_v1_1.bin", golden_secagg},
+      {"update_v1_2_rice.bin", golden_rice},
+      {"update_v1_3_mask.bin", golden_mask},
+      {"update_v1_4_lowrank.bin", golden_lowrank8}};
   return files;
 }
 
@@ -619,7 +629,8 @@ TEST_CASE("wire: golden buffers (regenerate with SPARROW_WRITE_GOLDEN=1)") {
     const Message got = parse(bytes);
     check_same(got, golden.second());
     CHECK(got.major == 1);
-    const int minor = name.find("v1_3") != std::string::npos   ? 3
+    const int minor = name.find("v1_4") != std::string::npos   ? 4
+                      : name.find("v1_3") != std::string::npos ? 3
                       : name.find("v1_2") != std::string::npos ? 2
                       : name.find("v1_1") != std::string::npos ? 1
                                                                : 0;
