@@ -216,8 +216,17 @@ void validate(const Encoded& e, ValueCheck check) {
         floats = (e.params[3] == 0 ? rows : cols) * rank;
       }
       check_scales(e, e.value_type == ValueType::kInt8 ? (factor ? 1 : 2) * rank : 0, what);
-      for (float s : e.scales) SPARROW_CHECK_T(FormatError, s >= 0.0f, what << ": negative scale");
       check_values(e, floats, what);
+      if (e.value_type == ValueType::kInt8) {
+        // As for sparse int8: q · scale must stay finite for every q in [-127, 127]; -128 is not a code.
+        for (const float s : e.scales)
+          SPARROW_CHECK_T(FormatError, s >= 0.0f && s <= std::numeric_limits<float>::max() / 127.0f,
+                          what << ": int8 scale " << s << " outside [0, FLT_MAX/127]");
+        const uint8_t* q = e.values.data();
+        for (uint64_t i = 0; i < floats; ++i)
+          SPARROW_CHECK_T(FormatError, q[i] != 0x80,
+                          what << ": int8 code -128 at value " << i << " (codes are -127..127)");
+      }
       return;
     }
   }

@@ -286,6 +286,14 @@ void pack_factor(at::Tensor& f, ValueType vt, Encoded& e) {
   const uint64_t n = static_cast<uint64_t>(k * r);
   float* a = f.data_ptr<float>();
   const size_t base = e.values.size();
+  for (uint64_t i = 0; i < n; ++i)
+    SPARROW_CHECK(std::isfinite(a[i]), "low-rank factor entry " << i << " is not finite (fp32 overflow)");
+  if (vt == ValueType::kF16) {
+    // Beyond fp16's range: saturate (the excess stays in the error feedback)
+    // rather than send inf, which the receiver would refuse.
+    constexpr float kMaxHalf = 65504.0f;
+    for (uint64_t i = 0; i < n; ++i) a[i] = std::clamp(a[i], -kMaxHalf, kMaxHalf);
+  }
   if (vt != ValueType::kInt8) {
     pack_values(a, n, vt, e.values);
     if (vt != ValueType::kF32) unpack_values(e.values.data() + base, n, vt, 0.0f, a);
@@ -294,7 +302,7 @@ void pack_factor(at::Tensor& f, ValueType vt, Encoded& e) {
   std::vector<float> scale(static_cast<size_t>(r), 0.0f);
   for (int64_t i = 0; i < k; ++i)
     for (int64_t j = 0; j < r; ++j) scale[j] = std::max(scale[j], std::fabs(a[i * r + j]));
-  for (float& s : scale) s /= 127.0f;
+  for (float& s : scale) s /= 127.0f;  // finite entries: <= FLT_MAX/127, as validate() requires
   e.values.resize_uninitialized(base + n);
   auto* q = reinterpret_cast<int8_t*>(e.values.data() + base);
   for (int64_t i = 0; i < k; ++i) {
@@ -372,7 +380,7 @@ class PowerSgdCompressor final : public Compressor {
     // iters > 1: more power steps on M' before the final Q, for a P closer to
     // M's top-r left singular space (a client's warm-start Q is from the last
     // round it took part in, and in FL that is usually many rounds ago).
-    for (int64_t it = 1; it < iters_; ++it) {
+    for (int64_t step = 1; step < iters_; ++step) {
       detail::skinny_mm_t(mc, nullptr, nullptr, n, m, p.data_ptr<float>(), r, q.data_ptr<float>());
       detail::orthonormalize_refill(q, tensor_key(ctx));
       detail::skinny_mm(mc, nullptr, nullptr, n, m, q.data_ptr<float>(), r, p.data_ptr<float>());

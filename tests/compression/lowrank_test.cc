@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -656,6 +657,23 @@ TEST_CASE("powersgd/acp: values= sends the factors in fp16, bf16 or int8, the ro
   }
 }
 
+TEST_CASE("powersgd/acp: fp16 factors saturate at 65504, the excess kept in E") {
+  at::manual_seed(43);
+  const at::Tensor x = at::randn({64, 32}) * 1e5f;  // Q = M'ᵀP has entries far above fp16's range
+  for (const char* spec : {"powersgd:rank=2,values=fp16", "acp:rank=2,values=fp16"}) {
+    CAPTURE(spec);
+    Context ctx = named("big");
+    ctx.round = 1;  // acp: the Q round (Q = M'ᵀP̂, entries ~ column norms of M')
+    State s;
+    const Encoded e = make_compressor(spec)->encode(x, s, ctx);
+    CHECK_NOTHROW(validate(e));
+    const at::Tensor d = decode(e, ctx);
+    CHECK(all_finite(d));
+    CHECK(all_finite(s.tensors.at("residual")));
+    CHECK(rel_err(d + s.tensors.at("residual"), x) < 1e-5);
+  }
+}
+
 TEST_CASE("powersgd/acp: int8 factors keep small columns (one scale per column)") {
   // Singular values 1 and 1e-3: with one scale per factor the second column of
   // Q would round to zero; with one per column it keeps 8 bits of its own.
@@ -695,6 +713,13 @@ TEST_CASE("powersgd/acp: malformed 1.4 factors are FormatErrors") {
     CHECK_THROWS_AS(validate(bad), sparrow::FormatError);
     bad = e;
     bad.value_type = ValueType::kSign;  // not a factor type
+    CHECK_THROWS_AS(validate(bad), sparrow::FormatError);
+    // q · scale must stay finite: scales up to FLT_MAX/127, codes -127..127.
+    bad = e;
+    bad.scales[0] = std::numeric_limits<float>::max();
+    CHECK_THROWS_AS(validate(bad), sparrow::FormatError);
+    bad = e;
+    bad.values.data()[0] = 0x80;
     CHECK_THROWS_AS(validate(bad), sparrow::FormatError);
   }
   State s;
