@@ -429,9 +429,63 @@ int bench_ingest(const ServerBenchOptions& o, const fs::path& dir, int tabs = -1
 
 // ---- dense -------------------------------------------------------------------
 
+// Baseline for an acknowledged ingest: the same bytes DEALER -> ROUTER over
+// bare ZeroMQ, a receiving thread (polling, as the server's I/O thread does)
+// answers each message with a 16-byte Ack; transfer() gives the seconds from
+// send to Ack. dense_once() runs one such transfer right before each update it
+// sends the server (the server idle, waiting for it), so both see the same
+// moment of the machine: on a shared VM the transfer rate drifts by a third
+// within a minute, more than the difference being measured.
+class BareAcked {
+ public:
+  explicit BareAcked(size_t max_bytes)
+      : sctx_(1), cctx_(1), r_(sctx_, zmq::socket_type::router), d_(cctx_, zmq::socket_type::dealer) {
+    net::set_limits(r_, max_bytes + 1024);
+    net::set_limits(d_, max_bytes + 1024);
+    r_.bind("tcp://127.0.0.1:*");
+    d_.connect(r_.get(zmq::sockopt::last_endpoint));
+    receiver_ = std::thread([this] {
+      while (!stop_.load()) {
+        zmq::pollitem_t item{static_cast<void*>(r_), 0, ZMQ_POLLIN, 0};
+        zmq::poll(&item, 1, std::chrono::milliseconds(2));
+        if (!(item.revents & ZMQ_POLLIN)) continue;
+        zmq::message_t id, m;
+        if (!r_.recv(id) || !r_.recv(m)) return;
+        const std::string ack(16, 'a');
+        r_.send(id, zmq::send_flags::sndmore);
+        r_.send(zmq::buffer(ack), zmq::send_flags::none);
+      }
+    });
+  }
+  ~BareAcked() {
+    stop_.store(true);
+    receiver_.join();
+  }
+  double transfer(const std::string& bytes) {
+    const auto t0 = Clock::now();
+    send_bytes(d_, bytes);
+    zmq::message_t ack;
+    SPARROW_CHECK(d_.recv(ack) && ack.size() == 16, "bare acknowledged transfer failed");
+    return seconds(t0, Clock::now());
+  }
+
+ private:
+  zmq::context_t sctx_, cctx_;
+  zmq::socket_t r_, d_;
+  std::atomic<bool> stop_{false};
+  std::thread receiver_;
+};
+
 // Median seconds from send to Ack of `repeat` dense updates over one transport.
-std::pair<double, size_t> dense_once(const ServerBenchOptions& o, const fs::path& dir, bool curve,
-                                     const server::Weights& weights, const wire::NamedTensor& update) {
+// With `bare`, one bare acknowledged transfer of the same bytes runs right
+// before each update (medians of both returned: {server, bytes, bare}).
+struct DenseTimes {
+  double seconds = 0;
+  size_t bytes = 0;
+  double bare_acked_s = 0;
+};
+DenseTimes dense_once(const ServerBenchOptions& o, const fs::path& dir, bool curve, const server::Weights& weights,
+                      const wire::NamedTensor& update, BareAcked* bare) {
   const std::string name = curve ? "dense-curve" : "dense-plain";
   server::ServerConfig cfg = base_config(dir, name, curve);
   net::KeyPair ck;
@@ -467,7 +521,7 @@ std::pair<double, size_t> dense_once(const ServerBenchOptions& o, const fs::path
   wire::ParseLimits limits;
   limits.max_bytes = cfg.max_message_bytes();
   limits.max_elements = uint64_t{1} << 28;
-  std::vector<double> t;
+  std::vector<double> t, tb;
   size_t bytes_sent = 0;
   std::string bytes;
   Clock::time_point t0;
@@ -483,6 +537,7 @@ std::pair<double, size_t> dense_once(const ServerBenchOptions& o, const fs::path
       u.tensors = {update};
       bytes = wire::serialize(message(std::move(u)));
       bytes_sent = bytes.size();
+      if (bare) tb.push_back(bare->transfer(bytes));
       t0 = Clock::now();
       send_bytes(s, bytes);
     } else if (const auto* a = std::get_if<wire::Ack>(&m->body)) {
@@ -499,7 +554,7 @@ std::pair<double, size_t> dense_once(const ServerBenchOptions& o, const fs::path
   if (!srv.error().empty()) std::cerr << "sparrow-bench: server failed: " << srv.error() << "\n";
   SPARROW_CHECK(static_cast<int>(t.size()) == o.repeat,
                 "dense (" << name << "): " << t.size() << " of " << o.repeat << " updates acknowledged");
-  return {median(t), bytes_sent};
+  return {median(t), bytes_sent, tb.empty() ? 0.0 : median(tb)};
 }
 
 // Baseline: the same bytes DEALER -> ROUTER over bare ZeroMQ (same socket
@@ -528,42 +583,6 @@ double bare_transfer_s(const std::string& bytes, bool curve, int repeat) {
   return median(t);
 }
 
-// Baseline for an acknowledged ingest: the same bytes DEALER -> ROUTER over
-// bare ZeroMQ, a receiving thread (polling, as the server's I/O thread does)
-// answers each message with a 16-byte Ack; median seconds from send to Ack.
-double bare_acked_s(const std::string& bytes, int repeat) {
-  zmq::context_t sctx(1), cctx(1);
-  zmq::socket_t r(sctx, zmq::socket_type::router), d(cctx, zmq::socket_type::dealer);
-  net::set_limits(r, bytes.size() + 1024);
-  net::set_limits(d, bytes.size() + 1024);
-  r.bind("tcp://127.0.0.1:*");
-  d.connect(r.get(zmq::sockopt::last_endpoint));
-  std::thread receiver([&] {
-    for (int i = 0; i < repeat; ++i) {
-      zmq::message_t id, m;
-      for (;;) {
-        zmq::pollitem_t item{static_cast<void*>(r), 0, ZMQ_POLLIN, 0};
-        zmq::poll(&item, 1, std::chrono::milliseconds(2));
-        if (item.revents & ZMQ_POLLIN) break;
-      }
-      if (!r.recv(id) || !r.recv(m)) return;
-      const std::string ack(16, 'a');
-      r.send(id, zmq::send_flags::sndmore);
-      r.send(zmq::buffer(ack), zmq::send_flags::none);
-    }
-  });
-  std::vector<double> t;
-  for (int i = 0; i < repeat; ++i) {
-    const auto t0 = Clock::now();
-    send_bytes(d, bytes);
-    zmq::message_t ack;
-    SPARROW_CHECK(d.recv(ack) && ack.size() == 16, "bare acknowledged transfer failed");
-    t.push_back(seconds(t0, Clock::now()));
-  }
-  receiver.join();
-  return median(t);
-}
-
 int bench_dense(const ServerBenchOptions& o, const fs::path& dir) {
   const int64_t n = 25000000;  // 100 MB of fp32
   at::manual_seed(4);
@@ -574,12 +593,19 @@ int bench_dense(const ServerBenchOptions& o, const fs::path& dir) {
   compression::Context ctx;
   ctx.name = "w";
   wire::NamedTensor update{"w", none->encode(at::randn({5000, 5000}) * 0.01, st, ctx)};
-  auto [plain_s, bytes] = dense_once(o, dir, false, weights, update);
-  auto [curve_s, bytes2] = dense_once(o, dir, true, weights, update);
-  (void)bytes2;
+  double bare_acked = 0;
+  DenseTimes plain;
+  {
+    BareAcked pair(static_cast<size_t>(n) * 4 + 4096);
+    plain = dense_once(o, dir, false, weights, update, &pair);
+    bare_acked = plain.bare_acked_s;
+  }
+  const double plain_s = plain.seconds;
+  const size_t bytes = plain.bytes;
+  const double curve_s = dense_once(o, dir, true, weights, update, nullptr).seconds;
   // The server's own work on the same update in this process (no transport):
   // wire::parse (verification + copy out of the frame) and the aggregation.
-  double parse_s = 0, parse_copy_s = 0, add_s = 0, fill_s = 0, bare_s = 0, bare_curve_s = 0, bare_acked = 0;
+  double parse_s = 0, parse_copy_s = 0, add_s = 0, fill_s = 0, bare_s = 0, bare_curve_s = 0;
   bool in_place = false;
   {
     wire::ModelUpdate u;
@@ -627,7 +653,6 @@ int bench_dense(const ServerBenchOptions& o, const fs::path& dir) {
     add_s = median(ta);
     fill_s = median(tf);
     bare_s = bare_transfer_s(b, false, o.repeat);
-    bare_acked = bare_acked_s(b, o.repeat);
     bare_curve_s = bare_transfer_s(b, true, o.repeat);
   }
   const double mb = static_cast<double>(bytes) / 1e6;
