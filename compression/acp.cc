@@ -228,8 +228,7 @@ void register_acp() {
     const int64_t rank = spec.get_int("rank", 0);
     SPARROW_CHECK_T(ConfigError, rank >= 1, "acp: rank must be >= 1, got " << rank);
     const bool ef = spec.get_bool("ef", true);
-    const detail::StalePolicy stale = detail::parse_stale_policy(spec, "acp");
-    SPARROW_CHECK_T(ConfigError, ef || !stale.active(), "acp: decay/max_age act on the residual: they need ef=1");
+    const detail::StalePolicy stale = detail::parse_stale_policy(spec, "acp", ef);
     const ValueType vt = detail::parse_factor_values(spec, "acp");
     return std::make_unique<AcpCompressor>(rank, ef, stale, vt);
   });

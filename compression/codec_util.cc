@@ -447,7 +447,7 @@ std::vector<int64_t> seeded_indices(uint64_t key, uint64_t k, int64_t n) {
   return idx;
 }
 
-StalePolicy parse_stale_policy(Spec& spec, const char* method) {
+StalePolicy parse_stale_policy(Spec& spec, const char* method, bool ef) {
   StalePolicy p;
   p.decay = spec.get_double("decay", 1.0);
   SPARROW_CHECK_T(ConfigError, p.decay >= 0.0 && p.decay <= 1.0,
@@ -455,6 +455,7 @@ StalePolicy parse_stale_policy(Spec& spec, const char* method) {
   p.max_age = spec.get_int("max_age", 0);
   SPARROW_CHECK_T(ConfigError, p.max_age >= 0,
                   method << ": max_age=" << p.max_age << " must be >= 0 (0 = never reset)");
+  SPARROW_CHECK_T(ConfigError, ef || !p.active(), method << ": decay and max_age need ef=1 (they age its residual)");
   return p;
 }
 

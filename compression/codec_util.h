@@ -96,7 +96,9 @@ struct StalePolicy {
   int64_t max_age = 0;
   bool active() const { return decay != 1.0 || max_age > 0; }
 };
-StalePolicy parse_stale_policy(Spec& spec, const char* method);
+// ef: whether the codec keeps a residual (its spec's ef=); without one there is
+// nothing to age, and decay/max_age are a ConfigError.
+StalePolicy parse_stale_policy(Spec& spec, const char* method, bool ef = true);
 // Applies `policy` to the named slots of `state` for the rounds skipped between
 // state.last_round and ctx.round, then records ctx.round. A no-op for the slots
 // when either round is unknown (-1); returns the rounds skipped (0 when unknown).

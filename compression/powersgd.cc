@@ -431,8 +431,7 @@ void register_lowrank() {
     const double min_rate = spec.get_double("min_rate", 2.0);
     SPARROW_CHECK_T(ConfigError, std::isfinite(min_rate) && min_rate >= 1.0,
                     "powersgd: min_rate must be >= 1, got " << min_rate);
-    const detail::StalePolicy stale = detail::parse_stale_policy(spec, "powersgd");
-    SPARROW_CHECK_T(ConfigError, ef || !stale.active(), "powersgd: decay/max_age act on the residual: they need ef=1");
+    const detail::StalePolicy stale = detail::parse_stale_policy(spec, "powersgd", ef);
     return std::make_unique<PowerSgdCompressor>(rank, warm_start, ef, vt, iters, min_rate, stale);
   });
   register_acp();

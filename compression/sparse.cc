@@ -207,9 +207,7 @@ SparseOptions parse_sparse_options(Spec& spec, const char* method, bool ef, cons
   const std::string vt = spec.get_string("values", values);
   o.vt = vt == "sign" && std::string(values) == "sign" ? ValueType::kSign : parse_value_type(vt);
   o.index = parse_index_mode(spec.get_string("index", index));
-  o.stale = parse_stale_policy(spec, method);
-  SPARROW_CHECK_T(ConfigError, o.ef || !o.stale.active(),
-                  method << ": decay and max_age need ef=1 (they age its residual)");
+  o.stale = parse_stale_policy(spec, method, o.ef);
   return o;
 }
 
@@ -470,8 +468,7 @@ void register_sparsifiers() {
                     "tcs: block=" << block << " must be in [0, 2^30] (0 = one scale for the whole mask)");
     SPARROW_CHECK_T(ConfigError, block == 0 || v == ValueType::kSign || v == ValueType::kInt8,
                     "tcs: block needs values=sign or int8 (the other value types carry no scale)");
-    const StalePolicy stale = parse_stale_policy(spec, "tcs");
-    SPARROW_CHECK_T(ConfigError, ef || !stale.active(), "tcs: decay and max_age need ef=1 (they age its residual)");
+    const StalePolicy stale = parse_stale_policy(spec, "tcs", ef);
     return std::make_unique<TcsCompressor>(ratio, extra, ef, v, block, stale);
   });
   register_compressor("randomk", [](Spec& spec) {
