@@ -229,7 +229,7 @@ void register_acp() {
     SPARROW_CHECK_T(ConfigError, rank >= 1, "acp: rank must be >= 1, got " << rank);
     const bool ef = spec.get_bool("ef", true);
     const detail::StalePolicy stale = detail::parse_stale_policy(spec, "acp", ef);
-    const ValueType vt = detail::parse_factor_values(spec, "acp");
+    const ValueType vt = detail::parse_value_type(spec.get_string("values", "fp32"));  // fp32|fp16|bf16|int8
     return std::make_unique<AcpCompressor>(rank, ef, stale, vt);
   });
 }

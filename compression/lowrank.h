@@ -37,7 +37,6 @@
 
 #include "compression/compressor.h"
 #include "compression/encoded.h"
-#include "core/spec.h"
 
 namespace sparrow::compression {
 
@@ -126,8 +125,6 @@ at::Tensor factor_of(const Encoded& e, int part, int64_t k, int64_t r);
 // kF16 saturates at ±65504 (the excess stays in E); a non-finite entry (an fp32
 // overflow of the product) throws sparrow::Error.
 void pack_factor(at::Tensor& f, ValueType vt, Encoded& e);
-// The value types a factor may travel in (spec key values=), fp32 by default.
-ValueType parse_factor_values(Spec& spec, const char* method);
 // Registers "acp" (acp.cc); called by register_lowrank() in powersgd.cc.
 void register_acp();
 

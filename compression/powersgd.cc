@@ -316,13 +316,6 @@ void pack_factor(at::Tensor& f, ValueType vt, Encoded& e) {
   e.scales.insert(e.scales.end(), scale.begin(), scale.end());
 }
 
-ValueType parse_factor_values(Spec& spec, const char* method) {
-  const std::string text = spec.get_string("values", "fp32");
-  SPARROW_CHECK_T(ConfigError, text == "fp32" || text == "fp16" || text == "bf16" || text == "int8",
-                  method << ": values='" << text << "' is not one of fp32, fp16, bf16, int8");
-  return parse_value_type(text);
-}
-
 void decode_lowrank_add(const Encoded& e, at::Tensor& out, float weight) {
   const int64_t rows = e.params[0], cols = e.params[1], r = e.params[2];
   const at::Tensor p = factor_of(e, 0, rows, r);
@@ -425,7 +418,7 @@ void register_lowrank() {
     SPARROW_CHECK_T(ConfigError, rank >= 1, "powersgd: rank must be >= 1, got " << rank);
     const bool warm_start = spec.get_bool("warm_start", true);
     const bool ef = spec.get_bool("ef", true);
-    const ValueType vt = parse_factor_values(spec, "powersgd");
+    const ValueType vt = parse_value_type(spec.get_string("values", "fp32"));  // fp32|fp16|bf16|int8
     const int64_t iters = spec.get_int("iters", 1);
     SPARROW_CHECK_T(ConfigError, iters >= 1 && iters <= 16, "powersgd: iters must be in [1, 16], got " << iters);
     const double min_rate = spec.get_double("min_rate", 2.0);
