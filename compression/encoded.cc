@@ -77,6 +77,17 @@ void check_scales(const Encoded& e, size_t want, const char* what) {
     SPARROW_CHECK_T(FormatError, std::isfinite(e.scales[i]), what << ": scale " << i << " is not finite");
 }
 
+// int8 values (sparse, low-rank factors): q · scale must stay finite for every
+// q in [-127, 127], and -128 is not a code. Scale count and value size checked before.
+void check_int8(const Encoded& e, uint64_t n, const char* what) {
+  for (const float s : e.scales)
+    SPARROW_CHECK_T(FormatError, s >= 0.0f && s <= std::numeric_limits<float>::max() / 127.0f,
+                    what << ": int8 scale " << s << " outside [0, FLT_MAX/127]");
+  const uint8_t* q = e.values.data();
+  for (uint64_t i = 0; i < n; ++i)
+    SPARROW_CHECK_T(FormatError, q[i] != 0x80, what << ": int8 code -128 at value " << i << " (codes are -127..127)");
+}
+
 void check_no_indices(const Encoded& e, const char* what) {
   SPARROW_CHECK_T(FormatError, e.index_coding == IndexCoding::kNone && e.indices.empty(),
                   what << ": unexpected index data");
@@ -150,16 +161,7 @@ void validate(const Encoded& e, ValueCheck check) {
         const bool masked = e.index_coding == IndexCoding::kMask;
         check_scales(e, scaled ? (masked ? detail::mask_scale_groups(e).blocks + 1 : 1) : 0, "sparse");
       }
-      if (e.value_type == ValueType::kInt8) {
-        // q · scale must stay finite for every q in [-127, 127]; -128 is not a code.
-        for (const float s : e.scales)
-          SPARROW_CHECK_T(FormatError, s >= 0.0f && s <= std::numeric_limits<float>::max() / 127.0f,
-                          "sparse: int8 scale " << s << " outside [0, FLT_MAX/127]");
-        const uint8_t* q = e.values.data();
-        for (uint64_t i = 0; i < e.count; ++i)
-          SPARROW_CHECK_T(FormatError, q[i] != 0x80,
-                          "sparse: int8 code -128 at value " << i << " (codes are -127..127)");
-      }
+      if (e.value_type == ValueType::kInt8) check_int8(e, e.count, "sparse");
       if (e.index_coding == IndexCoding::kMask) {
         // The mask's own positions are checked against the round's mask when decoding.
         (void)detail::decode_mask_extras(e);
@@ -217,16 +219,7 @@ void validate(const Encoded& e, ValueCheck check) {
       }
       check_scales(e, e.value_type == ValueType::kInt8 ? (factor ? 1 : 2) * rank : 0, what);
       check_values(e, floats, what);
-      if (e.value_type == ValueType::kInt8) {
-        // As for sparse int8: q · scale must stay finite for every q in [-127, 127]; -128 is not a code.
-        for (const float s : e.scales)
-          SPARROW_CHECK_T(FormatError, s >= 0.0f && s <= std::numeric_limits<float>::max() / 127.0f,
-                          what << ": int8 scale " << s << " outside [0, FLT_MAX/127]");
-        const uint8_t* q = e.values.data();
-        for (uint64_t i = 0; i < floats; ++i)
-          SPARROW_CHECK_T(FormatError, q[i] != 0x80,
-                          what << ": int8 code -128 at value " << i << " (codes are -127..127)");
-      }
+      if (e.value_type == ValueType::kInt8) check_int8(e, floats, what);
       return;
     }
   }
