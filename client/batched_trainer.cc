@@ -196,9 +196,20 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
     at::Tensor xb;
     if (host_gather) {
       float* dst = x_step.data_ptr<float>();
-      for (int64_t r = 0; r < ka * b; ++r)
+      // The rows are scattered over the training set, mostly outside the
+      // caches: each copy is preceded by a prefetch of the row kAhead rows on.
+      constexpr int64_t kAhead = 4;
+      const int64_t nrows = ka * b, line_floats = 64 / static_cast<int64_t>(sizeof(float));
+      const auto prefetch_row = [&](int64_t r) {
+        const float* src = row_src[static_cast<size_t>(start[s] + r)];
+        for (int64_t f = 0; f < sample_numel; f += line_floats) __builtin_prefetch(src + f);
+      };
+      for (int64_t r = 0; r < std::min(kAhead, nrows); ++r) prefetch_row(r);
+      for (int64_t r = 0; r < nrows; ++r) {
+        if (r + kAhead < nrows) prefetch_row(r + kAhead);
         std::memcpy(dst + r * sample_numel, row_src[static_cast<size_t>(start[s] + r)],
                     static_cast<size_t>(sample_numel) * sizeof(float));
+      }
       xb = x_step.narrow(0, 0, ka * b * sample_numel).view(xshape);
     } else {
       xb = x_all.index_select(0, idx).view(xshape);

@@ -8,6 +8,7 @@
 #include <string>
 
 #include "core/error.h"
+#include "core/simd.h"
 
 #ifdef SPARROW_HAVE_LIBXSMM
 #include <libxsmm.h>
@@ -69,6 +70,7 @@ void transpose_tiles(const float* __restrict src, int64_t rows, int64_t cols, fl
 #endif
 
 // out = act > 0 ? d : 0 (the ReLU's backward), branch-free.
+SPARROW_SIMD_CLONES
 void relu_backward(const float* __restrict act, const float* __restrict d, float* __restrict out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float v = d[i];  // loaded unconditionally, so the select vectorises
@@ -77,6 +79,7 @@ void relu_backward(const float* __restrict act, const float* __restrict d, float
 }
 
 // row[i] = max(row[i] + bias, 0) or row[i] + bias.
+SPARROW_SIMD_CLONES
 void bias_act(float* __restrict row, float bias, int64_t n, bool relu) {
   if (relu)
     for (int64_t i = 0; i < n; ++i) row[i] = std::max(row[i] + bias, 0.0f);
@@ -84,20 +87,47 @@ void bias_act(float* __restrict row, float bias, int64_t n, bool relu) {
     for (int64_t i = 0; i < n; ++i) row[i] += bias;
 }
 
+SPARROW_SIMD_CLONES
 void scale(float* __restrict v, float f, int64_t n) {
   for (int64_t i = 0; i < n; ++i) v[i] *= f;
 }
 
-// Sum of n floats in 16 interleaved partial sums (vectorisable).
-float row_sum(const float* __restrict v, int64_t n) {
-  float part[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) part[j] += v[i + j];
-  float sum = 0;
-  for (; i < n; ++i) sum += v[i];
-  for (float p : part) sum += p;
-  return sum;
+// gb = beta gb + alpha (sum of the rows of the batch-major m [rows, cols]):
+// the bias gradient, vectorised along the contiguous columns.
+SPARROW_SIMD_CLONES
+void bias_grad(const float* __restrict m, int64_t rows, int64_t cols, float alpha, float beta, float* __restrict gb) {
+  for (int64_t c = 0; c < cols; ++c) gb[c] = beta == 0.0f ? 0.0f : beta * gb[c];
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* __restrict row = m + r * cols;
+    for (int64_t c = 0; c < cols; ++c) gb[c] += alpha * row[c];
+  }
+}
+
+// Softmax cross-entropy of `classes` x `batch` feature-major logits z (a
+// column per sample); writes w_i (softmax - onehot) batch-major into g and
+// returns sum_i w_i (logsumexp_i - z[y_i, i]). One exp per logit, in float;
+// the sum and logarithm in double.
+double softmax_xent(const float* z, int64_t batch, int64_t classes, const int64_t* y, const float* wt, float* g) {
+  double loss = 0;
+  for (int64_t i = 0; i < batch; ++i) {
+    float* gi = g + i * classes;
+    float mx = -INFINITY;
+    for (int64_t c = 0; c < classes; ++c) {
+      gi[c] = z[c * batch + i];
+      mx = std::max(mx, gi[c]);
+    }
+    const float zy = gi[y[i]];
+    double sum = 0;
+    for (int64_t c = 0; c < classes; ++c) {
+      gi[c] = std::exp(gi[c] - mx);
+      sum += gi[c];
+    }
+    loss += static_cast<double>(wt[i]) * (static_cast<double>(mx) + std::log(sum) - static_cast<double>(zy));
+    const auto f = static_cast<float>(static_cast<double>(wt[i]) / sum);
+    for (int64_t c = 0; c < classes; ++c) gi[c] *= f;
+    gi[y[i]] -= wt[i];
+  }
+  return loss;
 }
 
 }  // namespace
@@ -205,23 +235,10 @@ double linear_chain_step(int64_t batch, const float* xt, const std::vector<Linea
   // gradient w_i (softmax - onehot) into dzt (batch-major, one row per sample).
   const LinearRef& last = layers.back();
   const int64_t classes = last.out;
-  double loss = 0;
-  for (int64_t i = 0; i < bsz; ++i) {
-    float* g = dzt + i * classes;
-    float mx = -INFINITY;
-    for (int64_t c = 0; c < classes; ++c) {
-      g[c] = a[nl - 1][c * bsz + i];
-      mx = std::max(mx, g[c]);
-    }
-    double sum = 0;
-    for (int64_t c = 0; c < classes; ++c) sum += std::exp(static_cast<double>(g[c] - mx));
-    const double lse = static_cast<double>(mx) + std::log(sum);
-    const int64_t yi = y[i];
-    SPARROW_CHECK(yi >= 0 && yi < classes, "class label " << yi << " but the model has " << classes << " outputs");
-    loss += static_cast<double>(wt[i]) * (lse - static_cast<double>(g[yi]));
-    for (int64_t c = 0; c < classes; ++c) g[c] = wt[i] * static_cast<float>(std::exp(static_cast<double>(g[c]) - lse));
-    g[yi] -= wt[i];
-  }
+  for (int64_t i = 0; i < bsz; ++i)
+    SPARROW_CHECK(y[i] >= 0 && y[i] < classes,
+                  "class label " << y[i] << " but the model has " << classes << " outputs");
+  const double loss = softmax_xent(a[nl - 1], bsz, classes, y, wt, dzt);
   // Backward, last layer first. dzt holds dL/dz batch-major [B, out].
   for (int64_t l = nl - 1; l >= 0; --l) {
     const LinearRef& L = layers[l];
@@ -234,7 +251,7 @@ double linear_chain_step(int64_t batch, const float* xt, const std::vector<Linea
     if (alpha != 1.0f) scale(dz, alpha, L.out * bsz);
     if (beta != 0.0f && beta != 1.0f) scale(L.gw, beta, L.out * L.in);
     gemm_nn(L.out, L.in, bsz, dz, ht[l], L.gw, beta != 0.0f);  // gw (+)= alpha dz h^T
-    for (int64_t o = 0; o < L.out; ++o) L.gb[o] = (beta == 0.0f ? 0.0f : beta * L.gb[o]) + row_sum(dz + o * bsz, bsz);
+    bias_grad(dzt, bsz, L.out, alpha, beta, L.gb);
     // Through the previous layer's ReLU (ht[l] is its batch-major output):
     // dzt for layer l - 1.
     if (l > 0) relu_backward(ht[l], dht, dzt, bsz * L.in);

@@ -5,15 +5,9 @@
 
 #include "core/error.h"
 #include "core/linear_cpu.h"
+#include "core/simd.h"
 
-// The transforms are vectorised across channels; on x86-64 they are compiled
-// for AVX-512, AVX2 and the baseline and the loader picks one (GCC/Clang
-// function multi-versioning), so the binary still runs on any x86-64.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define SPARROW_SIMD_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
-#else
-#define SPARROW_SIMD_CLONES
-#endif
+// The transforms are vectorised across channels and compiled per ISA (core/simd.h).
 
 namespace sparrow::core::cpu {
 namespace {
