@@ -218,8 +218,6 @@ void validate(const ServerConfig& c) {
     if (c.aggregator != "mean") bad("aggregator", why);
     if (c.dp != "none") bad("dp", why);
     if (c.server_optimizer != "fedavg") bad("server_optimizer", why);
-    if (Spec::parse(c.compression).method() == "tcs")
-      bad("compression", "tcs needs the root's mask, which a gateway does not relay yet: use it without gateways");
   }
   if (!c.insecure && c.server_key.empty())
     bad("key", "is required (the server's .key_secret file; `sparrow-server keygen`) unless --insecure");

@@ -8,6 +8,8 @@
 #include <limits>
 
 #include "client/session.h"
+#include "compression/compressor.h"
+#include "compression/mask.h"
 #include "core/error.h"
 #include "server/server.h"
 
@@ -38,17 +40,28 @@ bool run_gateway(Server& server, const ServerConfig& cfg) {
   // Server::run(): kept here, the session stopped, rethrown below. A round
   // without quorum is only an Error for that round, sent to the root.
   std::exception_ptr fatal;
-  runner.run = [&server, &fatal](const wire::Task& task, const Weights& base) {
+  // tcs on this gateway's clients: they encode against the root's mask, which
+  // comes with each Task (the root must use tcs too).
+  const bool own_tcs = compression::make_compressor(cfg.compression)->mask_ratio() > 0;
+  runner.run = [&server, &fatal, own_tcs](const wire::Task& task, const Weights& base) {
     SPARROW_CHECK_T(Error, !task.secagg,
                     "gateway: secure aggregation does not span a gateway (its clients' sum "
                     "would be unmasked here); run SecAgg between a gateway and its clients "
                     "or without gateways");
-    spdlog::info("event=relay_started round={} deadline_ms={}", task.round, task.deadline_ms);
+    Weights masks;
+    if (own_tcs) {
+      SPARROW_CHECK_T(Error, compression::make_compressor(task.compression)->mask_ratio() > 0,
+                      "gateway: this gateway's clients use tcs, which needs the root's masks, but the root's "
+                      "uplink is '"
+                          << task.compression << "'; set the same tcs compression on the root");
+      for (const auto& nt : task.shared) masks[nt.name] = compression::mask_positions(nt.tensor);
+    }
+    spdlog::info("event=relay_started round={} deadline_ms={} masks={}", task.round, task.deadline_ms, masks.size());
     // The round, the wait for live clients included, ends within this server's
     // max_round_wait_s (relay_round's default): the root always gets an answer.
     std::optional<Server::RelayResult> res;
     try {
-      res = server.relay_round(task.round, base, task.train);
+      res = server.relay_round(task.round, base, task.train, masks);
     } catch (...) {
       fatal = std::current_exception();
       if (auto* s = g_session.load()) s->stop();

@@ -257,7 +257,8 @@ struct Server::Impl {
     uint64_t round = 0;
     const Weights* base = nullptr;
     const wire::TrainSettings* train = nullptr;
-    Clock::time_point until;  // the round ends by then, the wait for live clients included
+    const Weights* masks = nullptr;  // the root's tcs masks for this round
+    Clock::time_point until;         // the round ends by then, the wait for live clients included
   };
   std::optional<Relay> relay;
   std::optional<Server::RelayResult> relay_out;
@@ -1339,10 +1340,13 @@ struct Server::Impl {
             {nm, compression::acp_factor_encoded(sh, global.at(nm).sizes().vec(), static_cast<int64_t>(r) + 1)});
       }
       if (mask_ratio > 0) {
-        if (auto it = acp_shared.find(compression::mask_key(nm)); it != acp_shared.end()) {
+        if (relay) {  // a gateway: the root's mask, passed on
+          if (auto it = relay->masks->find(nm); it != relay->masks->end()) c.mask = it->second;
+        } else if (auto it = acp_shared.find(compression::mask_key(nm)); it != acp_shared.end()) {
           c.mask = compression::mask_from_weights(it->second, global.at(nm).numel());
-          rc->shared.push_back({nm, compression::mask_encoded(c.mask, global.at(nm).sizes().vec())});
         }
+        if (c.mask.defined())
+          rc->shared.push_back({nm, compression::mask_encoded(c.mask, global.at(nm).sizes().vec())});
       }
       rc->contexts[nm] = c;
       rc->full.push_back({nm, dense_encoded(b.at(nm))});
@@ -1832,16 +1836,26 @@ void Server::start() {
 }
 
 std::optional<Server::RelayResult> Server::relay_round(uint64_t round, const Weights& base,
-                                                       const wire::TrainSettings& train, double limit_s) {
+                                                       const wire::TrainSettings& train, const Weights& masks,
+                                                       double limit_s) {
   Impl& s = *impl_;
   SPARROW_CHECK(s.cfg.gateway(), "relay_round: this server has no upstream (not a gateway)");
   SPARROW_CHECK(round >= 1, "relay_round: round must be >= 1");
   for (const auto& [nm, v] : s.global)
     SPARROW_CHECK(base.count(nm) && base.at(nm).sizes() == v.sizes(),
                   "relay_round: the root's model lacks '" << nm << "' or has another shape");
+  for (const auto& [nm, m] : masks) {
+    SPARROW_CHECK(s.global.count(nm), "relay_round: a mask for '" << nm << "', which the model does not have");
+    const int64_t numel = s.global.at(nm).numel();
+    SPARROW_CHECK(
+        m.dim() == 1 && m.scalar_type() == at::kLong && m.device().is_cpu() &&
+            (m.numel() == 0 || (m[0].item<int64_t>() >= 0 && m[-1].item<int64_t>() < numel &&
+                                (m.slice(0, 1) > m.slice(0, 0, -1)).all().item<bool>())),
+        "relay_round: the mask of '" << nm << "' is not ascending positions within its " << numel << " elements");
+  }
   const double limit = limit_s > 0 ? limit_s : s.cfg.effective_max_round_wait_s();
   s.relay =
-      Impl::Relay{round, &base, &train,
+      Impl::Relay{round, &base, &train, &masks,
                   Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(limit))};
   s.relay_out.reset();
   struct Clear {

@@ -109,9 +109,13 @@ class Server {
   // quorum and deadline, and is recorded and checkpointed as round `round`.
   // The whole round, the wait for enough live clients included, ends within
   // limit_s seconds (<= 0: max_round_wait_s): it closes then with quorum, or
-  // is abandoned. nullopt when it was abandoned or stopped.
+  // is abandoned. nullopt when it was abandoned or stopped. `masks`: the
+  // root's tcs masks of this round (parameter name -> ascending int64
+  // positions, as compression::mask_positions gives), which this server's
+  // clients then encode against; with a tcs uplink this server uses no mask of
+  // its own, and a round without them sends none (the root's first round).
   std::optional<RelayResult> relay_round(uint64_t round, const Weights& base, const wire::TrainSettings& train,
-                                         double limit_s = 0);
+                                         const Weights& masks = {}, double limit_s = 0);
   // Stops the threads started by start(), saying Bye to connected clients:
   // "run finished" when `run_over` (they exit), else "server shutting down".
   void finish(bool run_over);

@@ -1575,6 +1575,53 @@ TEST_CASE("gateways: a root, 2 gateways and 6 clients give the model of a flat r
   fs::remove_all(dir);
 }
 
+TEST_CASE("gateways: tcs through a gateway: its clients encode against the root's mask") {
+  // Root and gateway both use tcs; the root's Task carries its mask, which the
+  // gateway passes on to its 3 clients, decodes their masked updates with, and
+  // encodes its mean with for the root. Round 1 has no mask (the root has not
+  // stepped yet); from round 2 every masked update decodes at both levels.
+  const std::string dir = fresh_dir("gateway_tcs");
+  keygen(dir, 4);
+  const std::string tcs = "compression = \"tcs:ratio=0.01,extra=0.002\"\n";
+  const std::string root = server_dir(dir, "root");
+  server_toml(root, tcs + "rounds = 3\nclients_per_round = 1\nround_deadline_s = 60\nlr = 0.05\neval_every = 3\n");
+  auto rs = start_server(root, root + "/server.log");
+  const std::string gd = server_dir(dir, "gw");
+  gateway_toml(dir, gd, server_endpoint(*rs), 4, "gw", tcs + "clients_per_round = 3\nround_deadline_s = 60\n");
+  auto gw = start_server(gd, gd + "/server.log");
+  const std::string ep = server_endpoint(*gw);
+  std::vector<std::unique_ptr<Process>> clients;
+  for (int i = 1; i <= 3; ++i) clients.push_back(start_client(gd, i, ep, 30, i));
+  {
+    INFO(log_tail(*rs));
+    INFO(log_tail(*gw));
+    REQUIRE(rs->wait(180s) == 0);
+    CHECK(gw->wait(30s) == 0);
+  }
+  for (auto& c : clients) CHECK(c->wait(30s) == 0);
+  const auto rr = Db(root + "/server.db").rounds(), gr = Db(gd + "/server.db").rounds();
+  REQUIRE(rr.size() == 3);
+  REQUIRE(gr.size() == 3);
+  for (size_t i = 0; i < 3; ++i) {
+    INFO("round " << i + 1);
+    CHECK(rr[i].updates == 1);  // the gateway's masked update decoded at the root
+    CHECK(rr[i].rejected == 0);
+    CHECK(gr[i].updates == 3);  // and its clients' at the gateway
+    CHECK(gr[i].rejected == 0);
+  }
+  const std::string log = gw->log();
+  CHECK(log.find("event=relay_started round=1 deadline_ms=") != std::string::npos);
+  CHECK(std::regex_search(log, std::regex("event=relay_started round=2 deadline_ms=\\d+ masks=6")));
+  // From round 2 the gateway's Tasks carry the mask and its clients send their
+  // 1% on it: more bytes both ways than round 1, still far below dense.
+  CHECK(gr[1].bytes_out > gr[0].bytes_out);
+  CHECK(gr[1].bytes_in > gr[0].bytes_in);
+  CHECK(gr[1].bytes_in < 3 * 12000);
+  CHECK(rr[1].bytes_in < 12000);
+  CHECK(rr[2].eval_accuracy > 0.1);
+  fs::remove_all(dir);
+}
+
 namespace {
 
 // A TCP port free now on 127.0.0.1 (bound to port 0 by a ZeroMQ socket, then
