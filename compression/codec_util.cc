@@ -23,16 +23,12 @@ at::Tensor as_input(const at::Tensor& x, const char* method) {
   // up in error-feedback residuals and momentum for good. One read of x, in
   // blocks the compiler vectorises (no early exit inside a block); large
   // tensors are split over two threads, since one core cannot saturate DRAM.
-  const auto* bits = reinterpret_cast<const uint32_t*>(c.data_ptr<float>());
+  const auto* bytes = reinterpret_cast<const uint8_t*>(c.data_ptr<float>());
   const int64_t n = c.numel();
-  auto first_bad = [bits](int64_t begin, int64_t end) -> int64_t {
+  auto first_bad = [bytes](int64_t begin, int64_t end) -> int64_t {
     constexpr int64_t kBlock = 4096;
-    for (int64_t b = begin; b < end; b += kBlock) {
-      const int64_t e = std::min(end, b + kBlock);
-      uint32_t bad = 0;
-      for (int64_t i = b; i < e; ++i) bad |= static_cast<uint32_t>((bits[i] & 0x7f800000u) == 0x7f800000u);
-      if (bad) return b;
-    }
+    for (int64_t b = begin; b < end; b += kBlock)
+      if (any_nonfinite_f32(bytes + 4 * b, static_cast<uint64_t>(std::min(end, b + kBlock) - b))) return b;
     return -1;
   };
   int64_t bad = -1;

@@ -6,6 +6,7 @@
 
 #include "compression/codec_util.h"
 #include "compression/formats.h"
+#include "core/simd.h"
 #include "core/spec.h"
 
 namespace sparrow::compression::detail {
@@ -34,6 +35,22 @@ class DenseCompressor final : public Compressor {
 
 }  // namespace
 
+namespace {
+// out += weight v and out = weight v, per ISA (core/simd.h).
+SPARROW_SIMD_CLONES
+void add_scaled(const float* __restrict v, uint64_t n, float weight, float* __restrict out) {
+  if (weight == 1.0f) {
+    for (uint64_t i = 0; i < n; ++i) out[i] += v[i];
+  } else {
+    for (uint64_t i = 0; i < n; ++i) out[i] += weight * v[i];
+  }
+}
+SPARROW_SIMD_CLONES
+void set_scaled(const float* __restrict v, uint64_t n, float weight, float* __restrict out) {
+  for (uint64_t i = 0; i < n; ++i) out[i] = weight * v[i];
+}
+}  // namespace
+
 void fill_dense_f32_checked(const Encoded& e, float* out, float weight) {
   // Each 4 KiB block is scanned from memory, then written from L1. On 25M
   // values (Zen 4, -O3) this takes 6.6 ms against 9.1 ms for a scan, then an
@@ -42,7 +59,7 @@ void fill_dense_f32_checked(const Encoded& e, float* out, float weight) {
   uint64_t written = 0;
   try {
     scan_finite_f32(e.values.data(), static_cast<uint64_t>(e.numel()), "dense", [&](uint64_t begin, uint64_t end) {
-      for (uint64_t i = begin; i < end; ++i) out[i] = weight * v[i];
+      set_scaled(v + begin, end - begin, weight, out + begin);
       written = end;
     });
   } catch (...) {
@@ -54,12 +71,7 @@ void fill_dense_f32_checked(const Encoded& e, float* out, float weight) {
 void decode_dense_add(const Encoded& e, float* out, float weight) {
   const uint64_t n = static_cast<uint64_t>(e.numel());
   if (e.value_type == ValueType::kF32) {  // straight from the bytes (a view of the received frame)
-    const float* v = reinterpret_cast<const float*>(e.values.data());
-    if (weight == 1.0f) {
-      for (uint64_t i = 0; i < n; ++i) out[i] += v[i];
-    } else {
-      for (uint64_t i = 0; i < n; ++i) out[i] += weight * v[i];
-    }
+    add_scaled(reinterpret_cast<const float*>(e.values.data()), n, weight, out);
     return;
   }
   constexpr uint64_t kChunk = 4096;

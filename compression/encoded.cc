@@ -9,6 +9,7 @@
 #include "compression/codec_util.h"
 #include "compression/formats.h"
 #include "core/error.h"
+#include "core/simd.h"
 
 namespace sparrow::compression {
 namespace {
@@ -26,12 +27,9 @@ void check_finite_bits(const uint8_t* bytes, uint64_t n, Bits mask, const char* 
   constexpr uint64_t kBlock = 1024;
   for (uint64_t b = 0; b < n; b += kBlock) {
     const uint64_t e = std::min(n, b + kBlock);
-    Bits bad = 0;
-    for (uint64_t i = b; i < e; ++i) {
-      Bits u;
-      std::memcpy(&u, bytes + sizeof(Bits) * i, sizeof(Bits));
-      bad |= static_cast<Bits>((u & mask) == mask);
-    }
+    const uint8_t* at = bytes + sizeof(Bits) * b;
+    const bool bad = sizeof(Bits) == 4 ? detail::any_nonfinite_f32(at, e - b)
+                                       : detail::any_nonfinite_16(at, e - b, static_cast<uint16_t>(mask));
     if (!bad) {
       done(b, e);
       continue;
@@ -126,6 +124,26 @@ const char* format_name(Format f) {
 }
 
 namespace detail {
+SPARROW_SIMD_CLONES
+bool any_nonfinite_f32(const uint8_t* bytes, uint64_t n) {
+  uint32_t bad = 0;
+  for (uint64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, bytes + 4 * i, 4);
+    bad |= static_cast<uint32_t>((u & 0x7f800000u) == 0x7f800000u);
+  }
+  return bad != 0;
+}
+SPARROW_SIMD_CLONES
+bool any_nonfinite_16(const uint8_t* bytes, uint64_t n, uint16_t mask) {
+  uint16_t bad = 0;
+  for (uint64_t i = 0; i < n; ++i) {
+    uint16_t u;
+    std::memcpy(&u, bytes + 2 * i, 2);
+    bad |= static_cast<uint16_t>((u & mask) == mask);
+  }
+  return bad != 0;
+}
 void scan_finite_f32(const uint8_t* bytes, uint64_t n, const char* what,
                      const std::function<void(uint64_t, uint64_t)>& done) {
   check_finite_bits<uint32_t>(bytes, n, 0x7f800000u, what, done);
