@@ -224,6 +224,10 @@ int bench_compress_cuda(int64_t n, int repeat, const std::string& only) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The server case runs sparrow-server in this process: its allocator policy,
+  // set before any thread as sparrow-server's main() does (SPARROW_SYSTEM_MALLOC=1
+  // measures glibc's default instead). The bare-ZeroMQ baselines share it.
+  if (argc > 1 && std::string(argv[1]) == "server") sparrow::core::tune_allocator_for_messages();
   CLI::App app{"sparrow-bench: JSON-lines benchmarks with same-run baselines"};
   app.require_subcommand(1);
   int64_t elements = 25000000;

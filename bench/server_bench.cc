@@ -60,6 +60,7 @@
 #include "core/error.h"
 #include "core/json.h"
 #include "core/model_digest.h"
+#include "core/threads.h"
 #include "server/server.h"
 #include "wire/net.h"
 #include "wire/wire.h"
@@ -665,7 +666,8 @@ int bench_dense(const ServerBenchOptions& o, const fs::path& dir) {
             << ",\"bare_acked_mb_per_s\":" << json_number(mb / bare_acked)
             << ",\"vs_bare_acked\":" << json_number(bare_acked / plain_s)
             << ",\"vs_bare\":" << json_number(bare_s / plain_s)
-            << ",\"curve_vs_bare\":" << json_number(bare_curve_s / curve_s) << "}" << std::endl;
+            << ",\"curve_vs_bare\":" << json_number(bare_curve_s / curve_s) << ",\"malloc\":\""
+            << (core::allocator_tuned_for_messages() ? "reuse" : "system") << "\"}" << std::endl;
   return 0;
 }
 

@@ -7,6 +7,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -84,6 +85,24 @@ void tune_allocator() {
   // blocks up to 32 MiB in the heap and do not trim it below 1 GiB.
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_TRIM_THRESHOLD, 1 << 30);
+}
+
+namespace {
+std::atomic<bool> g_message_malloc{false};
+}  // namespace
+
+bool allocator_tuned_for_messages() { return g_message_malloc.load(); }
+
+bool tune_allocator_for_messages() {
+  const char* opt_out = std::getenv("SPARROW_SYSTEM_MALLOC");
+  if (opt_out != nullptr && *opt_out != '\0' && std::string(opt_out) != "0") return false;
+  // Every thread in the main arena: a thread's own arena serves a block larger
+  // than its 64 MiB heap with mmap even when M_MMAP_MAX is 0.
+  bool ok = mallopt(M_ARENA_MAX, 1) == 1;
+  ok = mallopt(M_MMAP_MAX, 0) == 1 && ok;
+  ok = mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1 && ok;
+  g_message_malloc.store(ok);
+  return ok;
 }
 
 int env_threads() {
