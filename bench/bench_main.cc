@@ -227,7 +227,16 @@ int main(int argc, char** argv) {
   // The server case runs sparrow-server in this process: its allocator policy,
   // set before any thread as sparrow-server's main() does (SPARROW_SYSTEM_MALLOC=1
   // measures glibc's default instead). The bare-ZeroMQ baselines share it.
-  if (argc > 1 && std::string(argv[1]) == "server") sparrow::core::tune_allocator_for_messages();
+  for (int i = 1; i < argc; ++i) {  // the subcommand: the first argument that is not an option or its value
+    const std::string a = argv[i];
+    if (a == "--threads") {
+      ++i;
+      continue;
+    }
+    if (a.rfind("-", 0) == 0) continue;
+    if (a == "server") sparrow::core::tune_allocator_for_messages();
+    break;
+  }
   CLI::App app{"sparrow-bench: JSON-lines benchmarks with same-run baselines"};
   app.require_subcommand(1);
   int64_t elements = 25000000;

@@ -54,7 +54,14 @@ bool run_gateway(Server& server, const ServerConfig& cfg) {
                       "gateway: this gateway's clients use tcs, which needs the root's masks, but the root's "
                       "uplink is '"
                           << task.compression << "'; set the same tcs compression on the root");
-      for (const auto& nt : task.shared) masks[nt.name] = compression::mask_positions(nt.tensor);
+      for (const auto& nt : task.shared) {
+        masks[nt.name] = compression::mask_positions(nt.tensor);
+        // Checked here, not in relay_round, so a bad mask refuses this task
+        // (an Error to the root) instead of stopping the gateway.
+        const auto it = base.find(nt.name);
+        SPARROW_CHECK_T(Error, it != base.end() && nt.tensor.numel() == it->second.numel(),
+                        "gateway: the root's mask for '" << nt.name << "' does not fit the model");
+      }
     }
     spdlog::info("event=relay_started round={} deadline_ms={} masks={}", task.round, task.deadline_ms, masks.size());
     // The round, the wait for live clients included, ends within this server's
