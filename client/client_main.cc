@@ -34,7 +34,7 @@ extern "C" void on_signal(int) {
 
 int main(int argc, char** argv) {
   // Before any thread: received messages reuse heap blocks (core/threads.h).
-  const bool tuned_malloc = sparrow::core::tune_allocator_for_messages();
+  sparrow::core::tune_allocator_for_messages();
   CLI::App app{"sparrow-client: trains tasks from a Sparrow server and sends compressed updates"};
   std::string config_path;
   std::vector<std::string> overrides;
@@ -61,8 +61,9 @@ int main(int argc, char** argv) {
     cfg.fault = fault;
     sparrow::core::configure_threads(1);
     spdlog::info("threads: {}", sparrow::core::threads_summary(1));
-    spdlog::info("allocator: {}",
-                 tuned_malloc ? "received messages reuse heap blocks" : "glibc default (SPARROW_SYSTEM_MALLOC)");
+    spdlog::info("allocator: {}", sparrow::core::allocator_tuned_for_messages()
+                                      ? "received messages reuse heap blocks"
+                                      : "glibc default (SPARROW_SYSTEM_MALLOC)");
     if (const std::string w = sparrow::core::blas_warning(); !w.empty()) spdlog::warn("{}", w);
     sparrow::core::Dataset data = sparrow::client::load_client_data(cfg.data, cfg.model);
     spdlog::info("data: {} samples from '{}'", data.size(), cfg.data.data);

@@ -33,9 +33,6 @@ class DenseCompressor final : public Compressor {
   ValueType vt_;
 };
 
-}  // namespace
-
-namespace {
 // out += weight v and out = weight v, per ISA (core/simd.h).
 SPARROW_SIMD_CLONES
 void add_scaled(const float* __restrict v, uint64_t n, float weight, float* __restrict out) {

@@ -78,13 +78,16 @@ BlasInfo blas_info() {
   return b;
 }
 
+// Free heap glibc keeps instead of returning it to the system.
+constexpr int kKeepFreeHeap = 1 << 30;
+
 void tune_allocator() {
   // glibc serves blocks >= 128 KiB-32 MiB (dynamic) with mmap and returns
   // them on free, so every training step's activation and gradient buffers
   // are fresh pages: page faults were ~20% of a batched-clients run. Keep
   // blocks up to 32 MiB in the heap and do not trim it below 1 GiB.
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
-  mallopt(M_TRIM_THRESHOLD, 1 << 30);
+  mallopt(M_TRIM_THRESHOLD, kKeepFreeHeap);
 }
 
 namespace {
@@ -100,7 +103,7 @@ bool tune_allocator_for_messages() {
   // than its 64 MiB heap with mmap even when M_MMAP_MAX is 0.
   bool ok = mallopt(M_ARENA_MAX, 1) == 1;
   ok = mallopt(M_MMAP_MAX, 0) == 1 && ok;
-  ok = mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1 && ok;
+  ok = mallopt(M_TRIM_THRESHOLD, kKeepFreeHeap) == 1 && ok;
   g_message_malloc.store(ok);
   return ok;
 }

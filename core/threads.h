@@ -41,13 +41,14 @@ void tune_allocator();
 // glibc malloc settings for programs that receive large ZeroMQ messages
 // (sparrow-server, sparrow-client, sparrow-edge, the server bench): one arena,
 // no mmap'ed blocks, the heap trimmed only above 1 GiB free. libzmq allocates
-// every message it receives; by default each block of 64 MiB or more is
-// mmap'ed fresh and unmapped on free, so every 100 MB update is received into
+// every message it receives; by default each block of 32 MiB or more (in a
+// thread's own arena, also each block over its 64 MiB heap) is mmap'ed fresh
+// and unmapped on free, so every 100 MB update is received into
 // new pages and read once more after the kernel filled them. On the 2-vCPU
 // development VM that costs about 0.5 s per 100 MB (page faults at ~20 us
 // each, plus ~0.14 s for the first user read of the pages recv() filled,
 // invisible to the guest's fault counters), more than the transfer itself;
-// with the blocks reused the same update is received and folded 5-8x faster
+// with the blocks reused the same update is received and folded 8-12x faster
 // (docs/performance.md, "Server"). The cost: the resident size stays near its
 // peak, and all threads share one malloc lock. Call first in main(), before
 // any thread exists (an arena a thread already has stays). Does nothing and

@@ -33,7 +33,7 @@ extern "C" void on_signal(int) {
 
 int main(int argc, char** argv) {
   // Before any thread: received messages reuse heap blocks (core/threads.h).
-  const bool tuned_malloc = sparrow::core::tune_allocator_for_messages();
+  sparrow::core::tune_allocator_for_messages();
   CLI::App app{"sparrow-edge: split fine-tuning between an edge device and the cloud (docs/split.md)"};
   std::string config_path, log_level = "info";
   bool insecure = false;
@@ -56,10 +56,10 @@ int main(int argc, char** argv) {
   std::signal(SIGTERM, on_signal);
   if (const std::string w = sparrow::core::blas_warning(); !w.empty()) spdlog::warn("event=blas msg=\"{}\"", w);
   // Before any compute, after the config (its `threads` key).
-  auto threads = [tuned_malloc](int64_t n) {
+  auto threads = [](int64_t n) {
     sparrow::core::configure_threads(1, static_cast<int>(n));
     spdlog::info("event=threads msg=\"{}\"", sparrow::core::threads_summary(1));
-    spdlog::info("event=allocator malloc={}", tuned_malloc ? "reuse" : "system");
+    spdlog::info("event=allocator malloc={}", sparrow::core::allocator_tuned_for_messages() ? "reuse" : "system");
   };
   try {
     if (*serve) {

@@ -169,7 +169,7 @@ int keygen(const std::string& out, const std::string& name, int clients) {
 
 int main(int argc, char** argv) {
   // Before any thread: received messages reuse heap blocks (core/threads.h).
-  const bool tuned_malloc = sparrow::core::tune_allocator_for_messages();
+  sparrow::core::tune_allocator_for_messages();
   CLI::App app{"sparrow-server: federated-learning aggregator (docs/server.md)"};
   std::string config_path;
   bool insecure = false;
@@ -237,7 +237,7 @@ int main(int argc, char** argv) {
     // The decode/aggregate pool runs cfg.workers threads: each gets its share.
     sparrow::core::configure_threads(cfg.workers);
     spdlog::info("event=threads msg=\"{}\"", sparrow::core::threads_summary(cfg.workers));
-    spdlog::info("event=allocator malloc={}", tuned_malloc ? "reuse" : "system");
+    spdlog::info("event=allocator malloc={}", sparrow::core::allocator_tuned_for_messages() ? "reuse" : "system");
     if (const std::string w = sparrow::core::blas_warning(); !w.empty()) spdlog::warn("event=blas msg=\"{}\"", w);
     sparrow::server::Server server(cfg);
     g_server.store(&server);
