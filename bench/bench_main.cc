@@ -261,7 +261,7 @@ int main(int argc, char** argv) {
   sim->add_option("--workers", sim_workers, "simulator workers")->check(CLI::Range(1, 64));
   sim->add_option("--tmp", sim_tmp, "folder for the benchmark's run folders");
   std::string sim_cases = "peer,efficiency,scale";
-  sim->add_option("--cases,--case", sim_cases, "comma-separated subset of peer,efficiency,scale,mpi");
+  sim->add_option("--cases,--case", sim_cases, "comma-separated subset of peer,efficiency,scale,mpi,gpu");
   sparrow::bench::MpiOptions mpi_opts;
   sim->add_option("--mpirun", mpi_opts.mpirun, "mpi case: the MPI launcher");
   sparrow::bench::PeerOptions peer;
@@ -271,6 +271,18 @@ int main(int argc, char** argv) {
   sim->add_option("--mlp-rounds", peer.mlp_rounds, "peer case: rounds of the MLP runs")->check(CLI::Range(1, 10000));
   sim->add_option("--cnn-rounds", peer.cnn_rounds, "peer case: rounds of the CNN runs")->check(CLI::Range(1, 10000));
   sim->add_option("--python", peer.python, "peer case: the python3 that has torch (python3-torch)");
+  sparrow::bench::GpuOptions gpu;
+  gpu.peer_script = peer.peer_script;
+  gpu.python = "python3";
+  sim->add_option("--population", gpu.population, "gpu case: stateful clients of the population run (0: skip it)")
+      ->check(CLI::Range(0, 1000000));
+  sim->add_option("--per-round", gpu.per_round, "gpu case: clients per round (and per pass) of the population run")
+      ->check(CLI::Range(1, 100000));
+  sim->add_option("--population-rounds", gpu.population_rounds,
+                  "gpu case: rounds of the population run (first untimed)")
+      ->check(CLI::Range(2, 10000));
+  sim->add_option("--population-compression", gpu.compression, "gpu case: the population's uplink codec");
+  sim->add_option("--device", gpu.device, "gpu case: cuda or cuda:N");
   auto* child = app.add_subcommand("sim-scale-child", "internal: one population of the scale case");
   child->group("");  // hidden
   child->add_option("--clients", child_clients)->required();
@@ -343,6 +355,21 @@ int main(int argc, char** argv) {
           if (!m.empty()) peer.models.push_back(m);
         peer.tmp = sim_tmp + "/peer";
         if (int rc = sparrow::bench::bench_sim_peer(peer); rc != 0) return rc;
+      }
+      if (has("gpu")) {
+        gpu.models = peer.models;
+        if (!has("peer")) {
+          gpu.models.clear();
+          std::stringstream ss(peer_models);
+          for (std::string m; std::getline(ss, m, ',');)
+            if (!m.empty()) gpu.models.push_back(m);
+        }
+        gpu.mlp_rounds = peer.mlp_rounds;
+        gpu.cnn_rounds = std::max(peer.cnn_rounds, 2);
+        if (peer.python != "/usr/bin/python3") gpu.python = peer.python;
+        gpu.data_dir = peer.data_dir;
+        gpu.tmp = sim_tmp + "/gpu";
+        if (int rc = sparrow::bench::bench_sim_gpu(gpu); rc != 0) return rc;
       }
       if (has("mpi")) {
         mpi_opts.rounds = sim_rounds;

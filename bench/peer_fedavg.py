@@ -73,6 +73,8 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--warmup-rounds", type=int, default=0,
+                    help="rounds trained before the clock starts (on a GPU: cuDNN's algorithm search)")
     args = ap.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -89,8 +91,15 @@ def main():
     model = (MLP() if args.model == "mlp" else CNN()).to(dev)
     global_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     samples = 0
+    clients = 0
     t0 = time.perf_counter()
-    for selected in rounds:
+    for r, selected in enumerate(rounds):
+        if r == args.warmup_rounds and r > 0:
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            samples = 0
+            clients = 0
+            t0 = time.perf_counter()
         acc = {k: torch.zeros_like(v) for k, v in global_state.items()}
         total = 0
         for c in selected:
@@ -108,6 +117,7 @@ def main():
                     loss.backward()
                     opt.step()
             samples += n * args.epochs
+            clients += 1
             with torch.no_grad():
                 for k, v in model.state_dict().items():
                     acc[k].add_(v, alpha=float(n))
@@ -126,7 +136,7 @@ def main():
             xb = x_test[start:start + 1000].to(dev)
             correct += int((model(xb).argmax(1).cpu() == y_test[start:start + 1000]).sum())
     eval_s = time.perf_counter() - t1
-    print(json.dumps({"rounds": len(rounds), "samples": samples, "train_s": train_s,
+    print(json.dumps({"rounds": len(rounds), "clients": clients, "samples": samples, "train_s": train_s,
                       "samples_per_s": samples / train_s, "eval_s": eval_s,
                       "accuracy": correct / len(y_test), "threads": args.threads,
                       "torch": torch.__version__}))

@@ -3,6 +3,7 @@
 #include "bench/sim_bench.h"
 
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <sys/resource.h>
 
@@ -118,6 +119,7 @@ double train_flops(const std::string& model) {
 struct PeerRun {
   double train_s = 0;
   int64_t samples = 0;
+  int64_t clients = 0;  // clients trained in the timed rounds
   double eval_s = 0;
   double accuracy = 0;
 };
@@ -135,20 +137,23 @@ simulator::SimConfig peer_config(const PeerOptions& o, const std::string& model,
   return c;
 }
 
-// One sparrow-sim run; training time is every round's wall-clock minus its evaluation.
-PeerRun run_sparrow(simulator::SimConfig c, int workers, int threads, int client_batch) {
+// One sparrow-sim run; training time is every round's wall-clock minus its
+// evaluation, over the rounds after the first `warmup` (untimed) ones.
+PeerRun run_sparrow(simulator::SimConfig c, int workers, int threads, int client_batch, int warmup = 0) {
   c.workers = workers;
   c.threads = threads;
   c.client_batch = client_batch;
   core::configure_threads(workers, threads);
   simulator::Simulator sim(c);
   PeerRun r;
-  while (!sim.done()) {
+  for (int t = 0; !sim.done(); ++t) {
     const simulator::RoundMetrics m = sim.run_round();
-    r.train_s += m.real_s - m.eval_s;
-    r.eval_s += m.eval_s;
-    r.samples += m.samples;
     if (!std::isnan(m.accuracy)) r.accuracy = m.accuracy;
+    r.eval_s += m.eval_s;
+    if (t < warmup) continue;
+    r.train_s += m.real_s - m.eval_s;
+    r.samples += m.samples;
+    r.clients += m.clients;
   }
   sim.wait_for_checkpoint();
   return r;
@@ -163,7 +168,7 @@ std::string shell_quote(const std::string& s) {
 // The Python peer in a child process; nullopt (and a note on stderr) when
 // python3-torch is missing or the script fails.
 std::optional<PeerRun> run_python(const PeerOptions& o, const std::string& model, int threads, const std::string& files,
-                                  std::string* error) {
+                                  std::string* error, const std::string& extra = "") {
   // The same environment as this process (OPENBLAS_CORETYPE included, so both
   // run the same BLAS kernels), with the BLAS and OpenMP pools at `threads`.
   const std::string env =
@@ -171,7 +176,7 @@ std::optional<PeerRun> run_python(const PeerOptions& o, const std::string& model
   const std::string cmd = "env " + env + " " + shell_quote(o.python) + " " + shell_quote(o.peer_script) + " --data " +
                           shell_quote(o.data_dir) + " --partition " + shell_quote(files + "/partition.txt") +
                           " --selection " + shell_quote(files + "/selection_" + model + ".txt") + " --model " + model +
-                          " --threads " + std::to_string(threads) + " 2>&1";
+                          " --threads " + std::to_string(threads) + extra + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   if (!p) {
     *error = "popen failed";
@@ -197,6 +202,7 @@ std::optional<PeerRun> run_python(const PeerOptions& o, const std::string& model
   r.samples = static_cast<int64_t>(field("samples"));
   r.eval_s = field("eval_s");
   r.accuracy = field("accuracy");
+  r.clients = static_cast<int64_t>(field("clients"));
   return r;
 }
 
@@ -214,6 +220,25 @@ double mm_seconds(double flops, int threads) {
     best = std::min(best, seconds_since(t0));
   }
   return best * flops / (2.0 * static_cast<double>(n) * n * n);
+}
+
+// The same clients' data and the same clients per round for the Python peer:
+// dir/partition.txt and dir/selection_<model>.txt.
+void write_peer_files(const simulator::SimConfig& cfg, const std::string& dir, const std::string& model) {
+  simulator::SimConfig c = cfg;
+  c.device = "cpu";  // only the partition and the selection are read
+  simulator::Simulator sim(c);
+  std::ofstream part(dir + "/partition.txt");
+  for (const auto& idx : sim.partition()) {
+    for (size_t i = 0; i < idx.size(); ++i) part << (i ? " " : "") << idx[i];
+    part << '\n';
+  }
+  std::ofstream sel(dir + "/selection_" + model + ".txt");
+  for (int t = 0; t < cfg.rounds; ++t) {
+    const auto ids = sim.selection(t);
+    for (size_t i = 0; i < ids.size(); ++i) sel << (i ? " " : "") << ids[i];
+    sel << '\n';
+  }
 }
 
 void print_run(const std::string& model, const std::string& tool, const std::string& setting, int workers, int threads,
@@ -242,21 +267,7 @@ int bench_sim_peer(const PeerOptions& o) {
   for (const std::string& model : o.models) {
     const int rounds = model == "mlp" ? o.mlp_rounds : o.cnn_rounds;
     const simulator::SimConfig cfg = peer_config(o, model, rounds, o.tmp + "/peer_" + model);
-    {
-      // The same clients' data and the same clients per round for the peer.
-      simulator::Simulator sim(cfg);
-      std::ofstream part(o.tmp + "/partition.txt");
-      for (const auto& idx : sim.partition()) {
-        for (size_t i = 0; i < idx.size(); ++i) part << (i ? " " : "") << idx[i];
-        part << '\n';
-      }
-      std::ofstream sel(o.tmp + "/selection_" + model + ".txt");
-      for (int t = 0; t < rounds; ++t) {
-        const auto ids = sim.selection(t);
-        for (size_t i = 0; i < ids.size(); ++i) sel << (i ? " " : "") << ids[i];
-        sel << '\n';
-      }
-    }
+    write_peer_files(cfg, o.tmp, model);
     // limit: the whole run's training FLOPs as one large GEMM.
     std::optional<PeerRun> py1;
     std::string err;
@@ -297,6 +308,99 @@ int bench_sim_peer(const PeerOptions& o) {
     }
   }
   core::configure_threads(1, 0);
+  return 0;
+}
+
+namespace {
+
+void print_gpu_run(const std::string& kase, const std::string& model, const std::string& tool,
+                   const std::string& setting, int client_batch, const simulator::SimConfig& cfg, int warmup,
+                   const PeerRun& r, const PeerRun* pytorch, const PeerRun* sequential) {
+  const double sps = static_cast<double>(r.samples) / r.train_s;
+  const double cpm = 60.0 * static_cast<double>(r.clients) / r.train_s;
+  std::cout << "{\"bench\":\"sim\",\"case\":\"" << kase << "\",\"device\":\"" << cfg.device << "\",\"model\":\""
+            << model << "\",\"tool\":\"" << tool << "\",\"setting\":\"" << setting << "\",\"clients\":" << cfg.clients
+            << ",\"clients_per_round\":" << cfg.clients_per_round << ",\"compression\":\""
+            << (tool == "pytorch" ? std::string("none") : cfg.compression) << "\",\"client_batch\":" << client_batch
+            << ",\"rounds_timed\":" << cfg.rounds - warmup << ",\"clients_trained\":" << r.clients
+            << ",\"samples\":" << r.samples << ",\"train_s\":" << json_number(r.train_s)
+            << ",\"samples_per_s\":" << json_number(sps) << ",\"clients_per_min\":" << json_number(cpm)
+            << ",\"accuracy\":" << json_number(r.accuracy);
+  if (pytorch)
+    std::cout << ",\"speedup_vs_pytorch\":"
+              << json_number(sps / (static_cast<double>(pytorch->samples) / pytorch->train_s));
+  if (sequential)
+    std::cout << ",\"speedup_vs_sequential\":"
+              << json_number(sps / (static_cast<double>(sequential->samples) / sequential->train_s));
+  std::cout << "}" << std::endl;
+}
+
+// PyTorch on the GPU, sparrow one client at a time, sparrow batched (K =
+// `batch`): one line each.
+void gpu_three_ways(const GpuOptions& o, const std::string& kase, const std::string& model,
+                    const simulator::SimConfig& cfg, int batch, const std::string& files) {
+  constexpr int kWarmup = 1;
+  const int threads = core::available_cores();
+  PeerOptions p;
+  p.python = o.python;
+  p.peer_script = o.peer_script;
+  p.data_dir = o.data_dir;
+  std::filesystem::create_directories(files);
+  write_peer_files(cfg, files, model);
+  std::string err;
+  const std::optional<PeerRun> py = run_python(p, model, threads, files, &err,
+                                               " --device " + o.device + " --warmup-rounds " + std::to_string(kWarmup));
+  if (py)
+    print_gpu_run(kase, model, "pytorch", "plain PyTorch loop", 1, cfg, kWarmup, *py, nullptr, nullptr);
+  else
+    std::cout << "{\"bench\":\"sim\",\"case\":\"" << kase << "\",\"model\":\"" << model
+              << "\",\"tool\":\"pytorch\",\"error\":\"" << err << "\"}" << std::endl;
+  const PeerRun* base = py ? &*py : nullptr;
+  const PeerRun seq = run_sparrow(cfg, 1, threads, 1, kWarmup);
+  print_gpu_run(kase, model, "sparrow", "one client at a time", 1, cfg, kWarmup, seq, base, nullptr);
+  const PeerRun bat = run_sparrow(cfg, 1, threads, batch, kWarmup);
+  print_gpu_run(kase, model, "sparrow", "batched", batch, cfg, kWarmup, bat, base, &seq);
+  if (cfg.compression != "none") {
+    // What the codec and the client states cost: the same run uncompressed.
+    simulator::SimConfig plain = cfg;
+    plain.compression = "none";
+    plain.out += "_none";
+    const PeerRun r = run_sparrow(plain, 1, threads, batch, kWarmup);
+    print_gpu_run(kase, model, "sparrow", "batched, no compression", batch, plain, kWarmup, r, base, &seq);
+  }
+}
+
+}  // namespace
+
+int bench_sim_gpu(const GpuOptions& o) {
+  if (!torch::cuda::is_available()) {
+    std::cout << "{\"bench\":\"sim\",\"case\":\"gpu\",\"error\":\"no CUDA device, or this build's LibTorch has no "
+                 "CUDA\"}"
+              << std::endl;
+    return 1;
+  }
+  std::filesystem::create_directories(o.tmp);
+  std::cout << "{\"bench\":\"sim\",\"case\":\"gpu_machine\",\"device\":\"" << o.device
+            << "\",\"gpus\":" << torch::cuda::device_count() << ",\"cores\":" << core::available_cores()
+            << ",\"torch\":\"" << TORCH_VERSION << "\"}" << std::endl;
+  PeerOptions po;
+  po.data_dir = o.data_dir;
+  for (const std::string& model : o.models) {
+    const int rounds = model == "mlp" ? o.mlp_rounds : o.cnn_rounds;
+    simulator::SimConfig cfg = peer_config(po, model, rounds, o.tmp + "/peer_" + model);
+    cfg.device = o.device;
+    gpu_three_ways(o, "gpu_peer", model, cfg, cfg.clients_per_round, o.tmp + "/peer_files_" + model);
+  }
+  if (o.population > 0) {
+    simulator::SimConfig cfg = base_config(o.population, o.per_round, o.population_rounds, 1, o.tmp + "/population");
+    cfg.partition = "iid";  // every one of 10,000 clients holds data (6 images each)
+    cfg.model = o.population_model;
+    cfg.compression = o.compression;
+    cfg.device = o.device;
+    cfg.checkpoint_every = 1000000;
+    cfg.data_dir = o.data_dir;
+    gpu_three_ways(o, "gpu_population", o.population_model, cfg, o.per_round, o.tmp + "/population_files");
+  }
   return 0;
 }
 

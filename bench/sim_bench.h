@@ -24,6 +24,30 @@ struct PeerOptions {
 };
 int bench_sim_peer(const PeerOptions& o);
 
+// The GPU case (device = "cuda"; needs a CUDA-enabled build and a GPU): the
+// issue-10 workload per model in plain PyTorch on the GPU (peer_fedavg.py
+// --device cuda), sparrow-sim one client at a time and batched on the GPU;
+// then a population of `population` stateful clients (IID, CNN, `compression`
+// on, `per_round` per round), clients trained per minute, the same three ways
+// (the PyTorch loop has no compression and no client state). The first round
+// of every run is a warm-up (cuDNN's algorithm search) and not timed.
+struct GpuOptions {
+  std::vector<std::string> models{"mlp", "cnn"};
+  int mlp_rounds = 20;
+  int cnn_rounds = 5;
+  int population = 10000;
+  int per_round = 100;
+  int population_rounds = 4;
+  std::string population_model = "cnn";
+  std::string compression = "dgc:ratio=0.001";
+  std::string device = "cuda";
+  std::string python = "python3";
+  std::string peer_script;
+  std::string data_dir = "/usr/share/datasets/fashion-mnist";
+  std::string tmp = "bench-sim-runs/gpu";
+};
+int bench_sim_gpu(const GpuOptions& o);
+
 int bench_sim(int rounds, int workers, const std::string& tmp, bool efficiency = true, bool scale = true);
 // The MPI case: the same run (Fashion-MNIST, Dirichlet(0.5), 1,000 clients,
 // 50 per round) as one process (1 and 2 worker threads), and under

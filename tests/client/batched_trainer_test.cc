@@ -31,8 +31,9 @@ double rel_diff(const Weights& a, const Weights& b) {
   for (const auto& [k, t] : b) {
     REQUIRE(a.count(k) == 1);
     REQUIRE(a.at(k).sizes() == t.sizes());
-    diff = std::max(diff, (a.at(k) - t).abs().max().item<double>());
-    scale = std::max(scale, t.abs().max().item<double>());
+    const at::Tensor ta = a.at(k).to(at::kCPU), tb = t.to(at::kCPU);
+    diff = std::max(diff, (ta - tb).abs().max().item<double>());
+    scale = std::max(scale, tb.abs().max().item<double>());
   }
   return diff / scale;
 }
@@ -51,23 +52,35 @@ struct Client {
 
 // Ragged clients: a short last minibatch, fewer samples than the batch, an
 // exact multiple of the batch, and one sample.
-std::vector<Client> make_clients(const std::vector<int64_t>& sizes, uint64_t seed) {
+std::vector<Client> make_clients(const std::vector<int64_t>& sizes, uint64_t seed,
+                                 at::Device device = at::Device(at::kCPU)) {
   at::manual_seed(seed);
   std::vector<Client> out;
   for (size_t i = 0; i < sizes.size(); ++i)
-    out.push_back({at::randn({sizes[i], 1, 28, 28}), at::randint(0, 10, {sizes[i]}, at::kLong), 1000 + i});
+    out.push_back(
+        {at::randn({sizes[i], 1, 28, 28}).to(device), at::randint(0, 10, {sizes[i]}, at::kLong).to(device), 1000 + i});
   return out;
+}
+
+std::shared_ptr<sparrow::core::Model> model_on(const std::string& name, uint64_t seed, at::Device device) {
+  auto m = sparrow::core::make_model(name, seed);
+  m->to(device);
+  return m;
 }
 
 // Trains every client with LocalTrainer and with one BatchedTrainer pass and
 // checks each client's result is the same within float tolerance.
-void check_equal(const std::string& model, const std::string& spec, const std::vector<int64_t>& sizes) {
+// On `device` (CPU, or CUDA where the data and both trainers' models live on
+// the GPU) the tolerance is the same.
+void check_equal(const std::string& model, const std::string& spec, const std::vector<int64_t>& sizes,
+                 at::Device device = at::Device(at::kCPU)) {
   CAPTURE(model);
   CAPTURE(spec);
+  CAPTURE(device.str());
   const TrainConfig cfg = parse_train_config(spec);
   const bool scaffold = cfg.algorithm == "scaffold";
   const Weights global = get_weights(*sparrow::core::make_model(model, 3));
-  const std::vector<Client> clients = make_clients(sizes, 11);
+  const std::vector<Client> clients = make_clients(sizes, 11, device);
   const Weights server_c = scaffold ? random_like(global, 5, 0.01) : Weights{};
   std::vector<Weights> controls_seq(sizes.size()), controls_bat(sizes.size());
   if (scaffold) {
@@ -75,13 +88,13 @@ void check_equal(const std::string& model, const std::string& spec, const std::v
     for (size_t i = 1; i < sizes.size(); ++i) controls_seq[i] = controls_bat[i] = random_like(global, 20 + i, 0.01);
   }
 
-  LocalTrainer seq(sparrow::core::make_model(model, 7), cfg);
+  LocalTrainer seq(model_on(model, 7, device), cfg);
   std::vector<TrainResult> expected;
   for (size_t i = 0; i < clients.size(); ++i)
     expected.push_back(seq.train(global, clients[i].x, clients[i].y, clients[i].seed,
                                  scaffold ? &controls_seq[i] : nullptr, scaffold ? &server_c : nullptr));
 
-  BatchedTrainer bat(sparrow::core::make_model(model, 8), cfg);
+  BatchedTrainer bat(model_on(model, 8, device), cfg);
   std::vector<ClientJob> jobs;
   for (size_t i = 0; i < clients.size(); ++i)
     jobs.push_back({clients[i].x, clients[i].y, clients[i].seed, scaffold ? &controls_bat[i] : nullptr});
@@ -118,6 +131,34 @@ TEST_CASE("batched clients equal sequential LocalTrainer, every algorithm, ragge
   SUBCASE("cnn fedprox") { check_equal("cnn", "fedprox:lr=0.05,mu=0.01,batch=16", {20, 33}); }
   SUBCASE("cnn scaffold") { check_equal("cnn", "scaffold:lr=0.05,batch=16", {20, 7, 33}); }
   SUBCASE("one client") { check_equal("mlp", "fedavg:lr=0.1,batch=8", {19}); }
+}
+
+// The same code path on CUDA (grouped convolutions and autograd there):
+// skipped, with a message, without a CUDA device or a CUDA-enabled LibTorch.
+TEST_CASE("batched clients on CUDA equal sequential LocalTrainer on CUDA") {
+  if (!at::hasCUDA()) {
+    MESSAGE("skipped: no CUDA device");
+    return;
+  }
+  const at::Device gpu(at::kCUDA);
+  // cuDNN's TF32 convolutions (PyTorch's default) round inputs to 10-bit
+  // mantissas, differently for a grouped and a plain convolution: compare in
+  // full fp32. The simulator keeps PyTorch's default.
+  const bool tf32 = at::globalContext().allowTF32CuDNN();
+  at::globalContext().setAllowTF32CuDNN(false);
+  struct Restore {
+    bool v;
+    ~Restore() { at::globalContext().setAllowTF32CuDNN(v); }
+  } restore{tf32};
+  const std::vector<int64_t> sizes{37, 9, 32, 1, 50};
+  SUBCASE("mlp fedavg momentum + weight decay") {
+    check_equal("mlp", "fedavg:lr=0.05,momentum=0.9,wd=0.001,batch=16,epochs=2", sizes, gpu);
+  }
+  SUBCASE("mlp fedprox") { check_equal("mlp", "fedprox:lr=0.05,mu=0.1,batch=16,epochs=2", sizes, gpu); }
+  SUBCASE("mlp scaffold") { check_equal("mlp", "scaffold:lr=0.05,momentum=0.5,batch=16,epochs=2", sizes, gpu); }
+  SUBCASE("cnn fedavg") { check_equal("cnn", "fedavg:lr=0.05,momentum=0.9,wd=0.0005,batch=16", {37, 9, 16}, gpu); }
+  SUBCASE("cnn fedprox") { check_equal("cnn", "fedprox:lr=0.05,mu=0.01,batch=16", {20, 33}, gpu); }
+  SUBCASE("cnn scaffold") { check_equal("cnn", "scaffold:lr=0.05,batch=16", {20, 7, 33}, gpu); }
 }
 
 TEST_CASE("batched clients: forward_clients equals forward per client") {

@@ -489,6 +489,56 @@ TEST_CASE("simulator batched clients equal one client at a time") {
   }
 }
 
+// The CUDA path (device = "cuda": data staged on the GPU once, clients trained
+// there, one at a time or batched): the same global model as the CPU run, and
+// DGC state kept per client. Skipped without a CUDA device.
+TEST_CASE("simulator on CUDA: one at a time and batched equal the CPU run") {
+  if (!torch::cuda::is_available()) {
+    MESSAGE("skipped: no CUDA device");
+    return;
+  }
+  TempDir d0("cuda_cpu"), d1("cuda_seq"), d2("cuda_bat"), d3("cuda_dgc");
+  SimConfig c = tiny(d0.path);
+  c.clients_per_round = 5;
+  c.rounds = 3;
+  c.lr = 0.01;
+  c.momentum = 0.5;
+  c.client_batch = 1;
+  Simulator cpu(c);
+  cpu.run();
+  c.device = "cuda";
+  c.out = d1.path;
+  Simulator seq(c);
+  seq.run();
+  CHECK(seq.training_mode().find("on cuda") != std::string::npos);
+  c.out = d2.path;
+  c.client_batch = 5;
+  Simulator bat(c);
+  bat.run();
+  CHECK(bat.training_mode().find("batched clients: up to 5") != std::string::npos);
+  for (const Simulator* s : {&seq, &bat}) {
+    for (size_t i = 0; i < 3; ++i) {
+      CHECK(s->history()[i].bytes_up == cpu.history()[i].bytes_up);
+      CHECK(s->history()[i].train_loss == doctest::Approx(cpu.history()[i].train_loss).epsilon(1e-4));
+    }
+    for (const auto& entry : cpu.global()) {
+      const auto& k = entry.first;
+      CAPTURE(k);
+      const at::Tensor got = s->global().at(k).to(at::kCPU);
+      CHECK(at::allclose(got, entry.second, 1e-4, 1e-6));
+    }
+  }
+  // DGC on the GPU run: residuals and momentum kept per client across rounds.
+  c.out = d3.path;
+  c.compression = "dgc:ratio=0.1";
+  c.rounds = 4;
+  Simulator dgc(c);
+  dgc.run();
+  REQUIRE(dgc.history().size() == 4);
+  CHECK(dgc.history().back().bytes_up < cpu.history().back().bytes_up);
+  CHECK(std::isfinite(dgc.history().back().accuracy));
+}
+
 TEST_CASE("simulator client_batch: automatic choice and models that cannot be batched") {
   TempDir d("auto");
   SimConfig c = tiny(d.path);

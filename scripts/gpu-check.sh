@@ -1,0 +1,93 @@
+#!/usr/bin/env bash
+# Builds Sparrow with CUDA on a GPU machine and runs the CUDA tests and the GPU
+# benchmarks (docs/performance.md, "GPU"). Made for the bare GPU machine of
+# docs/gpu.md: PyTorch's LibTorch, nvcc, cmake and ninja installed; the other
+# dependencies as Debian packages in .debs (unpacked into /opt/deps, never /),
+# Fashion-MNIST in .data/fashion-mnist. Every step is time-boxed and logs to
+# $OUT (default ./gpu-out), so a failed step still leaves what came before.
+#
+#   scripts/gpu-check.sh [--tests-only] [--bench-args "..."]
+set -uo pipefail
+out=${OUT:-gpu-out}
+mkdir -p "$out"
+t0=$(date +%s)
+log() { echo "[gpu-check +$(($(date +%s) - t0))s] $*" | tee -a "$out/steps.txt"; }
+tests_only=0
+bench_args="--models mlp,cnn --mlp-rounds 20 --cnn-rounds 3 --population 10000 --per-round 100 --population-rounds 4"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --tests-only) tests_only=1 ;;
+    --bench-args) bench_args=$2; shift ;;
+    *) echo "gpu-check: unknown option $1" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+# Dependencies: the .debs unpacked into /opt/deps (shared-device/prelude.sh,
+# a copy of ../shared/device/prelude.sh), pkg-config from them when the
+# machine has none, and libzmq.pc without Requires.private (krb5-gssapi,
+# openpgm and norm ship no .pc there; only the static link needs them).
+if [ -d .debs ]; then
+  # shellcheck disable=SC1091
+  source shared-device/prelude.sh .debs
+  sed -i '/^Requires.private/d' /opt/deps/usr/lib/x86_64-linux-gnu/pkgconfig/libzmq.pc
+  command -v pkg-config >/dev/null || ln -sf /opt/deps/usr/bin/pkgconf /opt/deps/usr/bin/pkg-config
+fi
+if [ -d .data/fashion-mnist ] && [ ! -d /usr/share/datasets/fashion-mnist ]; then
+  mkdir -p /usr/share/datasets && cp -r .data/fashion-mnist /usr/share/datasets/
+fi
+export PATH="$PATH:/usr/local/cuda/bin"
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv >"$out/gpu.txt" 2>&1
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "cxx11abi", torch.compiled_with_cxx11_abi())' \
+  2>&1 | tee -a "$out/gpu.txt"
+nproc | tee -a "$out/gpu.txt"
+torch_dir=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')
+torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
+
+# LibTorch 2.12 and later refuse C++17: probe the installed headers.
+std=17
+printf '#include <ATen/ATen.h>\nint main() { return 0; }\n' >/tmp/std_probe.cc
+if ! g++ -std=c++17 -fsyntax-only -I"$torch_dir/include" -I"$torch_dir/include/torch/csrc/api/include" \
+  /tmp/std_probe.cc >/dev/null 2>&1; then
+  std=20
+fi
+log "C++ standard $std; $(g++ --version | head -1); nvcc $(nvcc --version | tail -1)"
+
+build=build-gpu
+log "configure"
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$CMAKE_PREFIX_PATH;$torch_prefix" \
+  -DSPARROW_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" \
+  -DCMAKE_CXX_STANDARD=$std -DSPARROW_MPI=OFF -DSPARROW_CCACHE=OFF \
+  -DCMAKE_CXX_FLAGS="-include cstdint" -DCMAKE_EXE_LINKER_FLAGS="-Wl,--no-as-needed" >"$out/configure.log" 2>&1 ||
+  { log "configure failed"; tail -40 "$out/configure.log"; exit 1; }
+grep -E "sparrow:" "$out/configure.log"
+log "build"
+targets="sparrow-bench sparrow_client_tests sparrow_compression_tests sparrow_sim_tests"
+timeout 420 ninja -C "$build" -k 0 $targets >"$out/build.log" 2>&1
+rc=$?
+log "build rc=$rc"
+grep -E "error|FAILED" "$out/build.log" | head -40
+
+run_test() {  # binary, doctest filter
+  [ -x "$build/bin/$1" ] || { log "$1 not built"; return; }
+  timeout 120 "$build/bin/$1" -tc="$2" -s 2>&1 | tail -c 20000 >"$out/test_$1.log"
+  log "$1 -tc=$2: rc=${PIPESTATUS[0]} $(grep -E 'test cases:' "$out/test_$1.log")"
+  grep -E "ERROR|skipped|FAILED" "$out/test_$1.log" | head -20
+}
+run_test sparrow_compression_tests "cuda*"
+run_test sparrow_client_tests "*batched*"
+run_test sparrow_sim_tests "*CUDA*"
+[ "$tests_only" = 1 ] && exit 0
+
+if [ -x "$build/bin/sparrow-bench" ]; then
+  log "bench compress --device cuda"
+  timeout 60 "$build/bin/sparrow-bench" compress --device cuda --elements 25000000 --repeat 5 2>"$out/compress.err" |
+    grep "^{" | tee "$out/bench_compress.jsonl"
+  log "bench sim --cases gpu $bench_args"
+  # shellcheck disable=SC2086
+  timeout 300 "$build/bin/sparrow-bench" sim --cases gpu $bench_args --tmp /tmp/sparrow-bench 2>"$out/sim.err" |
+    grep "^{" | tee "$out/bench_sim_gpu.jsonl"
+  log "bench rc=${PIPESTATUS[0]}"
+  tail -5 "$out/sim.err"
+fi
+log "done"
