@@ -42,10 +42,10 @@ if [ -d .data/fashion-mnist ] && [ ! -d /usr/share/datasets/fashion-mnist ]; the
   mkdir -p /usr/share/datasets && cp -r .data/fashion-mnist /usr/share/datasets/
 fi
 export PATH="$PATH:/usr/local/cuda/bin"
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv >"$out/gpu.txt" 2>&1
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv >>"$out/steps.txt" 2>&1
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "cxx11abi", torch.compiled_with_cxx11_abi())' \
-  2>&1 | tee -a "$out/gpu.txt"
-nproc | tee -a "$out/gpu.txt"
+  2>&1 | tee -a "$out/steps.txt"
+nproc | tee -a "$out/steps.txt"
 torch_dir=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')
 torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
 
@@ -60,24 +60,25 @@ log "C++ standard $std; $(g++ --version | head -1); nvcc $(nvcc --version | tail
 
 build=build-gpu
 log "configure"
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$CMAKE_PREFIX_PATH;$torch_prefix" \
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DSPARROW_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" \
   -DCMAKE_CXX_STANDARD=$std -DSPARROW_MPI=OFF -DSPARROW_CCACHE=OFF \
-  -DCMAKE_CXX_FLAGS="-include cstdint" -DCMAKE_EXE_LINKER_FLAGS="-Wl,--no-as-needed" >"$out/configure.log" 2>&1 ||
-  { log "configure failed"; tail -40 "$out/configure.log"; exit 1; }
-grep -E "sparrow:" "$out/configure.log"
+  -DCMAKE_CXX_FLAGS="-include cstdint" -DCMAKE_EXE_LINKER_FLAGS="-Wl,--no-as-needed" >"$out/build.log" 2>&1 ||
+  { log "configure failed"; tail -40 "$out/build.log"; exit 1; }
+grep -E "sparrow:" "$out/build.log"
 log "build"
 targets="sparrow-bench sparrow_client_tests sparrow_compression_tests sparrow_sim_tests"
-timeout 330 ninja -C "$build" -k 0 $targets >"$out/build.log" 2>&1
+timeout 330 ninja -C "$build" -k 0 $targets >>"$out/build.log" 2>&1
 rc=$?
 log "build rc=$rc"
 grep -E "error|FAILED" "$out/build.log" | head -40
 
 run_test() {  # binary, doctest filter
   [ -x "$build/bin/$1" ] || { log "$1 not built"; return; }
-  timeout 90 "$build/bin/$1" -tc="$2" -s 2>&1 | tail -c 20000 >"$out/test_$1.log"
-  log "$1 -tc=$2: rc=${PIPESTATUS[0]} $(grep -E 'test cases:' "$out/test_$1.log")"
-  grep -E "ERROR|skipped|FAILED" "$out/test_$1.log" | head -20
+  timeout 90 "$build/bin/$1" -tc="$2" 2>&1 | tail -c 20000 >/tmp/test.log
+  log "$1 -tc=$2: rc=${PIPESTATUS[0]} $(grep -E 'test cases:' /tmp/test.log)"
+  cat /tmp/test.log >>"$out/tests.log"
+  grep -E "ERROR|skipped|FAILED" /tmp/test.log | head -20
 }
 run_test sparrow_compression_tests "cuda*"
 run_test sparrow_client_tests "*batched*"
@@ -86,13 +87,15 @@ run_test sparrow_sim_tests "*CUDA*"
 
 if [ -x "$build/bin/sparrow-bench" ]; then
   log "bench compress --device cuda"
-  timeout 40 "$build/bin/sparrow-bench" compress --device cuda --elements 25000000 --repeat 5 2>"$out/compress.err" |
+  timeout 40 "$build/bin/sparrow-bench" compress --device cuda --elements 25000000 --repeat 5 2>>"$out/bench.err" |
     grep "^{" | tee "$out/bench_compress.jsonl"
   log "bench sim --cases gpu $bench_args"
   # shellcheck disable=SC2086
-  timeout "$(left)" "$build/bin/sparrow-bench" sim --cases gpu $bench_args --tmp /tmp/sparrow-bench 2>"$out/sim.err" |
+  t=$(left)
+  [ "$t" -gt 30 ] || t=30
+  timeout "$t" "$build/bin/sparrow-bench" sim --cases gpu $bench_args --tmp /tmp/sparrow-bench 2>>"$out/bench.err" |
     grep "^{" | tee "$out/bench_sim_gpu.jsonl"
   log "bench rc=${PIPESTATUS[0]}"
-  tail -5 "$out/sim.err"
+  tail -5 "$out/bench.err"
 fi
 log "done"
