@@ -32,7 +32,7 @@ done
 if [ -d .debs ]; then
   # shellcheck disable=SC1091
   source shared-device/prelude.sh .debs
-  sed -i '/^Requires.private/d' /opt/deps/usr/lib/x86_64-linux-gnu/pkgconfig/libzmq.pc
+  sed -i '/^Requires.private/d' /opt/deps/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc
   command -v pkg-config >/dev/null || ln -sf /opt/deps/usr/bin/pkgconf /opt/deps/usr/bin/pkg-config
   # zlib1g-dev's libz.so points at a zlib1g that is not carried: use the machine's.
   zso=/opt/deps/usr/lib/x86_64-linux-gnu/libz.so
@@ -59,10 +59,13 @@ fi
 log "C++ standard $std; $(g++ --version | head -1); nvcc $(nvcc --version | tail -1)"
 
 build=build-gpu
+chartjs=""  # Chart.js from the carried libjs-chart.js (monitor/CMakeLists.txt looks in /usr/share only)
+[ -f /opt/deps/usr/share/javascript/chart.js/chart.min.js ] &&
+  chartjs="-DSPARROW_CHARTJS=/opt/deps/usr/share/javascript/chart.js/chart.min.js"
 log "configure"
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DSPARROW_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" \
-  -DCMAKE_CXX_STANDARD=$std -DSPARROW_MPI=OFF -DSPARROW_CCACHE=OFF \
+  -DCMAKE_CXX_STANDARD=$std -DSPARROW_MPI=OFF -DSPARROW_CCACHE=OFF $chartjs \
   -DCMAKE_CXX_FLAGS="-include cstdint" -DCMAKE_EXE_LINKER_FLAGS="-Wl,--no-as-needed" >"$out/build.log" 2>&1 ||
   { log "configure failed"; tail -40 "$out/build.log"; exit 1; }
 grep -E "sparrow:" "$out/build.log"
