@@ -65,7 +65,7 @@ chartjs=""  # Chart.js from the carried libjs-chart.js (monitor/CMakeLists.txt l
 log "configure"
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DSPARROW_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" \
-  -DCMAKE_CXX_STANDARD=$std -DSPARROW_MPI=OFF -DSPARROW_CCACHE=OFF $chartjs \
+  -DCMAKE_CXX_STANDARD=$std -DSPARROW_MPI=OFF -DSPARROW_CCACHE=OFF $chartjs -DSPARROW_INCLUDE_FIRST=/opt/deps/usr/include \
   -DCMAKE_CXX_FLAGS="-include cstdint" -DCMAKE_EXE_LINKER_FLAGS="-Wl,--no-as-needed" >"$out/build.log" 2>&1 ||
   { log "configure failed"; tail -40 "$out/build.log"; exit 1; }
 grep -E "sparrow:" "$out/build.log"

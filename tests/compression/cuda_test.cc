@@ -111,7 +111,7 @@ TEST_CASE("cuda sign_pack gives the CPU's bytes and residual") {
     const at::Tensor p = g + r;
     double want_l1 = 0.0;
     for (int64_t i = 0; i < n; ++i) want_l1 += std::fabs(p.data_ptr<float>()[i]);
-    std::vector<uint8_t> want_bits;
+    Bytes want_bits;
     cd::pack_values(p.data_ptr<float>(), static_cast<uint64_t>(n), ValueType::kSign, want_bits);
 
     at::Tensor gd = on_gpu(g), rd = on_gpu(r);
@@ -121,7 +121,7 @@ TEST_CASE("cuda sign_pack gives the CPU's bytes and residual") {
     const float scale = static_cast<float>(want_l1 / static_cast<double>(n));
     at::Tensor bits = at::empty({(n + 7) / 8}, gd.options().dtype(at::kByte));
     cuda::sign_pack(gd.data_ptr<float>(), rd.data_ptr<float>(), n, scale, bits.data_ptr<uint8_t>(), nullptr);
-    CHECK(host_vec<uint8_t>(bits) == want_bits);
+    CHECK(Bytes(host_vec<uint8_t>(bits)) == want_bits);
     const at::Tensor want_r = p - at::where(p < 0, at::full({n}, -scale), at::full({n}, scale));
     CHECK(same_bits(rd, want_r));
   }
