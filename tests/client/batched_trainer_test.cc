@@ -73,7 +73,7 @@ std::shared_ptr<sparrow::core::Model> model_on(const std::string& name, uint64_t
 // On `device` (CPU, or CUDA where the data and both trainers' models live on
 // the GPU) the tolerance is the same.
 void check_equal(const std::string& model, const std::string& spec, const std::vector<int64_t>& sizes,
-                 at::Device device = at::Device(at::kCPU)) {
+                 at::Device device = at::Device(at::kCPU), double tol = 2e-4) {
   CAPTURE(model);
   CAPTURE(spec);
   CAPTURE(device.str());
@@ -106,10 +106,10 @@ void check_equal(const std::string& model, const std::string& spec, const std::v
     CHECK(got[i].num_samples == expected[i].num_samples);
     CHECK(got[i].steps == expected[i].steps);
     CHECK(got[i].mean_loss == doctest::Approx(expected[i].mean_loss).epsilon(1e-4));
-    CHECK(rel_diff(got[i].delta, expected[i].delta) < 2e-4);
+    CHECK(rel_diff(got[i].delta, expected[i].delta) < tol);
     if (scaffold) {
-      CHECK(rel_diff(got[i].control_delta, expected[i].control_delta) < 2e-4);
-      CHECK(rel_diff(controls_bat[i], controls_seq[i]) < 2e-4);
+      CHECK(rel_diff(got[i].control_delta, expected[i].control_delta) < tol);
+      CHECK(rel_diff(controls_bat[i], controls_seq[i]) < tol);
     } else {
       CHECK(got[i].control_delta.empty());
     }
@@ -156,9 +156,14 @@ TEST_CASE("batched clients on CUDA equal sequential LocalTrainer on CUDA") {
   }
   SUBCASE("mlp fedprox") { check_equal("mlp", "fedprox:lr=0.05,mu=0.1,batch=16,epochs=2", sizes, gpu); }
   SUBCASE("mlp scaffold") { check_equal("mlp", "scaffold:lr=0.05,momentum=0.5,batch=16,epochs=2", sizes, gpu); }
-  SUBCASE("cnn fedavg") { check_equal("cnn", "fedavg:lr=0.05,momentum=0.9,wd=0.0005,batch=16", {37, 9, 16}, gpu); }
-  SUBCASE("cnn fedprox") { check_equal("cnn", "fedprox:lr=0.05,mu=0.01,batch=16", {20, 33}, gpu); }
-  SUBCASE("cnn scaffold") { check_equal("cnn", "scaffold:lr=0.05,batch=16", {20, 7, 33}, gpu); }
+  // cuDNN runs the grouped and the plain convolution with different fp32
+  // algorithms (different summation orders): on the H200 the CNN's deltas
+  // differ by up to 4e-4 of their largest entry (the MLP's stay under 2e-4).
+  SUBCASE("cnn fedavg") {
+    check_equal("cnn", "fedavg:lr=0.05,momentum=0.9,wd=0.0005,batch=16", {37, 9, 16}, gpu, 1e-3);
+  }
+  SUBCASE("cnn fedprox") { check_equal("cnn", "fedprox:lr=0.05,mu=0.01,batch=16", {20, 33}, gpu, 1e-3); }
+  SUBCASE("cnn scaffold") { check_equal("cnn", "scaffold:lr=0.05,batch=16", {20, 7, 33}, gpu, 1e-3); }
 }
 
 TEST_CASE("batched clients: forward_clients equals forward per client") {
