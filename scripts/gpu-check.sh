@@ -70,7 +70,7 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   { log "configure failed"; tail -40 "$out/build.log"; exit 1; }
 grep -E "sparrow:" "$out/build.log"
 log "build"
-targets="sparrow-bench sparrow_client_tests sparrow_compression_tests sparrow_sim_tests"
+targets=${GPU_CHECK_TARGETS:-"sparrow-bench sparrow_client_tests sparrow_compression_tests sparrow_sim_tests"}
 timeout 330 ninja -C "$build" -k 0 $targets >>"$out/build.log" 2>&1
 rc=$?
 log "build rc=$rc"
@@ -78,7 +78,11 @@ grep -E "error|FAILED" "$out/build.log" | head -40
 
 run_test() {  # binary, doctest filter
   [ -x "$build/bin/$1" ] || { log "$1 not built"; return; }
-  timeout 90 "$build/bin/$1" -tc="$2" 2>&1 | tail -c 20000 >/tmp/test.log
+  if [ "${GPU_CHECK_GDB:-0}" = 1 ]; then  # a crash's backtrace (cuda-gdb debugs host code too)
+    timeout 120 cuda-gdb -q -batch -ex run -ex bt -ex "info threads" --args "$build/bin/$1" -tc="$2" 2>&1 | tail -c 20000 >/tmp/test.log
+  else
+    timeout 90 "$build/bin/$1" -tc="$2" 2>&1 | tail -c 20000 >/tmp/test.log
+  fi
   log "$1 -tc=$2: rc=${PIPESTATUS[0]} $(grep -E 'test cases:' /tmp/test.log)"
   cat /tmp/test.log >>"$out/tests.log"
   grep -E "ERROR|skipped|FAILED" /tmp/test.log | head -20
