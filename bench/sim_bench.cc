@@ -381,8 +381,8 @@ int bench_sim_gpu(const GpuOptions& o) {
   }
   std::filesystem::create_directories(o.tmp);
   std::cout << "{\"bench\":\"sim\",\"case\":\"gpu_machine\",\"device\":\"" << o.device
-            << "\",\"gpus\":" << torch::cuda::device_count() << ",\"cores\":" << core::available_cores()
-            << ",\"torch\":\"" << TORCH_VERSION << "\"}" << std::endl;
+            << "\",\"gpus\":" << static_cast<int>(torch::cuda::device_count())
+            << ",\"cores\":" << core::available_cores() << ",\"torch\":\"" << TORCH_VERSION << "\"}" << std::endl;
   PeerOptions po;
   po.data_dir = o.data_dir;
   for (const std::string& model : o.models) {
