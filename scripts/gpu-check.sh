@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # Builds Sparrow with CUDA on a GPU machine and runs the CUDA tests and the GPU
-# benchmarks (docs/performance.md, "GPU"). Made for the bare GPU machine of
-# docs/gpu.md: PyTorch's LibTorch, nvcc, cmake and ninja installed; the other
-# dependencies as Debian packages in .debs (unpacked into /opt/deps, never /),
-# Fashion-MNIST in .data/fashion-mnist. Every step is time-boxed and logs to
-# $OUT (default ./gpu-out), so a failed step still leaves what came before.
+# benchmarks (docs/gpu.md, docs/performance.md "On a GPU"). Made for a bare
+# machine with PyTorch (whose LibTorch Sparrow links), nvcc, cmake and ninja:
+# the other dependencies come as Debian packages in .debs (unpacked into
+# /opt/deps, never /), Fashion-MNIST in .data/fashion-mnist; `--fetch`, run on
+# Debian, prepares both. Every step is time-boxed and logs to $OUT (default
+# ./gpu-out), so a failed step still leaves what came before.
 #
+#   scripts/gpu-check.sh --fetch                      (here: .debs and .data)
 #   scripts/gpu-check.sh [--tests-only] [--bench-args "..."]
+#   env: GPU_CHECK_SECONDS (540), GPU_CHECK_TARGETS, GPU_CHECK_GDB=1 (backtraces)
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -16,8 +19,24 @@ left() { echo $((budget - ($(date +%s) - t0))); }
 log() { echo "[gpu-check +$(($(date +%s) - t0))s] $*" | tee -a "$out/steps.txt"; }
 tests_only=0
 bench_args="--models mlp,cnn --mlp-rounds 20 --cnn-rounds 3 --population 10000 --per-round 100 --population-rounds 4"
+fetch() {
+  # The -dev packages the build needs, their runtime libraries, pkgconf, and
+  # Chart.js for the dashboard (sparrow_monitor is built with everything).
+  local pkgs=(libzmq3-dev libzmq5 libsodium23 libsodium-dev libpgm-5.3-0 libpgm-dev libnorm1 libnorm-dev
+    libbsd0 libmd0 cppzmq-dev libflatbuffers-dev libflatbuffers2 flatbuffers-compiler libsqlite3-dev
+    libsqlite3-0 doctest-dev libcli11-dev libtomlplusplus-dev libtomlplusplus3 libspdlog-dev libspdlog1.10
+    libfmt-dev libfmt9 nlohmann-json3-dev zlib1g-dev pkgconf pkgconf-bin libpkgconf3 libcpp-httplib-dev
+    libcpp-httplib0.11 libbrotli1 libbrotli-dev libjs-chart.js)
+  mkdir -p .debs .data
+  (cd .debs && for p in "${pkgs[@]}"; do apt-get download "$p" >/dev/null 2>&1 || echo "not downloaded: $p" >&2; done)
+  cp -r /usr/share/datasets/fashion-mnist .data/
+  grep -qx "/.data/" .git/info/exclude 2>/dev/null || echo "/.data/" >>.git/info/exclude
+  echo "gpu-check: $(ls .debs | wc -l) packages in .debs, Fashion-MNIST in .data: carry both"
+}
+
 while [ $# -gt 0 ]; do
   case "$1" in
+    --fetch) fetch; exit 0 ;;
     --tests-only) tests_only=1 ;;
     --bench-args) bench_args=$2; shift ;;
     *) echo "gpu-check: unknown option $1" >&2; exit 2 ;;
@@ -25,13 +44,19 @@ while [ $# -gt 0 ]; do
   shift
 done
 
-# Dependencies: the .debs unpacked into /opt/deps (shared-device/prelude.sh,
-# a copy of ../shared/device/prelude.sh), pkg-config from them when the
-# machine has none, and libzmq.pc without Requires.private (krb5-gssapi,
-# openpgm and norm ship no .pc there; only the static link needs them).
+# Dependencies: the .debs unpacked into /opt/deps and put on the search paths
+# (next to PyTorch's LibTorch), pkg-config from them when the machine has none,
+# and no Requires.private in their .pc files (krb5-gssapi, openpgm, openssl...
+# ship no .pc there; only static links need them).
 if [ -d .debs ]; then
-  # shellcheck disable=SC1091
-  source shared-device/prelude.sh .debs
+  mkdir -p /opt/deps
+  for f in .debs/*.deb; do dpkg -x "$f" /opt/deps; done
+  export CMAKE_PREFIX_PATH="/opt/deps/usr:/opt/deps/usr/lib/x86_64-linux-gnu/cmake:/opt/deps/usr/share/cmake:$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')"
+  export PKG_CONFIG_PATH="/opt/deps/usr/lib/x86_64-linux-gnu/pkgconfig:/opt/deps/usr/share/pkgconfig"
+  export PKG_CONFIG_SYSROOT_DIR=/opt/deps
+  export LD_LIBRARY_PATH="/opt/deps/usr/lib/x86_64-linux-gnu:${LD_LIBRARY_PATH:-}"
+  export PATH="/opt/deps/usr/bin:$PATH"
+  export CPATH="/opt/deps/usr/include:${CPATH:-}"
   sed -i '/^Requires.private/d' /opt/deps/usr/lib/x86_64-linux-gnu/pkgconfig/*.pc
   command -v pkg-config >/dev/null || ln -sf /opt/deps/usr/bin/pkgconf /opt/deps/usr/bin/pkg-config
   # zlib1g-dev's libz.so points at a zlib1g that is not carried: use the machine's.
@@ -47,7 +72,6 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.versio
   2>&1 | tee -a "$out/steps.txt"
 nproc | tee -a "$out/steps.txt"
 torch_dir=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')
-torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
 
 # LibTorch 2.12 and later refuse C++17: probe the installed headers.
 std=17
