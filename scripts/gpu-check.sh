@@ -8,16 +8,19 @@
 # ./gpu-out), so a failed step still leaves what came before.
 #
 #   scripts/gpu-check.sh --fetch                      (here: .debs and .data)
-#   scripts/gpu-check.sh [--tests-only] [--bench-args "..."]
+#   scripts/gpu-check.sh [--tests-only] [--ctest] [--bench-args "..."]
+#     --ctest: build everything and run the whole suite (ctest -LE slow) too
 #   env: GPU_CHECK_SECONDS (540), GPU_CHECK_TARGETS, GPU_CHECK_GDB=1 (backtraces)
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
+out=$(cd "$out" && pwd)
 t0=$(date +%s)
 budget=${GPU_CHECK_SECONDS:-540}  # the whole script; the sim benchmark gets what is left
 left() { echo $((budget - ($(date +%s) - t0))); }
 log() { echo "[gpu-check +$(($(date +%s) - t0))s] $*" | tee -a "$out/steps.txt"; }
 tests_only=0
+full_ctest=0
 bench_args="--models mlp,cnn --mlp-rounds 20 --cnn-rounds 3 --population 10000 --per-round 100 --population-rounds 4"
 fetch() {
   # The -dev packages the build needs, their runtime libraries, pkgconf, and
@@ -38,6 +41,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --fetch) fetch; exit 0 ;;
     --tests-only) tests_only=1 ;;
+    --ctest) full_ctest=1 ;;
     --bench-args) bench_args=$2; shift ;;
     *) echo "gpu-check: unknown option $1" >&2; exit 2 ;;
   esac
@@ -95,6 +99,7 @@ cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
 grep -E "sparrow:" "$out/build.log"
 log "build"
 targets=${GPU_CHECK_TARGETS:-"sparrow-bench sparrow_client_tests sparrow_compression_tests sparrow_sim_tests"}
+[ "$full_ctest" = 1 ] && targets=""  # everything
 timeout 330 ninja -C "$build" -k 0 $targets >>"$out/build.log" 2>&1
 rc=$?
 log "build rc=$rc"
@@ -114,6 +119,11 @@ run_test() {  # binary, doctest filter
 run_test sparrow_compression_tests "cuda*"
 run_test sparrow_client_tests "*batched*"
 run_test sparrow_sim_tests "*CUDA*"
+if [ "$full_ctest" = 1 ]; then
+  log "ctest -LE slow"
+  (cd "$build" && timeout 300 ctest -LE slow -j 8 --timeout 120 2>&1 | tail -40 >>"$out/tests.log")
+  grep -E "tests passed|Failed|Timeout" "$out/tests.log" | tail -20
+fi
 [ "$tests_only" = 1 ] && exit 0
 
 if [ -x "$build/bin/sparrow-bench" ]; then
