@@ -270,7 +270,7 @@ int main(int argc, char** argv) {
   sim->add_option("--models", peer_models, "peer case: comma-separated subset of mlp,cnn");
   sim->add_option("--mlp-rounds", peer.mlp_rounds, "peer case: rounds of the MLP runs")->check(CLI::Range(1, 10000));
   sim->add_option("--cnn-rounds", peer.cnn_rounds, "peer case: rounds of the CNN runs")->check(CLI::Range(1, 10000));
-  sim->add_option("--python", peer.python, "peer case: the python3 that has torch (python3-torch)");
+  auto* python_opt = sim->add_option("--python", peer.python, "peer case: the python3 that has torch (python3-torch)");
   sparrow::bench::GpuOptions gpu;
   gpu.peer_script = peer.peer_script;
   gpu.python = "python3";
@@ -364,9 +364,10 @@ int main(int argc, char** argv) {
           for (std::string m; std::getline(ss, m, ',');)
             if (!m.empty()) gpu.models.push_back(m);
         }
-        gpu.mlp_rounds = peer.mlp_rounds;
+        // The first round is untimed: at least two.
+        gpu.mlp_rounds = std::max(peer.mlp_rounds, 2);
         gpu.cnn_rounds = std::max(peer.cnn_rounds, 2);
-        if (peer.python != "/usr/bin/python3") gpu.python = peer.python;
+        if (python_opt->count() > 0) gpu.python = peer.python;  // else the PATH's python3 (a GPU machine's)
         gpu.data_dir = peer.data_dir;
         gpu.tmp = sim_tmp + "/gpu";
         if (int rc = sparrow::bench::bench_sim_gpu(gpu); rc != 0) return rc;

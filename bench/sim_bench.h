@@ -33,8 +33,8 @@ int bench_sim_peer(const PeerOptions& o);
 // of every run is a warm-up (cuDNN's algorithm search) and not timed.
 struct GpuOptions {
   std::vector<std::string> models{"mlp", "cnn"};
-  int mlp_rounds = 20;
-  int cnn_rounds = 5;
+  int mlp_rounds = 20;  // sparrow-bench passes --mlp-rounds / --cnn-rounds (at least 2)
+  int cnn_rounds = 3;
   int population = 10000;
   int per_round = 100;
   int population_rounds = 4;

@@ -94,10 +94,11 @@ void tune_allocator() {
   // glibc serves blocks >= 128 KiB-32 MiB (dynamic) with mmap and returns
   // them on free, so every training step's activation and gradient buffers
   // are fresh pages: page faults were ~20% of a batched-clients run. Serve
-  // every block from the heap (no mmap at all: the CNN's stacked parameters
-  // for 10 clients are 66 MB, past any mmap threshold, and were fresh pages
-  // in every pass) and do not trim it below 1 GiB of free memory. A thread
-  // arena that cannot hold a block (over 64 MiB) retries in the main one.
+  // blocks from the heap (no mmap: the CNN's stacked parameters for 10
+  // clients are 66 MB, past any mmap threshold, and were fresh pages in every
+  // pass) and do not trim it below 1 GiB of free memory. This holds for the
+  // main thread's arena; a worker thread's own arena still mmaps a block
+  // larger than its 64 MiB heap whatever M_MMAP_MAX says (see below).
   mallopt(M_MMAP_THRESHOLD, 32 << 20);
   mallopt(M_MMAP_MAX, 0);
   mallopt(M_TRIM_THRESHOLD, kKeepFreeHeap);

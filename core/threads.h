@@ -34,8 +34,9 @@ BlasInfo blas_info();
 // The number of CPU cores this process may run on (its affinity mask).
 int available_cores();
 
-// glibc malloc settings for training loops: every block from the heap (none
-// mmap'ed and unmapped every step), the heap trimmed only above 1 GiB free.
+// glibc malloc settings for training loops: blocks from the heap (none
+// mmap'ed and unmapped every step; in a worker thread's own arena, blocks over
+// 64 MiB still are), the heap trimmed only above 1 GiB free.
 // configure_threads calls it. Does nothing when SPARROW_SYSTEM_MALLOC is set
 // to anything but "0" or "" (glibc's defaults, as for the setting below).
 void tune_allocator();

@@ -70,8 +70,9 @@ std::shared_ptr<sparrow::core::Model> model_on(const std::string& name, uint64_t
 
 // Trains every client with LocalTrainer and with one BatchedTrainer pass and
 // checks each client's result is the same within float tolerance.
-// On `device` (CPU, or CUDA where the data and both trainers' models live on
-// the GPU) the tolerance is the same.
+// On `device`: the CPU, or CUDA, where the data and both trainers' models
+// live on the GPU. `tol` bounds each client's largest difference relative to
+// its largest entry.
 void check_equal(const std::string& model, const std::string& spec, const std::vector<int64_t>& sizes,
                  at::Device device = at::Device(at::kCPU), double tol = 2e-4) {
   CAPTURE(model);
