@@ -348,22 +348,16 @@ int main(int argc, char** argv) {
       auto has = [&](const char* c) {
         return ("," + sim_cases + ",").find("," + std::string(c) + ",") != std::string::npos;
       };
+      peer.models.clear();
+      std::stringstream models(peer_models);
+      for (std::string m; std::getline(models, m, ',');)
+        if (!m.empty()) peer.models.push_back(m);
       if (has("peer")) {
-        peer.models.clear();
-        std::stringstream ss(peer_models);
-        for (std::string m; std::getline(ss, m, ',');)
-          if (!m.empty()) peer.models.push_back(m);
         peer.tmp = sim_tmp + "/peer";
         if (int rc = sparrow::bench::bench_sim_peer(peer); rc != 0) return rc;
       }
       if (has("gpu")) {
         gpu.models = peer.models;
-        if (!has("peer")) {
-          gpu.models.clear();
-          std::stringstream ss(peer_models);
-          for (std::string m; std::getline(ss, m, ',');)
-            if (!m.empty()) gpu.models.push_back(m);
-        }
         // The first round is untimed: at least two.
         gpu.mlp_rounds = std::max(peer.mlp_rounds, 2);
         gpu.cnn_rounds = std::max(peer.cnn_rounds, 2);

@@ -335,16 +335,12 @@ void print_gpu_run(const std::string& kase, const std::string& model, const std:
   std::cout << "}" << std::endl;
 }
 
-// PyTorch on the GPU, sparrow one client at a time, sparrow batched (K =
-// `batch`): one line each.
-void gpu_three_ways(const GpuOptions& o, const std::string& kase, const std::string& model,
+// PyTorch on the GPU (`p`: the Python peer), sparrow one client at a time,
+// sparrow batched (K = `batch`): one line each.
+void gpu_three_ways(const GpuOptions& o, const PeerOptions& p, const std::string& kase, const std::string& model,
                     const simulator::SimConfig& cfg, int batch, const std::string& files) {
   constexpr int kWarmup = 1;
   const int threads = core::available_cores();
-  PeerOptions p;
-  p.python = o.python;
-  p.peer_script = o.peer_script;
-  p.data_dir = o.data_dir;
   std::filesystem::create_directories(files);
   write_peer_files(cfg, files, model);
   std::string err;
@@ -384,12 +380,14 @@ int bench_sim_gpu(const GpuOptions& o) {
             << "\",\"gpus\":" << static_cast<int>(torch::cuda::device_count())
             << ",\"cores\":" << core::available_cores() << ",\"torch\":\"" << TORCH_VERSION << "\"}" << std::endl;
   PeerOptions po;
+  po.python = o.python;
+  po.peer_script = o.peer_script;
   po.data_dir = o.data_dir;
   for (const std::string& model : o.models) {
     const int rounds = model == "mlp" ? o.mlp_rounds : o.cnn_rounds;
     simulator::SimConfig cfg = peer_config(po, model, rounds, o.tmp + "/peer_" + model);
     cfg.device = o.device;
-    gpu_three_ways(o, "gpu_peer", model, cfg, cfg.clients_per_round, o.tmp + "/peer_files_" + model);
+    gpu_three_ways(o, po, "gpu_peer", model, cfg, cfg.clients_per_round, o.tmp + "/peer_files_" + model);
   }
   if (o.population > 0) {
     simulator::SimConfig cfg = base_config(o.population, o.per_round, o.population_rounds, 1, o.tmp + "/population");
@@ -399,7 +397,7 @@ int bench_sim_gpu(const GpuOptions& o) {
     cfg.device = o.device;
     cfg.checkpoint_every = 1000000;
     cfg.data_dir = o.data_dir;
-    gpu_three_ways(o, "gpu_population", o.population_model, cfg, o.per_round, o.tmp + "/population_files");
+    gpu_three_ways(o, po, "gpu_population", o.population_model, cfg, o.per_round, o.tmp + "/population_files");
   }
   return 0;
 }

@@ -87,6 +87,13 @@ bool system_malloc_requested() {
   const char* v = std::getenv("SPARROW_SYSTEM_MALLOC");
   return v != nullptr && *v != '\0' && std::string(v) != "0";
 }
+
+// What both policies share: no mmap'ed blocks, and the heap trimmed only
+// above 1 GiB of free memory. True when glibc took both settings.
+bool keep_blocks_in_heap() {
+  const bool ok = mallopt(M_MMAP_MAX, 0) == 1;
+  return mallopt(M_TRIM_THRESHOLD, kKeepFreeHeap) == 1 && ok;
+}
 }  // namespace
 
 void tune_allocator() {
@@ -99,9 +106,7 @@ void tune_allocator() {
   // pass) and do not trim it below 1 GiB of free memory. This holds for the
   // main thread's arena; a worker thread's own arena still mmaps a block
   // larger than its 64 MiB heap whatever M_MMAP_MAX says (see below).
-  mallopt(M_MMAP_THRESHOLD, 32 << 20);
-  mallopt(M_MMAP_MAX, 0);
-  mallopt(M_TRIM_THRESHOLD, kKeepFreeHeap);
+  keep_blocks_in_heap();
 }
 
 namespace {
@@ -114,9 +119,8 @@ bool tune_allocator_for_messages() {
   if (system_malloc_requested()) return false;
   // Every thread in the main arena: a thread's own arena serves a block larger
   // than its 64 MiB heap with mmap even when M_MMAP_MAX is 0.
-  bool ok = mallopt(M_ARENA_MAX, 1) == 1;
-  ok = mallopt(M_MMAP_MAX, 0) == 1 && ok;
-  ok = mallopt(M_TRIM_THRESHOLD, kKeepFreeHeap) == 1 && ok;
+  const bool one_arena = mallopt(M_ARENA_MAX, 1) == 1;
+  const bool ok = keep_blocks_in_heap() && one_arena;
   g_message_malloc.store(ok);
   return ok;
 }

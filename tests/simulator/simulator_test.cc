@@ -68,6 +68,20 @@ void check_same_metrics(const RoundMetrics& a, const RoundMetrics& b) {
   }
 }
 
+// Runs that differ only in the last bits (batched and one at a time, GPU and
+// CPU): the same bytes, train losses and global model within float tolerance.
+void check_close_runs(const Simulator& got, const Simulator& want, size_t rounds) {
+  for (size_t i = 0; i < rounds; ++i) {
+    CHECK(got.history()[i].bytes_up == want.history()[i].bytes_up);
+    CHECK(got.history()[i].train_loss == doctest::Approx(want.history()[i].train_loss).epsilon(1e-4));
+  }
+  for (const auto& entry : want.global()) {
+    const auto& k = entry.first;  // CAPTURE's lambda cannot capture a structured binding (C++17)
+    CAPTURE(k);
+    CHECK(at::allclose(got.global().at(k).to(at::kCPU), entry.second, 1e-4, 1e-6));
+  }
+}
+
 void check_same_weights(const Simulator::Weights& a, const Simulator::Weights& b) {
   REQUIRE(a.size() == b.size());
   for (const auto& [k, v] : a) CHECK(at::equal(v, b.at(k)));
@@ -476,16 +490,7 @@ TEST_CASE("simulator batched clients equal one client at a time") {
     Simulator bat(c);
     bat.run();
     CHECK(bat.training_mode().find("batched clients: up to 3") != std::string::npos);
-    for (size_t i = 0; i < 3; ++i) {
-      CHECK(one.history()[i].bytes_up == bat.history()[i].bytes_up);
-      CHECK(one.history()[i].train_loss == doctest::Approx(bat.history()[i].train_loss).epsilon(1e-4));
-    }
-    for (const auto& entry : one.global()) {
-      const auto& k = entry.first;  // CAPTURE's lambda cannot capture a structured binding (C++17)
-      const auto& v = entry.second;
-      CAPTURE(k);
-      CHECK(at::allclose(v, bat.global().at(k), 1e-4, 1e-6));
-    }
+    check_close_runs(bat, one, 3);
   }
 }
 
@@ -516,18 +521,8 @@ TEST_CASE("simulator on CUDA: one at a time and batched equal the CPU run") {
   Simulator bat(c);
   bat.run();
   CHECK(bat.training_mode().find("batched clients: up to 5") != std::string::npos);
-  for (const Simulator* s : {&seq, &bat}) {
-    for (size_t i = 0; i < 3; ++i) {
-      CHECK(s->history()[i].bytes_up == cpu.history()[i].bytes_up);
-      CHECK(s->history()[i].train_loss == doctest::Approx(cpu.history()[i].train_loss).epsilon(1e-4));
-    }
-    for (const auto& entry : cpu.global()) {
-      const auto& k = entry.first;
-      CAPTURE(k);
-      const at::Tensor got = s->global().at(k).to(at::kCPU);
-      CHECK(at::allclose(got, entry.second, 1e-4, 1e-6));
-    }
-  }
+  check_close_runs(seq, cpu, 3);
+  check_close_runs(bat, cpu, 3);
   // DGC with training on the GPU (updates encoded on the host): the run
   // completes, sends fewer bytes and stays finite.
   c.out = d3.path;
