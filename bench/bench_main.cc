@@ -283,6 +283,9 @@ int main(int argc, char** argv) {
       ->check(CLI::Range(2, 10000));
   sim->add_option("--population-compression", gpu.compression, "gpu case: the population's uplink codec");
   sim->add_option("--device", gpu.device, "gpu case: cuda or cuda:N");
+  sim->add_option("--gpu-workers", gpu.workers,
+                  "gpu case: worker threads sharing the GPU in the extra rows (0: min(8, cores); 1: no such rows)")
+      ->check(CLI::NonNegativeNumber);
   auto* child = app.add_subcommand("sim-scale-child", "internal: one population of the scale case");
   child->group("");  // hidden
   child->add_option("--clients", child_clients)->required();

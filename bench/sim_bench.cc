@@ -315,17 +315,17 @@ namespace {
 
 void print_gpu_run(const std::string& kase, const std::string& model, const std::string& tool,
                    const std::string& setting, int client_batch, const simulator::SimConfig& cfg, int warmup,
-                   const PeerRun& r, const PeerRun* pytorch, const PeerRun* sequential) {
+                   const PeerRun& r, const PeerRun* pytorch, const PeerRun* sequential, int workers = 1) {
   const double sps = static_cast<double>(r.samples) / r.train_s;
   const double cpm = 60.0 * static_cast<double>(r.clients) / r.train_s;
   std::cout << "{\"bench\":\"sim\",\"case\":\"" << kase << "\",\"device\":\"" << cfg.device << "\",\"model\":\""
             << model << "\",\"tool\":\"" << tool << "\",\"setting\":\"" << setting << "\",\"clients\":" << cfg.clients
             << ",\"clients_per_round\":" << cfg.clients_per_round << ",\"compression\":\""
-            << (tool == "pytorch" ? std::string("none") : cfg.compression) << "\",\"client_batch\":" << client_batch
-            << ",\"rounds_timed\":" << cfg.rounds - warmup << ",\"clients_trained\":" << r.clients
-            << ",\"samples\":" << r.samples << ",\"train_s\":" << json_number(r.train_s)
-            << ",\"samples_per_s\":" << json_number(sps) << ",\"clients_per_min\":" << json_number(cpm)
-            << ",\"accuracy\":" << json_number(r.accuracy);
+            << (tool == "pytorch" ? std::string("none") : cfg.compression) << "\",\"workers\":" << workers
+            << ",\"client_batch\":" << client_batch << ",\"rounds_timed\":" << cfg.rounds - warmup
+            << ",\"clients_trained\":" << r.clients << ",\"samples\":" << r.samples
+            << ",\"train_s\":" << json_number(r.train_s) << ",\"samples_per_s\":" << json_number(sps)
+            << ",\"clients_per_min\":" << json_number(cpm) << ",\"accuracy\":" << json_number(r.accuracy);
   if (pytorch)
     std::cout << ",\"speedup_vs_pytorch\":"
               << json_number(sps / (static_cast<double>(pytorch->samples) / pytorch->train_s));
@@ -356,13 +356,31 @@ void gpu_three_ways(const GpuOptions& o, const PeerOptions& p, const std::string
   print_gpu_run(kase, model, "sparrow", "one client at a time", 1, cfg, kWarmup, seq, base, nullptr);
   const PeerRun bat = run_sparrow(cfg, 1, threads, batch, kWarmup);
   print_gpu_run(kase, model, "sparrow", "batched", batch, cfg, kWarmup, bat, base, &seq);
+  // W worker threads sharing the GPU, each on a CUDA stream of its own, each
+  // batching its share of the round's clients: their host-side work (the
+  // update's copy to the host, encoding, the state store, the fold) overlaps.
+  const int w = o.workers > 0 ? o.workers : std::min(8, threads);
+  const int wbatch = (batch + w - 1) / w;
+  const int wthreads = std::max(1, threads / w);
+  if (w > 1) {
+    simulator::SimConfig many = cfg;
+    many.out += "_w";
+    const PeerRun r = run_sparrow(many, w, wthreads, wbatch, kWarmup);
+    print_gpu_run(kase, model, "sparrow", "batched, workers sharing the GPU", wbatch, many, kWarmup, r, base, &seq, w);
+  }
   if (cfg.compression != "none") {
-    // What the codec and the client states cost: the same run uncompressed.
+    // What the codec and the client states cost: the same runs uncompressed.
     simulator::SimConfig plain = cfg;
     plain.compression = "none";
     plain.out += "_none";
     const PeerRun r = run_sparrow(plain, 1, threads, batch, kWarmup);
     print_gpu_run(kase, model, "sparrow", "batched, no compression", batch, plain, kWarmup, r, base, &seq);
+    if (w > 1) {
+      plain.out += "_w";
+      const PeerRun rw = run_sparrow(plain, w, wthreads, wbatch, kWarmup);
+      print_gpu_run(kase, model, "sparrow", "batched, workers sharing the GPU, no compression", wbatch, plain, kWarmup,
+                    rw, base, &seq, w);
+    }
   }
 }
 

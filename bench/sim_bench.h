@@ -41,6 +41,9 @@ struct GpuOptions {
   std::string population_model = "cnn";
   std::string compression = "dgc:ratio=0.001";
   std::string device = "cuda";
+  // Worker threads sharing the GPU in the extra rows (0: min(8, cores); 1:
+  // no such rows).
+  int workers = 0;
   std::string python = "python3";
   std::string peer_script;
   std::string data_dir = "/usr/share/datasets/fashion-mnist";

@@ -1,5 +1,7 @@
 #include "simulator/simulator.h"
 
+#include <c10/core/StreamGuard.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <spdlog/spdlog.h>
 #include <sqlite3.h>
 #include <torch/torch.h>
@@ -1056,7 +1058,18 @@ struct Simulator::Impl {
     for (size_t w = 0; w < workers.size(); ++w)
       th.emplace_back([&, w] {
         try {
+          // Workers sharing a GPU: each launches on a stream of its own, so
+          // one worker's copies to the host (its update, its codec's
+          // reductions) wait only for its own kernels, and the host-side work
+          // of one (encoding, the state store, the fold) overlaps the others'
+          // training. The round's model and data were staged before.
+          c10::optional<c10::Stream> own;
+          if (device.is_cuda()) own = c10::impl::getDeviceGuardImpl(device.type())->getStreamFromGlobalPool(device);
+          c10::OptionalStreamGuard guard(own);
           run_worker(static_cast<int>(w), t, wids[w], wout[w], n_sel);
+          // Its last kernels done before the main thread (default stream)
+          // touches the worker's tensors again.
+          if (own) own->synchronize();
         } catch (...) {
           errs[w] = std::current_exception();
         }

@@ -495,9 +495,9 @@ TEST_CASE("simulator batched clients equal one client at a time") {
 }
 
 // The CUDA path (device = "cuda": data staged on the GPU once, clients trained
-// there, one at a time or batched): the same global model as the CPU run; and
+// there, one at a time, batched or by two workers): the same global model as the CPU run; and
 // a DGC run on the GPU. Skipped without a CUDA device.
-TEST_CASE("simulator on CUDA: one at a time and batched equal the CPU run") {
+TEST_CASE("simulator on CUDA: one at a time, batched and two workers equal the CPU run") {
   if (!torch::cuda::is_available()) {
     MESSAGE("skipped: no CUDA device");
     return;
@@ -523,6 +523,18 @@ TEST_CASE("simulator on CUDA: one at a time and batched equal the CPU run") {
   CHECK(bat.training_mode().find("batched clients: up to 5") != std::string::npos);
   check_close_runs(seq, cpu, 3);
   check_close_runs(bat, cpu, 3);
+  // Two workers sharing the GPU, each on a stream of its own: the same model
+  // (the partial sums fold in slot order, as on the CPU).
+  TempDir d4("cuda_two");
+  c.out = d4.path;
+  c.workers = 2;
+  c.client_batch = 3;
+  Simulator two(c);
+  two.run();
+  CHECK(two.training_mode().find("on each of 2 workers, on cuda") != std::string::npos);
+  check_close_runs(two, cpu, 3);
+  c.workers = 1;
+  c.client_batch = 5;
   // DGC with training on the GPU (updates encoded on the host): the run
   // completes, sends fewer bytes and stays finite.
   c.out = d3.path;
