@@ -79,21 +79,33 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.versio
 nproc | tee -a "$out/steps.txt"
 torch_dir=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')
 
+# A g++ that cannot find libstdc++.so links it statically (the GPU machine's
+# /opt/gcc wrapper does): the program's std::filesystem calls then bind to the
+# copies LibTorch exports and crash (pytorch/pytorch#133437). Prefer the
+# distribution's compiler then.
+cxx=$(command -v g++)
+if [ "$("$cxx" -print-file-name=libstdc++.so)" = libstdc++.so ] && [ -x /usr/bin/g++ ]; then
+  log "$cxx finds no libstdc++.so (it would link it statically); using /usr/bin/g++"
+  cxx=/usr/bin/g++
+fi
+
 # LibTorch 2.12 and later refuse C++17: probe the installed headers.
 std=17
 printf '#include <ATen/ATen.h>\nint main() { return 0; }\n' >/tmp/std_probe.cc
-if ! g++ -std=c++17 -fsyntax-only -I"$torch_dir/include" -I"$torch_dir/include/torch/csrc/api/include" \
+if ! "$cxx" -std=c++17 -fsyntax-only -I"$torch_dir/include" -I"$torch_dir/include/torch/csrc/api/include" \
   /tmp/std_probe.cc >/dev/null 2>&1; then
   std=20
 fi
-log "C++ standard $std; $(g++ --version | head -1); nvcc $(nvcc --version | tail -1)"
+log "C++ standard $std; $cxx: $("$cxx" --version | head -1); nvcc $(nvcc --version | tail -1)"
 
 build=build-gpu
 chartjs=""  # Chart.js from the carried libjs-chart.js (monitor/CMakeLists.txt looks in /usr/share only)
 [ -f /opt/deps/usr/share/javascript/chart.js/chart.min.js ] &&
   chartjs="-DSPARROW_CHARTJS=/opt/deps/usr/share/javascript/chart.js/chart.min.js"
+# A build dir configured with another compiler starts afresh.
+grep -qs "^CMAKE_CXX_COMPILER:.*=$cxx\$" "$build/CMakeCache.txt" || rm -rf "$build"
 log "configure"
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER="$cxx" \
   -DSPARROW_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" \
   -DCMAKE_CXX_STANDARD=$std -DSPARROW_MPI=OFF -DSPARROW_CCACHE=OFF $chartjs -DSPARROW_INCLUDE_FIRST=/opt/deps/usr/include \
   -DCMAKE_CXX_FLAGS="-include cstdint" -DCMAKE_EXE_LINKER_FLAGS="-Wl,--no-as-needed" >"$out/build.log" 2>&1 ||
@@ -110,6 +122,12 @@ timeout 330 ninja -C "$build" -k 0 $targets >>"$out/build.log" 2>&1
 rc=$?
 log "build rc=$rc"
 grep -E "error:|FAILED" "$out/build.log" | head -40
+
+for b in "$build"/bin/sparrow_*_tests; do
+  [ -x "$b" ] || continue
+  readelf -d "$b" | grep -q "NEEDED.*libstdc++" || log "warning: $b does not link libstdc++.so"
+  break
+done
 
 run_test() {  # binary, doctest filter
   [ -x "$build/bin/$1" ] || { log "$1 not built"; return; }
