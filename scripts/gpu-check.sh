@@ -79,15 +79,7 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.versio
 nproc | tee -a "$out/steps.txt"
 torch_dir=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')
 
-# A g++ that cannot find libstdc++.so links it statically (the GPU machine's
-# /opt/gcc wrapper does): the program's std::filesystem calls then bind to the
-# copies LibTorch exports and crash (pytorch/pytorch#133437). Prefer the
-# distribution's compiler then.
 cxx=$(command -v g++)
-if [ "$("$cxx" -print-file-name=libstdc++.so)" = libstdc++.so ] && [ -x /usr/bin/g++ ]; then
-  log "$cxx finds no libstdc++.so (it would link it statically); using /usr/bin/g++"
-  cxx=/usr/bin/g++
-fi
 
 # LibTorch 2.12 and later refuse C++17: probe the installed headers.
 std=17
