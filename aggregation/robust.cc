@@ -9,6 +9,7 @@
 #include <numeric>
 
 #include "aggregation/dp_accountant.h"
+#include "compression/compressor.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "core/spec.h"
@@ -273,7 +274,7 @@ void Accumulator::add(const EncodedUpdate& update, double weight, const ContextM
     row.narrow(0, off, t.numel()).copy_(t.reshape({-1}));
     off += t.numel();
   }
-  SPARROW_CHECK_T(FormatError, at::isfinite(row).all().item<bool>(), "update has a non-finite value");
+  SPARROW_CHECK_T(FormatError, compression::all_finite(row), "update has a non-finite value");
   const double norm = l2(row);
   const bool central = dp_.mode == DpSpec::Mode::kCentral;
   SPARROW_CHECK(!central || clip_ > 0, "Accumulator: central DP needs reset(clip) with the round's clip first");

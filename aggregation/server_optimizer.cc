@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "compression/compressor.h"
 #include "compression/encoded.h"
 #include "compression/lowrank.h"
 #include "compression/state.h"
@@ -39,16 +40,6 @@ double positive(Spec& spec, const std::string& key, double def) {
   const double v = spec.get_double(key, def);
   SPARROW_CHECK_T(ConfigError, v > 0.0 && std::isfinite(v), spec.method() << ": " << key << " must be > 0, got " << v);
   return v;
-}
-
-// No infinity or NaN in t: one vectorised scan of a contiguous float32 CPU
-// tensor (compression's value scan), else ATen's isfinite.
-bool all_finite(const at::Tensor& t) {
-  if (t.numel() == 0) return true;
-  if (t.scalar_type() == at::kFloat && t.device().is_cpu() && t.is_contiguous())
-    return !compression::detail::any_nonfinite_f32(reinterpret_cast<const uint8_t*>(t.data_ptr<float>()),
-                                                   static_cast<uint64_t>(t.numel()));
-  return at::isfinite(t).all().item<bool>();
 }
 
 void check_tensor(const at::Tensor& t, const std::string& name, const char* what) {
@@ -122,7 +113,7 @@ void ServerOptimizer::step(std::map<std::string, at::Tensor>& weights, const std
     check_tensor(it->second, name, "delta");
     SPARROW_CHECK(w.sizes().equals(it->second.sizes()),
                   "server optimizer: '" << name << "' weight " << w.sizes() << " vs delta " << it->second.sizes());
-    SPARROW_CHECK(all_finite(it->second), "server optimizer: delta of '" << name << "' is not finite");
+    SPARROW_CHECK(compression::all_finite(it->second), "server optimizer: delta of '" << name << "' is not finite");
     SPARROW_CHECK((kind_ != Kind::kFedTopK && kind_ != Kind::kFedLowRank) || w.is_contiguous(),
                   "server optimizer: " << method_ << " needs contiguous weights ('" << name << "' is not)");
     if (have_state) {

@@ -439,8 +439,13 @@ int bench_ingest(const ServerBenchOptions& o, const fs::path& dir, int tabs = -1
 // within a minute, more than the difference being measured.
 class BareAcked {
  public:
-  explicit BareAcked(size_t max_bytes)
+  BareAcked(size_t max_bytes, bool curve)
       : sctx_(1), cctx_(1), r_(sctx_, zmq::socket_type::router), d_(cctx_, zmq::socket_type::dealer) {
+    if (curve) {  // no ZAP handler on sctx_: libzmq admits every client key
+      const net::KeyPair sk = net::generate_keypair(), ck = net::generate_keypair();
+      net::make_curve_server(r_, sk);
+      net::make_curve_client(d_, ck, sk.public_key);
+    }
     net::set_limits(r_, max_bytes + 1024);
     net::set_limits(d_, max_bytes + 1024);
     r_.bind("tcp://127.0.0.1:*");
@@ -484,6 +489,10 @@ struct DenseTimes {
   double seconds = 0;
   size_t bytes = 0;
   double bare_acked_s = 0;
+  // Median over the updates of (its bare transfer's seconds / its own): each
+  // server update against the bare transfer taken just before it, so drift
+  // of the machine's speed between updates cancels.
+  double paired_ratio = 0;
 };
 DenseTimes dense_once(const ServerBenchOptions& o, const fs::path& dir, bool curve, const server::Weights& weights,
                       const wire::NamedTensor& update, BareAcked* bare) {
@@ -555,7 +564,9 @@ DenseTimes dense_once(const ServerBenchOptions& o, const fs::path& dir, bool cur
   if (!srv.error().empty()) std::cerr << "sparrow-bench: server failed: " << srv.error() << "\n";
   SPARROW_CHECK(static_cast<int>(t.size()) == o.repeat,
                 "dense (" << name << "): " << t.size() << " of " << o.repeat << " updates acknowledged");
-  return {median(t), bytes_sent, tb.empty() ? 0.0 : median(tb)};
+  std::vector<double> ratio;
+  for (size_t i = 0; i < tb.size() && i < t.size(); ++i) ratio.push_back(tb[i] / t[i]);
+  return {median(t), bytes_sent, tb.empty() ? 0.0 : median(tb), ratio.empty() ? 0.0 : median(ratio)};
 }
 
 // Baseline: the same bytes DEALER -> ROUTER over bare ZeroMQ (same socket
@@ -594,14 +605,18 @@ int bench_dense(const ServerBenchOptions& o, const fs::path& dir) {
   compression::Context ctx;
   ctx.name = "w";
   wire::NamedTensor update{"w", none->encode(at::randn({5000, 5000}) * 0.01, st, ctx)};
-  DenseTimes plain;
+  DenseTimes plain, curve;
   {
-    BareAcked pair(static_cast<size_t>(n) * 4 + 4096);  // its receiver stops before the CURVE rounds
+    BareAcked pair(static_cast<size_t>(n) * 4 + 4096, false);  // its receiver stops before the CURVE rounds
     plain = dense_once(o, dir, false, weights, update, &pair);
+  }
+  {
+    BareAcked pair(static_cast<size_t>(n) * 4 + 4096, true);
+    curve = dense_once(o, dir, true, weights, update, &pair);
   }
   const double plain_s = plain.seconds, bare_acked = plain.bare_acked_s;
   const size_t bytes = plain.bytes;
-  const double curve_s = dense_once(o, dir, true, weights, update, nullptr).seconds;
+  const double curve_s = curve.seconds;
   // The server's own work on the same update in this process (no transport):
   // wire::parse (verification + copy out of the frame) and the aggregation.
   double parse_s = 0, parse_copy_s = 0, add_s = 0, fill_s = 0, bare_s = 0, bare_curve_s = 0;
@@ -665,8 +680,12 @@ int bench_dense(const ServerBenchOptions& o, const fs::path& dir) {
             << ",\"bare_curve_mb_per_s\":" << json_number(mb / bare_curve_s)
             << ",\"bare_acked_mb_per_s\":" << json_number(mb / bare_acked)
             << ",\"vs_bare_acked\":" << json_number(bare_acked / plain_s)
+            << ",\"vs_bare_acked_paired\":" << json_number(plain.paired_ratio)
             << ",\"vs_bare\":" << json_number(bare_s / plain_s)
-            << ",\"curve_vs_bare\":" << json_number(bare_curve_s / curve_s) << ",\"malloc\":\""
+            << ",\"curve_vs_bare\":" << json_number(bare_curve_s / curve_s)
+            << ",\"bare_curve_acked_mb_per_s\":" << json_number(mb / curve.bare_acked_s)
+            << ",\"curve_vs_bare_acked\":" << json_number(curve.bare_acked_s / curve_s)
+            << ",\"curve_vs_bare_acked_paired\":" << json_number(curve.paired_ratio) << ",\"malloc\":\""
             << (core::allocator_tuned_for_messages() ? "reuse" : "system") << "\"}" << std::endl;
   return 0;
 }

@@ -9,6 +9,7 @@
 #include <cstring>
 
 #include "compression/codec_util.h"
+#include "compression/compressor.h"
 #include "compression/formats.h"
 #include "compression/lowrank.h"
 #include "core/rng.h"
@@ -31,7 +32,7 @@ void check_shared(const at::Tensor& s, int64_t rows, int64_t cols, int64_t r, in
                        << (which == 0 ? "Q^ for a P round" : "P^ for a Q round") << ")");
   SPARROW_CHECK_T(FormatError, s.scalar_type() == at::kFloat && s.device().is_cpu(),
                   what << ": shared factor must be float32 on the CPU");
-  SPARROW_CHECK_T(FormatError, at::isfinite(s).all().item<bool>(), what << ": shared factor is not finite");
+  SPARROW_CHECK_T(FormatError, all_finite(s), what << ": shared factor is not finite");
 }
 
 // The shared factor for a tensor of rows × cols, rank r, when `which` is sent:

@@ -54,6 +54,14 @@ void decode_into(const Encoded& e, at::Tensor& out, float weight, const Context&
 
 bool decodes_late(Format f) { return f == Format::kQuantized || f == Format::kTernary || f == Format::kSign; }
 
+bool all_finite(const at::Tensor& t) {
+  if (t.numel() == 0) return true;
+  if (t.scalar_type() == at::kFloat && t.device().is_cpu() && t.is_contiguous())
+    return !detail::any_nonfinite_f32(reinterpret_cast<const uint8_t*>(t.data_ptr<float>()),
+                                      static_cast<uint64_t>(t.numel()));
+  return at::isfinite(t).all().item<bool>();
+}
+
 at::Tensor decode(const Encoded& e, const Context& ctx) {
   validate(e);
   at::Tensor out = at::zeros(e.shape, at::TensorOptions().dtype(at::kFloat));

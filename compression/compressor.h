@@ -48,6 +48,10 @@ class Compressor {
   at::Tensor decode(const Encoded& e, const Context& ctx = {}) const;
 };
 
+// No infinity or NaN in t: one vectorised scan (detail::any_nonfinite_f32)
+// of a contiguous float32 CPU tensor, else ATen's isfinite().all().
+bool all_finite(const at::Tensor& t);
+
 // Decodes any Encoded to a float32 tensor of e.shape. Validates first; throws
 // FormatError on malformed input.
 at::Tensor decode(const Encoded& e, const Context& ctx = {});

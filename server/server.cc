@@ -1263,8 +1263,7 @@ struct Server::Impl {
         SPARROW_CHECK_T(FormatError, sh != global.end(), "control_delta: unknown tensor '" << nt.name << "'");
         at::Tensor d = compression::decode(nt.tensor);
         SPARROW_CHECK_T(FormatError, d.sizes() == sh->second.sizes(), "control_delta: shape of '" << nt.name << "'");
-        SPARROW_CHECK_T(FormatError, at::isfinite(d).all().item<bool>(),
-                        "control_delta: '" << nt.name << "' is not finite");
+        SPARROW_CHECK_T(FormatError, compression::all_finite(d), "control_delta: '" << nt.name << "' is not finite");
         cdelta[nt.name] = d;
       }
     }
@@ -1544,7 +1543,7 @@ struct Server::Impl {
     if (relay) {
       // A gateway: the mean delta goes to the root, which steps its model.
       for (const auto& [nm, v] : delta)
-        if (!at::isfinite(v).all().item<bool>()) {
+        if (!compression::all_finite(v)) {
           spdlog::error("event=round_abandoned round={} error=\"non-finite aggregate at '{}'\"", r, nm);
           n.abandoned++;
           return true;

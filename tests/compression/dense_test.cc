@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <utility>
@@ -70,6 +71,23 @@ TEST_CASE("decode rejects NaN and wrong sizes") {
   CHECK_THROWS_AS(decode(bad), sparrow::FormatError);
   at::Tensor out = at::zeros({3});
   CHECK_THROWS_AS(decode_add(e, out, 1.0f), sparrow::FormatError);
+}
+
+TEST_CASE("all_finite: the vectorised scan and ATen's fallback agree") {
+  at::Tensor t = at::randn({1000, 37});
+  CHECK(all_finite(t));
+  CHECK(all_finite(at::empty({0})));
+  for (const float bad : {std::nanf(""), INFINITY, -INFINITY}) {
+    for (const int64_t i : {int64_t{0}, int64_t{15}, int64_t{16}, int64_t{36999}}) {
+      at::Tensor u = t.clone();
+      u.view({-1})[i] = bad;
+      CHECK_FALSE(all_finite(u));                  // contiguous float32: the scan
+      CHECK_FALSE(all_finite(u.t()));              // not contiguous: ATen
+      CHECK_FALSE(all_finite(u.to(at::kDouble)));  // not float32: ATen
+    }
+  }
+  CHECK(all_finite(t.t()));
+  CHECK(all_finite(t.to(at::kDouble)));
 }
 
 TEST_CASE("validate names the first non-finite value of a large tensor") {

@@ -44,8 +44,6 @@ double rel_err(const at::Tensor& a, const at::Tensor& b) {
   return (a - b).norm().item<double>() / std::max(b.norm().item<double>(), 1e-30);
 }
 
-bool all_finite(const at::Tensor& t) { return at::isfinite(t).all().item<bool>(); }
-
 // The orthonormality defect of the non-zero columns of f.
 double orth_defect(const at::Tensor& f) {
   at::Tensor g = at::mm(f.t(), f);
