@@ -57,6 +57,16 @@ TEST_CASE("idx: plain and gzip files") {
     std::ofstream("idx_test_cut.idx.gz", std::ios::binary) << gz.substr(0, gz.size() / 2);
     CHECK_THROWS_AS(sparrow::core::read_idx("idx_test_cut.idx.gz"), FormatError);
   }
+  SUBCASE("more data than the header says") {
+    write_gz("idx_test_bad.idx.gz", bytes + "xyz");
+    CHECK_THROWS_WITH_AS(sparrow::core::read_idx("idx_test_bad.idx.gz"),
+                         doctest::Contains("27 data bytes, header says 24"), FormatError);
+  }
+  SUBCASE("header cut short") {
+    write_gz("idx_test_bad.idx.gz", bytes.substr(0, 9));
+    CHECK_THROWS_WITH_AS(sparrow::core::read_idx("idx_test_bad.idx.gz"), doctest::Contains("bad IDX header"),
+                         FormatError);
+  }
   SUBCASE("wrong type byte") {
     std::string bad = bytes;
     bad[2] = 0x0d;  // float
@@ -88,6 +98,15 @@ TEST_CASE("idx: Fashion-MNIST from the Debian package") {
   const at::Tensor expected = ((raw.to(at::kFloat).div_(255.0f) - 0.2860f) / 0.3530f).unsqueeze(1);
   CHECK(at::equal(test.images, expected));
   CHECK_THROWS_AS(sparrow::core::normalize_bytes(raw.to(at::kFloat), 0.f, 1.f), FormatError);
+  // Gathering rows while normalising (the simulator's client-major copy) is
+  // index_select of the normalised images; the uint8 load is the file's bytes.
+  const at::Tensor rows = at::randperm(10000, at::kLong).narrow(0, 0, 777);
+  CHECK(at::equal(sparrow::core::normalize_bytes(raw, 0.2860f, 0.3530f, rows),
+                  expected.squeeze(1).index_select(0, rows)));
+  CHECK_THROWS(sparrow::core::normalize_bytes(raw, 0.2860f, 0.3530f, at::full({1}, 10000, at::kLong)));
+  const auto bytes = sparrow::core::load_mnist_bytes(sparrow::core::kFashionMnistDir, "test");
+  CHECK(at::equal(bytes.images.squeeze(1), raw));
+  CHECK(at::equal(bytes.labels, test.labels));
   CHECK_THROWS_AS(sparrow::core::load_mnist_format("/nonexistent", "test"), sparrow::ConfigError);
 }
 
