@@ -3,13 +3,14 @@
 #include <ATen/ATen.h>
 #include <zlib.h>
 
-#include <algorithm>
-#include <cstdlib>
-#include <new>
-#include <cstring>
-#include <vector>
 #include <sys/mman.h>
 #include <sys/stat.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <vector>
 
 #include "core/error.h"
 
