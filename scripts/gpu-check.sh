@@ -79,25 +79,21 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.versio
 nproc | tee -a "$out/steps.txt"
 torch_dir=$(python3 -c 'import torch, os; print(os.path.dirname(torch.__file__))')
 
-cxx=$(command -v g++)
-
 # LibTorch 2.12 and later refuse C++17: probe the installed headers.
 std=17
 printf '#include <ATen/ATen.h>\nint main() { return 0; }\n' >/tmp/std_probe.cc
-if ! "$cxx" -std=c++17 -fsyntax-only -I"$torch_dir/include" -I"$torch_dir/include/torch/csrc/api/include" \
+if ! g++ -std=c++17 -fsyntax-only -I"$torch_dir/include" -I"$torch_dir/include/torch/csrc/api/include" \
   /tmp/std_probe.cc >/dev/null 2>&1; then
   std=20
 fi
-log "C++ standard $std; $cxx: $("$cxx" --version | head -1); nvcc $(nvcc --version | tail -1)"
+log "C++ standard $std; $(command -v g++): $(g++ --version | head -1); nvcc $(nvcc --version | tail -1)"
 
 build=build-gpu
 chartjs=""  # Chart.js from the carried libjs-chart.js (monitor/CMakeLists.txt looks in /usr/share only)
 [ -f /opt/deps/usr/share/javascript/chart.js/chart.min.js ] &&
   chartjs="-DSPARROW_CHARTJS=/opt/deps/usr/share/javascript/chart.js/chart.min.js"
-# A build dir configured with another compiler starts afresh.
-grep -qs "^CMAKE_CXX_COMPILER:.*=$cxx\$" "$build/CMakeCache.txt" || rm -rf "$build"
 log "configure"
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER="$cxx" \
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -DSPARROW_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90 -DCMAKE_CUDA_COMPILER="$(command -v nvcc)" \
   -DCMAKE_CXX_STANDARD=$std -DSPARROW_MPI=OFF -DSPARROW_CCACHE=OFF $chartjs -DSPARROW_INCLUDE_FIRST=/opt/deps/usr/include \
   -DCMAKE_CXX_FLAGS="-include cstdint" -DCMAKE_EXE_LINKER_FLAGS="-Wl,--no-as-needed" >"$out/build.log" 2>&1 ||
