@@ -336,9 +336,11 @@ void print_gpu_run(const std::string& kase, const std::string& model, const std:
 }
 
 // PyTorch on the GPU (`p`: the Python peer), sparrow one client at a time,
-// sparrow batched (K = `batch`): one line each.
-void gpu_three_ways(const GpuOptions& o, const PeerOptions& p, const std::string& kase, const std::string& model,
-                    const simulator::SimConfig& cfg, int batch, const std::string& files) {
+// sparrow batched (K = `batch`) on one worker and on `o.workers` sharing the
+// GPU, and, for a compressed `cfg`, both batched runs uncompressed: one line
+// each.
+void gpu_runs(const GpuOptions& o, const PeerOptions& p, const std::string& kase, const std::string& model,
+              const simulator::SimConfig& cfg, int batch, const std::string& files) {
   constexpr int kWarmup = 1;
   const int threads = core::available_cores();
   std::filesystem::create_directories(files);
@@ -405,7 +407,7 @@ int bench_sim_gpu(const GpuOptions& o) {
     const int rounds = model == "mlp" ? o.mlp_rounds : o.cnn_rounds;
     simulator::SimConfig cfg = peer_config(po, model, rounds, o.tmp + "/peer_" + model);
     cfg.device = o.device;
-    gpu_three_ways(o, po, "gpu_peer", model, cfg, cfg.clients_per_round, o.tmp + "/peer_files_" + model);
+    gpu_runs(o, po, "gpu_peer", model, cfg, cfg.clients_per_round, o.tmp + "/peer_files_" + model);
   }
   if (o.population > 0) {
     simulator::SimConfig cfg = base_config(o.population, o.per_round, o.population_rounds, 1, o.tmp + "/population");
@@ -415,7 +417,7 @@ int bench_sim_gpu(const GpuOptions& o) {
     cfg.device = o.device;
     cfg.checkpoint_every = 1000000;
     cfg.data_dir = o.data_dir;
-    gpu_three_ways(o, po, "gpu_population", o.population_model, cfg, o.per_round, o.tmp + "/population_files");
+    gpu_runs(o, po, "gpu_population", o.population_model, cfg, o.per_round, o.tmp + "/population_files");
   }
   return 0;
 }

@@ -26,10 +26,11 @@ int bench_sim_peer(const PeerOptions& o);
 
 // The GPU case (device = "cuda"; needs a CUDA-enabled build and a GPU): the
 // issue-10 workload per model in plain PyTorch on the GPU (peer_fedavg.py
-// --device cuda), sparrow-sim one client at a time and batched on the GPU;
-// then a population of `population` stateful clients (IID, CNN, `compression`
-// on, `per_round` per round), clients trained per minute, the same three ways
-// (the PyTorch loop has no compression and no client state). The first round
+// --device cuda), sparrow-sim one client at a time, batched, and batched on
+// `workers` threads sharing the GPU; then a population of `population`
+// stateful clients (IID, CNN, `compression` on, `per_round` per round),
+// clients trained per minute, the same ways and both batched runs
+// uncompressed (the PyTorch loop has no compression and no client state). The first round
 // of every run is a warm-up (cuDNN's algorithm search) and not timed.
 struct GpuOptions {
   std::vector<std::string> models{"mlp", "cnn"};
