@@ -30,7 +30,9 @@ std::string shape_str(const std::vector<int64_t>& s) {
 struct Pending {
   // kFill: a dense fp32 tensor into an all-zero slot, finiteness checked while
   // it is written (compression::decode_fill).
-  enum Kind { kDecodeAdd, kScratch, kFactor, kFill } kind = kDecodeAdd;
+  // kHold: the same, but its values are a view of a received frame: scanned,
+  // then held by the slot (Slot::held) instead of copied.
+  enum Kind { kDecodeAdd, kScratch, kFactor, kFill, kHold } kind = kDecodeAdd;
   const std::string* name = nullptr;
   const Encoded* e = nullptr;
   Context ctx;
@@ -74,6 +76,9 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
   SPARROW_CHECK(std::isfinite(weight) && weight > 0 && std::isfinite(static_cast<float>(weight)),
                 "aggregator: weight must be finite and > 0, got " << weight);
   const float w = static_cast<float>(weight);
+  // A held update is written into its sum before anything else is added to it
+  // (the sum it stands for does not change).
+  for (auto& [name, s] : slots_) settle(s);
 
   // ---- Phase 1: check everything; nothing below touches the sums until phase 2.
   std::set<std::string> seen;
@@ -131,25 +136,45 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
       // before anything is added, so a mismatch in a later tensor changes nothing.
       compression::check_mask(e, p.ctx);
     }
-    if (fill) p.kind = Pending::kFill;
+    if (fill) p.kind = e.values.is_view() ? Pending::kHold : Pending::kFill;
     pending.push_back(std::move(p));
   }
   for (const auto& [name, s] : slots_) {
     SPARROW_CHECK_T(FormatError, seen.count(name), "aggregator: update lacks tensor '" << name << "'");
   }
 
-  // ---- Phase 2a: fills, which may still find a non-finite value: one throws
-  // with its slot zero again, and the fills before it are zeroed, exactly.
+  // ---- Phase 2a: fills and holds, which may still find a non-finite value:
+  // one throws with its slot zero again, and the fills and holds before it are
+  // undone, exactly.
   std::vector<size_t> filled;
+  auto undo_fills = [&] {
+    for (size_t i : filled) {
+      Slot& s = slots_.at(*pending[i].name);
+      if (pending[i].kind == Pending::kHold) {
+        s.held = Encoded();
+        s.held_weight = 0;
+      } else {
+        s.sum.zero_();
+      }
+    }
+  };
   try {
     for (size_t i = 0; i < pending.size(); ++i) {
-      if (pending[i].kind != Pending::kFill) continue;
-      Slot& s = slots_.at(*pending[i].name);
-      compression::decode_fill(*pending[i].e, s.sum, w, pending[i].ctx);
+      const Pending& p = pending[i];
+      Slot& s = slots_.at(*p.name);
+      if (p.kind == Pending::kFill) {
+        compression::decode_fill(*p.e, s.sum, w, p.ctx);
+      } else if (p.kind == Pending::kHold) {
+        compression::validate(*p.e);  // the finiteness scan; read only
+        s.held = *p.e;                // a view: the frame stays alive, nothing is copied
+        s.held_weight = w;
+      } else {
+        continue;
+      }
       filled.push_back(i);
     }
   } catch (...) {
-    for (size_t i : filled) slots_.at(*pending[i].name).sum.zero_();
+    undo_fills();
     throw;
   }
 
@@ -167,6 +192,7 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
       Slot& s = slots_.at(*p.name);
       switch (p.kind) {
         case Pending::kFill:
+        case Pending::kHold:
           break;
         case Pending::kDecodeAdd:
           compression::decode_add(*p.e, s.sum, w, p.ctx);
@@ -187,12 +213,13 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
       }
     }
   } catch (...) {
-    for (size_t i : filled) slots_.at(*pending[i].name).sum.zero_();
+    undo_fills();
     for (size_t i = 0; i < done; ++i) {
       Pending& p = pending[i];
       Slot& s = slots_.at(*p.name);
       switch (p.kind) {
         case Pending::kFill:
+        case Pending::kHold:
           break;
         case Pending::kDecodeAdd:
           compression::decode_add(*p.e, s.sum, -w, p.ctx);
@@ -214,9 +241,17 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
     throw;
   }
   for (const Pending& p : pending)
-    if (p.kind != Pending::kFactor) slots_.at(*p.name).zero = false;
+    if (p.kind != Pending::kFactor && p.kind != Pending::kHold) slots_.at(*p.name).zero = false;
   total_weight_ += weight;
   ++count_;
+}
+
+void StreamingAggregator::settle(Slot& s) {
+  if (s.held_weight == 0) return;
+  compression::decode_fill(s.held, s.sum, s.held_weight);  // scanned already: a plain write
+  s.zero = false;
+  s.held = Encoded();
+  s.held_weight = 0;
 }
 
 void StreamingAggregator::merge(const StreamingAggregator& partial) {
@@ -234,7 +269,18 @@ void StreamingAggregator::merge(const StreamingAggregator& partial) {
   }
   for (auto& [name, s] : slots_) {
     const Slot& ps = partial.slots_.at(name);
+    if (ps.held_weight > 0) {
+      if (s.zero && s.held_weight == 0) {  // share the view: still nothing copied
+        s.held = ps.held;
+        s.held_weight = ps.held_weight;
+      } else {
+        settle(s);
+        compression::decode_add(ps.held, s.sum, ps.held_weight);
+        s.zero = false;
+      }
+    }
     if (!ps.zero) {
+      settle(s);
       s.sum.add_(ps.sum);
       s.zero = false;
     }
@@ -256,7 +302,14 @@ std::map<std::string, at::Tensor> StreamingAggregator::mean() const {
   const float inv = static_cast<float>(1.0 / total_weight_);
   std::map<std::string, at::Tensor> out;
   for (const auto& [name, s] : slots_) {
-    at::Tensor m = s.sum * inv;
+    at::Tensor m;
+    if (s.held_weight > 0) {  // (v·w)·inv, rounded as the written sum would be
+      m = at::empty(s.shape, at::TensorOptions().dtype(at::kFloat));
+      compression::decode_fill(s.held, m, s.held_weight);
+      m.mul_(inv);
+    } else {
+      m = s.sum * inv;
+    }
     if (s.which >= 0) compression::acp_update_add(s.factor_sum * inv, s.shared, s.which, m, 1.0f);
     out.emplace(name, std::move(m));
   }
@@ -274,6 +327,8 @@ void StreamingAggregator::reset() {
   for (auto& [name, s] : slots_) {
     if (!s.zero) s.sum.zero_();
     s.zero = true;
+    s.held = Encoded();  // releases the frame it viewed
+    s.held_weight = 0;
     s.factor_sum = at::Tensor();
     s.shared = at::Tensor();
     s.which = -1;

@@ -59,6 +59,12 @@ class StreamingAggregator {
   // worker's partial takes in a round) is checked and written in one pass
   // (compression::decode_fill): its values are read once, and a non-finite
   // value found half way zeroes the slot again, so the rejection is exact.
+  // When its values are a view (Bytes::view: a received frame that wire::parse
+  // left the values in), they are only scanned, and the slot holds the view
+  // and the weight instead of a written sum: the frame stays alive until the
+  // slot is written (the next add(), or merge() into a slot that is not
+  // empty), read by mean(), or reset(). So the server acknowledges a worker's
+  // first dense update of a round after one read-only pass over it.
   //
   // kLowRankFactor tensors need the round's shared factor: contexts[name]
   // .shared_factor, or, when undefined, the seeded initial one derived from
@@ -95,8 +101,14 @@ class StreamingAggregator {
     at::Tensor factor_sum;  // ACP: Σ w·F ({k, r}); undefined until a factor arrives
     at::Tensor shared;      // ACP: the shared factor the factors were taken against
     int which = -1;         // ACP: 0 = P sent, 1 = Q sent; -1 = no factor yet
-    bool zero = true;       // sum is all zero (nothing added since construction or reset())
+    bool zero = true;       // sum is all zero (nothing written since construction or reset())
+    // A dense fp32 update held as a view, checked finite, not yet written:
+    // the slot stands for sum + held_weight · held (sum is then all zero).
+    compression::Encoded held;
+    float held_weight = 0;  // > 0 while one is held
   };
+  // Writes a held update into the (zero) sum and releases the view.
+  static void settle(Slot& s);
   Slot& slot(const std::string& name);
   const Slot& slot(const std::string& name) const;
 

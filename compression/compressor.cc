@@ -91,16 +91,14 @@ void decode_add(const Encoded& e, at::Tensor& out, float weight, const Context& 
 void decode_fill(const Encoded& e, at::Tensor& out, float weight, const Context& ctx) {
   SPARROW_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.device().is_cpu(),
                 "decode_fill: output must be a contiguous float32 CPU tensor");
-  const uint64_t n = static_cast<uint64_t>(e.numel());
-  if (e.format != Format::kDense || e.value_type != ValueType::kF32 || detail::values_known_finite(e, n)) {
+  if (e.format != Format::kDense || e.value_type != ValueType::kF32) {
     decode_add(e, out, weight, ctx);
     return;
   }
   validate(e, ValueCheck::kDeferDenseF32);
   SPARROW_CHECK_T(FormatError, out.numel() == e.numel(),
                   "decode_fill: output has " << out.numel() << " elements, update has " << e.numel());
-  detail::fill_dense_f32_checked(e, out.data_ptr<float>(), weight);
-  detail::mark_values_finite(e, n);
+  detail::fill_dense_f32(e, out.data_ptr<float>(), weight);
 }
 
 void register_compressor(const std::string& name, Factory factory) {

@@ -61,9 +61,10 @@ at::Tensor decode(const Encoded& e, const Context& ctx = {});
 void decode_add(const Encoded& e, at::Tensor& out, float weight, const Context& ctx = {});
 
 // out = weight · decode(e) for an `out` the caller knows to be all zero (float32,
-// contiguous, numel == e.numel()). A dense fp32 tensor whose values are not yet
-// known finite (validate(e, ValueCheck::kDeferDenseF32)) is scanned and written
-// in one pass, chunk by chunk: one read of the values, no read of out. On a
+// contiguous, numel == e.numel()). A dense fp32 tensor is written without a read
+// of out (so there, out's prior contents do not matter); if its values are not
+// yet known finite (validate(e, ValueCheck::kDeferDenseF32)) they are scanned
+// and written in one pass, chunk by chunk: one read of the values. On a
 // non-finite value it throws FormatError and out is all zero again. Every other
 // tensor: decode_add (same guarantees).
 void decode_fill(const Encoded& e, at::Tensor& out, float weight, const Context& ctx = {});

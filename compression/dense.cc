@@ -48,14 +48,19 @@ void set_scaled(const float* __restrict v, uint64_t n, float weight, float* __re
 }
 }  // namespace
 
-void fill_dense_f32_checked(const Encoded& e, float* out, float weight) {
+void fill_dense_f32(const Encoded& e, float* out, float weight) {
+  const float* v = reinterpret_cast<const float*>(e.values.data());
+  const uint64_t n = static_cast<uint64_t>(e.numel());
+  if (values_known_finite(e, n)) {
+    set_scaled(v, n, weight, out);
+    return;
+  }
   // Each 4 KiB block is scanned from memory, then written from L1. On 25M
   // values (Zen 4, -O3) this takes 6.6 ms against 9.1 ms for a scan, then an
   // add; streaming stores and larger blocks measured slower.
-  const float* v = reinterpret_cast<const float*>(e.values.data());
   uint64_t written = 0;
   try {
-    scan_finite_f32(e.values.data(), static_cast<uint64_t>(e.numel()), "dense", [&](uint64_t begin, uint64_t end) {
+    scan_finite_f32(e.values.data(), n, "dense", [&](uint64_t begin, uint64_t end) {
       set_scaled(v + begin, end - begin, weight, out + begin);
       written = end;
     });
@@ -63,6 +68,7 @@ void fill_dense_f32_checked(const Encoded& e, float* out, float weight) {
     std::memset(out, 0, sizeof(float) * written);
     throw;
   }
+  mark_values_finite(e, n);
 }
 
 void decode_dense_add(const Encoded& e, float* out, float weight) {

@@ -15,10 +15,11 @@
 namespace sparrow::compression::detail {
 
 void decode_dense_add(const Encoded& e, float* out, float weight);
-// out = weight · values of a dense fp32 e, each block scanned for non-finite
-// values before it is written; on one, out[0, written) is zeroed again and
-// NonFiniteError is thrown. (decode_fill's fused path; size already validated.)
-void fill_dense_f32_checked(const Encoded& e, float* out, float weight);
+// out = weight · values of a dense fp32 e. Values not yet known finite are
+// scanned block by block before each block is written; on a non-finite one,
+// out[0, written) is zeroed again and NonFiniteError is thrown, else they are
+// marked finite. (decode_fill's dense path; size already validated.)
+void fill_dense_f32(const Encoded& e, float* out, float weight);
 // validate()'s finiteness scan of n fp32 values (encoded.cc), a block of 1,024
 // at a time, calling done(begin, end) after each block found finite; throws
 // NonFiniteError naming the first non-finite value.

@@ -414,3 +414,86 @@ TEST_CASE("aggregator: construction, empty aggregate and reset") {
   CHECK(agg.count() == 1);
   check_close(agg.mean(), clients[0].x, 0.0);
 }
+
+TEST_CASE("aggregator: a dense update that views a received frame is held, not copied, with the same results") {
+  // As the server's workers hold updates: values are views into a frame that a
+  // shared owner keeps alive, not yet scanned for finiteness.
+  auto dense = make_clients("none", 3, 21);
+  auto frame = std::make_shared<std::vector<uint8_t>>();
+  std::vector<std::pair<size_t, size_t>> where;  // per client and tensor: offset, size
+  for (const auto& cl : dense)
+    for (const auto& [n, e] : cl.update) {
+      where.emplace_back(frame->size(), e.values.size());
+      frame->insert(frame->end(), e.values.begin(), e.values.end());
+    }
+  const auto views = [&](int client) {
+    EncodedUpdate u = dense[static_cast<size_t>(client)].update;
+    for (size_t t = 0; t < u.size(); ++t) {
+      const auto [off, size] = where[static_cast<size_t>(client) * u.size() + t];
+      u[t].second.values = Bytes::view(frame->data() + off, size, frame);
+    }
+    return u;
+  };
+  const auto owned = [&](int client) {  // the same values in writable bytes: copied, not held
+    EncodedUpdate u = dense[static_cast<size_t>(client)].update;
+    for (auto& entry : u) (void)entry.second.values.data();
+    return u;
+  };
+  const long base = frame.use_count();
+  StreamingAggregator held(kModel), copied(kModel);
+
+  SUBCASE("one update: held (the frame stays alive), the mean bit for bit the written one's") {
+    held.add(views(0), 2.0);
+    CHECK(frame.use_count() == base + 3);  // conv, bias and fc each hold the frame
+    copied.add(owned(0), 2.0);
+    CHECK(identical(held.mean(), copied.mean()));
+    held.reset();
+    CHECK(frame.use_count() == base);
+  }
+  SUBCASE("a NaN in a held update's last tensor: rejected, nothing held") {
+    EncodedUpdate u = views(0);
+    auto bad = std::make_shared<std::vector<uint8_t>>(u.back().second.values.begin(), u.back().second.values.end());
+    const float nan = std::nanf("");
+    std::memcpy(bad->data() + 8, &nan, 4);
+    u.back().second.values = Bytes::view(bad->data(), bad->size(), bad);
+    CHECK_THROWS_AS(held.add(u, 2.0), NonFiniteError);
+    CHECK(held.count() == 0);
+    CHECK(frame.use_count() == base + 2);  // only `u` itself still views it (conv, bias)
+    CHECK(bad.use_count() == 2);
+    u.clear();
+    CHECK(frame.use_count() == base);
+    held.add(views(1), 1.0);
+    copied.add(owned(1), 1.0);
+    CHECK(identical(held.mean(), copied.mean()));
+  }
+  SUBCASE("a second update writes the held one first: same sums as writing both") {
+    held.add(views(0), 2.0);
+    held.add(views(1), 1.5);
+    CHECK(frame.use_count() == base);  // the first was written, the second added: nothing held
+    copied.add(owned(0), 2.0);
+    copied.add(owned(1), 1.5);
+    CHECK(identical(held.mean(), copied.mean()));
+  }
+  SUBCASE("merge: a held partial is shared by an empty aggregate, added into a filled one") {
+    StreamingAggregator part(kModel), part_copied(kModel);
+    part.add(views(2), 0.5);
+    part_copied.add(owned(2), 0.5);
+    StreamingAggregator empty_global(kModel);
+    empty_global.merge(part);
+    CHECK(frame.use_count() == base + 6);
+    CHECK(identical(empty_global.mean(), part_copied.mean()));
+    held.add(views(0), 2.0);
+    held.merge(part);
+    copied.add(owned(0), 2.0);
+    copied.merge(part_copied);
+    CHECK(identical(held.mean(), copied.mean()));
+    std::vector<Client> all = {dense[0], dense[2]};
+    all[0].weight = 2.0;
+    all[1].weight = 0.5;
+    check_close(held.mean(), direct_mean(all));
+    part.reset();
+    empty_global.reset();
+    held.reset();
+    CHECK(frame.use_count() == base);
+  }
+}
