@@ -32,7 +32,9 @@ struct Pending {
   // it is written (compression::decode_fill).
   // kHold: the same, but its values are a view of a received frame: scanned,
   // then held by the slot (Slot::held) instead of copied.
-  enum Kind { kDecodeAdd, kScratch, kFactor, kFill, kHold } kind = kDecodeAdd;
+  // kPair: a dense fp32 tensor into a slot that holds one: both written into
+  // the sum in one pass (compression::decode_fill_pair), the new one scanned.
+  enum Kind { kDecodeAdd, kScratch, kFactor, kFill, kHold, kPair } kind = kDecodeAdd;
   const std::string* name = nullptr;
   const Encoded* e = nullptr;
   Context ctx;
@@ -76,11 +78,8 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
   SPARROW_CHECK(std::isfinite(weight) && weight > 0 && std::isfinite(static_cast<float>(weight)),
                 "aggregator: weight must be finite and > 0, got " << weight);
   const float w = static_cast<float>(weight);
-  // A held update is written into its sum before anything else is added to it
-  // (the sum it stands for does not change).
-  for (auto& [name, s] : slots_) settle(s);
-
-  // ---- Phase 1: check everything; nothing below touches the sums until phase 2.
+  // ---- Phase 1: check everything; nothing below changes what the sums stand for
+  // until phase 2 (settle() writes a held update into its sum: the same sum).
   std::set<std::string> seen;
   std::vector<Pending> pending;
   pending.reserve(update.size());
@@ -88,9 +87,14 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
     auto it = slots_.find(name);
     SPARROW_CHECK_T(FormatError, it != slots_.end(), "aggregator: unknown tensor '" << name << "' in update");
     SPARROW_CHECK_T(FormatError, seen.insert(name).second, "aggregator: tensor '" << name << "' sent twice");
-    const Slot& s = it->second;
-    const bool fill = s.zero && e.format == Format::kDense && e.value_type == compression::ValueType::kF32;
-    compression::validate(e, fill ? compression::ValueCheck::kDeferDenseF32 : compression::ValueCheck::kScan);
+    Slot& s = it->second;
+    const bool dense_f32 = e.format == Format::kDense && e.value_type == compression::ValueType::kF32;
+    const bool pair = s.held_weight > 0 && dense_f32;
+    // A held update meets another kind: written into its sum first (the sum
+    // the slot stands for does not change).
+    if (!pair) settle(s);
+    const bool fill = s.zero && s.held_weight == 0 && dense_f32;
+    compression::validate(e, fill || pair ? compression::ValueCheck::kDeferDenseF32 : compression::ValueCheck::kScan);
     SPARROW_CHECK_T(
         FormatError, e.shape == s.shape,
         "aggregator: tensor '" << name << "' has shape " << shape_str(e.shape) << ", model has " << shape_str(s.shape));
@@ -137,6 +141,7 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
       compression::check_mask(e, p.ctx);
     }
     if (fill) p.kind = e.values.is_view() ? Pending::kHold : Pending::kFill;
+    if (pair) p.kind = Pending::kPair;
     pending.push_back(std::move(p));
   }
   for (const auto& [name, s] : slots_) {
@@ -154,7 +159,7 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
         s.held = Encoded();
         s.held_weight = 0;
       } else {
-        s.sum.zero_();
+        s.sum.zero_();  // kFill, and kPair (whose held one stays held)
       }
     }
   };
@@ -168,6 +173,8 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
         compression::validate(*p.e);  // the finiteness scan; read only
         s.held = *p.e;                // a view: the frame stays alive, nothing is copied
         s.held_weight = w;
+      } else if (p.kind == Pending::kPair) {
+        compression::decode_fill_pair(s.held, s.held_weight, *p.e, w, s.sum);  // released once all succeed
       } else {
         continue;
       }
@@ -193,6 +200,7 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
       switch (p.kind) {
         case Pending::kFill:
         case Pending::kHold:
+        case Pending::kPair:
           break;
         case Pending::kDecodeAdd:
           compression::decode_add(*p.e, s.sum, w, p.ctx);
@@ -220,6 +228,7 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
       switch (p.kind) {
         case Pending::kFill:
         case Pending::kHold:
+        case Pending::kPair:
           break;
         case Pending::kDecodeAdd:
           compression::decode_add(*p.e, s.sum, -w, p.ctx);
@@ -240,8 +249,14 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
     }
     throw;
   }
-  for (const Pending& p : pending)
-    if (p.kind != Pending::kFactor && p.kind != Pending::kHold) slots_.at(*p.name).zero = false;
+  for (const Pending& p : pending) {
+    Slot& s = slots_.at(*p.name);
+    if (p.kind == Pending::kPair) {
+      s.held = Encoded();
+      s.held_weight = 0;
+    }
+    if (p.kind != Pending::kFactor && p.kind != Pending::kHold) s.zero = false;
+  }
   total_weight_ += weight;
   ++count_;
 }

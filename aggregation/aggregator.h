@@ -64,7 +64,10 @@ class StreamingAggregator {
   // and the weight instead of a written sum: the frame stays alive until the
   // slot is written (the next add(), or merge() into a slot that is not
   // empty), read by mean(), or reset(). So the server acknowledges a worker's
-  // first dense update of a round after one read-only pass over it.
+  // first dense update of a round after one read-only pass over it. A dense
+  // fp32 tensor added to a slot that holds one writes both in one pass
+  // (compression::decode_fill_pair: the new one scanned as it is read), and a
+  // non-finite value there leaves the slot holding what it held.
   //
   // kLowRankFactor tensors need the round's shared factor: contexts[name]
   // .shared_factor, or, when undefined, the seeded initial one derived from

@@ -101,6 +101,20 @@ void decode_fill(const Encoded& e, at::Tensor& out, float weight, const Context&
   detail::fill_dense_f32(e, out.data_ptr<float>(), weight);
 }
 
+void decode_fill_pair(const Encoded& held, float held_weight, const Encoded& e, float weight, at::Tensor& out) {
+  SPARROW_CHECK(out.scalar_type() == at::kFloat && out.is_contiguous() && out.device().is_cpu(),
+                "decode_fill_pair: output must be a contiguous float32 CPU tensor");
+  for (const Encoded* x : {&held, &e}) {
+    SPARROW_CHECK_T(FormatError, x->format == Format::kDense && x->value_type == ValueType::kF32,
+                    "decode_fill_pair: both tensors must be dense fp32");
+    SPARROW_CHECK_T(FormatError, x->numel() == out.numel(),
+                    "decode_fill_pair: output has " << out.numel() << " elements, a tensor has " << x->numel());
+  }
+  validate(held);  // known finite: a memo lookup
+  validate(e, ValueCheck::kDeferDenseF32);
+  detail::fill_dense_f32_pair(held, held_weight, e, weight, out.data_ptr<float>());
+}
+
 void register_compressor(const std::string& name, Factory factory) {
   std::lock_guard<std::mutex> lock(registry_mutex());
   registry()[name] = std::move(factory);

@@ -68,6 +68,13 @@ void decode_add(const Encoded& e, at::Tensor& out, float weight, const Context& 
 // non-finite value it throws FormatError and out is all zero again. Every other
 // tensor: decode_add (same guarantees).
 void decode_fill(const Encoded& e, at::Tensor& out, float weight, const Context& ctx = {});
+// out = held_weight · held + weight · e for two dense fp32 tensors (numel ==
+// out.numel()), `held` already known finite (validated): both read once, out
+// written once, its prior contents unread. e's values, when not yet known
+// finite, are scanned in the same pass; on a non-finite one it throws
+// FormatError and out is all zero. Throws FormatError (out untouched) when
+// either is not dense fp32 or a size differs.
+void decode_fill_pair(const Encoded& held, float held_weight, const Encoded& e, float weight, at::Tensor& out);
 
 // True for formats whose malformation can surface only while decoding (a
 // truncated Elias-gamma stream, a TernGrad code 3, nonzero padding), which

@@ -46,6 +46,15 @@ SPARROW_SIMD_CLONES
 void set_scaled(const float* __restrict v, uint64_t n, float weight, float* __restrict out) {
   for (uint64_t i = 0; i < n; ++i) out[i] = weight * v[i];
 }
+// out = wa a + wb b, rounded as set_scaled(a, wa) then add_scaled(b, wb).
+SPARROW_SIMD_CLONES
+void set_scaled_pair(const float* __restrict a, float wa, const float* __restrict b, float wb, uint64_t n,
+                     float* __restrict out) {
+  for (uint64_t i = 0; i < n; ++i) {
+    const float t = wa * a[i];
+    out[i] = t + wb * b[i];
+  }
+}
 }  // namespace
 
 void fill_dense_f32(const Encoded& e, float* out, float weight) {
@@ -69,6 +78,27 @@ void fill_dense_f32(const Encoded& e, float* out, float weight) {
     throw;
   }
   mark_values_finite(e, n);
+}
+
+void fill_dense_f32_pair(const Encoded& a, float wa, const Encoded& b, float wb, float* out) {
+  const float* va = reinterpret_cast<const float*>(a.values.data());
+  const float* vb = reinterpret_cast<const float*>(b.values.data());
+  const uint64_t n = static_cast<uint64_t>(b.numel());
+  if (values_known_finite(b, n)) {
+    set_scaled_pair(va, wa, vb, wb, n, out);
+    return;
+  }
+  uint64_t written = 0;
+  try {
+    scan_finite_f32(b.values.data(), n, "dense", [&](uint64_t begin, uint64_t end) {
+      set_scaled_pair(va + begin, wa, vb + begin, wb, end - begin, out + begin);
+      written = end;
+    });
+  } catch (...) {
+    std::memset(out, 0, sizeof(float) * written);
+    throw;
+  }
+  mark_values_finite(b, n);
 }
 
 void decode_dense_add(const Encoded& e, float* out, float weight) {

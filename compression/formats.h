@@ -20,6 +20,9 @@ void decode_dense_add(const Encoded& e, float* out, float weight);
 // out[0, written) is zeroed again and NonFiniteError is thrown, else they are
 // marked finite. (decode_fill's dense path; size already validated.)
 void fill_dense_f32(const Encoded& e, float* out, float weight);
+// out = wa · a + wb · b for dense fp32 a (known finite) and b, b scanned as
+// fill_dense_f32 scans (on a non-finite value out[0, written) is zeroed again).
+void fill_dense_f32_pair(const Encoded& a, float wa, const Encoded& b, float wb, float* out);
 // validate()'s finiteness scan of n fp32 values (encoded.cc), a block of 1,024
 // at a time, calling done(begin, end) after each block found finite; throws
 // NonFiniteError naming the first non-finite value.

@@ -466,12 +466,35 @@ TEST_CASE("aggregator: a dense update that views a received frame is held, not c
     copied.add(owned(1), 1.0);
     CHECK(identical(held.mean(), copied.mean()));
   }
-  SUBCASE("a second update writes the held one first: same sums as writing both") {
+  SUBCASE("a second dense update is written together with the held one: the sums of writing both") {
     held.add(views(0), 2.0);
     held.add(views(1), 1.5);
-    CHECK(frame.use_count() == base);  // the first was written, the second added: nothing held
+    CHECK(frame.use_count() == base);  // both written in one pass: nothing held
     copied.add(owned(0), 2.0);
     copied.add(owned(1), 1.5);
+    check_close(held.mean(), copied.mean(), 1e-6);  // w1·a + w2·b, rounded once less or more
+    held.add(views(2), 0.5);                        // and a third is added as before
+    copied.add(owned(2), 0.5);
+    check_close(held.mean(), copied.mean(), 1e-6);
+  }
+  SUBCASE("a NaN in the second update: rejected, the first still held, its mean bit for bit") {
+    held.add(views(0), 2.0);
+    const auto before = held.mean();
+    EncodedUpdate u = owned(1);  // owned, unscanned: written with the held one in one pass
+    const float nan = std::nanf("");
+    std::memcpy(u.back().second.values.data() + 8, &nan, 4);
+    CHECK_THROWS_AS(held.add(u, 1.5), NonFiniteError);
+    CHECK(held.count() == 1);
+    CHECK(frame.use_count() == base + 3);
+    CHECK(identical(held.mean(), before));
+  }
+  SUBCASE("a second update of another format writes the held one, then adds") {
+    auto sparse = make_clients("topk:ratio=0.5", 1, 22);
+    held.add(views(0), 2.0);
+    held.add(sparse[0].update, 1.0);
+    CHECK(frame.use_count() == base);
+    copied.add(owned(0), 2.0);
+    copied.add(sparse[0].update, 1.0);
     CHECK(identical(held.mean(), copied.mean()));
   }
   SUBCASE("merge: a held partial is shared by an empty aggregate, added into a filled one") {

@@ -137,10 +137,11 @@ TEST_CASE("decode_fill: a deferred scan runs while the values are written") {
   CHECK(at::equal(zero, at::zeros({5000})));
   // The scan's verdict is kept: the next validate does not rescan (a value
   // changed behind the memo's back shows it), and decode_fill of values known
-  // finite adds like decode_add.
+  // finite writes without a scan, whatever out held.
   Encoded good = e;
-  at::Tensor twice = at::zeros({5000});
+  at::Tensor twice = at::full({5000}, 7.0f);
   decode_fill(good, twice, 1.0f);
+  CHECK(at::equal(twice, x));
   float* raw = reinterpret_cast<float*>(const_cast<uint8_t*>(std::as_const(good.values).data()));
   raw[10] = inf;  // after the scan: the memo says finite
   CHECK_NOTHROW(validate(good));
@@ -153,4 +154,31 @@ TEST_CASE("decode_fill: a deferred scan runs while the values are written") {
   at::Tensor wrong = at::zeros({4999});
   Encoded fresh = c->encode(x, s, {});
   CHECK_THROWS_AS(decode_fill(fresh, wrong, 1.0f), sparrow::FormatError);
+}
+
+TEST_CASE("decode_fill_pair: two dense updates written in one pass, the second scanned") {
+  auto c = make_compressor("none");
+  State s;
+  at::manual_seed(4);
+  const at::Tensor a = at::randn({5000}), b = at::randn({5000});
+  const Encoded ea = c->encode(a, s, {});
+  const Encoded eb = c->encode(b, s, {});
+  validate(ea);                             // the held one is known finite
+  at::Tensor out = at::full({5000}, 7.0f);  // prior contents are not read
+  decode_fill_pair(ea, 2.0f, eb, 0.5f, out);
+  CHECK(at::allclose(out, a * 2.0f + b * 0.5f, 1e-6, 1e-6));
+  // A non-finite value in the second, past the first chunks: out all zero again.
+  Encoded bad = c->encode(b, s, {});
+  const float nan = std::nanf("");
+  std::memcpy(bad.values.data() + 4 * 4100, &nan, 4);
+  at::Tensor zero = at::zeros({5000});
+  CHECK_THROWS_WITH_AS(decode_fill_pair(ea, 2.0f, bad, 0.5f, zero), doctest::Contains("value 4100 is not finite"),
+                       NonFiniteError);
+  CHECK(at::equal(zero, at::zeros({5000})));
+  // Not dense fp32, or sizes that differ: FormatError, out untouched.
+  const Encoded h = make_compressor("fp16")->encode(b, s, {});
+  CHECK_THROWS_AS(decode_fill_pair(ea, 1.0f, h, 1.0f, zero), sparrow::FormatError);
+  const Encoded shorter = c->encode(at::randn({4999}), s, {});
+  CHECK_THROWS_AS(decode_fill_pair(ea, 1.0f, shorter, 1.0f, zero), sparrow::FormatError);
+  CHECK(at::equal(zero, at::zeros({5000})));
 }
