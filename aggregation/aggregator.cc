@@ -75,8 +75,9 @@ const StreamingAggregator::Slot& StreamingAggregator::slot(const std::string& na
 }
 
 void StreamingAggregator::add(const EncodedUpdate& update, double weight, const ContextMap& contexts) {
-  SPARROW_CHECK(std::isfinite(weight) && weight > 0 && std::isfinite(static_cast<float>(weight)),
-                "aggregator: weight must be finite and > 0, got " << weight);
+  SPARROW_CHECK(std::isfinite(weight) && weight > 0 && std::isfinite(static_cast<float>(weight)) &&
+                    static_cast<float>(weight) > 0,
+                "aggregator: weight must be finite and > 0 in float32, got " << weight);
   const float w = static_cast<float>(weight);
   // ---- Phase 1: check everything; nothing below changes what the sums stand for
   // until phase 2 (settle() writes a held update into its sum: the same sum).
@@ -152,6 +153,7 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
   // one throws with its slot zero again, and the fills and holds before it are
   // undone, exactly.
   std::vector<size_t> filled;
+  filled.reserve(pending.size());  // push_back after a fill cannot throw
   auto undo_fills = [&] {
     for (size_t i : filled) {
       Slot& s = slots_.at(*pending[i].name);
@@ -270,6 +272,7 @@ void StreamingAggregator::settle(Slot& s) {
 }
 
 void StreamingAggregator::merge(const StreamingAggregator& partial) {
+  SPARROW_CHECK(&partial != this, "aggregator merge: an aggregator cannot merge itself");
   SPARROW_CHECK(partial.slots_.size() == slots_.size(), "aggregator merge: partial has a different tensor list");
   for (const auto& [name, ps] : partial.slots_) {
     auto it = slots_.find(name);

@@ -651,12 +651,13 @@ int bench_dense(const ServerBenchOptions& o, const fs::path& dir) {
       t0 = Clock::now();
       aggregation::EncodedUpdate eu = parse_in_place();
       tp.push_back(seconds(t0, Clock::now()));
-      // The first update of a worker's partial in a round: scanned while written.
+      // The first update of a worker's partial in a round: scanned, then held
+      // (a view of the frame; nothing written).
       agg.reset();
       t0 = Clock::now();
       agg.add(eu, 100.0);
       tf.push_back(seconds(t0, Clock::now()));
-      // A later one: scanned, then added.
+      // The second: written with the held one in one pass, scanned as it is read.
       eu = parse_in_place();
       t0 = Clock::now();
       agg.add(eu, 100.0);

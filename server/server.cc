@@ -1525,6 +1525,11 @@ struct Server::Impl {
       for (const auto& [k, v] : p.metric_sum) metric_sum[k] += v;
       for (const auto& [k, v] : p.metric_weight) metric_weight[k] += v;
     }
+    // The round is closed and nothing is in flight: no worker touches its
+    // partial until the next round opens. Reset now, so the frames the partials
+    // hold (the aggregator's held dense updates) are freed before the checkpoint
+    // and the wait for the next round, not when it opens.
+    for (auto& p : partials) p.reset(aggregator->clip());
     if (agg.total_weight() <= 0) {
       n.abandoned++;
       return true;

@@ -488,6 +488,43 @@ TEST_CASE("aggregator: a dense update that views a received frame is held, not c
     CHECK(frame.use_count() == base + 3);
     CHECK(identical(held.mean(), before));
   }
+  SUBCASE("a failure while the second update is added: the first still held, nothing else changed") {
+    held.add(views(0), 2.0);
+    const auto before = held.mean();
+    for (int after : {0, 1, 2}) {  // each of conv, bias, fc reached (3 tensors: never fire more)
+      CAPTURE(after);
+      sparrow::aggregation::detail::inject_add_failure_after(after);
+      CHECK_THROWS_AS(held.add(views(1), 1.5), std::runtime_error);
+      CHECK(held.count() == 1);
+      CHECK(frame.use_count() == base + 3);
+      CHECK(identical(held.mean(), before));
+    }
+    StreamingAggregator fresh(kModel);  // and on an empty one: nothing held after the failure
+    sparrow::aggregation::detail::inject_add_failure_after(1);
+    CHECK_THROWS_AS(fresh.add(views(0), 1.0), std::runtime_error);
+    CHECK(fresh.count() == 0);
+    CHECK(frame.use_count() == base + 3);  // `held`'s only
+  }
+  SUBCASE("an update rejected after the held one was written (phase 1): the same sums, accepted later") {
+    auto sparse = make_clients("topk:ratio=0.5", 1, 23);
+    held.add(views(0), 2.0);
+    const auto before = held.mean();
+    EncodedUpdate u = views(1);
+    for (auto& [n, e] : u)
+      if (n == "bias") e = sparse[0].update[1].second;  // bias sparse: the held bias is written first
+    EncodedUpdate bad = u;
+    bad.back().second.shape = {10, 12};  // fc: wrong shape, same numel
+    CHECK_THROWS_AS(held.add(bad, 1.0), sparrow::FormatError);
+    CHECK(held.count() == 1);
+    CHECK(identical(held.mean(), before));
+    held.add(u, 1.0);
+    copied.add(owned(0), 2.0);
+    EncodedUpdate uc = owned(1);
+    for (auto& [n, e] : uc)
+      if (n == "bias") e = sparse[0].update[1].second;
+    copied.add(uc, 1.0);
+    check_close(held.mean(), copied.mean(), 1e-6);
+  }
   SUBCASE("a second update of another format writes the held one, then adds") {
     auto sparse = make_clients("topk:ratio=0.5", 1, 22);
     held.add(views(0), 2.0);

@@ -283,3 +283,36 @@ TEST_CASE("robust: epsilon grows with rounds and shrinks with noise, +inf withou
   Aggregator l("mean", "local:clip=1,noise=2", 10, 0);
   CHECK(l.epsilon(100, 0.1, 3) < l.epsilon(100, 0.1, 5));
 }
+
+TEST_CASE("robust: dense updates that view a received frame are decoded and released at once") {
+  // The buffering path decodes each update through a scratch aggregator, which
+  // holds a view instead of writing it: the row is taken from the view, and the
+  // frame is not kept past add().
+  auto none = compression::make_compressor("none");
+  at::manual_seed(8);
+  Aggregator g("median", "none", 3, 0);
+  Accumulator viewed = g.make_accumulator(kShapes), owned = g.make_accumulator(kShapes);
+  viewed.reset(0);
+  owned.reset(0);
+  for (int i = 0; i < 3; ++i) {
+    EncodedUpdate u;
+    for (const auto& [n, s] : kShapes) {
+      compression::State st;
+      u.emplace_back(n, none->encode(at::randn(s), st, {}));
+    }
+    auto frame = std::make_shared<std::vector<uint8_t>>();
+    for (const auto& [n, e] : u) frame->insert(frame->end(), e.values.begin(), e.values.end());
+    EncodedUpdate v = u;
+    size_t off = 0;
+    for (auto& [n, e] : v) {
+      const size_t size = e.values.size();
+      e.values = compression::Bytes::view(frame->data() + off, size, frame);
+      off += size;
+    }
+    viewed.add(v, 1.0);
+    owned.add(u, 1.0);
+    v.clear();
+    CHECK(frame.use_count() == 1);
+  }
+  CHECK(at::equal(flatten(g.finish(viewed, 0)), flatten(g.finish(owned, 0))));
+}
