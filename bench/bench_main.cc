@@ -105,8 +105,8 @@ int bench_compress(int64_t n, int repeat, const std::string& only) {
     }
     std::cout << "{\"bench\":\"compress\",\"case\":\"memcpy\",\"elements\":" << n
               << ",\"encode_ms\":" << json_number(median(t))
-              << ",\"gb_per_s\":" << json_number(dense_bytes / median(t) / 1e6) << ",\"threads\":" << threads << "}"
-              << std::endl;
+              << ",\"gb_per_s\":" << json_number(dense_bytes / median(t) / 1e6) << ",\"threads\":" << threads
+              << ",\"malloc\":\"" << (core::allocator_tuned_for_messages() ? "reuse" : "system") << "\"}" << std::endl;
   }
   // Baseline 2: torch::topk of |g| with DGC's k.
   {
@@ -234,7 +234,9 @@ int main(int argc, char** argv) {
       continue;
     }
     if (a.rfind("-", 0) == 0) continue;
-    if (a == "server") sparrow::core::tune_allocator_for_messages();
+    // compress: the programs that encode large updates for the wire
+    // (sparrow-client, sparrow-edge, sparrow-server's downlink) run with it.
+    if (a == "server" || a == "compress") sparrow::core::tune_allocator_for_messages();
     break;
   }
   CLI::App app{"sparrow-bench: JSON-lines benchmarks with same-run baselines"};
