@@ -75,10 +75,8 @@ const StreamingAggregator::Slot& StreamingAggregator::slot(const std::string& na
 }
 
 void StreamingAggregator::add(const EncodedUpdate& update, double weight, const ContextMap& contexts) {
-  SPARROW_CHECK(std::isfinite(weight) && weight > 0 && std::isfinite(static_cast<float>(weight)) &&
-                    static_cast<float>(weight) > 0,
-                "aggregator: weight must be finite and > 0 in float32, got " << weight);
-  const float w = static_cast<float>(weight);
+  const float w = static_cast<float>(weight);  // NaN, inf and doubles beyond float's range fail as float
+  SPARROW_CHECK(std::isfinite(w) && w > 0, "aggregator: weight must be finite and > 0 in float32, got " << weight);
   // ---- Phase 1: check everything; nothing below changes what the sums stand for
   // until phase 2 (settle() writes a held update into its sum: the same sum).
   std::set<std::string> seen;
