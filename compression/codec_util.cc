@@ -280,6 +280,10 @@ std::vector<int64_t> decode_rice(const Encoded& e, int64_t numel) {
 
 }  // namespace
 
+std::vector<int64_t> decode_rice_positions(const std::vector<uint8_t>& indices, uint64_t k, uint32_t b, int64_t numel) {
+  return decode_rice_stream(indices, k, b, numel);
+}
+
 RiceChoice best_rice(const int64_t* idx, uint64_t k) {
   // Cost(b) = sum(gap >> b) + k·(b + 1) bits; it is convex in b, so try every b
   // up to where the quotient sum is zero and keep the smallest.

@@ -61,6 +61,10 @@ void encode_indices_rice(const int64_t* idx, uint64_t k, uint32_t b, Encoded& e)
 // Decodes e's indices (any coding but kNone), checking ranges, order and count;
 // throws FormatError when they are invalid.
 std::vector<int64_t> decode_indices(const Encoded& e);
+// The k ascending positions in [0, numel) of a Golomb-Rice stream with
+// parameter b (IndexCoding::kRice's layout); FormatError on a truncated or
+// out-of-range stream or trailing bits.
+std::vector<int64_t> decode_rice_positions(const std::vector<uint8_t>& indices, uint64_t k, uint32_t b, int64_t numel);
 // kMask (time-correlated sparsification): mask size m = params[1] (checked <= count),
 // the count - m Rice-coded positions after the mask's, and all count positions
 // (the mask's from ctx.mask, checked to have m entries, then the others).

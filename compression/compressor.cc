@@ -43,6 +43,7 @@ void decode_into(const Encoded& e, at::Tensor& out, float weight, const Context&
     case Format::kSign:
       return detail::decode_sign_add(e, o, weight);
     case Format::kLowRank:
+    case Format::kLowRankSparse:
       return detail::decode_lowrank_add(e, out, weight);
     case Format::kLowRankFactor:
       return detail::decode_factor_add(e, out, weight, ctx);

@@ -119,6 +119,8 @@ const char* format_name(Format f) {
       return "lowrank";
     case Format::kLowRankFactor:
       return "lowrank_factor";
+    case Format::kLowRankSparse:
+      return "lowrank_sparse";
   }
   return "unknown";
 }
@@ -216,11 +218,13 @@ void validate(const Encoded& e, ValueCheck check) {
                       "sign: " << e.values.size() << " bytes, expected " << (n + 7) / 8);
       return;
     case Format::kLowRank:
-    case Format::kLowRankFactor: {
+    case Format::kLowRankFactor:
+    case Format::kLowRankSparse: {
       const bool factor = e.format == Format::kLowRankFactor;
+      const bool sparse = e.format == Format::kLowRankSparse;
       const char* what = factor ? "acp" : "powersgd";
-      check_no_indices(e, what);
-      SPARROW_CHECK_T(FormatError, e.params.size() == (factor ? 4u : 3u), what << ": wrong number of params");
+      if (!sparse) check_no_indices(e, what);
+      SPARROW_CHECK_T(FormatError, e.params.size() == (factor || sparse ? 4u : 3u), what << ": wrong number of params");
       const uint64_t rows = e.params[0], cols = e.params[1], rank = e.params[2];
       SPARROW_CHECK_T(FormatError, rows * cols == n,
                       what << ": " << rows << "x" << cols << " does not match numel " << n);
@@ -235,7 +239,14 @@ void validate(const Encoded& e, ValueCheck check) {
         SPARROW_CHECK_T(FormatError, e.params[3] <= 1, what << ": factor selector must be 0 (P) or 1 (Q)");
         floats = (e.params[3] == 0 ? rows : cols) * rank;
       }
-      check_scales(e, e.value_type == ValueType::kInt8 ? (factor ? 1 : 2) * rank : 0, what);
+      if (sparse) {
+        SPARROW_CHECK_T(FormatError, e.index_coding == IndexCoding::kRice,
+                        what << ": the sparse correction's positions must be Rice coded");
+        // Range, order and count of the positions; the values follow the factors.
+        (void)detail::decode_rice_positions(e.indices, e.count, e.params[3], static_cast<int64_t>(n));
+        floats += e.count;
+      }
+      check_scales(e, e.value_type == ValueType::kInt8 ? (factor ? 1 : 2) * rank + (sparse ? 1 : 0) : 0, what);
       check_values(e, floats, what);
       if (e.value_type == ValueType::kInt8) check_int8(e, floats, what);
       return;

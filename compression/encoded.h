@@ -42,6 +42,14 @@ enum class Format : uint8_t {
   // Decoding needs the other factor, the aggregator's shared one, from
   // Context::shared_factor.
   kLowRankFactor = 6,
+  // Protocol 1.5: PowerSGD factors plus a sparse correction (`powersgd:...,sparse=R`,
+  // the largest entries of the residual the factors leave). params = {rows n,
+  // cols m, rank r, Rice parameter b}; values = P (n×r), Q (m×r), then `count`
+  // values, all of value_type (kF32, kF16, kBF16 or kInt8; kInt8: scales = one
+  // per column of P, one per column of Q, then one for the sparse values);
+  // index_coding kRice, `indices` = the sparse values' positions in the
+  // flattened tensor (as kSparse's kRice). Decodes to P·Qᵀ + the sparse values.
+  kLowRankSparse = 7,
 };
 
 // kInt8 (protocol 1.2): symmetric 8-bit codes q in [-127, 127], value = q · scale: sparse

@@ -29,10 +29,10 @@ void fill_dense_f32_pair(const Encoded& a, float wa, const Encoded& b, float wb,
 void scan_finite_f32(const uint8_t* bytes, uint64_t n, const char* what,
                      const std::function<void(uint64_t, uint64_t)>& done);
 void decode_sparse_add(const Encoded& e, float* out, float weight, const Context& ctx);
-void decode_quantized_add(const Encoded& e, float* out, float weight);                        // qsgd.cc
-void decode_ternary_add(const Encoded& e, float* out, float weight);                          // terngrad.cc
-void decode_sign_add(const Encoded& e, float* out, float weight);                             // sign.cc
-void decode_lowrank_add(const Encoded& e, at::Tensor& out, float weight);                     // powersgd.cc
+void decode_quantized_add(const Encoded& e, float* out, float weight);     // qsgd.cc
+void decode_ternary_add(const Encoded& e, float* out, float weight);       // terngrad.cc
+void decode_sign_add(const Encoded& e, float* out, float weight);          // sign.cc
+void decode_lowrank_add(const Encoded& e, at::Tensor& out, float weight);  // kLowRank(Sparse), powersgd.cc
 void decode_factor_add(const Encoded& e, at::Tensor& out, float weight, const Context& ctx);  // acp.cc
 
 void register_dense();        // none, fp16, bf16             (dense.cc)

@@ -1,5 +1,5 @@
 // powersgd:rank=r[,warm_start=0|1][,ef=0|1][,values=fp32|fp16|bf16|int8]
-//          [,iters=N][,min_rate=R][,decay=D,max_age=A]
+//          [,iters=N][,min_rate=R][,decay=D,max_age=A][,sparse=S]
 // PowerSGD (Vogels, Karimireddy, Jaggi, NeurIPS 2019), one power-iteration step
 // per encode (iters=N: N steps, the wire unchanged). values= sets the factors'
 // type on the wire (protocol 1.4 for all but fp32; int8 with one scale per
@@ -7,6 +7,10 @@
 // client that skipped rounds (codec_util.h's StalePolicy). A matrix travels as
 // factors only when they are at least min_rate (default 2, as PyTorch's
 // min_compression_rate) times smaller than it; otherwise dense fp32.
+// sparse=S (protocol 1.5, Format::kLowRankSparse): the ceil(S·numel) largest
+// entries of what the factors leave, E = M' − P·Qᵀ, travel with them (Rice-coded
+// positions, values of the factors' type), so a client's largest errors do not
+// wait in its residual for the next round it is sampled in.
 //
 // This is PyTorch's powerSGD_hook with the all-reduces removed (N = 1): in
 // federated learning each client sends both of its own factors in one message,
@@ -27,6 +31,7 @@
 #include <limits>
 
 #include "compression/codec_util.h"
+#include "compression/dgc.h"
 #include "compression/formats.h"
 #include "compression/lowrank.h"
 #include "core/rng.h"
@@ -316,11 +321,32 @@ void pack_factor(at::Tensor& f, ValueType vt, Encoded& e) {
   e.scales.insert(e.scales.end(), scale.begin(), scale.end());
 }
 
+namespace {
+
+// The sparse correction of a kLowRankSparse tensor: its positions and values
+// (after the factors, of the factors' type; kInt8 with the last scale).
+void sparse_correction(const Encoded& e, std::vector<int64_t>& idx, std::vector<float>& vals) {
+  const uint64_t rows = e.params[0], cols = e.params[1], r = e.params[2];
+  idx = decode_rice_positions(e.indices, e.count, e.params[3], static_cast<int64_t>(rows * cols));
+  vals.resize(e.count);
+  const float scale = e.value_type == ValueType::kInt8 ? e.scales[2 * r] : 0.0f;
+  unpack_values(e.values.data() + value_bytes(e.value_type, (rows + cols) * r), e.count, e.value_type, scale,
+                vals.data());
+}
+
+}  // namespace
+
 void decode_lowrank_add(const Encoded& e, at::Tensor& out, float weight) {
   const int64_t rows = e.params[0], cols = e.params[1], r = e.params[2];
+  std::vector<int64_t> idx;
+  std::vector<float> vals;
+  // Positions first: a malformed stream throws before out is touched.
+  if (e.format == Format::kLowRankSparse) sparse_correction(e, idx, vals);
   const at::Tensor p = factor_of(e, 0, rows, r);
   const at::Tensor q = factor_of(e, 1, cols, r);
-  rank_update(out.data_ptr<float>(), rows, cols, p.data_ptr<float>(), q.data_ptr<float>(), r, weight);
+  float* o = out.data_ptr<float>();
+  rank_update(o, rows, cols, p.data_ptr<float>(), q.data_ptr<float>(), r, weight);
+  for (size_t j = 0; j < idx.size(); ++j) o[idx[j]] += weight * vals[j];
 }
 
 namespace {
@@ -328,8 +354,15 @@ namespace {
 class PowerSgdCompressor final : public Compressor {
  public:
   PowerSgdCompressor(int64_t rank, bool warm_start, bool ef, ValueType vt, int64_t iters, double min_rate,
-                     detail::StalePolicy stale)
-      : rank_(rank), warm_start_(warm_start), ef_(ef), vt_(vt), iters_(iters), min_rate_(min_rate), stale_(stale) {}
+                     detail::StalePolicy stale, double sparse)
+      : rank_(rank),
+        warm_start_(warm_start),
+        ef_(ef),
+        vt_(vt),
+        iters_(iters),
+        min_rate_(min_rate),
+        stale_(stale),
+        sparse_(sparse) {}
   std::string method() const override { return "powersgd"; }
 
   Encoded encode(const at::Tensor& x_in, State& state, const Context& ctx) const override {
@@ -391,6 +424,7 @@ class PowerSgdCompressor final : public Compressor {
     pack_factor(q, vt_, e);
 
     if (ef_) detail::rank_update(res, n, m, p.data_ptr<float>(), q.data_ptr<float>(), r, -1.0f);  // E = M' − P·Qᵀ
+    if (sparse_ > 0.0) add_sparse_correction(res, n * m, e);
     if (warm_start_) {
       state.tensors.insert_or_assign("q", q);
     } else {
@@ -400,6 +434,28 @@ class PowerSgdCompressor final : public Compressor {
   }
 
  private:
+  // sparse=R: the ceil(R·numel) largest entries of E = M' − P·Qᵀ travel too
+  // (kLowRankSparse), rounded to vt_, and leave E.
+  void add_sparse_correction(float* res, int64_t numel, Encoded& e) const {
+    const int64_t k = std::min(numel, static_cast<int64_t>(std::ceil(sparse_ * static_cast<double>(numel))));
+    const std::vector<int64_t> idx = topk_abs_indices(res, numel, k);
+    std::vector<float> vals(idx.size());
+    for (size_t j = 0; j < idx.size(); ++j) vals[j] = res[idx[j]];
+    const RiceChoice rice = best_rice(idx.data(), idx.size());
+    std::vector<uint32_t> params = e.params;
+    encode_indices_rice(idx.data(), idx.size(), rice.b, e);  // sets count, indices, params = {b}
+    params.push_back(rice.b);
+    e.params = std::move(params);
+    e.format = Format::kLowRankSparse;
+    const size_t base = e.values.size();
+    const float scale = vt_ == ValueType::kInt8 ? int8_scale(vals.data(), vals.size()) : 0.0f;
+    pack_values(vals.data(), vals.size(), vt_, e.values, scale);
+    if (vt_ == ValueType::kInt8) e.scales.push_back(scale);
+    // What the receiver will add: subtract exactly that from E.
+    unpack_values(e.values.data() + base, vals.size(), vt_, scale, vals.data());
+    for (size_t j = 0; j < idx.size(); ++j) res[idx[j]] -= vals[j];
+  }
+
   int64_t rank_;
   bool warm_start_;
   bool ef_;
@@ -407,6 +463,7 @@ class PowerSgdCompressor final : public Compressor {
   int64_t iters_;
   double min_rate_;
   detail::StalePolicy stale_;
+  double sparse_;
 };
 
 }  // namespace
@@ -425,7 +482,12 @@ void register_lowrank() {
     SPARROW_CHECK_T(ConfigError, std::isfinite(min_rate) && min_rate >= 1.0,
                     "powersgd: min_rate must be >= 1, got " << min_rate);
     const detail::StalePolicy stale = detail::parse_stale_policy(spec, "powersgd", ef);
-    return std::make_unique<PowerSgdCompressor>(rank, warm_start, ef, vt, iters, min_rate, stale);
+    const double sparse = spec.get_double("sparse", 0.0);
+    SPARROW_CHECK_T(ConfigError, std::isfinite(sparse) && sparse >= 0.0 && sparse <= 1.0,
+                    "powersgd: sparse must be in [0, 1], got " << sparse);
+    SPARROW_CHECK_T(ConfigError, sparse == 0.0 || ef,
+                    "powersgd: sparse needs ef=1 (it sends the largest entries of the residual)");
+    return std::make_unique<PowerSgdCompressor>(rank, warm_start, ef, vt, iters, min_rate, stale, sparse);
   });
   register_acp();
 }

@@ -39,7 +39,7 @@ constexpr size_t kMaxErrorMessageBytes = 1024;
 static_assert(sizeof(kIdentifier) == flatbuffers::kFileIdentifierLength + 1, "identifier is 4 bytes");
 static_assert(static_cast<int>(fb::ErrorCode::MAX) == static_cast<int>(ErrorCode::kUnsupported),
               "wire::ErrorCode must mirror fb::ErrorCode");
-static_assert(static_cast<int>(fb::Format::MAX) == static_cast<int>(c::Format::kLowRankFactor),
+static_assert(static_cast<int>(fb::Format::MAX) == static_cast<int>(c::Format::kLowRankSparse),
               "fb::Format must mirror compression::Format");
 static_assert(static_cast<int>(fb::ValueType::MAX) == static_cast<int>(c::ValueType::kInt8),
               "fb::ValueType must mirror compression::ValueType");

@@ -30,8 +30,9 @@ namespace sparrow::wire {
 // ignore (new optional fields, new union members it answers with kUnsupported).
 // 1.1: secure aggregation (SecAgg, Task.secagg); 1.2: Int8 sparse values and Rice-coded indices;
 // 1.3: masked sparse updates (IndexCoding Mask, the server's mask in Task.shared);
-// 1.4: low-rank factors (LowRank, LowRankFactor) in fp16, bf16 or int8.
-constexpr uint16_t kProtocolMajor = 1, kProtocolMinor = 4;
+// 1.4: low-rank factors (LowRank, LowRankFactor) in fp16, bf16 or int8;
+// 1.5: LowRankSparse (PowerSGD factors plus a Rice-coded sparse correction).
+constexpr uint16_t kProtocolMajor = 1, kProtocolMinor = 5;
 
 // parse() refuses larger buffers before looking at them (kOversize).
 constexpr size_t kDefaultMaxMessageBytes = size_t{1} << 30;

@@ -775,3 +775,85 @@ TEST_CASE("powersgd: min_rate sends a matrix dense unless its factors are that m
     CHECK_THROWS_AS(make_compressor(bad), sparrow::ConfigError);
   }
 }
+
+TEST_CASE("powersgd: sparse=S sends the largest entries of what the factors leave, kept out of E") {
+  const at::Tensor x = decaying_matrix(96, 40, 0.8, 47);
+  for (const char* values : {"fp32", "fp16", "bf16", "int8"}) {
+    CAPTURE(values);
+    const std::string spec = std::string("powersgd:rank=2,sparse=0.05,values=") + values;
+    auto plain = make_compressor(std::string("powersgd:rank=2,values=") + values);
+    auto c = make_compressor(spec);
+    State s0, s;
+    const Context ctx = named("w");
+    const Encoded e0 = plain->encode(x, s0, ctx);
+    const Encoded e = c->encode(x, s, ctx);
+    REQUIRE(e.format == Format::kLowRankSparse);
+    CHECK(e.index_coding == IndexCoding::kRice);
+    CHECK(e.count == static_cast<uint64_t>(std::ceil(0.05 * (96 * 40))));
+    REQUIRE(e.params.size() == 4);
+    CHECK(std::vector<uint32_t>(e.params.begin(), e.params.begin() + 3) == e0.params);
+    // The factors are the plain encode's; the sparse values follow them.
+    CHECK(std::memcmp(e.values.data(), e0.values.data(), e0.values.size()) == 0);
+    CHECK(e.scales.size() == (std::string(values) == "int8" ? 5u : 0u));
+    CHECK_NOTHROW(validate(e));
+    // The correction is the largest |E| of the plain encode, at exactly those positions.
+    const at::Tensor before = s0.tensors.at("residual").flatten();
+    const at::Tensor diff = (decode(e, ctx) - decode(e0, ctx)).flatten();
+    const at::Tensor sent = diff.nonzero().flatten();
+    CHECK(static_cast<uint64_t>(sent.numel()) == e.count);
+    const float smallest_sent = before.index_select(0, sent).abs().min().item<float>();
+    at::Tensor unsent = before.abs().clone();
+    unsent.index_fill_(0, sent, 0.0f);
+    CHECK(unsent.max().item<float>() <= smallest_sent);
+    // Error feedback: x = decode + E, and E is smaller than without the correction.
+    const at::Tensor r = s.tensors.at("residual");
+    CHECK(rel_err(decode(e, ctx) + r, x) < 1e-5);
+    CHECK(r.norm().item<double>() < 0.9 * before.norm().item<double>());
+    // decode_add with a weight adds the same.
+    at::Tensor acc = at::ones_like(x);
+    decode_add(e, acc, 0.5f, ctx);
+    CHECK(at::allclose(acc, 1 + 0.5 * decode(e, ctx), 1e-5, 1e-6));
+  }
+  // 1-D tensors still go dense; the bias of a layer carries no correction.
+  State s;
+  CHECK(make_compressor("powersgd:rank=2,sparse=0.1")->encode(at::randn({50}), s, named("b")).format == Format::kDense);
+  for (const char* bad : {"powersgd:rank=2,sparse=-0.1", "powersgd:rank=2,sparse=1.5", "powersgd:rank=2,sparse=nan",
+                          "powersgd:rank=2,sparse=0.1,ef=0", "acp:rank=2,sparse=0.1"}) {
+    CAPTURE(bad);
+    CHECK_THROWS_AS(make_compressor(bad), sparrow::ConfigError);
+  }
+}
+
+TEST_CASE("powersgd: a malformed sparse correction is a FormatError and leaves the sum unchanged") {
+  at::manual_seed(53);
+  const at::Tensor x = at::randn({40, 24});
+  State s;
+  const Encoded e = make_compressor("powersgd:rank=2,sparse=0.02,values=int8")->encode(x, s, named("m"));
+  REQUIRE(e.format == Format::kLowRankSparse);
+  REQUIRE(e.count >= 2);
+  std::vector<Encoded> bad(9, e);
+  bad[0].index_coding = IndexCoding::kDeltaVarint;  // only Rice positions
+  bad[1].params.pop_back();                         // no Rice parameter
+  bad[2].params[3] = 41;                            // above the largest Rice parameter
+  bad[3].count += 1;                                // more values than positions
+  bad[4].indices.pop_back();                        // truncated position stream
+  bad[5].values.resize(bad[5].values.size() - 1);   // a value short
+  bad[6].scales.pop_back();                         // the sparse values' scale missing
+  bad[7].scales.back() = std::nanf("");
+  bad[8].values.data()[bad[8].values.size() - 1] = 0x80;  // int8 code -128
+  for (size_t i = 0; i < bad.size(); ++i) {
+    CAPTURE(i);
+    CHECK_THROWS_AS(validate(bad[i]), sparrow::FormatError);
+    at::Tensor acc = at::full({40, 24}, 2.0f);
+    CHECK_THROWS_AS(decode_add(bad[i], acc, 1.0f), sparrow::FormatError);
+    CHECK(at::equal(acc, at::full({40, 24}, 2.0f)));
+  }
+  // A position beyond numel: a valid stream for a larger tensor.
+  Encoded wide = e;
+  wide.indices.assign(121, 0xff);  // one unary gap of 975 >= numel 960, then its 0 bit
+  wide.indices.push_back(0x7f);
+  wide.count = 1;
+  wide.params[3] = 0;
+  wide.values.resize(wide.values.size() - (e.count - 1));
+  CHECK_THROWS_AS(validate(wide), sparrow::FormatError);
+}

@@ -143,6 +143,20 @@ Encoded lowrank_int8_tensor() {
   return e;
 }
 
+// Protocol 1.5: the 2x3 rank-1 product plus a sparse correction of 0.5 at
+// position 1 and -1 at position 5. Rice b = 0, gaps minus one 1 and 3: unary
+// 1 0, 1 1 1 0 -> bits 101110, LSB first 0x1d. Decodes to [3, 4.5, 5, 6, 8, 9].
+Encoded lowrank_sparse_tensor() {
+  Encoded e = lowrank_tensor();
+  e.format = Format::kLowRankSparse;
+  e.params = {2, 3, 1, 0};
+  e.index_coding = IndexCoding::kRice;
+  e.count = 2;
+  e.indices = {0x1d};
+  e.values = f32_bytes({1, 2, 3, 4, 5, 0.5f, -1});
+  return e;
+}
+
 Encoded factor_tensor() {  // 2x3, rank 1, the Q factor (3x1)
   Encoded e;
   e.format = Format::kLowRankFactor;
@@ -285,6 +299,11 @@ Message golden_lowrank8() {
                         {{"fc.weight", lowrank_int8_tensor()}, {"fc2.weight", factor_fp16_tensor()}});
 }
 
+// Protocol 1.5: PowerSGD factors with a sparse correction.
+Message golden_lowrank_sparse() {
+  return update_message(12, "client-6", 29, 5, {{"fc.weight", lowrank_sparse_tensor()}});
+}
+
 const std::vector<std::pair<std::string, Message (*)()>>& golden_files() {
   static const std::vector<std::pair<std::string, Message (*)()>> files = {
       {"update_v1_dense.bin", golden_dense},
@@ -293,7 +312,8 @@ const std::vector<std::pair<std::string, Message (*)()>>& golden_files() {
       {"secagg_v1_1.bin", golden_secagg},
       {"update_v1_2_rice.bin", golden_rice},
       {"update_v1_3_mask.bin", golden_mask},
-      {"update_v1_4_lowrank.bin", golden_lowrank8}};
+      {"update_v1_4_lowrank.bin", golden_lowrank8},
+      {"update_v1_5_lowrank_sparse.bin", golden_lowrank_sparse}};
   return files;
 }
 
@@ -505,6 +525,7 @@ TEST_CASE("wire: every format round trips field for field") {
                                     {"factor", factor_tensor()},
                                     {"lowrank_int8", lowrank_int8_tensor()},
                                     {"factor_fp16", factor_fp16_tensor()},
+                                    {"lowrank_sparse", lowrank_sparse_tensor()},
                                     {"masked", masked_tensor()}},
                                    {{"loss", 0.5}, {"seconds", 12.0}});
   const std::string bytes = serialize(m);
@@ -631,7 +652,8 @@ TEST_CASE("wire: golden buffers (regenerate with SPARROW_WRITE_GOLDEN=1)") {
     const Message got = parse(bytes);
     check_same(got, golden.second());
     CHECK(got.major == 1);
-    const int minor = name.find("v1_4") != std::string::npos   ? 4
+    const int minor = name.find("v1_5") != std::string::npos   ? 5
+                      : name.find("v1_4") != std::string::npos ? 4
                       : name.find("v1_3") != std::string::npos ? 3
                       : name.find("v1_2") != std::string::npos ? 2
                       : name.find("v1_1") != std::string::npos ? 1
@@ -722,6 +744,7 @@ TEST_CASE("wire: the worked examples of docs/protocol.md hold") {
   const std::vector<float> want8{3, 4, 5, 6, 8, 10};
   REQUIRE(q8.size() == want8.size());
   for (size_t i = 0; i < q8.size(); ++i) CHECK(q8[i] == doctest::Approx(want8[i]).epsilon(0.02));
+  CHECK(values(lowrank_sparse_tensor()) == std::vector<float>{3, 4.5f, 5, 6, 8, 9});
 
   // The counter RNG.
   CHECK(rng::at(0, 0) == 0xe220a8397b1dcdafull);
@@ -942,8 +965,8 @@ TEST_CASE("wire: rejects tensors that fail validation") {
   }
   SUBCASE("formats and encodings this build does not know") {
     Encoded e = sign_tensor();
-    e.format = static_cast<Format>(7);
-    expect_rejected(one(e), ErrorCode::kUnsupported, "unknown format 7");
+    e.format = static_cast<Format>(8);
+    expect_rejected(one(e), ErrorCode::kUnsupported, "unknown format 8");
     e = dense({1}, static_cast<ValueType>(5), {0});
     expect_rejected(one(e), ErrorCode::kUnsupported, "unknown value type 5");
     e = dense({1}, ValueType::kInt8, {0});  // known since 1.2, but not for a dense tensor
