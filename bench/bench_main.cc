@@ -71,6 +71,10 @@ std::vector<Case> default_cases() {
       {"terngrad", "terngrad", false},
       {"sign", "sign", false},
       {"powersgd", "powersgd:rank=4", true},
+      // docs/results.md's rank-4 settings: int8 factors, two power steps, and with a
+      // 1.8% sparse correction (protocol 1.5).
+      {"powersgd_int8", "powersgd:rank=4,values=int8,iters=2", true},
+      {"powersgd_sparse", "powersgd:rank=4,values=int8,iters=2,sparse=0.018", true},
       {"acp", "acp:rank=4", true},
   };
 }

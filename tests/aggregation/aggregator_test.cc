@@ -87,8 +87,8 @@ bool identical(const std::map<std::string, at::Tensor>& a, const std::map<std::s
 }  // namespace
 
 TEST_CASE("aggregator: streaming equals direct weighted average") {
-  for (const char* spec :
-       {"none", "fp16", "topk:ratio=0.1", "randomk:ratio=0.2", "qsgd:levels=16", "terngrad", "powersgd:rank=2"}) {
+  for (const char* spec : {"none", "fp16", "topk:ratio=0.1", "randomk:ratio=0.2", "qsgd:levels=16", "terngrad",
+                           "powersgd:rank=2", "powersgd:rank=2,values=int8,sparse=0.05"}) {
     INFO("spec " << spec);
     auto clients = make_clients(spec, 5, 1);
     StreamingAggregator agg(kModel);

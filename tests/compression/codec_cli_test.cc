@@ -129,7 +129,8 @@ TEST_CASE("sparrow-codec: every registered method through the wire") {
         Case{"randomk:ratio=0.05", 1.0}, Case{"randomk:ratio=0.05,ef=1", 0.8} /* 0.60 */,
         Case{"threshold:tau=1.5", 0.35} /* 0.21 */, Case{"dgc:ratio=0.01,warmup=4", 100},
         Case{"qsgd:levels=16", 0.2} /* 0.10 */, Case{"terngrad", 0.4} /* 0.28 */, Case{"sign", 0.25} /* 0.15 */,
-        Case{"powersgd:rank=4", 0.3} /* 0.20 */, Case{"acp:rank=4", 0.6} /* 0.43 */}) {
+        Case{"powersgd:rank=4", 0.3} /* 0.20 */, Case{"powersgd:rank=4,values=int8,sparse=0.02", 0.3},
+        Case{"acp:rank=4", 0.6} /* 0.43 */}) {
     const std::string spec = c.spec;
     CAPTURE(spec);
     Run r = run("cli_all_", "--method " + spec + " --in cli_all_x.npy --steps 30 --out-mean cli_all_mean.npy");
