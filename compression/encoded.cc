@@ -242,13 +242,15 @@ void validate(const Encoded& e, ValueCheck check) {
       if (sparse) {
         SPARROW_CHECK_T(FormatError, e.index_coding == IndexCoding::kRice,
                         what << ": the sparse correction's positions must be Rice coded");
-        // Range, order and count of the positions; the values follow the factors.
-        (void)detail::decode_rice_positions(e.indices, e.count, e.params[3], static_cast<int64_t>(n));
-        floats += e.count;
+        SPARROW_CHECK_T(FormatError, e.count <= n, what << ": count " << e.count << " exceeds numel " << n);
+        floats += e.count;  // the sparse values follow the factors
       }
       check_scales(e, e.value_type == ValueType::kInt8 ? (factor ? 1 : 2) * rank + (sparse ? 1 : 0) : 0, what);
       check_values(e, floats, what);
       if (e.value_type == ValueType::kInt8) check_int8(e, floats, what);
+      // Range, order and count of the positions, once the values' bytes bound
+      // `count` (a short message cannot make the receiver expand many positions).
+      if (sparse) (void)detail::decode_rice_positions(e.indices, e.count, e.params[3], static_cast<int64_t>(n));
       return;
     }
   }

@@ -6,7 +6,8 @@
 // factor column); the rounding stays in E. decay/max_age age the residual of a
 // client that skipped rounds (codec_util.h's StalePolicy). A matrix travels as
 // factors only when they are at least min_rate (default 2, as PyTorch's
-// min_compression_rate) times smaller than it; otherwise dense fp32.
+// min_compression_rate) times smaller than it (the factors alone, without a
+// sparse correction); otherwise dense fp32.
 // sparse=S (protocol 1.5, Format::kLowRankSparse): the ceil(S·numel) largest
 // entries of what the factors leave, E = M' − P·Qᵀ, travel with them (Rice-coded
 // positions, values of the factors' type), so a client's largest errors do not
@@ -438,9 +439,16 @@ class PowerSgdCompressor final : public Compressor {
   // (kLowRankSparse), rounded to vt_, and leave E.
   void add_sparse_correction(float* res, int64_t numel, Encoded& e) const {
     const int64_t k = std::min(numel, static_cast<int64_t>(std::ceil(sparse_ * static_cast<double>(numel))));
-    const std::vector<int64_t> idx = topk_abs_indices(res, numel, k);
+    std::vector<int64_t> idx = topk_abs_indices(res, numel, k);
+    // Exact zeros (fewer than k nonzero entries) are not worth their bytes.
+    idx.erase(std::remove_if(idx.begin(), idx.end(), [res](int64_t i) { return res[i] == 0.0f; }), idx.end());
     std::vector<float> vals(idx.size());
-    for (size_t j = 0; j < idx.size(); ++j) vals[j] = res[idx[j]];
+    // 16-bit values saturate (as pack_factor's do) rather than round to inf,
+    // which the receiver would refuse; the excess stays in E.
+    const float limit = vt_ == ValueType::kF16    ? 65504.0f
+                        : vt_ == ValueType::kBF16 ? 3.3895313892515355e38f  // largest finite bf16
+                                                  : std::numeric_limits<float>::max();
+    for (size_t j = 0; j < idx.size(); ++j) vals[j] = std::clamp(res[idx[j]], -limit, limit);
     const RiceChoice rice = best_rice(idx.data(), idx.size());
     std::vector<uint32_t> params = e.params;
     encode_indices_rice(idx.data(), idx.size(), rice.b, e);  // sets count, indices, params = {b}

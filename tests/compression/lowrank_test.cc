@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "compression/codec_util.h"
 #include "compression/compressor.h"
 #include "compression/lowrank.h"
 #include "core/error.h"
@@ -657,8 +658,11 @@ TEST_CASE("powersgd/acp: values= sends the factors in fp16, bf16 or int8, the ro
 
 TEST_CASE("powersgd/acp: fp16 factors saturate at 65504, the excess kept in E") {
   at::manual_seed(43);
-  const at::Tensor x = at::randn({64, 32}) * 1e5f;  // Q = M'ᵀP has entries far above fp16's range
-  for (const char* spec : {"powersgd:rank=2,values=fp16", "acp:rank=2,values=fp16"}) {
+  const at::Tensor x =
+      at::randn({64, 32}) * 1e5f;  // Q = M'ᵀP has entries far above fp16's range  // The sparse correction's values are
+                                   // the largest entries of E: above fp16's range here too.
+  for (const char* spec :
+       {"powersgd:rank=2,values=fp16", "acp:rank=2,values=fp16", "powersgd:rank=2,values=fp16,sparse=0.05"}) {
     CAPTURE(spec);
     Context ctx = named("big");
     ctx.round = 1;  // acp: the Q round (Q = M'ᵀP̂, entries ~ column norms of M')
@@ -669,6 +673,8 @@ TEST_CASE("powersgd/acp: fp16 factors saturate at 65504, the excess kept in E") 
     CHECK(all_finite(d));
     CHECK(all_finite(s.tensors.at("residual")));
     CHECK(rel_err(d + s.tensors.at("residual"), x) < 1e-5);
+    // And the next encode of the same tensor still works from that residual.
+    CHECK_NOTHROW(validate(make_compressor(spec)->encode(x, s, ctx)));
   }
 }
 
@@ -798,9 +804,13 @@ TEST_CASE("powersgd: sparse=S sends the largest entries of what the factors leav
     CHECK_NOTHROW(validate(e));
     // The correction is the largest |E| of the plain encode, at exactly those positions.
     const at::Tensor before = s0.tensors.at("residual").flatten();
-    const at::Tensor diff = (decode(e, ctx) - decode(e0, ctx)).flatten();
-    const at::Tensor sent = diff.nonzero().flatten();
-    CHECK(static_cast<uint64_t>(sent.numel()) == e.count);
+    std::vector<int64_t> pos =
+        sparrow::compression::detail::decode_rice_positions(e.indices, e.count, e.params[3], 96 * 40);
+    const at::Tensor sent = at::from_blob(pos.data(), {static_cast<int64_t>(pos.size())}, at::kLong).clone();
+    // Elsewhere the decode is the factors' alone.
+    at::Tensor diff = (decode(e, ctx) - decode(e0, ctx)).flatten();
+    diff.index_fill_(0, sent, 0.0f);
+    CHECK(diff.abs().max().item<float>() == 0.0f);
     const float smallest_sent = before.index_select(0, sent).abs().min().item<float>();
     at::Tensor unsent = before.abs().clone();
     unsent.index_fill_(0, sent, 0.0f);
@@ -831,16 +841,20 @@ TEST_CASE("powersgd: a malformed sparse correction is a FormatError and leaves t
   const Encoded e = make_compressor("powersgd:rank=2,sparse=0.02,values=int8")->encode(x, s, named("m"));
   REQUIRE(e.format == Format::kLowRankSparse);
   REQUIRE(e.count >= 2);
-  std::vector<Encoded> bad(9, e);
+  std::vector<Encoded> bad(11, e);
   bad[0].index_coding = IndexCoding::kDeltaVarint;  // only Rice positions
   bad[1].params.pop_back();                         // no Rice parameter
   bad[2].params[3] = 41;                            // above the largest Rice parameter
-  bad[3].count += 1;                                // more values than positions
+  bad[3].count += 1;                                // one position more than the stream holds
+  bad[3].values.resize(bad[3].values.size() + 1);   // (its value present)
   bad[4].indices.pop_back();                        // truncated position stream
   bad[5].values.resize(bad[5].values.size() - 1);   // a value short
   bad[6].scales.pop_back();                         // the sparse values' scale missing
   bad[7].scales.back() = std::nanf("");
   bad[8].values.data()[bad[8].values.size() - 1] = 0x80;  // int8 code -128
+  bad[9].indices.push_back(0);                            // a trailing byte after the stream
+  bad[10].count -= 1;                                     // one position fewer: bits left over
+  bad[10].values.resize(bad[10].values.size() - 1);
   for (size_t i = 0; i < bad.size(); ++i) {
     CAPTURE(i);
     CHECK_THROWS_AS(validate(bad[i]), sparrow::FormatError);
@@ -856,4 +870,55 @@ TEST_CASE("powersgd: a malformed sparse correction is a FormatError and leaves t
   wide.params[3] = 0;
   wide.values.resize(wide.values.size() - (e.count - 1));
   CHECK_THROWS_AS(validate(wide), sparrow::FormatError);
+  // fp32 values: a non-finite sparse value is refused.
+  State s32;
+  Encoded f = make_compressor("powersgd:rank=2,sparse=0.02")->encode(x, s32, named("m"));
+  REQUIRE(f.format == Format::kLowRankSparse);
+  const float inf = std::numeric_limits<float>::infinity();
+  std::memcpy(f.values.data() + f.values.size() - 4, &inf, 4);
+  CHECK_THROWS_AS(validate(f), sparrow::FormatError);
+}
+
+TEST_CASE("powersgd: a huge sparse count with few value bytes is refused before its positions are expanded") {
+  // 2^20 x 2^20, rank 1; 16 MiB of zero index bytes would be 2^27 valid gap-0
+  // positions at b = 0 (1 GiB as int64), but the values hold the factors only.
+  Encoded e;
+  e.format = Format::kLowRankSparse;
+  e.shape = {int64_t{1} << 20, int64_t{1} << 20};
+  e.params = {1u << 20, 1u << 20, 1, 0};
+  e.index_coding = IndexCoding::kRice;
+  e.count = uint64_t{1} << 27;
+  e.indices.assign(size_t{1} << 24, 0);
+  e.indices.back() = 0xff;  // an unended last gap: expanding the positions first would fail there, after 1 GiB
+  e.values = std::vector<uint8_t>(size_t{2} * (1u << 20) * 4, 0);
+  CHECK_THROWS_WITH_AS(validate(e), doctest::Contains("value bytes"), sparrow::FormatError);
+}
+
+TEST_CASE("powersgd: sparse with warm start, two power steps and decay over skipped rounds; zeros are not sent") {
+  at::manual_seed(61);
+  auto c = make_compressor("powersgd:rank=2,values=int8,iters=2,sparse=0.03,decay=0.5");
+  auto plain = make_compressor("powersgd:rank=2,values=int8,iters=2,decay=0.5");
+  State s, s0;
+  Context ctx = named("t");
+  for (int64_t round : {0, 1, 2, 5, 6, 9}) {  // skipped rounds age the residual
+    ctx.round = round;
+    const at::Tensor x = at::randn({48, 20});
+    const at::Tensor before = s.tensors.count("residual") ? s.tensors.at("residual").clone() : at::zeros({48, 20});
+    const Encoded e = c->encode(x, s, ctx);
+    const Encoded e0 = plain->encode(x, s0, ctx);
+    REQUIRE(e.format == Format::kLowRankSparse);
+    CHECK(e.count == static_cast<uint64_t>(std::ceil(0.03 * (48 * 20))));
+    // The same ageing as without the correction, and what was kept is exactly what was not sent.
+    const double age = round == 5 || round == 9 ? 0.25 : 1.0;  // two rounds skipped: 0.5^2
+    CHECK(rel_err(decode(e, ctx) + s.tensors.at("residual"), x + age * before) < 1e-5);
+    // The correction leaves a smaller residual than the factors alone.
+    CHECK(s.tensors.at("residual").norm().item<double>() < s0.tensors.at("residual").norm().item<double>());
+  }
+  // An all-zero input leaves E = 0: exact zeros are not sent.
+  State z;
+  const Encoded e = make_compressor("powersgd:rank=2,sparse=0.5")->encode(at::zeros({48, 20}), z, named("z"));
+  CHECK(e.format == Format::kLowRankSparse);
+  CHECK(e.count == 0);
+  CHECK_NOTHROW(validate(e));
+  CHECK(at::equal(decode(e), at::zeros({48, 20})));
 }

@@ -926,6 +926,14 @@ TEST_CASE("wire: rejects tensors that fail validation") {
     e.shape = {7};
     expect_rejected(one(e), ErrorCode::kMalformed, "tensor 'w'");
   }
+  SUBCASE("a low-rank sparse correction without Rice positions, or beyond the tensor") {
+    Encoded e = lowrank_sparse_tensor();
+    e.index_coding = IndexCoding::kNone;
+    expect_rejected(one(e), ErrorCode::kMalformed, "Rice coded");
+    e = lowrank_sparse_tensor();
+    e.indices = {0x3d};  // gaps 1 and 4: position 6 of 6
+    expect_rejected(one(e), ErrorCode::kMalformed, "out of range");
+  }
   SUBCASE("index out of range") {
     Encoded e = sparse_delta_fp16();
     e.indices = {0x00, 0x04, 0xc2, 0x01, 0x63};  // last gap one too far: position 300 of 300
@@ -1075,9 +1083,10 @@ TEST_CASE("wire: error_code_name covers every code") {
 
 TEST_CASE("wire: encoded_size bounds what a tensor adds to a message") {
   const size_t empty = serialize(update_message({})).size();
-  for (const Encoded& e : {dense({1000}, ValueType::kF32, std::vector<uint8_t>(4000, 0)), sparse_delta_fp16(),
-                           sparse_bitmap_sign(), sparse_seeded_f32(), sign_tensor(), quantized_tensor(),
-                           ternary_tensor(), lowrank_tensor(), factor_tensor(), dense({}, ValueType::kF16, {0, 0})}) {
+  for (const Encoded& e :
+       {dense({1000}, ValueType::kF32, std::vector<uint8_t>(4000, 0)), sparse_delta_fp16(), sparse_bitmap_sign(),
+        sparse_seeded_f32(), sign_tensor(), quantized_tensor(), ternary_tensor(), lowrank_tensor(), factor_tensor(),
+        lowrank_sparse_tensor(), dense({}, ValueType::kF16, {0, 0})}) {
     CAPTURE(compression::format_name(e.format));
     const size_t actual = serialize(update_message({{"layer.weight", e}})).size() - empty;
     const size_t bound = encoded_size(e, "layer.weight");
