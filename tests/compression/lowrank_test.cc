@@ -894,7 +894,7 @@ TEST_CASE("powersgd: a huge sparse count with few value bytes is refused before 
   CHECK_THROWS_WITH_AS(validate(e), doctest::Contains("value bytes"), sparrow::FormatError);
 }
 
-TEST_CASE("powersgd: sparse with warm start, two power steps and decay over skipped rounds; zeros are not sent") {
+TEST_CASE("powersgd: sparse with warm start, two power steps and decay over skipped rounds, and no zeros sent") {
   at::manual_seed(61);
   auto c = make_compressor("powersgd:rank=2,values=int8,iters=2,sparse=0.03,decay=0.5");
   auto plain = make_compressor("powersgd:rank=2,values=int8,iters=2,decay=0.5");
