@@ -229,8 +229,9 @@ void encode_rice(const int64_t* idx, uint64_t k, uint32_t b, std::vector<uint8_t
   }
 }
 
-// k Rice-coded positions with parameter b from `indices` (the whole stream).
-std::vector<int64_t> decode_rice_stream(const std::vector<uint8_t>& indices, uint64_t k, uint32_t b, int64_t numel) {
+}  // namespace
+
+std::vector<int64_t> decode_rice_positions(const std::vector<uint8_t>& indices, uint64_t k, uint32_t b, int64_t numel) {
   SPARROW_CHECK_T(FormatError, b <= kMaxRiceParameter,
                   "sparse: Rice parameter " << b << " above " << kMaxRiceParameter);
   const uint64_t total_bits = static_cast<uint64_t>(indices.size()) * 8;
@@ -273,16 +274,14 @@ std::vector<int64_t> decode_rice_stream(const std::vector<uint8_t>& indices, uin
   return idx;
 }
 
+namespace {
+
 std::vector<int64_t> decode_rice(const Encoded& e, int64_t numel) {
   SPARROW_CHECK_T(FormatError, e.params.size() == 1, "sparse: Rice coding needs params {b}, got " << e.params.size());
-  return decode_rice_stream(e.indices, e.count, e.params[0], numel);
+  return decode_rice_positions(e.indices, e.count, e.params[0], numel);
 }
 
 }  // namespace
-
-std::vector<int64_t> decode_rice_positions(const std::vector<uint8_t>& indices, uint64_t k, uint32_t b, int64_t numel) {
-  return decode_rice_stream(indices, k, b, numel);
-}
 
 RiceChoice best_rice(const int64_t* idx, uint64_t k) {
   // Cost(b) = sum(gap >> b) + k·(b + 1) bits; it is convex in b, so try every b
@@ -538,7 +537,7 @@ uint64_t mask_size_for(const Encoded& e, const Context& ctx) {
 
 std::vector<int64_t> decode_mask_extras(const Encoded& e) {
   const uint64_t m = mask_size_of(e);
-  return decode_rice_stream(e.indices, e.count - m, e.params[0], e.numel());
+  return decode_rice_positions(e.indices, e.count - m, e.params[0], e.numel());
 }
 
 std::vector<int64_t> decode_masked_indices(const Encoded& e, const Context& ctx) {
