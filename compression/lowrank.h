@@ -122,8 +122,8 @@ at::Tensor factor_of(const Encoded& e, int part, int64_t k, int64_t r);
 // Appends factor f ({k, r} fp32, contiguous) to e.values in type vt (kInt8: its
 // r column scales max|column| / 127 to e.scales) and overwrites f with what a
 // receiver decodes, so error feedback keeps the rounding. vt: kF32, kF16, kBF16, kInt8.
-// kF16 saturates at ±65504 (the excess stays in E); a non-finite entry (an fp32
-// overflow of the product) throws sparrow::Error.
+// kF16 and kBF16 saturate at their largest finite value (the excess stays in
+// E); a non-finite entry (an fp32 overflow of the product) throws sparrow::Error.
 void pack_factor(at::Tensor& f, ValueType vt, Encoded& e);
 // Registers "acp" (acp.cc); called by register_lowrank() in powersgd.cc.
 void register_acp();

@@ -678,6 +678,17 @@ TEST_CASE("powersgd/acp: fp16 factors saturate at 65504, the excess kept in E") 
   }
 }
 
+TEST_CASE("powersgd/acp: a bf16 factor entry above bf16's largest finite value saturates") {
+  // 3.4e38 is finite in fp32 but rounds to inf in bf16 (largest finite 3.3895e38).
+  at::Tensor f = at::full({2, 1}, 3.4e38f);
+  f[1][0] = -3.4e38f;
+  Encoded e;
+  sparrow::compression::detail::pack_factor(f, ValueType::kBF16, e);
+  CHECK(all_finite(f));
+  CHECK(f[0][0].item<float>() == 3.3895313892515355e38f);
+  CHECK(f[1][0].item<float>() == -3.3895313892515355e38f);
+}
+
 TEST_CASE("powersgd/acp: int8 factors keep small columns (one scale per column)") {
   // Singular values 1 and 1e-3: with one scale per factor the second column of
   // Q would round to zero; with one per column it keeps 8 bits of its own.
