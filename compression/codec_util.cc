@@ -497,20 +497,29 @@ Encoded make_sparse(const std::vector<int64_t>& shape, const int64_t* idx, const
   return e;
 }
 
-uint64_t mask_size_of(const Encoded& e) {
-  SPARROW_CHECK_T(FormatError, e.params.size() == 2 || e.params.size() == 3,
-                  "sparse: a masked update needs params {b, mask size[, block]}, got " << e.params.size());
-  SPARROW_CHECK_T(FormatError, e.params[1] <= e.count,
-                  "sparse: mask size " << e.params[1] << " exceeds count " << e.count);
-  SPARROW_CHECK_T(FormatError, e.params.size() == 2 || e.params[2] >= 1, "sparse: mask scale block must be >= 1");
-  return e.params[1];
+MaskLayout mask_layout(const Encoded& e) {
+  SPARROW_CHECK_T(FormatError, e.params.size() >= 2 && e.params.size() <= 4,
+                  "sparse: a masked update needs params {b, mask size[, block[, kept]]}, got " << e.params.size());
+  MaskLayout l;
+  l.m = e.params[1];
+  l.kept = e.params.size() == 4 ? e.params[3] : l.m;
+  l.block = e.params.size() >= 3 ? e.params[2] : 0;
+  SPARROW_CHECK_T(FormatError, e.params.size() != 3 || l.block >= 1, "sparse: mask scale block must be >= 1");
+  SPARROW_CHECK_T(FormatError, l.m <= static_cast<uint64_t>(e.numel()),
+                  "sparse: mask size " << l.m << " exceeds numel " << e.numel());
+  SPARROW_CHECK_T(FormatError, l.kept <= l.m, "sparse: " << l.kept << " kept mask values exceed the mask's " << l.m);
+  SPARROW_CHECK_T(FormatError, l.kept <= e.count, "sparse: mask values " << l.kept << " exceed count " << e.count);
+  return l;
 }
 
+uint64_t mask_size_of(const Encoded& e) { return mask_layout(e).m; }
+
 MaskScaleGroups mask_scale_groups(const Encoded& e) {
+  const MaskLayout l = mask_layout(e);
   MaskScaleGroups g;
-  g.m = mask_size_of(e);
-  g.block = e.params.size() == 3 ? e.params[2] : std::max<uint64_t>(g.m, 1);
-  g.blocks = e.params.size() == 3 ? (g.m + g.block - 1) / g.block : 1;
+  g.m = l.kept;
+  g.block = l.block > 0 ? l.block : std::max<uint64_t>(g.m, 1);
+  g.blocks = l.block > 0 ? (g.m + g.block - 1) / g.block : 1;
   return g;
 }
 
@@ -536,16 +545,25 @@ uint64_t mask_size_for(const Encoded& e, const Context& ctx) {
 }
 
 std::vector<int64_t> decode_mask_extras(const Encoded& e) {
-  const uint64_t m = mask_size_of(e);
-  return decode_rice_positions(e.indices, e.count - m, e.params[0], e.numel());
+  const uint64_t kept = mask_layout(e).kept;
+  return decode_rice_positions(e.indices, e.count - kept, e.params[0], e.numel());
 }
 
 std::vector<int64_t> decode_masked_indices(const Encoded& e, const Context& ctx) {
   const uint64_t m = mask_size_for(e, ctx);
+  const uint64_t kept = mask_layout(e).kept;
   std::vector<int64_t> idx(e.count);
-  if (m > 0) std::copy_n(mask_data(ctx, e.numel()), m, idx.begin());
+  if (kept > 0) {
+    const int64_t* mk = mask_data(ctx, e.numel());
+    if (kept == m) {
+      std::copy_n(mk, m, idx.begin());
+    } else {
+      const std::vector<int64_t> pick = seeded_indices(e.seed, kept, static_cast<int64_t>(m));
+      for (uint64_t j = 0; j < kept; ++j) idx[j] = mk[pick[j]];
+    }
+  }
   const std::vector<int64_t> extra = decode_mask_extras(e);
-  std::copy(extra.begin(), extra.end(), idx.begin() + static_cast<std::ptrdiff_t>(m));
+  std::copy(extra.begin(), extra.end(), idx.begin() + static_cast<std::ptrdiff_t>(kept));
   return idx;
 }
 

@@ -65,18 +65,25 @@ std::vector<int64_t> decode_indices(const Encoded& e);
 // parameter b (IndexCoding::kRice's layout); FormatError on a truncated or
 // out-of-range stream or trailing bits.
 std::vector<int64_t> decode_rice_positions(const std::vector<uint8_t>& indices, uint64_t k, uint32_t b, int64_t numel);
-// kMask (time-correlated sparsification): mask size m = params[1] (checked <= count),
-// the count - m Rice-coded positions after the mask's, and all count positions
-// (the mask's from ctx.mask, checked to have m entries, then the others).
-uint64_t mask_size_of(const Encoded& e);
+// kMask (time-correlated sparsification): params {b, m[, block[, kept]]}. The
+// round's mask has m = params[1] positions; the update carries values at `kept`
+// of them (all m without params[3]; with it, the kept mask entries are
+// seeded_indices(e.seed, kept, m), so a client can send a random share of a
+// large mask without index bits), then count - kept own positions, Rice coded.
+// block: one scale per block mask values (absent, or 0 with kept: one scale).
+struct MaskLayout {
+  uint64_t m = 0, kept = 0, block = 0;
+};
+MaskLayout mask_layout(const Encoded& e);  // FormatError on bad params (kept <= m, kept <= count)
+uint64_t mask_size_of(const Encoded& e);   // mask_layout(e).m
 // The same, checked against the round's mask: FormatError unless ctx.mask holds
 // exactly m positions (none when m = 0).
 uint64_t mask_size_for(const Encoded& e, const Context& ctx);
 // ctx.mask's positions after checking them (a contiguous 1-D int64 CPU tensor,
 // ascending within [0, numel); sparrow::Error otherwise), nullptr without a mask.
 const int64_t* mask_data(const Context& ctx, int64_t numel);
-// The scale groups of a kMask update with kSign/kInt8 values: the mask's values
-// in blocks of `block` (one block when params has no B), then the own
+// The scale groups of a kMask update with kSign/kInt8 values: the `kept` mask
+// values in blocks of `block` (one block when there is no block), then the own
 // positions; value i takes scales[of(i)], and there are blocks + 1 scales.
 struct MaskScaleGroups {
   uint64_t m = 0, block = 1, blocks = 1;

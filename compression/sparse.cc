@@ -5,7 +5,7 @@
 //                                                    Sparse Ternary Compression (Sattler et al. 2019)
 //   randomk:ratio=R[,ef=0|1]                         k shared-seed random indices, unbiased
 //   threshold:tau=T[,ef=0|1]                         Strom (2015): ±tau where |residual| >= tau
-//   tcs:ratio=R[,extra=E][,values=int8|sign|fp16|bf16|fp32][,block=B][,ef=0|1][,decay=D,max_age=A]
+//   tcs:ratio=R[,extra=E][,keep=P][,values=int8|sign|fp16|bf16|fp32][,block=B][,ef=0|1][,decay=D,max_age=A]
 //                                                    time-correlated sparsification (Ozfatura et al. 2021):
 //                                                    values on the server's mask plus the client's own top-E
 // plus the selection kernels DGC shares (declared in dgc.h).
@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 
 #if defined(__SSE2__)
@@ -22,6 +23,7 @@
 #include "compression/codec_util.h"
 #include "compression/dgc.h"
 #include "compression/formats.h"
+#include "core/rng.h"
 #include "core/spec.h"
 
 namespace sparrow::compression::detail {
@@ -164,6 +166,18 @@ double parse_ratio(Spec& spec, const char* method, double def) {
 int64_t count_for(double ratio, int64_t n) {
   const auto k = static_cast<int64_t>(std::ceil(ratio * static_cast<double>(n)));
   return std::min(n, std::max<int64_t>(1, k));
+}
+
+// A key from the bits of n floats (rng::mix64 chained over them): different
+// inputs give different keys, the same input the same one.
+uint64_t content_key(const float* p, int64_t n) {
+  uint64_t h = static_cast<uint64_t>(n);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, p + i, sizeof bits);
+    h = rng::mix64(h ^ bits);
+  }
+  return h;
 }
 
 // Error feedback without n-sized temporaries: the residual slot is turned into
@@ -349,11 +363,14 @@ class ThresholdCompressor final : public Compressor {
 // picks positions that mostly no other client sends. Values: int8 (max-scaled),
 // sign (one mean magnitude per part, as STC), fp16, bf16 or fp32; the two parts
 // are scaled separately (IndexCoding::kMask). Without a mask (the first round)
-// only the client's own positions go.
+// only the client's own positions go. keep=P < 1 sends the values at a random
+// ceil(P·m) of the m mask positions only, a different share per update, so a
+// mask can cover far more positions than one update has bits for: at the same
+// bytes a large mask sampled beats a small one sent whole (docs/results.md).
 class TcsCompressor final : public Compressor {
  public:
-  TcsCompressor(double ratio, double extra, bool ef, ValueType vt, int64_t block, StalePolicy stale)
-      : ratio_(ratio), extra_(extra), ef_(ef), vt_(vt), block_(block), stale_(stale) {}
+  TcsCompressor(double ratio, double extra, bool ef, ValueType vt, int64_t block, StalePolicy stale, double keep)
+      : ratio_(ratio), extra_(extra), ef_(ef), vt_(vt), block_(block), stale_(stale), keep_(keep) {}
   std::string method() const override { return "tcs"; }
   double mask_ratio() const override { return ratio_; }
 
@@ -372,8 +389,24 @@ class TcsCompressor final : public Compressor {
     const int64_t* mk = mask_data(ctx, n);
     const int64_t m = mk ? ctx.mask.numel() : 0;
     SPARROW_CHECK(m < (int64_t{1} << 32), "tcs: a mask of " << m << " positions does not fit the format");
-    std::vector<float> vals(static_cast<size_t>(m));
-    for (int64_t i = 0; i < m; ++i) vals[static_cast<size_t>(i)] = src[mk[i]];
+    // keep < 1: the values at a random share of the mask only, which entries a
+    // key sent with the update says (seeded_indices); keyed by the step and the
+    // update's content, so that the clients of a round send different shares.
+    // Without ef those values are scaled by m/kept (each mask entry is sent with
+    // probability kept/m, so the decode is unbiased); with ef they go unscaled,
+    // as randomk's (error feedback needs a contractive compressor).
+    int64_t kept = m;
+    std::vector<int64_t> pick;
+    uint64_t key = 0;
+    if (m > 0 && keep_ < 1.0) {
+      kept = count_for(keep_, m);
+      key = rng::derive(step_key(ctx, state.step), content_key(src, n));
+      pick = seeded_indices(key, static_cast<uint64_t>(kept), m);
+    }
+    auto mask_pos = [&](int64_t j) { return mk[pick.empty() ? j : pick[static_cast<size_t>(j)]]; };
+    const float gain = !ef_ && kept < m ? static_cast<float>(static_cast<double>(m) / static_cast<double>(kept)) : 1.0f;
+    std::vector<float> at_mask(static_cast<size_t>(m));
+    for (int64_t i = 0; i < m; ++i) at_mask[static_cast<size_t>(i)] = src[mk[i]];
     // The client's own positions: the largest outside the mask (masked entries
     // set to zero for the selection, then restored, also if the selection throws).
     // Exact zeros are not sent.
@@ -382,12 +415,14 @@ class TcsCompressor final : public Compressor {
     try {
       own = topk_abs_indices(src, n, n == 0 ? 0 : count_for(extra_, n));
     } catch (...) {
-      for (int64_t i = 0; i < m; ++i) src[mk[i]] = vals[static_cast<size_t>(i)];
+      for (int64_t i = 0; i < m; ++i) src[mk[i]] = at_mask[static_cast<size_t>(i)];
       throw;
     }
     // (Before the mask's values are back: a zero here may be a mask position.)
     own.erase(std::remove_if(own.begin(), own.end(), [src](int64_t i) { return src[i] == 0.0f; }), own.end());
-    for (int64_t i = 0; i < m; ++i) src[mk[i]] = vals[static_cast<size_t>(i)];
+    for (int64_t i = 0; i < m; ++i) src[mk[i]] = at_mask[static_cast<size_t>(i)];
+    std::vector<float> vals(static_cast<size_t>(kept));
+    for (int64_t j = 0; j < kept; ++j) vals[static_cast<size_t>(j)] = gain * src[mask_pos(j)];
     for (const int64_t i : own) vals.push_back(src[i]);
     const auto total = static_cast<uint64_t>(vals.size());
 
@@ -399,7 +434,11 @@ class TcsCompressor final : public Compressor {
     encode_indices_rice(own.data(), own.size(), rice.b, e);
     e.index_coding = IndexCoding::kMask;
     e.params = {rice.b, static_cast<uint32_t>(m)};
-    if (block_ > 0) e.params.push_back(static_cast<uint32_t>(block_));
+    if (block_ > 0 || kept < m) e.params.push_back(static_cast<uint32_t>(block_));
+    if (kept < m) {
+      e.params.push_back(static_cast<uint32_t>(kept));
+      e.seed = key;
+    }
     e.count = total;
     if (vt_ == ValueType::kSign || vt_ == ValueType::kInt8) {
       // A scale per group (the decoder's groups: the mask's blocks, then the
@@ -431,8 +470,8 @@ class TcsCompressor final : public Compressor {
     if (ef_) {
       std::vector<float> sent(total);
       unpack_sparse_values(e, sent.data());
-      for (int64_t i = 0; i < m; ++i) src[mk[i]] -= sent[static_cast<size_t>(i)];
-      for (size_t j = 0; j < own.size(); ++j) src[own[j]] -= sent[static_cast<size_t>(m) + j];
+      for (int64_t j = 0; j < kept; ++j) src[mask_pos(j)] -= sent[static_cast<size_t>(j)];
+      for (size_t j = 0; j < own.size(); ++j) src[own[j]] -= sent[static_cast<size_t>(kept) + j];
     }
     ++state.step;
     return e;
@@ -445,6 +484,7 @@ class TcsCompressor final : public Compressor {
   ValueType vt_;
   int64_t block_;  // > 0: one scale per this many mask values (sign, int8)
   StalePolicy stale_;
+  double keep_;  // the share of the mask each update carries
 };
 
 }  // namespace
@@ -469,7 +509,9 @@ void register_sparsifiers() {
     SPARROW_CHECK_T(ConfigError, block == 0 || v == ValueType::kSign || v == ValueType::kInt8,
                     "tcs: block needs values=sign or int8 (the other value types carry no scale)");
     const StalePolicy stale = parse_stale_policy(spec, "tcs", ef);
-    return std::make_unique<TcsCompressor>(ratio, extra, ef, v, block, stale);
+    const double keep = spec.get_double("keep", 1.0);
+    SPARROW_CHECK_T(ConfigError, keep > 0.0 && keep <= 1.0, "tcs: keep=" << keep << " must be in (0, 1]");
+    return std::make_unique<TcsCompressor>(ratio, extra, ef, v, block, stale, keep);
   });
   register_compressor("randomk", [](Spec& spec) {
     const double ratio = parse_ratio(spec, "randomk", 0.01);

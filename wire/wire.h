@@ -32,7 +32,7 @@ namespace sparrow::wire {
 // 1.3: masked sparse updates (IndexCoding Mask, the server's mask in Task.shared);
 // 1.4: low-rank factors (LowRank, LowRankFactor) in fp16, bf16 or int8;
 // 1.5: LowRankSparse (PowerSGD factors plus a Rice-coded sparse correction).
-constexpr uint16_t kProtocolMajor = 1, kProtocolMinor = 5;
+constexpr uint16_t kProtocolMajor = 1, kProtocolMinor = 6;
 
 // parse() refuses larger buffers before looking at them (kOversize).
 constexpr size_t kDefaultMaxMessageBytes = size_t{1} << 30;

@@ -284,3 +284,112 @@ TEST_CASE("mask: a sparse step's mask is its largest nonzero entries, whatever t
   std::vector<int64_t> top(all.begin() + 40, all.end());
   CHECK(to_vec(step_mask(step, 1e-4)) == top);
 }
+
+TEST_CASE("tcs keep=P: values at a seeded share of the mask, a different share per update") {
+  const at::Tensor mask =
+      positions({1, 4, 9, 16, 25, 36, 49, 64, 81, 100, 121, 144, 169, 196, 225, 256, 289, 324, 361, 400});
+  for (const char* vt : {"fp32", "int8", "sign"}) {
+    CAPTURE(vt);
+    auto c = make_compressor(std::string("tcs:ratio=0.05,extra=0.01,keep=0.25,ef=0,values=") + vt);
+    const at::Tensor x = randn(500, 21);
+    State st;
+    const Encoded e = c->encode(x, st, with_mask(mask));
+    REQUIRE(e.index_coding == IndexCoding::kMask);
+    REQUIRE(e.params.size() == 4);
+    CHECK(e.params[1] == 20);
+    CHECK(e.params[2] == 0);
+    CHECK(e.params[3] == 5);  // ceil(0.25 · 20)
+    CHECK(e.count == 5 + 5);  // plus ceil(0.01 · 500) own positions
+    CHECK_NOTHROW(validate(e));
+    // The kept entries are the seeded stream over the mask's m entries.
+    const std::vector<int64_t> pick = cd::seeded_indices(e.seed, 5, 20);
+    const std::vector<int64_t> idx = cd::decode_masked_indices(e, with_mask(mask));
+    for (size_t j = 0; j < 5; ++j) CHECK(idx[j] == mask[pick[j]].item<int64_t>());
+    // Own positions stay off the whole mask.
+    const std::vector<int64_t> mv = to_vec(mask);
+    const std::set<int64_t> on_mask(mv.begin(), mv.end());
+    for (size_t i = 5; i < idx.size(); ++i) CHECK(on_mask.count(idx[i]) == 0);
+    // Without error feedback the kept values are scaled by m/k = 4: no state.
+    CHECK(st.tensors.empty());
+    if (std::string(vt) == "fp32") {
+      const at::Tensor d = decode(e, with_mask(mask));
+      for (size_t j = 0; j < 5; ++j) CHECK(d[idx[j]].item<float>() == 4.0f * x[idx[j]].item<float>());
+      for (size_t i = 5; i < idx.size(); ++i) CHECK(d[idx[i]].item<float>() == x[idx[i]].item<float>());
+    }
+    // The same input draws the same share; another input (another client) another.
+    State st2;
+    CHECK(c->encode(x, st2, with_mask(mask)).seed == e.seed);
+    State st3;
+    const Encoded other = c->encode(randn(500, 22), st3, with_mask(mask));
+    CHECK(other.seed != e.seed);
+    CHECK(cd::seeded_indices(other.seed, 5, 20) != pick);
+  }
+}
+
+TEST_CASE("tcs keep=P without error feedback: the decode is unbiased on the mask") {
+  const at::Tensor mask = positions({0, 2, 4, 6, 8, 10, 12, 14, 16, 18});
+  auto c = make_compressor("tcs:ratio=0.5,extra=0.05,keep=0.3,ef=0,values=fp32");
+  const at::Tensor x = randn(20, 30);
+  at::Tensor sum = at::zeros({20});
+  const int draws = 4000;
+  for (int s = 0; s < draws; ++s) {
+    Context ctx = with_mask(mask);
+    ctx.seed = static_cast<uint64_t>(s);  // another run: another share
+    State st;
+    sum += decode(c->encode(x, st, ctx), ctx);
+  }
+  const at::Tensor mean = (sum / draws).index({mask});
+  const at::Tensor want = x.index({mask});
+  // Per entry the estimate's standard deviation is |x|·sqrt((m/k − 1)/draws) ≈ 0.024|x|.
+  CHECK(((mean - want).abs() / (want.abs() * std::sqrt((10.0 / 3.0 - 1.0) / draws) + 1e-6)).max().item<float>() < 4.5f);
+}
+
+TEST_CASE("tcs keep=P with error feedback: values unscaled, the rest stays in the residual") {
+  const at::Tensor mask = positions({3, 7, 11, 19, 23, 31, 47, 59});
+  auto c = make_compressor("tcs:ratio=0.1,extra=0.02,keep=0.5,values=int8");
+  State st;
+  at::Tensor sent = at::zeros({300});
+  at::Tensor total = at::zeros({300});
+  for (int r = 0; r < 5; ++r) {
+    const at::Tensor x = randn(300, 40 + r);
+    total += x;
+    const Encoded e = c->encode(x, st, with_mask(mask));
+    CHECK(e.params.size() == 4);
+    CHECK(e.params[3] == 4);
+    const at::Tensor d = decode(e, with_mask(mask));
+    CHECK(d.index({mask}).ne(0).sum().item<int64_t>() <= 4);
+    sent += d;
+  }
+  CHECK(at::allclose(sent + st.tensors.at("residual"), total, 1e-4, 1e-5));
+}
+
+TEST_CASE("tcs keep=P: malformed shares are refused, bad keep is a ConfigError") {
+  auto c = make_compressor("tcs:ratio=0.05,extra=0.05,keep=0.5,ef=0,values=sign");
+  State st;
+  const at::Tensor mask = positions({0, 1, 2, 3, 4, 5});
+  const Encoded good = c->encode(randn(200, 50), st, with_mask(mask));
+  REQUIRE(good.params.size() == 4);
+  REQUIRE_NOTHROW(validate(good));
+  REQUIRE_NOTHROW(decode(good, with_mask(mask)));
+  Encoded e = good;
+  e.params[3] = 7;  // more kept entries than the mask has
+  CHECK_THROWS_AS(validate(e), FormatError);
+  e = good;
+  e.params[3] = static_cast<uint32_t>(good.count + 1);  // more kept values than the update holds
+  CHECK_THROWS_AS(validate(e), FormatError);
+  e = good;
+  e.params[1] = 201;  // a mask larger than the tensor
+  CHECK_THROWS_AS(validate(e), FormatError);
+  e = good;
+  e.params.push_back(1);  // five params
+  CHECK_THROWS_AS(validate(e), FormatError);
+  // Against a mask of another size the update is refused before anything is added.
+  at::Tensor out = at::ones({200});
+  CHECK_THROWS_AS(decode_add(good, out, 1.0f, with_mask(positions({0, 1, 2, 3, 4}))), FormatError);
+  CHECK(at::equal(out, at::ones({200})));
+  CHECK_THROWS_AS(make_compressor("tcs:keep=0"), ConfigError);
+  CHECK_THROWS_AS(make_compressor("tcs:keep=1.5"), ConfigError);
+  // keep=1 is the whole mask, the 1.3 layout.
+  State s1;
+  CHECK(make_compressor("tcs:ratio=0.05,keep=1")->encode(randn(200, 50), s1, with_mask(mask)).params.size() == 2);
+}
