@@ -64,6 +64,8 @@ std::vector<Case> default_cases() {
       {"stc", "stc:ratio=0.001", false},
       // From the second step on, int8 values at the RoundTrip aggregator's mask (no index bits).
       {"tcs", "tcs:ratio=0.001,extra=0.0002", false},
+      // docs/results.md's 264x setting: a random 15% share of a 60% mask, one bit each (protocol 1.6).
+      {"tcs_keep", "tcs:ratio=0.6,keep=0.15,extra=0.0008,values=sign,ef=0", false},
       {"randomk", "randomk:ratio=0.001", false},
       {"threshold", "threshold:tau=3.3", false},  // ~0.1% of N(0,1) values pass
       {"dgc", "dgc:ratio=0.001", false},
