@@ -77,6 +77,12 @@ float value_scale(const Encoded& e) {
   return (e.value_type == ValueType::kSign || e.value_type == ValueType::kInt8) ? e.scales.at(0) : 0.0f;
 }
 
+void saturate(float* a, uint64_t n, ValueType vt) {
+  if (vt != ValueType::kF16 && vt != ValueType::kBF16) return;
+  const float limit = vt == ValueType::kF16 ? 65504.0f : 3.3895313892515355e38f;  // largest finite of each
+  for (uint64_t i = 0; i < n; ++i) a[i] = std::clamp(a[i], -limit, limit);
+}
+
 float int8_scale(const float* v, uint64_t n) {
   float m = 0.0f;
   for (uint64_t i = 0; i < n; ++i) m = std::max(m, std::fabs(v[i]));

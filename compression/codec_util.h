@@ -36,6 +36,9 @@ void pack_values(const float* src, uint64_t n, ValueType vt, Bytes& out, float s
 void unpack_values(const uint8_t* bytes, uint64_t n, ValueType vt, float magnitude, float* dst);
 // The scale unpack_values needs for e's values: scales[0] for kSign and kInt8, else 0.
 float value_scale(const Encoded& e);
+// kF16 and kBF16: values beyond the type's largest finite one are clamped to it
+// (rather than round to inf, which the receiver would refuse); a no-op otherwise.
+void saturate(float* a, uint64_t n, ValueType vt);
 // kInt8's scale for these values: max |v| / 127 (0 when all are 0).
 float int8_scale(const float* v, uint64_t n);
 ValueType parse_value_type(const std::string& text);  // "fp32" | "fp16" | "bf16" | "int8"

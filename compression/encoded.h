@@ -82,7 +82,7 @@ struct Encoded {
   ValueType value_type = ValueType::kF32;
   IndexCoding index_coding = IndexCoding::kNone;
   uint64_t count = 0;  // kSparse: number of values sent
-  uint64_t seed = 0;   // kSeeded: key of the index stream
+  uint64_t seed = 0;   // kSeeded: key of the index stream; kMask with 4 params: key of the kept mask entries
   std::vector<uint32_t> params;
   std::vector<float> scales;
   std::vector<uint8_t> indices;

@@ -287,18 +287,6 @@ at::Tensor factor_of(const Encoded& e, int part, int64_t k, int64_t r) {
   return f;
 }
 
-namespace {
-
-// Beyond a 16-bit type's range, values saturate (the excess stays in the error
-// feedback) rather than round to inf, which the receiver would refuse.
-void saturate(float* a, uint64_t n, ValueType vt) {
-  if (vt != ValueType::kF16 && vt != ValueType::kBF16) return;
-  const float limit = vt == ValueType::kF16 ? 65504.0f : 3.3895313892515355e38f;  // largest finite of each
-  for (uint64_t i = 0; i < n; ++i) a[i] = std::clamp(a[i], -limit, limit);
-}
-
-}  // namespace
-
 void pack_factor(at::Tensor& f, ValueType vt, Encoded& e) {
   const int64_t k = f.size(0), r = f.size(1);
   const uint64_t n = static_cast<uint64_t>(k * r);
@@ -306,7 +294,7 @@ void pack_factor(at::Tensor& f, ValueType vt, Encoded& e) {
   const size_t base = e.values.size();
   for (uint64_t i = 0; i < n; ++i)
     SPARROW_CHECK(std::isfinite(a[i]), "low-rank factor entry " << i << " is not finite (fp32 overflow)");
-  saturate(a, n, vt);
+  detail::saturate(a, n, vt);
   if (vt != ValueType::kInt8) {
     pack_values(a, n, vt, e.values);
     if (vt != ValueType::kF32) unpack_values(e.values.data() + base, n, vt, 0.0f, a);
@@ -451,7 +439,7 @@ class PowerSgdCompressor final : public Compressor {
     idx.erase(std::remove_if(idx.begin(), idx.end(), [res](int64_t i) { return res[i] == 0.0f; }), idx.end());
     std::vector<float> vals(idx.size());
     for (size_t j = 0; j < idx.size(); ++j) vals[j] = res[idx[j]];
-    saturate(vals.data(), vals.size(), vt_);
+    detail::saturate(vals.data(), vals.size(), vt_);
     const RiceChoice rice = best_rice(idx.data(), idx.size());
     std::vector<uint32_t> params = e.params;
     encode_indices_rice(idx.data(), idx.size(), rice.b, e);  // sets count, indices, params = {b}

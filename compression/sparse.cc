@@ -438,6 +438,7 @@ class TcsCompressor final : public Compressor {
     std::vector<float> vals(static_cast<size_t>(kept));
     for (int64_t j = 0; j < kept; ++j) vals[static_cast<size_t>(j)] = gain * src[mask_pos(j)];
     for (const int64_t i : own) vals.push_back(src[i]);
+    saturate(vals.data(), vals.size(), vt_);  // m/k can lift an fp16 value past its range
     const auto total = static_cast<uint64_t>(vals.size());
 
     Encoded e;

@@ -31,7 +31,8 @@ namespace sparrow::wire {
 // 1.1: secure aggregation (SecAgg, Task.secagg); 1.2: Int8 sparse values and Rice-coded indices;
 // 1.3: masked sparse updates (IndexCoding Mask, the server's mask in Task.shared);
 // 1.4: low-rank factors (LowRank, LowRankFactor) in fp16, bf16 or int8;
-// 1.5: LowRankSparse (PowerSGD factors plus a Rice-coded sparse correction).
+// 1.5: LowRankSparse (PowerSGD factors plus a Rice-coded sparse correction);
+// 1.6: masked updates that carry a seeded share of the mask (params {b, m, B, k}, key in seed).
 constexpr uint16_t kProtocolMajor = 1, kProtocolMinor = 6;
 
 // parse() refuses larger buffers before looking at them (kOversize).

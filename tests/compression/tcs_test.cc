@@ -311,10 +311,14 @@ TEST_CASE("tcs keep=P: values at a seeded share of the mask, a different share p
     for (size_t i = 5; i < idx.size(); ++i) CHECK(on_mask.count(idx[i]) == 0);
     // Without error feedback the kept values are scaled by m/k = 4: no state.
     CHECK(st.tensors.empty());
+    const at::Tensor d = decode(e, with_mask(mask));
     if (std::string(vt) == "fp32") {
-      const at::Tensor d = decode(e, with_mask(mask));
       for (size_t j = 0; j < 5; ++j) CHECK(d[idx[j]].item<float>() == 4.0f * x[idx[j]].item<float>());
       for (size_t i = 5; i < idx.size(); ++i) CHECK(d[idx[i]].item<float>() == x[idx[i]].item<float>());
+    } else {
+      // The values sit at the chosen entries: the sign of x there (int8: or a zero code).
+      for (size_t j = 0; j < idx.size(); ++j) CHECK(d[idx[j]].item<float>() * x[idx[j]].item<float>() >= 0.0f);
+      CHECK(d.ne(0).sum().item<int64_t>() >= 5);
     }
     // The same input draws the same share; another input (another client) another.
     State st2;
@@ -346,6 +350,17 @@ TEST_CASE("tcs keep=P without error feedback: the decode is unbiased on the mask
 
 TEST_CASE("tcs keep=P with error feedback: values unscaled, the rest stays in the residual") {
   const at::Tensor mask = positions({3, 7, 11, 19, 23, 31, 47, 59});
+  {
+    // fp32: each kept mask value is the input itself, not m/k times it.
+    auto f = make_compressor("tcs:ratio=0.1,extra=0.02,keep=0.5,values=fp32");
+    State sf;
+    const at::Tensor x = randn(300, 39);
+    const Encoded e = f->encode(x, sf, with_mask(mask));
+    REQUIRE(e.params.size() == 4);
+    const std::vector<int64_t> idx = cd::decode_masked_indices(e, with_mask(mask));
+    const at::Tensor d = decode(e, with_mask(mask));
+    for (size_t j = 0; j < 4; ++j) CHECK(d[idx[j]].item<float>() == x[idx[j]].item<float>());
+  }
   auto c = make_compressor("tcs:ratio=0.1,extra=0.02,keep=0.5,values=int8");
   State st;
   at::Tensor sent = at::zeros({300});
@@ -363,6 +378,18 @@ TEST_CASE("tcs keep=P with error feedback: values unscaled, the rest stays in th
   CHECK(at::allclose(sent + st.tensors.at("residual"), total, 1e-4, 1e-5));
 }
 
+TEST_CASE("tcs keep=P: fp16 values scaled by m/k saturate instead of becoming inf") {
+  const at::Tensor mask = positions({0, 1, 2, 3, 4, 5, 6, 7});
+  auto c = make_compressor("tcs:ratio=0.5,extra=0.1,keep=0.25,ef=0,values=fp16");
+  const at::Tensor x = at::full({16}, 30000.0f);  // times m/k = 4: beyond fp16's 65504
+  State st;
+  const Encoded e = c->encode(x, st, with_mask(mask));
+  CHECK_NOTHROW(validate(e));
+  const at::Tensor d = decode(e, with_mask(mask));
+  CHECK(d.isfinite().all().item<bool>());
+  CHECK(d.max().item<float>() == 65504.0f);
+}
+
 TEST_CASE("tcs keep=P: malformed shares are refused, bad keep is a ConfigError") {
   auto c = make_compressor("tcs:ratio=0.05,extra=0.05,keep=0.5,ef=0,values=sign");
   State st;
@@ -375,7 +402,9 @@ TEST_CASE("tcs keep=P: malformed shares are refused, bad keep is a ConfigError")
   e.params[3] = 7;  // more kept entries than the mask has
   CHECK_THROWS_AS(validate(e), FormatError);
   e = good;
+  e.params[1] = 100;  // a mask of 100 (<= numel), so that only kept <= count is violated
   e.params[3] = static_cast<uint32_t>(good.count + 1);  // more kept values than the update holds
+  REQUIRE(e.params[3] <= e.params[1]);
   CHECK_THROWS_AS(validate(e), FormatError);
   e = good;
   e.params[1] = 201;  // a mask larger than the tensor
