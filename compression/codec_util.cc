@@ -423,6 +423,10 @@ std::vector<int64_t> decode_indices(const Encoded& e) {
   throw FormatError("sparse: unknown index coding " + std::to_string(static_cast<int>(e.index_coding)));
 }
 
+void erase_zero_positions(std::vector<int64_t>& idx, const float* src) {
+  idx.erase(std::remove_if(idx.begin(), idx.end(), [src](int64_t i) { return src[i] == 0.0f; }), idx.end());
+}
+
 std::vector<int64_t> seeded_indices(uint64_t key, uint64_t k, int64_t n) {
   SPARROW_CHECK(k <= static_cast<uint64_t>(n), "seeded_indices: k " << k << " > n " << n);
   std::vector<int64_t> idx;
@@ -518,8 +522,6 @@ MaskLayout mask_layout(const Encoded& e) {
   return l;
 }
 
-uint64_t mask_size_of(const Encoded& e) { return mask_layout(e).m; }
-
 MaskScaleGroups mask_scale_groups(const Encoded& e) {
   const MaskLayout l = mask_layout(e);
   MaskScaleGroups g;
@@ -541,13 +543,14 @@ const int64_t* mask_data(const Context& ctx, int64_t numel) {
   return p;
 }
 
-uint64_t mask_size_for(const Encoded& e, const Context& ctx) {
-  const uint64_t m = mask_size_of(e);
+MaskLayout mask_layout_for(const Encoded& e, const Context& ctx) {
+  const MaskLayout l = mask_layout(e);
+  const uint64_t m = l.m;
   const uint64_t have = ctx.mask.defined() ? static_cast<uint64_t>(ctx.mask.numel()) : 0;
   SPARROW_CHECK_T(FormatError, (ctx.mask.defined() || m == 0) && have == m,
                   "sparse: update '" << ctx.name << "' was made for a mask of " << m << " positions, this round's "
                                      << (ctx.mask.defined() ? "has " + std::to_string(have) : std::string("has none")));
-  return m;
+  return l;
 }
 
 std::vector<int64_t> decode_mask_extras(const Encoded& e) {
@@ -556,8 +559,8 @@ std::vector<int64_t> decode_mask_extras(const Encoded& e) {
 }
 
 std::vector<int64_t> decode_masked_indices(const Encoded& e, const Context& ctx) {
-  const uint64_t m = mask_size_for(e, ctx);
-  const uint64_t kept = mask_layout(e).kept;
+  const MaskLayout l = mask_layout_for(e, ctx);
+  const uint64_t m = l.m, kept = l.kept;
   std::vector<int64_t> idx(e.count);
   if (kept > 0) {
     const int64_t* mk = mask_data(ctx, e.numel());

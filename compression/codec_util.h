@@ -78,10 +78,9 @@ struct MaskLayout {
   uint64_t m = 0, kept = 0, block = 0;
 };
 MaskLayout mask_layout(const Encoded& e);  // FormatError on bad params (kept <= m, kept <= count)
-uint64_t mask_size_of(const Encoded& e);   // mask_layout(e).m
 // The same, checked against the round's mask: FormatError unless ctx.mask holds
 // exactly m positions (none when m = 0).
-uint64_t mask_size_for(const Encoded& e, const Context& ctx);
+MaskLayout mask_layout_for(const Encoded& e, const Context& ctx);
 // ctx.mask's positions after checking them (a contiguous 1-D int64 CPU tensor,
 // ascending within [0, numel); sparrow::Error otherwise), nullptr without a mask.
 const int64_t* mask_data(const Context& ctx, int64_t numel);
@@ -97,6 +96,9 @@ std::vector<int64_t> decode_mask_extras(const Encoded& e);
 std::vector<int64_t> decode_masked_indices(const Encoded& e, const Context& ctx);
 // The count values of a sparse e (kMask: the mask's blocks with their scales, the rest with the last).
 void unpack_sparse_values(const Encoded& e, float* dst);
+// Removes the indices whose value in src is exactly 0 (a top-k of fewer than k
+// nonzero entries: sending them would cost bytes, or, as ±mean, change them).
+void erase_zero_positions(std::vector<int64_t>& idx, const float* src);
 // k distinct indices in [0, n), ascending, a pure function of (key, k, n).
 std::vector<int64_t> seeded_indices(uint64_t key, uint64_t k, int64_t n);
 

@@ -53,7 +53,7 @@ Encoded mask_encoded(const at::Tensor& mask, const std::vector<int64_t>& shape) 
 }
 
 void check_mask(const Encoded& e, const Context& ctx) {
-  if (e.format == Format::kSparse && e.index_coding == IndexCoding::kMask) (void)detail::mask_size_for(e, ctx);
+  if (e.format == Format::kSparse && e.index_coding == IndexCoding::kMask) (void)detail::mask_layout_for(e, ctx);
 }
 
 at::Tensor mask_positions(const Encoded& e) {

@@ -436,7 +436,7 @@ class PowerSgdCompressor final : public Compressor {
     const int64_t k = std::min(numel, static_cast<int64_t>(std::ceil(sparse_ * static_cast<double>(numel))));
     std::vector<int64_t> idx = topk_abs_indices(res, numel, k);
     // Exact zeros (fewer than k nonzero entries) are not worth their bytes.
-    idx.erase(std::remove_if(idx.begin(), idx.end(), [res](int64_t i) { return res[i] == 0.0f; }), idx.end());
+    detail::erase_zero_positions(idx, res);
     std::vector<float> vals(idx.size());
     for (size_t j = 0; j < idx.size(); ++j) vals[j] = res[idx[j]];
     detail::saturate(vals.data(), vals.size(), vt_);

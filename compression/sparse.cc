@@ -256,8 +256,7 @@ class TopKCompressor final : public Compressor {
     std::vector<int64_t> idx = topk_abs_indices(src, n, n == 0 ? 0 : count_for(o_.ratio, n));
     // STC sends ±mu: an exact zero among the top k (fewer than k nonzeros) would be
     // sent as +mu, so it is not sent at all.
-    if (ternary_)
-      idx.erase(std::remove_if(idx.begin(), idx.end(), [src](int64_t i) { return src[i] == 0.0f; }), idx.end());
+    if (ternary_) erase_zero_positions(idx, src);
     std::vector<float> vals = gather(src, idx);
     float mu = 0.0f;
     if (ternary_ && !vals.empty()) {
@@ -433,10 +432,15 @@ class TcsCompressor final : public Compressor {
       throw;
     }
     // (Before the mask's values are back: a zero here may be a mask position.)
-    own.erase(std::remove_if(own.begin(), own.end(), [src](int64_t i) { return src[i] == 0.0f; }), own.end());
+    erase_zero_positions(own, src);
     for (int64_t i = 0; i < m; ++i) src[mk[i]] = at_mask[static_cast<size_t>(i)];
-    std::vector<float> vals(static_cast<size_t>(kept));
-    for (int64_t j = 0; j < kept; ++j) vals[static_cast<size_t>(j)] = gain * src[mask_pos(j)];
+    std::vector<float> vals;
+    if (pick.empty()) {
+      vals = std::move(at_mask);  // the whole mask (kept == m, gain 1)
+    } else {
+      vals.resize(static_cast<size_t>(kept));
+      for (int64_t j = 0; j < kept; ++j) vals[static_cast<size_t>(j)] = gain * at_mask[static_cast<size_t>(pick[j])];
+    }
     for (const int64_t i : own) vals.push_back(src[i]);
     saturate(vals.data(), vals.size(), vt_);  // m/k can lift an fp16 value past its range
     const auto total = static_cast<uint64_t>(vals.size());
