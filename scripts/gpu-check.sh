@@ -8,9 +8,12 @@
 # ./gpu-out), so a failed step still leaves what came before.
 #
 #   scripts/gpu-check.sh --fetch                      (here: .debs and .data)
-#   scripts/gpu-check.sh [--tests-only] [--ctest] [--bench-args "..."]
+#   scripts/gpu-check.sh [--tests-only] [--ctest] [--all] [--bench-args "..."]
 #     --ctest: build everything and run the whole suite (ctest -LE slow); no benchmarks
-#   env: GPU_CHECK_SECONDS (540), GPU_CHECK_TARGETS, GPU_CHECK_GDB=1 (backtraces)
+#     --all: the CUDA tests and the benchmarks first (four targets), then the
+#            rest of the build and the whole suite in the time that is left
+#   env: GPU_CHECK_SECONDS (540), GPU_CHECK_BENCH_SECONDS (the sim benchmark's cap),
+#        GPU_CHECK_TARGETS, GPU_CHECK_GDB=1 (backtraces)
 set -uo pipefail
 out=${OUT:-gpu-out}
 mkdir -p "$out"
@@ -21,6 +24,7 @@ left() { echo $((budget - ($(date +%s) - t0))); }
 log() { echo "[gpu-check +$(($(date +%s) - t0))s] $*" | tee -a "$out/steps.txt"; }
 tests_only=0
 full_ctest=0
+staged=0
 bench_args="--models mlp,cnn --mlp-rounds 20 --cnn-rounds 3 --population 10000 --per-round 100 --population-rounds 4"
 fetch() {
   # The -dev packages the build needs, their runtime libraries, pkgconf, and
@@ -42,6 +46,7 @@ while [ $# -gt 0 ]; do
     --fetch) fetch; exit 0 ;;
     --tests-only) tests_only=1 ;;
     --ctest) full_ctest=1; tests_only=1 ;;  # the whole suite takes the time the benchmarks would
+    --all) staged=1 ;;
     --bench-args) bench_args=$2; shift ;;
     *) echo "gpu-check: unknown option $1" >&2; exit 2 ;;
   esac
@@ -131,10 +136,14 @@ run_test() {  # binary, doctest filter
 run_test sparrow_compression_tests "cuda*"
 run_test sparrow_client_tests "*batched*"
 run_test sparrow_sim_tests "*CUDA*"
+whole_suite() {  # seconds
+  log "ctest -LE slow (${1}s)"
+  (cd "$build" && timeout "$1" ctest -LE slow -j 12 --timeout 120 --output-on-failure >"$out/ctest.log" 2>&1)
+  log "ctest rc=$?"
+  grep -E "tests passed|Failed|Timeout|\*\*\*" "$out/ctest.log" | tail -40
+}
 if [ "$full_ctest" = 1 ]; then
-  log "ctest -LE slow"
-  (cd "$build" && timeout 300 ctest -LE slow -j 8 --timeout 120 2>&1 | tail -40 >>"$out/tests.log")
-  grep -E "tests passed|Failed|Timeout" "$out/tests.log" | tail -20
+  whole_suite 300
 fi
 [ "$tests_only" = 1 ] && exit 0
 
@@ -144,11 +153,23 @@ if [ -x "$build/bin/sparrow-bench" ]; then
     grep "^{" | tee "$out/bench_compress.jsonl"
   log "bench sim --cases gpu $bench_args"
   t=$(left)
+  cap=${GPU_CHECK_BENCH_SECONDS:-$t}  # --all: leave the rest to the whole suite
+  [ "$t" -gt "$cap" ] && t=$cap
   [ "$t" -gt 30 ] || t=30
   # shellcheck disable=SC2086
   timeout "$t" "$build/bin/sparrow-bench" sim --cases gpu $bench_args --tmp /tmp/sparrow-bench 2>>"$out/bench.err" |
     grep "^{" | tee "$out/bench_sim_gpu.jsonl"
   log "bench rc=${PIPESTATUS[0]}"
   tail -5 "$out/bench.err"
+fi
+if [ "$staged" = 1 ]; then
+  log "build everything ($(left)s left)"
+  tb=$(($(left) - 60))
+  [ "$tb" -gt 30 ] || tb=30
+  timeout "$tb" ninja -C "$build" -k 0 >>"$out/build.log" 2>&1
+  log "build rc=$?"
+  grep -E "error:|FAILED" "$out/build.log" | head -40
+  t=$(($(left) - 10))
+  [ "$t" -gt 20 ] && whole_suite "$t"
 fi
 log "done"
