@@ -443,7 +443,12 @@ std::string HandshakeMonitor::client_cause(const Event& e, bool curve) {
     case Kind::kDisconnected:
       return curve ? "the CURVE handshake fails: `server_key` is probably not this server's public key "
                      "(or the server refused the key)"
-                   : "the handshake with the server fails (is it a Sparrow server?)";
+                   // A server that requires CURVE closes a plain client's
+                   // connection; on a loaded machine the client often sees
+                   // only that, never the mechanism mismatch (reproduced with
+                   // the cores busy): name the likely cause here too.
+                   : "the handshake with the server fails: the server probably requires CurveZMQ (set `server_key` "
+                     "and `key` instead of insecure = true), or it is not a Sparrow server";
     default:
       return "the handshake with the server fails";
   }

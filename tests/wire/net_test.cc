@@ -1,6 +1,7 @@
 #include "tests/sparrow_test.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <filesystem>
