@@ -6,6 +6,7 @@
 #include <set>
 #include <stdexcept>
 
+#include "compression/codec_util.h"
 #include "compression/lowrank.h"
 #include "compression/mask.h"
 #include "core/error.h"
@@ -42,6 +43,10 @@ struct Pending {
   at::Tensor factor;   // kFactor: the {k, r} factor, unweighted
   at::Tensor shared;   // kFactor: the shared factor it was taken against
   int which = -1;      // kFactor
+  // A masked share with Context::share_mean: the mask entries it carried
+  // (indices into ctx.mask), whose weights grow by the update's.
+  bool shares = false;
+  std::vector<int64_t> carried;
 };
 
 }  // namespace
@@ -138,6 +143,22 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
       // A masked update decodes only against this round's mask: checked here,
       // before anything is added, so a mismatch in a later tensor changes nothing.
       compression::check_mask(e, p.ctx);
+      if (p.ctx.share_mean) {
+        const compression::detail::MaskLayout l = compression::detail::mask_layout(e);
+        if (l.m > 0) {
+          SPARROW_CHECK_T(FormatError,
+                          !s.share_pos.defined() ||
+                              (s.share_pos.numel() == static_cast<int64_t>(l.m) && at::equal(s.share_pos, p.ctx.mask)),
+                          "aggregator: tensor '" << name << "' carries a share of another mask than this round's");
+          p.shares = true;
+          if (l.kept == l.m) {
+            p.carried.resize(l.m);
+            for (uint64_t j = 0; j < l.m; ++j) p.carried[j] = static_cast<int64_t>(j);
+          } else {
+            p.carried = compression::detail::seeded_indices(e.seed, l.kept, static_cast<int64_t>(l.m));
+          }
+        }
+      }
     }
     if (fill) p.kind = e.values.is_view() ? Pending::kHold : Pending::kFill;
     if (pair) p.kind = Pending::kPair;
@@ -188,7 +209,20 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
   // ---- Phase 2b: add. After phase 1 only resource exhaustion should throw here;
   // if anything does, what this update already added is taken back out.
   size_t done = 0;
-  std::vector<bool> created(pending.size(), false);
+  std::vector<bool> created(pending.size(), false), shares_created(pending.size(), false);
+  auto add_shares = [&](const Pending& p, Slot& s, double sign, size_t i) {
+    if (!p.shares) return;
+    if (sign > 0 && s.share_w.empty()) {
+      s.share_w.assign(static_cast<size_t>(p.ctx.mask.numel()), 0.0);
+      s.share_pos = p.ctx.mask.clone();
+      shares_created[i] = true;
+    } else if (sign < 0 && shares_created[i]) {
+      s.share_w.clear();
+      s.share_pos = at::Tensor();
+      return;
+    }
+    for (const int64_t j : p.carried) s.share_w[static_cast<size_t>(j)] += sign * static_cast<double>(w);
+  };
   try {
     for (; done < pending.size(); ++done) {
       if (g_fail_after >= 0 && done == static_cast<size_t>(g_fail_after)) {
@@ -204,6 +238,7 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
           break;
         case Pending::kDecodeAdd:
           compression::decode_add(*p.e, s.sum, w, p.ctx);
+          add_shares(p, s, 1.0, done);
           break;
         case Pending::kScratch:
           s.sum.add_(p.scratch, w);
@@ -232,6 +267,7 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
           break;
         case Pending::kDecodeAdd:
           compression::decode_add(*p.e, s.sum, -w, p.ctx);
+          add_shares(p, s, -1.0, i);
           break;
         case Pending::kScratch:
           s.sum.sub_(p.scratch, w);
@@ -282,6 +318,10 @@ void StreamingAggregator::merge(const StreamingAggregator& partial) {
       SPARROW_CHECK(s.which == ps.which && s.shared.sizes().equals(ps.shared.sizes()) && at::equal(s.shared, ps.shared),
                     "aggregator merge: ACP factors of '" << name << "' were taken against different shared factors");
     }
+    if (!s.share_w.empty() && !ps.share_w.empty()) {
+      SPARROW_CHECK(s.share_pos.numel() == ps.share_pos.numel() && at::equal(s.share_pos, ps.share_pos),
+                    "aggregator merge: shares of '" << name << "' were taken over different masks");
+    }
   }
   for (auto& [name, s] : slots_) {
     const Slot& ps = partial.slots_.at(name);
@@ -299,6 +339,14 @@ void StreamingAggregator::merge(const StreamingAggregator& partial) {
       settle(s);
       s.sum.add_(ps.sum);
       s.zero = false;
+    }
+    if (!ps.share_w.empty()) {
+      if (s.share_w.empty()) {
+        s.share_w = ps.share_w;
+        s.share_pos = ps.share_pos;
+      } else {
+        for (size_t j = 0; j < s.share_w.size(); ++j) s.share_w[j] += ps.share_w[j];
+      }
     }
     if (ps.which < 0) continue;
     if (s.which < 0) {
@@ -327,6 +375,12 @@ std::map<std::string, at::Tensor> StreamingAggregator::mean() const {
       m = s.sum * inv;
     }
     if (s.which >= 0) compression::acp_update_add(s.factor_sum * inv, s.shared, s.which, m, 1.0f);
+    if (!s.share_w.empty()) {  // m = sum / W there: sum / (the weight that carried the position)
+      float* mp = m.data_ptr<float>();
+      const int64_t* pos = s.share_pos.data_ptr<int64_t>();
+      for (size_t j = 0; j < s.share_w.size(); ++j)
+        if (s.share_w[j] > 0) mp[pos[j]] = static_cast<float>(mp[pos[j]] * (total_weight_ / s.share_w[j]));
+    }
     out.emplace(name, std::move(m));
   }
   return out;
@@ -348,6 +402,8 @@ void StreamingAggregator::reset() {
     s.factor_sum = at::Tensor();
     s.shared = at::Tensor();
     s.which = -1;
+    s.share_pos = at::Tensor();
+    s.share_w.clear();
   }
   total_weight_ = 0.0;
   count_ = 0;

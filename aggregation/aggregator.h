@@ -76,11 +76,15 @@ class StreamingAggregator {
 
   // Adds another aggregator's sums, weight and count (hierarchical partial
   // aggregates). Throws sparrow::Error, changing nothing, when the tensor lists
-  // differ or both hold ACP factors of a tensor with different kinds or shared
-  // factors. partial may be empty (weight 0).
+  // differ, both hold ACP factors of a tensor with different kinds or shared
+  // factors, or both hold share weights over different masks. partial may be
+  // empty (weight 0).
   void merge(const StreamingAggregator& partial);
 
   // The weighted mean per tensor (float32, model shapes), ACP factors expanded.
+  // A tensor that took masked shares with Context::share_mean (tcs keep=P,
+  // share=mean) has each carried mask position divided by the weight of the
+  // updates whose share carried it instead (a position none carried is 0).
   // Throws sparrow::Error when total_weight() is 0.
   std::map<std::string, at::Tensor> mean() const;
 
@@ -109,6 +113,11 @@ class StreamingAggregator {
     // the slot stands for sum + held_weight · held (sum is then all zero).
     compression::Encoded held;
     float held_weight = 0;  // > 0 while one is held
+    // tcs keep=P, share=mean (Context::share_mean): the round's mask positions
+    // and, per position, the weight of the updates whose share carried it;
+    // mean() divides those positions by it instead of the total weight.
+    at::Tensor share_pos;
+    std::vector<double> share_w;
   };
   // Writes a held update into the (zero) sum and releases the view.
   static void settle(Slot& s);

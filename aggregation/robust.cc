@@ -204,6 +204,10 @@ void check_combination(const RobustSpec& r, const DpSpec& d, const std::string& 
     bad("aggregator",
         "acp compression sums factors across clients; robust aggregation and central DP need each "
         "client's update: use powersgd, topk, dgc or a quantiser");
+  if (!plain && compression::make_compressor(compression)->share_mean())
+    bad("aggregator",
+        "tcs share=mean averages each mask position over the updates that carried it, which only the plain mean "
+        "does: use share=sum with robust aggregation or central DP");
   if (d.mode != DpSpec::Mode::kNone && algorithm == "scaffold")
     bad("dp", "scaffold's control variates would be released without protection: use fedavg or fedprox with dp");
 }

@@ -31,6 +31,11 @@ struct Context {
   // tensor (compression/mask.h); undefined: none yet (the codec then sends only
   // its own top positions). Updates in IndexCoding::kMask decode only with it.
   at::Tensor mask;
+  // TCS keep=P with share=mean: the aggregator divides each mask position by
+  // the weight of the updates whose share carried it (StreamingAggregator),
+  // and the clients send their shares unscaled. Set by the aggregating side
+  // from its compressor's share_mean().
+  bool share_mean = false;
 };
 
 class Compressor {
@@ -44,6 +49,9 @@ class Compressor {
   // The fraction of each tensor's positions the aggregator should broadcast as
   // its shared mask (Context::mask) for this codec; 0: the codec uses none.
   virtual double mask_ratio() const { return 0.0; }
+  // Whether the aggregator should average each mask position over the updates
+  // that carried it (Context::share_mean); false: a plain weighted sum.
+  virtual bool share_mean() const { return false; }
   // Same as the free decode(): the format is self-describing.
   at::Tensor decode(const Encoded& e, const Context& ctx = {}) const;
 };

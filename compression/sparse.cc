@@ -5,7 +5,7 @@
 //                                                    Sparse Ternary Compression (Sattler et al. 2019)
 //   randomk:ratio=R[,ef=0|1]                         k shared-seed random indices, unbiased
 //   threshold:tau=T[,ef=0|1]                         Strom (2015): ±tau where |residual| >= tau
-//   tcs:ratio=R[,extra=E][,keep=P][,values=int8|sign|fp16|bf16|fp32][,block=B][,ef=0|1][,decay=D,max_age=A]
+//   tcs:ratio=R[,extra=E][,keep=P[,share=sum|mean]][,values=int8|sign|fp16|bf16|fp32][,block=B][,ef=0|1][,decay=D,max_age=A]
 //                                                    time-correlated sparsification (Ozfatura et al. 2021):
 //                                                    values on the server's mask plus the client's own top-E
 // plus the selection kernels DGC shares (declared in dgc.h).
@@ -382,10 +382,19 @@ class ThresholdCompressor final : public Compressor {
 // bytes a large mask sampled beats a small one sent whole (docs/results.md).
 class TcsCompressor final : public Compressor {
  public:
-  TcsCompressor(double ratio, double extra, bool ef, ValueType vt, int64_t block, StalePolicy stale, double keep)
-      : ratio_(ratio), extra_(extra), ef_(ef), vt_(vt), block_(block), stale_(stale), keep_(keep) {}
+  TcsCompressor(double ratio, double extra, bool ef, ValueType vt, int64_t block, StalePolicy stale, double keep,
+                bool share_mean)
+      : ratio_(ratio),
+        extra_(extra),
+        ef_(ef),
+        vt_(vt),
+        block_(block),
+        stale_(stale),
+        keep_(keep),
+        share_mean_(share_mean) {}
   std::string method() const override { return "tcs"; }
   double mask_ratio() const override { return ratio_; }
+  bool share_mean() const override { return share_mean_; }
 
   Encoded encode(const at::Tensor& x_in, State& state, const Context& ctx) const override {
     const at::Tensor x = as_input(x_in, "tcs");
@@ -407,7 +416,9 @@ class TcsCompressor final : public Compressor {
     // update's content, so that the clients of a round send different shares.
     // Without ef those values are scaled by m/kept (each mask entry is sent with
     // probability kept/m, so the decode is unbiased); with ef they go unscaled,
-    // as randomk's (error feedback needs a contractive compressor).
+    // as randomk's (error feedback needs a contractive compressor). With
+    // share=mean they go unscaled too: the aggregator divides each position by
+    // the weight of the updates that carried it.
     int64_t kept = m;
     std::vector<int64_t> pick;
     uint64_t key = 0;
@@ -417,7 +428,9 @@ class TcsCompressor final : public Compressor {
       pick = seeded_indices(key, static_cast<uint64_t>(kept), m);
     }
     auto mask_pos = [&](int64_t j) { return mk[pick.empty() ? j : pick[static_cast<size_t>(j)]]; };
-    const float gain = !ef_ && kept < m ? static_cast<float>(static_cast<double>(m) / static_cast<double>(kept)) : 1.0f;
+    const float gain = !ef_ && !share_mean_ && kept < m
+                           ? static_cast<float>(static_cast<double>(m) / static_cast<double>(kept))
+                           : 1.0f;
     std::vector<float> at_mask(static_cast<size_t>(m));
     for (int64_t i = 0; i < m; ++i) at_mask[static_cast<size_t>(i)] = src[mk[i]];
     // The client's own positions: the largest outside the mask (masked entries
@@ -503,7 +516,8 @@ class TcsCompressor final : public Compressor {
   ValueType vt_;
   int64_t block_;  // > 0: one scale per this many mask values (sign, int8)
   StalePolicy stale_;
-  double keep_;  // the share of the mask each update carries
+  double keep_;      // the share of the mask each update carries
+  bool share_mean_;  // keep < 1, share=mean: values unscaled, averaged per position by the aggregator
 };
 
 }  // namespace
@@ -530,7 +544,13 @@ void register_sparsifiers() {
     const StalePolicy stale = parse_stale_policy(spec, "tcs", ef);
     const double keep = spec.get_double("keep", 1.0);
     SPARROW_CHECK_T(ConfigError, keep > 0.0 && keep <= 1.0, "tcs: keep=" << keep << " must be in (0, 1]");
-    return std::make_unique<TcsCompressor>(ratio, extra, ef, v, block, stale, keep);
+    const std::string share = spec.get_string("share", "sum");
+    SPARROW_CHECK_T(
+        ConfigError, share == "sum" || share == "mean",
+        "tcs: share=" << share << " must be sum (scaled by m/kept, summed) or mean (averaged per position)");
+    SPARROW_CHECK_T(ConfigError, share == "sum" || keep < 1.0,
+                    "tcs: share=mean needs keep < 1 (with the whole mask every update carries every position)");
+    return std::make_unique<TcsCompressor>(ratio, extra, ef, v, block, stale, keep, share == "mean");
   });
   register_compressor("randomk", [](Spec& spec) {
     const double ratio = parse_ratio(spec, "randomk", 0.01);

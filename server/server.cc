@@ -250,6 +250,7 @@ struct Server::Impl {
   // > 0 when the uplink is TCS: the fraction of each tensor the mask holds. The
   // masks live in acp_shared under compression::mask_key(name) (checkpointed with it).
   double mask_ratio = 0;
+  bool share_mean = false;  // tcs share=mean: masked shares averaged per position (Context::share_mean)
   std::atomic<int64_t> completed{0};
   // Gateway role: the root's round, model and settings for the round run_round
   // runs now (relay_round), and what it gives back.
@@ -389,7 +390,11 @@ struct Server::Impl {
     sa_params = secagg::Params::parse(cfg.secagg);
     Spec up = Spec::parse(cfg.compression);
     if (up.method() == "acp") acp_rank = up.get_int("rank", 0);
-    mask_ratio = compression::make_compressor(cfg.compression)->mask_ratio();
+    {
+      const auto uplink = compression::make_compressor(cfg.compression);
+      mask_ratio = uplink->mask_ratio();
+      share_mean = uplink->share_mean();
+    }
     if (cfg.downlink != "none") {
       down = compression::make_compressor(cfg.downlink);
       for (const auto& nm : names) broadcast[nm] = global.at(nm).clone();
@@ -1346,6 +1351,7 @@ struct Server::Impl {
         }
         if (c.mask.defined())
           rc->shared.push_back({nm, compression::mask_encoded(c.mask, global.at(nm).sizes().vec())});
+        c.share_mean = share_mean;
       }
       rc->contexts[nm] = c;
       rc->full.push_back({nm, dense_encoded(b.at(nm))});

@@ -396,7 +396,8 @@ struct Simulator::Impl {
   // compression::mask_key(name) (as mask_to_weights pairs). Checkpointed and
   // sent to the other ranks as one map.
   std::map<std::string, at::Tensor> acp_shared;
-  double mask_ratio = 0;  // > 0: the uplink codec wants a mask of this fraction (tcs)
+  double mask_ratio = 0;    // > 0: the uplink codec wants a mask of this fraction (tcs)
+  bool share_mean = false;  // tcs share=mean: masked shares averaged per position (Context::share_mean)
 
   at::Device device{at::kCPU};
   std::atomic<bool> stop_requested{false};
@@ -885,6 +886,7 @@ struct Simulator::Impl {
       auto it = acp_shared.find(n);
       if (it != acp_shared.end()) c.shared_factor = it->second;
       if (mask_ratio > 0) c.mask = tcs_mask(n);
+      c.share_mean = share_mean;
       ctxs[n] = c;
     }
     return ctxs;
@@ -1456,6 +1458,7 @@ Simulator::Simulator(SimConfig cfg, bool resume, Cluster* cluster) : impl_(std::
   compression::register_builtins();
   s.compressor = compression::make_compressor(s.cfg.compression);
   s.mask_ratio = s.compressor->mask_ratio();
+  s.share_mean = s.compressor->share_mean();
   if (s.cfg.downlink != "none") s.down = compression::make_compressor(s.cfg.downlink);
   s.server_opt = std::make_unique<aggregation::ServerOptimizer>(s.cfg.server_optimizer);
   s.aggregator = std::make_unique<aggregation::Aggregator>(s.cfg.aggregator, s.cfg.dp, s.cfg.clients_per_round,

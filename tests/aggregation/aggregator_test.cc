@@ -8,6 +8,7 @@
 #include <stdexcept>
 
 #include "aggregation/aggregator.h"
+#include "compression/codec_util.h"
 #include "compression/compressor.h"
 #include "compression/lowrank.h"
 #include "core/error.h"
@@ -556,4 +557,104 @@ TEST_CASE("aggregator: a dense update that views a received frame is held, not c
     held.reset();
     CHECK(frame.use_count() == base);
   }
+}
+
+TEST_CASE("aggregator: tcs share=mean averages each mask position over the updates whose share carried it") {
+  // Every third position of each tensor is on the mask; five clients send a
+  // random 30% of it (fp32, unscaled) plus 5% of their own positions.
+  ContextMap ctxs;
+  for (const auto& [name, shape] : kModel) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    Context c;
+    c.name = name;
+    c.seed = 9;
+    c.round = 2;
+    c.mask = at::arange(0, n, 3, at::TensorOptions().dtype(at::kLong));
+    c.share_mean = true;
+    ctxs[name] = c;
+  }
+  auto codec = make_compressor("tcs:ratio=0.3,extra=0.05,keep=0.3,share=mean,ef=0,values=fp32");
+  at::manual_seed(17);
+  std::vector<Client> clients;
+  for (int i = 0; i < 5; ++i) {
+    Client cl;
+    cl.weight = 1.0 + i;
+    for (const auto& [name, shape] : kModel) {
+      State st;
+      cl.x[name] = at::randn(shape);
+      cl.update.emplace_back(name, codec->encode(cl.x[name], st, ctxs.at(name)));
+    }
+    clients.push_back(std::move(cl));
+  }
+  // By hand: the per-position mean on carried mask positions, 0 on the mask
+  // elsewhere, the plain weighted mean off the mask.
+  std::map<std::string, at::Tensor> want;
+  int64_t uncarried = 0, several = 0;
+  for (const auto& [name, shape] : kModel) {
+    const Context& c = ctxs.at(name);
+    const int64_t n = c.mask.numel() * 3;
+    at::Tensor sum = at::zeros({n}, at::kDouble), carried = at::zeros({n}, at::kDouble);
+    double total = 0;
+    for (const auto& cl : clients) {
+      for (const auto& [nm, e] : cl.update) {
+        if (nm != name) continue;
+        sum += decode(e, c).reshape({-1}).to(at::kDouble) * cl.weight;
+        const std::vector<int64_t> idx = sparrow::compression::detail::decode_masked_indices(e, c);
+        for (uint64_t j = 0; j < e.params[3]; ++j) carried[idx[j]] += cl.weight;
+      }
+      total += cl.weight;
+    }
+    at::Tensor m = sum / total;
+    const at::Tensor on = carried.gt(0);
+    m = at::where(on, sum / carried.clamp_min(1e-30), m);
+    int64_t numel = 1;
+    for (int64_t d : shape) numel *= d;
+    want[name] = m.narrow(0, 0, numel).reshape(shape).to(at::kFloat);
+    // The test means something: some mask positions carried by several updates, some by none.
+    const at::Tensor on_mask = carried.index({c.mask});
+    uncarried += on_mask.eq(0).sum().item<int64_t>();
+    several += on_mask.gt(6).sum().item<int64_t>();
+  }
+  CHECK(uncarried > 0);
+  CHECK(several > 0);
+  StreamingAggregator flat(kModel);
+  for (const auto& cl : clients) flat.add(cl.update, cl.weight, ctxs);
+  check_close(flat.mean(), want);
+  // Without share_mean the same updates give the plain weighted mean.
+  ContextMap plain = ctxs;
+  for (auto& [name, c] : plain) c.share_mean = false;
+  StreamingAggregator summed(kModel);
+  for (const auto& cl : clients) summed.add(cl.update, cl.weight, plain);
+  CHECK_FALSE(identical(summed.mean(), flat.mean()));
+  // Partials merged equal the flat aggregate.
+  StreamingAggregator a(kModel), b(kModel), merged(kModel);
+  for (size_t i = 0; i < clients.size(); ++i) (i < 2 ? a : b).add(clients[i].update, clients[i].weight, ctxs);
+  merged.merge(a);
+  merged.merge(b);
+  check_close(merged.mean(), flat.mean(), 1e-6);
+  // A share taken over another mask of the same size is refused and changes nothing.
+  const auto before = flat.mean();
+  ContextMap other = ctxs;
+  other.at("bias").mask = at::arange(1, 24, 3, at::TensorOptions().dtype(at::kLong));
+  State st;
+  EncodedUpdate u = clients[0].update;
+  for (auto& [name, e] : u)
+    if (name == "bias") e = codec->encode(at::randn({24}), st, other.at("bias"));
+  CHECK_THROWS_AS(flat.add(u, 2.0, other), sparrow::FormatError);
+  CHECK(flat.count() == 5);
+  CHECK(identical(flat.mean(), before));
+  // A failure half way through an update takes its share weights back out.
+  for (int after : {1, 2}) {
+    sparrow::aggregation::detail::inject_add_failure_after(after);
+    CHECK_THROWS_AS(flat.add(clients[1].update, 4.0, ctxs), std::runtime_error);
+    check_close(flat.mean(), before, 1e-6);
+  }
+  StreamingAggregator empty_share(kModel);
+  empty_share.add(clients[0].update, 1.0, ctxs);
+  empty_share.reset();
+  empty_share.add(clients[1].update, 2.0, plain);  // reset() forgets the share weights
+  StreamingAggregator only(kModel);
+  only.add(clients[1].update, 2.0, plain);
+  CHECK(identical(empty_share.mean(), only.mean()));
 }

@@ -249,6 +249,14 @@ TEST_CASE("robust: specs and combinations are strict") {
   const auto c = DpSpec::parse("central:clip=1,noise=1");
   CHECK_THROWS_AS(check_combination(r, c, "none", "fedavg"), ConfigError);
   CHECK_THROWS_AS(check_combination(r, DpSpec::parse("none"), "acp:rank=2", "fedavg"), ConfigError);
+  // tcs share=mean averages per position, which only the plain mean does.
+  CHECK_THROWS_AS(check_combination(r, DpSpec::parse("none"), "tcs:ratio=0.2,keep=0.5,share=mean", "fedavg"),
+                  ConfigError);
+  CHECK_THROWS_AS(check_combination(RobustSpec::parse("mean"), c, "tcs:ratio=0.2,keep=0.5,share=mean", "fedavg"),
+                  ConfigError);
+  CHECK_NOTHROW(check_combination(RobustSpec::parse("mean"), DpSpec::parse("none"), "tcs:ratio=0.2,keep=0.5,share=mean",
+                                  "fedavg"));
+  CHECK_NOTHROW(check_combination(r, DpSpec::parse("none"), "tcs:ratio=0.2,keep=0.5", "fedavg"));
   CHECK_THROWS_AS(check_combination(RobustSpec::parse("mean"), c, "none", "scaffold"), ConfigError);
   CHECK_NOTHROW(check_combination(RobustSpec::parse("mean"), c, "topk:ratio=0.1", "fedavg"));
   CHECK_NOTHROW(check_combination(RobustSpec::parse("mean"), DpSpec::parse("none"), "acp:rank=2", "scaffold"));

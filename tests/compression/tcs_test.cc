@@ -422,3 +422,27 @@ TEST_CASE("tcs keep=P: malformed shares are refused, bad keep is a ConfigError")
   State s1;
   CHECK(make_compressor("tcs:ratio=0.05,keep=1")->encode(randn(200, 50), s1, with_mask(mask)).params.size() == 2);
 }
+
+TEST_CASE("tcs keep=P, share=mean: the share goes unscaled and asks the aggregator for a per-position mean") {
+  const at::Tensor mask = positions({2, 5, 8, 13, 21, 34, 55, 89});
+  auto sum = make_compressor("tcs:ratio=0.05,extra=0.02,keep=0.5,ef=0,values=fp32");
+  auto mean = make_compressor("tcs:ratio=0.05,extra=0.02,keep=0.5,share=mean,ef=0,values=fp32");
+  CHECK_FALSE(sum->share_mean());
+  CHECK(mean->share_mean());
+  const at::Tensor x = randn(100, 61);
+  State s1, s2;
+  const Encoded a = sum->encode(x, s1, with_mask(mask));
+  const Encoded b = mean->encode(x, s2, with_mask(mask));
+  // The same share (same key), the same layout; the values are x itself, not m/k = 2 times it.
+  REQUIRE(a.params == b.params);
+  REQUIRE(a.seed == b.seed);
+  const std::vector<int64_t> idx = cd::decode_masked_indices(b, with_mask(mask));
+  const at::Tensor da = decode(a, with_mask(mask)), db = decode(b, with_mask(mask));
+  for (size_t j = 0; j < 4; ++j) {
+    CHECK(db[idx[j]].item<float>() == x[idx[j]].item<float>());
+    CHECK(da[idx[j]].item<float>() == 2.0f * x[idx[j]].item<float>());
+  }
+  for (size_t i = 4; i < idx.size(); ++i) CHECK(db[idx[i]].item<float>() == x[idx[i]].item<float>());
+  CHECK_THROWS_AS(make_compressor("tcs:ratio=0.05,share=mean"), ConfigError);  // keep=1: nothing to average
+  CHECK_THROWS_AS(make_compressor("tcs:ratio=0.05,keep=0.5,share=median"), ConfigError);
+}

@@ -8,6 +8,7 @@
 #include <algorithm>
 
 #include <cmath>
+#include <set>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -204,6 +205,46 @@ TEST_CASE("simulator: tcs clients send values on the server's mask, which goes o
   Simulator full(f);
   full.run();
   for (const auto& [k, v] : plain.global()) CHECK(at::allclose(full.global().at(k), v, 1e-5, 1e-6));
+}
+
+TEST_CASE("simulator: tcs share=mean divides each carried mask position by the weight that carried it") {
+  // Round 1 has no mask, so all runs reach the same model and round 2's
+  // clients send the same shares (same data, same keys). With share=sum each
+  // share is scaled by m/k = 2.5 and the sum divided by the round's weight W;
+  // with share=mean it goes unscaled and a mask position is divided by the
+  // weight W_p of the updates that carried it. So per position the two steps
+  // have the same sign, off the mask they are equal, and on it their ratio is
+  // W·k/(m·W_p) >= k/m: several values, one per W_p. (Were W_p ignored, the
+  // ratio would be k/m = 0.4 everywhere on the mask.)
+  TempDir d1("share1"), dm("share_mean"), ds("share_sum");
+  SimConfig c = tiny(d1.path);
+  c.rounds = 1;
+  c.compression = "tcs:ratio=0.5,extra=0.05,keep=0.4,share=mean,values=fp32,ef=0";
+  Simulator one(c);
+  one.run();
+  c.rounds = 2;
+  c.out = dm.path;
+  Simulator mean(c);
+  mean.run();
+  c.out = ds.path;
+  c.compression = "tcs:ratio=0.5,extra=0.05,keep=0.4,values=fp32,ef=0";
+  Simulator sum(c);
+  sum.run();
+  std::set<int64_t> ratios;  // per mille
+  for (const auto& [k, w1] : one.global()) {
+    CAPTURE(k);
+    const at::Tensor dmean = mean.global().at(k) - w1, dsum = sum.global().at(k) - w1;
+    REQUIRE(at::isfinite(dmean).all().item<bool>());
+    CHECK(dmean.ne(0).equal(dsum.ne(0)));
+    const at::Tensor moved = dmean.ne(0);
+    const at::Tensor r = dmean.index({moved}) / dsum.index({moved});
+    CHECK(r.ge(0.4 - 1e-3).all().item<bool>());
+    const at::Tensor rd = r.to(at::kDouble).contiguous();
+    for (int64_t i = 0; i < rd.numel(); ++i) ratios.insert(std::llround(rd.data_ptr<double>()[i] * 1000));
+  }
+  CAPTURE(ratios.size());
+  CHECK(ratios.count(1000) == 1);  // own positions
+  CHECK(ratios.size() >= 3);
 }
 
 TEST_CASE("simulator: downlink compression sends the broadcast delta to last round's clients and resumes exactly") {
