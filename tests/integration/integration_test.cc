@@ -847,6 +847,19 @@ TEST_CASE("integration: tcs through the real server and clients: the mask goes o
   // Still far below the dense MLP (2 x 797 KB).
   CHECK(rounds[1].bytes_in < 2 * 12000);
   CHECK(rounds[2].eval_accuracy > 0.1);
+  // Shares of a large mask averaged per position (keep=P, share=mean): the
+  // server keeps the share weights (Context::share_mean) and accepts every update.
+  REQUIRE(run_tool({kServerBin, "try", "--clients", "2", "--rounds", "3", "--dir", dir + "/b", "--compression",
+                    "tcs:ratio=0.5,keep=0.1,share=mean,extra=0.002,values=sign,ef=0"},
+                   dir + "/b.log") == 0);
+  Db shares(dir + "/b/server.db");
+  const auto srounds = shares.rounds();
+  REQUIRE(srounds.size() == 3);
+  for (const auto& r : srounds) {
+    CHECK(r.updates == 2);
+    CHECK(r.rejected == 0);
+  }
+  CHECK(srounds[2].eval_accuracy > 0.1);
   fs::remove_all(dir);
 }
 
