@@ -830,36 +830,32 @@ TEST_CASE("integration: sparrow-server try runs a server and its clients to the 
 
 TEST_CASE("integration: tcs through the real server and clients: the mask goes out with each task") {
   const std::string dir = fresh_dir("tcs");
-  REQUIRE(run_tool({kServerBin, "try", "--clients", "2", "--rounds", "3", "--dir", dir + "/a", "--compression",
-                    "tcs:ratio=0.01,extra=0.002"},
-                   dir + "/a.log") == 0);
-  Db db(dir + "/a/server.db");
-  const auto rounds = db.rounds();
-  REQUIRE(rounds.size() == 3);
-  for (const auto& r : rounds) {
-    CHECK(r.updates == 2);  // every masked update decoded against the server's mask
-    CHECK(r.rejected == 0);
-  }
+  // `sparrow-server try` with two clients for three rounds; every masked
+  // update must decode against the server's mask.
+  auto run = [&](const std::string& name, const std::string& spec) {
+    REQUIRE(run_tool({kServerBin, "try", "--clients", "2", "--rounds", "3", "--dir", dir + "/" + name, "--compression",
+                      spec},
+                     dir + "/" + name + ".log") == 0);
+    Db db(dir + "/" + name + "/server.db");
+    const auto rounds = db.rounds();
+    REQUIRE(rounds.size() == 3);
+    for (const auto& r : rounds) {
+      CHECK(r.updates == 2);
+      CHECK(r.rejected == 0);
+    }
+    CHECK(rounds[2].eval_accuracy > 0.1);
+    return rounds;
+  };
+  const auto rounds = run("a", "tcs:ratio=0.01,extra=0.002");
   // Round 1 has no mask: each client sends its own 0.2%. From round 2 the
   // Task carries the mask and each update its 1% of values on it (int8).
   CHECK(rounds[1].bytes_in > rounds[0].bytes_in);
   CHECK(rounds[1].bytes_out > rounds[0].bytes_out);
   // Still far below the dense MLP (2 x 797 KB).
   CHECK(rounds[1].bytes_in < 2 * 12000);
-  CHECK(rounds[2].eval_accuracy > 0.1);
   // Shares of a large mask averaged per position (keep=P, share=mean): the
   // server keeps the share weights (Context::share_mean) and accepts every update.
-  REQUIRE(run_tool({kServerBin, "try", "--clients", "2", "--rounds", "3", "--dir", dir + "/b", "--compression",
-                    "tcs:ratio=0.5,keep=0.1,share=mean,extra=0.002,values=sign,ef=0"},
-                   dir + "/b.log") == 0);
-  Db shares(dir + "/b/server.db");
-  const auto srounds = shares.rounds();
-  REQUIRE(srounds.size() == 3);
-  for (const auto& r : srounds) {
-    CHECK(r.updates == 2);
-    CHECK(r.rejected == 0);
-  }
-  CHECK(srounds[2].eval_accuracy > 0.1);
+  run("b", "tcs:ratio=0.5,keep=0.1,share=mean,extra=0.002,values=sign,ef=0");
   fs::remove_all(dir);
 }
 
