@@ -8,7 +8,6 @@
 
 #include "compression/codec_util.h"
 #include "compression/lowrank.h"
-#include "compression/mask.h"
 #include "core/error.h"
 
 namespace sparrow::aggregation {
@@ -142,21 +141,19 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
     } else if (e.format == Format::kSparse && e.index_coding == compression::IndexCoding::kMask) {
       // A masked update decodes only against this round's mask: checked here,
       // before anything is added, so a mismatch in a later tensor changes nothing.
-      compression::check_mask(e, p.ctx);
-      if (p.ctx.share_mean) {
-        const compression::detail::MaskLayout l = compression::detail::mask_layout(e);
-        if (l.m > 0) {
-          SPARROW_CHECK_T(FormatError,
-                          !s.share_pos.defined() ||
-                              (s.share_pos.numel() == static_cast<int64_t>(l.m) && at::equal(s.share_pos, p.ctx.mask)),
-                          "aggregator: tensor '" << name << "' carries a share of another mask than this round's");
-          p.shares = true;
-          if (l.kept == l.m) {
-            p.carried.resize(l.m);
-            for (uint64_t j = 0; j < l.m; ++j) p.carried[j] = static_cast<int64_t>(j);
-          } else {
-            p.carried = compression::detail::seeded_indices(e.seed, l.kept, static_cast<int64_t>(l.m));
-          }
+      // (compression::check_mask's check, whose layout the share weights read.)
+      const compression::detail::MaskLayout l = compression::detail::mask_layout_for(e, p.ctx);
+      if (p.ctx.share_mean && l.m > 0) {
+        SPARROW_CHECK_T(FormatError,
+                        !s.share_pos.defined() ||
+                            (s.share_pos.numel() == static_cast<int64_t>(l.m) && at::equal(s.share_pos, p.ctx.mask)),
+                        "aggregator: tensor '" << name << "' carries a share of another mask than this round's");
+        p.shares = true;
+        if (l.kept == l.m) {
+          p.carried.resize(l.m);
+          for (uint64_t j = 0; j < l.m; ++j) p.carried[j] = static_cast<int64_t>(j);
+        } else {
+          p.carried = compression::detail::seeded_indices(e.seed, l.kept, static_cast<int64_t>(l.m));
         }
       }
     }
