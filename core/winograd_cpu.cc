@@ -246,6 +246,113 @@ void relu_maxpool2_backward_row(const int32_t* __restrict arg, const float* __re
   }
 }
 
+// F(4, 5) (core/winograd_cpu.h, WinogradF4Conv5Pool), derived with exact
+// rationals from the points 0, 1, -1, 2, -2, 1/2, -1/2 and infinity, B^T's
+// rows scaled to integers (G's rows scaled back):
+//   B^T = [4 0 -21 0 21 0 -4 0; 0 -4 -4 17 17 -4 -4 0; 0 4 -4 -17 17 4 -4 0;
+//          0 2 1 -10 -5 8 4 0; 0 -2 1 10 -5 -8 4 0; 0 4 8 -5 -10 1 2 0;
+//          0 -4 8 5 -10 -1 2 0; 0 -4 0 21 0 -21 0 4]
+//   A^T = [1 1 1 1 1 1 1 0; 0 1 -1 2 -2 1/2 -1/2 0; 0 1 1 4 4 1/4 1/4 0; 0 1 -1 8 -8 1/8 -1/8 1]
+constexpr int kA8 = 8;
+constexpr double kG8[kA8][5] = {{1.0 / 4, 0, 0, 0, 0},
+                                {1.0 / 18, 1.0 / 18, 1.0 / 18, 1.0 / 18, 1.0 / 18},
+                                {1.0 / 18, -1.0 / 18, 1.0 / 18, -1.0 / 18, 1.0 / 18},
+                                {1.0 / 360, 1.0 / 180, 1.0 / 90, 1.0 / 45, 2.0 / 45},
+                                {1.0 / 360, -1.0 / 180, 1.0 / 90, -1.0 / 45, 2.0 / 45},
+                                {16.0 / 45, 8.0 / 45, 4.0 / 45, 2.0 / 45, 1.0 / 45},
+                                {16.0 / 45, -8.0 / 45, 4.0 / 45, -2.0 / 45, 1.0 / 45},
+                                {0, 0, 0, 0, 1.0 / 4}};
+
+#define SPARROW_EIGHT(p) SPARROW_SIX(p), const float* __restrict p##6, const float* __restrict p##7
+#define SPARROW_EIGHT_OUT(p) SPARROW_SIX_OUT(p), float* __restrict p##6, float* __restrict p##7
+#define SPARROW_FOUR_OUT(p) \
+  float* __restrict p##0, float* __restrict p##1, float* __restrict p##2, float* __restrict p##3
+#define SPARROW_AT8(p, s) SPARROW_AT6(p, s), (p) + 6 * (s), (p) + 7 * (s)
+#define SPARROW_AT4(p, s) (p), (p) + (s), (p) + 2 * (s), (p) + 3 * (s)
+
+// o = B^T x on eight vectors of n floats.
+inline void bt8(SPARROW_EIGHT(x), SPARROW_EIGHT_OUT(o), int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float d0 = x0[i], d1 = x1[i], d2 = x2[i], d3 = x3[i], d4 = x4[i], d5 = x5[i], d6 = x6[i], d7 = x7[i];
+    o0[i] = 4 * (d0 - d6) + 21 * (d4 - d2);
+    const float a1 = 17 * d4 - 4 * (d2 + d6), b1 = 17 * d3 - 4 * (d1 + d5);
+    o1[i] = a1 + b1;
+    o2[i] = a1 - b1;
+    const float a3 = d2 - 5 * d4 + 4 * d6, b3 = 2 * d1 - 10 * d3 + 8 * d5;
+    o3[i] = a3 + b3;
+    o4[i] = a3 - b3;
+    const float a5 = 8 * d2 - 10 * d4 + 2 * d6, b5 = 4 * d1 - 5 * d3 + d5;
+    o5[i] = a5 + b5;
+    o6[i] = a5 - b5;
+    o7[i] = 4 * (d7 - d1) + 21 * (d3 - d5);
+  }
+}
+
+// o = A^T m: four vectors from eight.
+inline void at8(SPARROW_EIGHT(m), SPARROW_FOUR_OUT(o), int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float s12 = m1[i] + m2[i], d12 = m1[i] - m2[i], s34 = m3[i] + m4[i], d34 = m3[i] - m4[i], s56 = m5[i] + m6[i],
+                d56 = m5[i] - m6[i];
+    o0[i] = m0[i] + s12 + s34 + s56;
+    o1[i] = d12 + 2 * d34 + 0.5f * d56;
+    o2[i] = s12 + 4 * s34 + 0.25f * s56;
+    o3[i] = d12 + 8 * d34 + 0.125f * d56 + m7[i];
+  }
+}
+
+// V[pos, row0 + t, c] = (B^T d_t B)[pos] for every 8x8 tile d_t of one
+// image's pad [4 th + 4, 4 tw + 4, c] (stride 4); vstride = the rows of V per
+// position times c. tmp: 8 (4 tw + 4) c floats.
+SPARROW_SIMD_CLONES
+void input_tiles_f4(const float* pad, int64_t c, int64_t th, int64_t tw, float* v, int64_t vstride, int64_t row0,
+                    float* tmp) {
+  const int64_t band = (4 * tw + 4) * c;
+  for (int64_t ty = 0; ty < th; ++ty) {
+    const float* base = pad + 4 * ty * band;                     // rows 4 ty .. 4 ty + 7, each `band` floats
+    bt8(SPARROW_AT8(base, band), SPARROW_AT8(tmp, band), band);  // tmp[a, col, c] = (B^T d)[a, col]
+    for (int64_t tx = 0; tx < tw; ++tx) {
+      float* out = v + (row0 + ty * tw + tx) * c;
+      for (int a = 0; a < kA8; ++a)  // V[a, b] = (tmp B)[a, b]: along row a
+        bt8(SPARROW_AT8(tmp + a * band + 4 * tx * c, c), SPARROW_AT8(out + a * kA8 * vstride, vstride), c);
+    }
+  }
+}
+
+// out [py, px, co] = relu(max of the window + bias) for one 2x2 window whose
+// values are y00, y01 (+c) and y10, y11 (+4c) of a tile's [4, 4, c] outputs.
+inline void pool_window(const float* __restrict y, const float* __restrict bias, float* __restrict out, int64_t c) {
+  const float* __restrict y01 = y + c;
+  const float* __restrict y10 = y + 4 * c;
+  const float* __restrict y11 = y + 5 * c;
+  for (int64_t co = 0; co < c; ++co) {
+    const float best = std::max(std::max(y[co], y01[co]), std::max(y10[co], y11[co])) + bias[co];
+    out[co] = best > 0 ? best : 0.0f;
+  }
+}
+
+// For one image's tiles (rows row0.. of M; mstride = M's rows per position
+// times c): y = A^T M A (4x4) + bias, ReLU, 2x2 max pooling, into
+// out [ph, pw, c] (windows past ph, pw are the tiling's padding, dropped).
+// tmp: 48 c floats.
+SPARROW_SIMD_CLONES
+void output_tiles_f4(const float* m, int64_t mstride, int64_t row0, const float* bias, int64_t c, int64_t th,
+                     int64_t tw, int64_t ph, int64_t pw, float* out, float* tmp) {
+  float* y = tmp + 4 * kA8 * c;  // [4, 4, c]
+  for (int64_t ty = 0; ty < th; ++ty)
+    for (int64_t tx = 0; tx < tw; ++tx) {
+      const float* mt = m + (row0 + ty * tw + tx) * c;
+      for (int b = 0; b < kA8; ++b)  // tmp[i, b] = (A^T M)[i, b]: down column b
+        at8(SPARROW_AT8(mt + b * mstride, kA8 * mstride), SPARROW_AT4(tmp + b * c, kA8 * c), c);
+      for (int i = 0; i < 4; ++i)  // y[i, j] = (tmp A)[i, j]: along row i
+        at8(SPARROW_AT8(tmp + i * kA8 * c, c), SPARROW_AT4(y + i * 4 * c, c), c);
+      for (int pi = 0; pi < 2; ++pi)
+        for (int pj = 0; pj < 2; ++pj) {
+          const int64_t py = 2 * ty + pi, px = 2 * tx + pj;
+          if (py < ph && px < pw) pool_window(y + (2 * pi * 4 + 2 * pj) * c, bias, out + (py * pw + px) * c, c);
+        }
+    }
+}
+
 }  // namespace
 
 void conv5x5_one_channel(const float* x, int64_t h, int64_t w, const float* weight, const float* bias, int64_t cout,
@@ -388,6 +495,66 @@ void WinogradConv5Pool::weight_grad(float* gw, float* gb, float alpha, float bet
     }
     gb[co] = beta == 0 ? alpha * db_[co] : beta * gb[co] + alpha * db_[co];
   }
+}
+
+}  // namespace sparrow::core::cpu
+
+namespace sparrow::core::cpu {
+
+WinogradF4Conv5Pool::WinogradF4Conv5Pool(int64_t cin, int64_t cout, int64_t h, int64_t w, int64_t group)
+    : cin_(cin),
+      cout_(cout),
+      h_(h),
+      w_(w),
+      group_(group),
+      th_((h + 3) / 4),
+      tw_((w + 3) / 4),
+      cols_(4 * tw_ + 4),
+      pad_size_((4 * th_ + 4) * cols_ * cin) {
+  SPARROW_CHECK(cin > 0 && cout > 0 && h > 0 && w > 0 && h % 2 == 0 && w % 2 == 0 && group > 0,
+                "WinogradF4Conv5Pool: " << cin << " -> " << cout << " channels of " << h << "x" << w << ", groups of "
+                                        << group << " (positive, even sides)");
+  const int64_t rows = group * th_ * tw_;
+  u_.resize(kA8 * kA8 * cin * cout);
+  bias_.assign(cout, 0.0f);
+  pad_.assign(group * pad_size_, 0.0f);  // the border stays zero
+  v_.resize(kA8 * kA8 * rows * cin);
+  m_.resize(kA8 * kA8 * rows * cout);
+  tmp_.resize(std::max(kA8 * cols_ * cin, 48 * cout));
+}
+
+void WinogradF4Conv5Pool::set_weights(const float* w, const float* bias) {
+  for (int64_t co = 0; co < cout_; ++co)
+    for (int64_t ci = 0; ci < cin_; ++ci) {
+      const float* g = w + (co * cin_ + ci) * 25;
+      double r[kA8][5];  // G g, in double: G's entries are not binary fractions
+      for (int a = 0; a < kA8; ++a)
+        for (int l = 0; l < 5; ++l) {
+          double s = 0;
+          for (int k = 0; k < 5; ++k) s += kG8[a][k] * g[k * 5 + l];
+          r[a][l] = s;
+        }
+      for (int a = 0; a < kA8; ++a)
+        for (int b = 0; b < kA8; ++b) {  // (G g) G^T
+          double s = 0;
+          for (int l = 0; l < 5; ++l) s += r[a][l] * kG8[b][l];
+          u_[((a * kA8 + b) * cin_ + ci) * cout_ + co] = static_cast<float>(s);
+        }
+    }
+  std::copy(bias, bias + cout_, bias_.begin());
+}
+
+void WinogradF4Conv5Pool::forward(int64_t n, float* out) {
+  SPARROW_CHECK(n >= 1 && n <= group_, "WinogradF4Conv5Pool: " << n << " images for groups of " << group_);
+  const int64_t tiles = th_ * tw_, rows = group_ * tiles, ph = h_ / 2, pw = w_ / 2;
+  for (int64_t i = 0; i < n; ++i)
+    input_tiles_f4(pad_.data() + i * pad_size_, cin_, th_, tw_, v_.data(), rows * cin_, i * tiles, tmp_.data());
+  for (int p = 0; p < kA8 * kA8; ++p)
+    gemm_nn(n * tiles, cout_, cin_, v_.data() + p * rows * cin_, u_.data() + p * cin_ * cout_,
+            m_.data() + p * rows * cout_, false);
+  for (int64_t i = 0; i < n; ++i)
+    output_tiles_f4(m_.data(), rows * cout_, i * tiles, bias_.data(), cout_, th_, tw_, ph, pw,
+                    out + i * ph * pw * cout_, tmp_.data());
 }
 
 }  // namespace sparrow::core::cpu

@@ -2,6 +2,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "core/error.h"
@@ -72,6 +73,48 @@ TEST_CASE("winograd conv5x5 + relu + maxpool equals ATen and autograd") {
   check_against_aten(3, 32, 64, 14, 14);  // the CNN's conv2
   check_against_aten(2, 3, 5, 8, 6);      // odd channel counts, non-square
   check_against_aten(2, 1, 17, 2, 2);     // one tile
+}
+
+namespace {
+
+// maxpool(relu(conv5x5(x) + bias)) by ATen and by WinogradF4Conv5Pool, the
+// images fed `group` at a time through its channels-last interior.
+void check_f4_against_aten(int64_t n, int64_t cin, int64_t cout, int64_t h, int64_t w, int64_t group) {
+  CAPTURE(cin);
+  CAPTURE(cout);
+  CAPTURE(h);
+  CAPTURE(w);
+  CAPTURE(group);
+  torch::manual_seed(cin * 10 + w);
+  const at::Tensor x = torch::randn({n, cin, h, w});
+  const at::Tensor weight = 0.1 * torch::randn({cout, cin, 5, 5}), bias = 0.1 * torch::randn({cout});
+  const at::Tensor ref = torch::max_pool2d(torch::relu(at::conv2d(x, weight, bias, 1, 2)), 2).permute({0, 2, 3, 1});
+  sparrow::core::cpu::WinogradF4Conv5Pool conv(cin, cout, h, w, group);
+  conv.set_weights(weight.contiguous().data_ptr<float>(), bias.contiguous().data_ptr<float>());
+  const at::Tensor xl = x.permute({0, 2, 3, 1}).contiguous();  // [n, h, w, cin]
+  at::Tensor out = torch::full({n, h / 2, w / 2, cout}, 9.0f);
+  for (int64_t g0 = 0; g0 < n; g0 += group) {
+    const int64_t k = std::min(group, n - g0);
+    for (int64_t i = 0; i < k; ++i)
+      for (int64_t y = 0; y < h; ++y)
+        std::copy_n(xl[g0 + i][y].data_ptr<float>(), w * cin, conv.interior(i) + y * conv.row_stride());
+    conv.forward(k, out.data_ptr<float>() + g0 * (h / 2) * (w / 2) * cout);
+  }
+  CHECK(rel(out, ref) < 2e-6);
+  CHECK((out - ref).abs().max().item<double>() < 1e-4 * ref.abs().max().item<double>());
+}
+
+}  // namespace
+
+TEST_CASE("winograd F(4x4, 5x5) inference equals ATen") {
+  check_f4_against_aten(11, 32, 64, 14, 14, 4);  // the CNN's conv2, a last group of 3
+  check_f4_against_aten(3, 3, 5, 8, 6, 2);       // odd channel counts, non-square
+  check_f4_against_aten(2, 1, 17, 2, 2, 1);      // one tile, mostly padding
+  check_f4_against_aten(2, 4, 3, 10, 18, 5);     // one group larger than the batch
+  CHECK_THROWS_WITH(sparrow::core::cpu::WinogradF4Conv5Pool(1, 1, 4, 3, 1), doctest::Contains("even"));
+  sparrow::core::cpu::WinogradF4Conv5Pool conv(1, 1, 4, 4, 2);
+  std::vector<float> out(16);
+  CHECK_THROWS_WITH(conv.forward(3, out.data()), doctest::Contains("3 images for groups of 2"));
 }
 
 TEST_CASE("winograd: a window the ReLU zeroes passes no gradient, ties go to the first") {
