@@ -238,30 +238,32 @@ class Cnn final : public Model {
     check_clients(p, 8, x);
     check_grads(p, g);
     // One client after another, each through its whole step (its activations
-    // stay in cache): conv1 forward as im2col + GEMM and its weight gradient
-    // by ATen, conv2 + ReLU + pooling by Winograd (core/winograd_cpu.h), the
-    // Linear head by the raw path of core/linear_cpu.h, which also hands back
-    // the head's input gradient.
+    // stay in cache): conv1 forward and its weight gradient as im2col + GEMM,
+    // conv2 + ReLU + pooling by Winograd (core/winograd_cpu.h), the Linear
+    // head by the raw path of core/linear_cpu.h, which also hands back the
+    // head's input gradient.
     const int64_t k = x.size(0), b = x.size(1);
-    const std::vector<int64_t> none{0, 0}, one{1, 1}, pad{2, 2};
     const at::Tensor yc = y.contiguous(), wc = w.contiguous();
     at::Tensor loss = at::empty({k}, x.options());
     at::Tensor m2 = at::empty({b, 64, 7, 7}, x.options()), dh = at::empty_like(m2);
-    at::Tensor m1 = at::empty({b, 32, 14, 14}, x.options()), dm1 = at::empty_like(m1);
-    at::Tensor r1 = at::empty({b, 32, 28, 28}, x.options()), dr1 = at::empty_like(r1);
-    at::Tensor col = at::empty({25 * 28 * 28}, x.options());
+    at::Tensor m1 = at::empty({b, 32, 14, 14}, x.options()), dm1 = at::empty({32, 14, 14}, x.options());
+    at::Tensor r1 = at::empty({32, 28, 28}, x.options()), dr1 = at::empty_like(r1);
+    at::Tensor col = at::empty({25 * 28 * 28}, x.options()), colt = at::empty_like(col);
+    at::Tensor gw1 = at::empty({32, 25}, x.options()), gb1 = at::empty({32}, x.options());
     const at::Tensor xcont = x.contiguous();
     at::Tensor win = at::empty({b, 64 * 7 * 7}, x.options().dtype(at::kInt));
     at::Tensor win1 = at::empty({b, 32 * 14 * 14}, x.options().dtype(at::kInt));
     cpu::WinogradConv5Pool& conv2 = winograd();
-    const int64_t in1 = 32 * 28 * 28, in2 = 32 * 14 * 14, out2 = 64 * 7 * 7;
+    const int64_t in2 = 32 * 14 * 14, out2 = 64 * 7 * 7;
     for (int64_t c = 0; c < k; ++c) {
       const at::Tensor xc = as_image28(xcont[c]);
       const float* xp = xc.data_ptr<float>();
-      for (int64_t i = 0; i < b; ++i)
+      for (int64_t i = 0; i < b; ++i) {  // pooled image by image, while conv1's output is in cache
         cpu::conv5x5_one_channel(xp + i * 28 * 28, 28, 28, p[0][c].data_ptr<float>(), p[1][c].data_ptr<float>(), 32,
-                                 r1.data_ptr<float>() + i * in1, col.data_ptr<float>());
-      cpu::relu_maxpool2(r1.data_ptr<float>(), b * 32, 28, 28, m1.data_ptr<float>(), win1.data_ptr<int32_t>());
+                                 r1.data_ptr<float>(), col.data_ptr<float>());
+        cpu::relu_maxpool2(r1.data_ptr<float>(), 32, 28, 28, m1.data_ptr<float>() + i * in2,
+                           win1.data_ptr<int32_t>() + i * in2);
+      }
       conv2.set_weights(p[2][c].data_ptr<float>(), p[3][c].data_ptr<float>());
       conv2.zero_grad();
       const float* m1p = m1.data_ptr<float>();
@@ -272,18 +274,21 @@ class Cnn final : public Model {
       loss.data_ptr<float>()[c] = static_cast<float>(cpu::linear_chain_step(
           b, m2.data_ptr<float>(), head, yc.data_ptr<int64_t>() + c * b, wc.data_ptr<float>() + c * b,
           dh.data_ptr<float>(), static_cast<float>(alpha), static_cast<float>(beta)));
-      for (int64_t i = 0; i < b; ++i)
+      // Image by image back to conv1's weights, each image's gradients in cache.
+      gw1.zero_();
+      gb1.zero_();
+      for (int64_t i = 0; i < b; ++i) {
         conv2.backward(m1p + i * in2, win.data_ptr<int32_t>() + i * out2, dh.data_ptr<float>() + i * out2,
-                       dm1.data_ptr<float>() + i * in2);
+                       dm1.data_ptr<float>());
+        cpu::relu_maxpool2_backward(win1.data_ptr<int32_t>() + i * in2, dm1.data_ptr<float>(), 32, 28, 28,
+                                    dr1.data_ptr<float>());
+        cpu::conv5x5_one_channel_weight_grad(xp + i * 28 * 28, 28, 28, dr1.data_ptr<float>(), 32, gw1.data_ptr<float>(),
+                                             gb1.data_ptr<float>(), col.data_ptr<float>(), colt.data_ptr<float>());
+      }
       conv2.weight_grad(g[2][c].data_ptr<float>(), g[3][c].data_ptr<float>(), static_cast<float>(alpha),
                         static_cast<float>(beta));
-      cpu::relu_maxpool2_backward(win1.data_ptr<int32_t>(), dm1.data_ptr<float>(), b * 32, 28, 28,
-                                  dr1.data_ptr<float>());
-      at::Tensor dw, db;
-      std::tie(std::ignore, dw, db) = at::convolution_backward(dr1, xc, p[0][c], at::IntArrayRef{32}, one, pad, one,
-                                                               false, none, 1, {false, true, true});
-      accumulate(g[0][c], dw, alpha, beta);
-      accumulate(g[1][c], db, alpha, beta);
+      accumulate(g[0][c], gw1.view_as(g[0][c]), alpha, beta);
+      accumulate(g[1][c], gb1, alpha, beta);
     }
     return loss;
   }

@@ -64,6 +64,7 @@ class WinogradConv5Pool {
   std::vector<float> pooled_;         // [tiles, cout]
   std::vector<int32_t> arg_;          // forward's winners when the caller wants none
   std::vector<float> tmp_;            // one tile's half-transformed values
+  std::vector<float> scratch_;        // set_weights' transform
 };
 
 // The same convolution + bias + ReLU + 2x2 max pooling for inference only,
@@ -100,6 +101,7 @@ class WinogradF4Conv5Pool {
   std::vector<float> pad_;       // group x [4 th + 4, 4 tw + 4, cin], zero border
   std::vector<float> v_, m_;     // V [64, group * tiles, cin], M [64, group * tiles, cout]
   std::vector<float> tmp_;       // a band's or a tile's half-transformed values
+  std::vector<float> scratch_;   // the weight transform's
 };
 
 // A 5x5 convolution (stride 1, padding 2) of one single-channel h x w image
@@ -109,15 +111,30 @@ class WinogradF4Conv5Pool {
 void conv5x5_one_channel(const float* x, int64_t h, int64_t w, const float* weight, const float* bias, int64_t cout,
                          float* out, float* col);
 
+// col [25, h, w]: the 25 copies of one h x w image shifted by (ky - 2,
+// kx - 2), zero outside (im2col for a 5x5 kernel, padding 2).
+void im2col5x5(const float* x, int64_t h, int64_t w, float* col);
+
+// conv5x5_one_channel's weight and bias gradients for one image: gw [cout,
+// 25] += dy [cout, h, w] x im2col(x)^T and gb [cout] += the sums of dy's
+// planes (col, colt: 25 h w floats of scratch each). Image by image, right
+// after the pooling's backward, dy stays in cache (ATen's
+// convolution_backward over the whole minibatch cost 9% of a CNN step).
+void conv5x5_one_channel_weight_grad(const float* x, int64_t h, int64_t w, const float* dy, int64_t cout, float* gw,
+                                     float* gb, float* col, float* colt);
+
 // ReLU then 2x2 max pooling (stride 2) of `planes` planes of h x w (even):
 // out [planes, h/2, w/2]. arg (same size, or null) receives the winner as
 // WinogradConv5Pool::forward does (4: the ReLU zeroed the window). The same
 // as ATen's relu + max_pool2d_with_indices, whose CPU kernel in LibTorch 1.13
 // is scalar and cost a fifth of a CNN training step.
-void relu_maxpool2(const float* in, int64_t planes, int64_t h, int64_t w, float* out, int32_t* arg);
+// simd = false keeps to the portable loop (for tests; by default AVX-512
+// intrinsics run where the CPU has them, with identical results).
+void relu_maxpool2(const float* in, int64_t planes, int64_t h, int64_t w, float* out, int32_t* arg, bool simd = true);
 
 // The gradient of relu_maxpool2's input: din [planes, h, w] is dout at each
 // window's winner and 0 elsewhere.
-void relu_maxpool2_backward(const int32_t* arg, const float* dout, int64_t planes, int64_t h, int64_t w, float* din);
+void relu_maxpool2_backward(const int32_t* arg, const float* dout, int64_t planes, int64_t h, int64_t w, float* din,
+                            bool simd = true);
 
 }  // namespace sparrow::core::cpu

@@ -155,23 +155,54 @@ TEST_CASE("cnn inference on the CPU (Winograd) equals the training-mode forward"
 }
 
 TEST_CASE("relu + 2x2 max pooling equals ATen and autograd") {
-  torch::manual_seed(12);
-  const at::Tensor x = torch::randn({3, 4, 6, 8}).requires_grad_();
-  const at::Tensor ref = torch::max_pool2d(torch::relu(x), 2);
-  const at::Tensor dout = torch::randn(ref.sizes());
-  (ref * dout).sum().backward();
-  const at::Tensor xd = x.detach().contiguous();
-  at::Tensor out = torch::empty(ref.sizes()), din = torch::full(x.sizes(), 5.0f);
-  std::vector<int32_t> arg(static_cast<size_t>(ref.numel()));
-  sparrow::core::cpu::relu_maxpool2(xd.data_ptr<float>(), 12, 6, 8, out.data_ptr<float>(), arg.data());
-  CHECK(torch::equal(out, ref.detach()));
-  sparrow::core::cpu::relu_maxpool2_backward(arg.data(), dout.data_ptr<float>(), 12, 6, 8, din.data_ptr<float>());
-  CHECK(torch::equal(din, x.grad()));
-  at::Tensor out2 = torch::empty(ref.sizes());
-  sparrow::core::cpu::relu_maxpool2(xd.data_ptr<float>(), 12, 6, 8, out2.data_ptr<float>(), nullptr);
-  CHECK(torch::equal(out2, out));
+  // 6x8: windows narrower than a vector; 30x36: a row of 18 windows, more than
+  // one step of 16; 28x28: the CNN's. Both the vector and the portable loops.
+  for (const auto& hw : {std::pair<int64_t, int64_t>{6, 8}, {30, 36}, {28, 28}})
+    for (const bool simd : {true, false}) {
+      CAPTURE(hw.second);
+      CAPTURE(simd);
+      torch::manual_seed(12);
+      const int64_t h = hw.first, w = hw.second;
+      at::Tensor x = torch::randn({3, 4, h, w});
+      x.view(-1).slice(0, 0, 40).fill_(0.5f);  // ties: the first of equal ones wins, as in ATen
+      x.requires_grad_();
+      const at::Tensor ref = torch::max_pool2d(torch::relu(x), 2);
+      const at::Tensor dout = torch::randn(ref.sizes());
+      (ref * dout).sum().backward();
+      const at::Tensor xd = x.detach().contiguous();
+      at::Tensor out = torch::empty(ref.sizes()), din = torch::full(x.sizes(), 5.0f);
+      std::vector<int32_t> arg(static_cast<size_t>(ref.numel()));
+      sparrow::core::cpu::relu_maxpool2(xd.data_ptr<float>(), 12, h, w, out.data_ptr<float>(), arg.data(), simd);
+      CHECK(torch::equal(out, ref.detach()));
+      sparrow::core::cpu::relu_maxpool2_backward(arg.data(), dout.data_ptr<float>(), 12, h, w, din.data_ptr<float>(),
+                                                 simd);
+      CHECK(torch::equal(din, x.grad()));
+      at::Tensor out2 = torch::empty(ref.sizes());
+      sparrow::core::cpu::relu_maxpool2(xd.data_ptr<float>(), 12, h, w, out2.data_ptr<float>(), nullptr, simd);
+      CHECK(torch::equal(out2, out));
+    }
+  at::Tensor out2 = torch::empty({1});
+  const at::Tensor xd = torch::zeros({6});
   CHECK_THROWS_WITH(sparrow::core::cpu::relu_maxpool2(xd.data_ptr<float>(), 1, 3, 2, out2.data_ptr<float>(), nullptr),
                     doctest::Contains("even"));
+}
+
+TEST_CASE("conv5x5 of one channel: weight and bias gradients equal autograd's, accumulated") {
+  torch::manual_seed(22);
+  for (const auto& hw : {std::pair<int64_t, int64_t>{28, 28}, {3, 7}, {1, 1}}) {
+    CAPTURE(hw.second);
+    const at::Tensor x = torch::randn({1, 1, hw.first, hw.second});
+    const at::Tensor w = torch::randn({5, 1, 5, 5}).requires_grad_(), b = torch::randn({5}).requires_grad_();
+    const at::Tensor dy = torch::randn({1, 5, hw.first, hw.second});
+    (at::conv2d(x, w, b, 1, 2) * dy).sum().backward();
+    at::Tensor gw = torch::full({5, 25}, 0.5f), gb = torch::full({5}, 0.5f);  // accumulated onto
+    std::vector<float> col(static_cast<size_t>(25 * hw.first * hw.second)), colt(col.size());
+    sparrow::core::cpu::conv5x5_one_channel_weight_grad(x.data_ptr<float>(), hw.first, hw.second, dy.data_ptr<float>(),
+                                                        5, gw.data_ptr<float>(), gb.data_ptr<float>(), col.data(),
+                                                        colt.data());
+    CHECK(rel(gw - 0.5, w.grad().view({5, 25})) < 1e-5);
+    CHECK(rel(gb - 0.5, b.grad()) < 1e-5);
+  }
 }
 
 TEST_CASE("conv5x5 of one channel equals ATen") {
