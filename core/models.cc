@@ -173,14 +173,9 @@ class Cnn final : public Model {
   at::Tensor forward(const at::Tensor& x) override {
     at::Tensor h;
     // Inference on the CPU (evaluation): both convolutions, ReLUs and
-    // poolings by core/winograd_cpu.h, whose features come channels last
-    // ([N, 7, 7, 64]): fc1 reads them through its weight's columns permuted
-    // to that order (a 6 MB copy per call, 1% of a batch of 1000).
+    // poolings by core/winograd_cpu.h.
     if (!at::GradMode::is_enabled() && cpu_fast_path(parameters(), x)) {
       h = convs_inference(as_image28(x).contiguous());
-      const at::Tensor w_hwc = fc1_->weight.view({512, 64, 49}).transpose(1, 2).reshape({512, 7 * 7 * 64});
-      h = torch::relu(at::linear(h, w_hwc, fc1_->bias));
-      return fc2_->forward(h);
     } else {
       h = torch::max_pool2d(torch::relu(conv1_->forward(as_image28(x))), 2);
       h = torch::max_pool2d(torch::relu(conv2_->forward(h)), 2);
@@ -246,14 +241,14 @@ class Cnn final : public Model {
     const at::Tensor yc = y.contiguous(), wc = w.contiguous();
     at::Tensor loss = at::empty({k}, x.options());
     at::Tensor m2 = at::empty({b, 64, 7, 7}, x.options()), dh = at::empty_like(m2);
-    at::Tensor m1 = at::empty({b, 32, 14, 14}, x.options()), dm1 = at::empty({32, 14, 14}, x.options());
+    at::Tensor m1 = at::empty({b, 32, 14, 14}, x.options()), dm1 = at::empty({kTrainGroup, 32, 14, 14}, x.options());
     at::Tensor r1 = at::empty({32, 28, 28}, x.options()), dr1 = at::empty_like(r1);
     at::Tensor col = at::empty({25 * 28 * 28}, x.options()), colt = at::empty_like(col);
     at::Tensor gw1 = at::empty({32, 25}, x.options()), gb1 = at::empty({32}, x.options());
     const at::Tensor xcont = x.contiguous();
     at::Tensor win = at::empty({b, 64 * 7 * 7}, x.options().dtype(at::kInt));
     at::Tensor win1 = at::empty({b, 32 * 14 * 14}, x.options().dtype(at::kInt));
-    cpu::WinogradConv5Pool& conv2 = winograd();
+    cpu::WinogradF4Conv5Pool& conv2 = winograd_train();
     const int64_t in2 = 32 * 14 * 14, out2 = 64 * 7 * 7;
     for (int64_t c = 0; c < k; ++c) {
       const at::Tensor xc = as_image28(xcont[c]);
@@ -267,8 +262,10 @@ class Cnn final : public Model {
       conv2.set_weights(p[2][c].data_ptr<float>(), p[3][c].data_ptr<float>());
       conv2.zero_grad();
       const float* m1p = m1.data_ptr<float>();
-      for (int64_t i = 0; i < b; ++i)
-        conv2.forward(m1p + i * in2, m2.data_ptr<float>() + i * out2, win.data_ptr<int32_t>() + i * out2);
+      const int64_t group = conv2.group();
+      for (int64_t i = 0; i < b; i += group)
+        conv2.forward(std::min(group, b - i), m1p + i * in2, m2.data_ptr<float>() + i * out2,
+                      win.data_ptr<int32_t>() + i * out2);
       // m2 [B, 64, 7, 7] is the head's batch-major input [B, 3136].
       const std::vector<cpu::LinearRef> head{linear_ref(p, g, 4, c), linear_ref(p, g, 6, c)};
       loss.data_ptr<float>()[c] = static_cast<float>(cpu::linear_chain_step(
@@ -277,13 +274,17 @@ class Cnn final : public Model {
       // Image by image back to conv1's weights, each image's gradients in cache.
       gw1.zero_();
       gb1.zero_();
-      for (int64_t i = 0; i < b; ++i) {
-        conv2.backward(m1p + i * in2, win.data_ptr<int32_t>() + i * out2, dh.data_ptr<float>() + i * out2,
+      for (int64_t i0 = 0; i0 < b; i0 += group) {
+        const int64_t n = std::min(group, b - i0);
+        conv2.backward(n, m1p + i0 * in2, win.data_ptr<int32_t>() + i0 * out2, dh.data_ptr<float>() + i0 * out2,
                        dm1.data_ptr<float>());
-        cpu::relu_maxpool2_backward(win1.data_ptr<int32_t>() + i * in2, dm1.data_ptr<float>(), 32, 28, 28,
-                                    dr1.data_ptr<float>());
-        cpu::conv5x5_one_channel_weight_grad(xp + i * 28 * 28, 28, 28, dr1.data_ptr<float>(), 32, gw1.data_ptr<float>(),
-                                             gb1.data_ptr<float>(), col.data_ptr<float>(), colt.data_ptr<float>());
+        for (int64_t i = i0; i < i0 + n; ++i) {
+          cpu::relu_maxpool2_backward(win1.data_ptr<int32_t>() + i * in2, dm1.data_ptr<float>() + (i - i0) * in2, 32,
+                                      28, 28, dr1.data_ptr<float>());
+          cpu::conv5x5_one_channel_weight_grad(xp + i * 28 * 28, 28, 28, dr1.data_ptr<float>(), 32,
+                                               gw1.data_ptr<float>(), gb1.data_ptr<float>(), col.data_ptr<float>(),
+                                               colt.data_ptr<float>());
+        }
       }
       conv2.weight_grad(g[2][c].data_ptr<float>(), g[3][c].data_ptr<float>(), static_cast<float>(alpha),
                         static_cast<float>(beta));
@@ -310,34 +311,34 @@ class Cnn final : public Model {
 
  private:
   // This thread's conv2 (workers train on threads of their own).
-  static cpu::WinogradConv5Pool& winograd() {
-    static thread_local cpu::WinogradConv5Pool conv(32, 64, 14, 14);
+  // One image at a time: the fastest grouping on the 2-vCPU machine (a
+  // group's transformed tiles then stay in L2).
+  static cpu::WinogradF4Conv5Pool& winograd() {
+    static thread_local cpu::WinogradF4Conv5Pool conv(32, 64, 14, 14, 1);
     return conv;
   }
-  // The pooled conv2 features [N, 7 * 7 * 64] (channels last) of images
-  // x [N, 1, 28, 28] (contiguous), without gradient: conv1 as im2col + GEMM,
-  // conv2 by Winograd F(4x4, 5x5) (core/winograd_cpu.h), the images split
-  // over the intra-op threads.
+  static constexpr int64_t kTrainGroup = 4;
+  static cpu::WinogradF4Conv5Pool& winograd_train() {
+    static thread_local cpu::WinogradF4Conv5Pool conv(32, 64, 14, 14, kTrainGroup);
+    return conv;
+  }
+  // The pooled conv2 features [N, 64, 7, 7] of images x [N, 1, 28, 28]
+  // (contiguous), without gradient: images split over the intra-op threads.
   at::Tensor convs_inference(const at::Tensor& x) {
     const at::Tensor w1 = conv1_->weight.contiguous(), b1 = conv1_->bias.contiguous();
     const at::Tensor w2 = conv2_->weight.contiguous(), b2 = conv2_->bias.contiguous();
-    at::Tensor out = at::empty({x.size(0), 7 * 7 * 64}, x.options());
+    at::Tensor out = at::empty({x.size(0), 64, 7, 7}, x.options());
     const float* in = x.data_ptr<float>();
     float* o = out.data_ptr<float>();
     at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
-      // One image at a time: the fastest grouping on the 2-vCPU machine
-      // (a group's transformed tiles then stay in L2).
-      static thread_local cpu::WinogradF4Conv5Pool conv(32, 64, 14, 14, 1);
+      cpu::WinogradF4Conv5Pool& conv = winograd();
       conv.set_weights(w2.data_ptr<float>(), b2.data_ptr<float>());
-      std::vector<float> col(25 * 28 * 28), r1(32 * 28 * 28), m1(32 * 14 * 14), m1t(14 * 14 * 32);
-      float* dst = conv.interior(0);
+      std::vector<float> col(25 * 28 * 28), r1(32 * 28 * 28), m1(32 * 14 * 14);
       for (int64_t i = begin; i < end; ++i) {
         cpu::conv5x5_one_channel(in + i * 28 * 28, 28, 28, w1.data_ptr<float>(), b1.data_ptr<float>(), 32, r1.data(),
                                  col.data());
         cpu::relu_maxpool2(r1.data(), 32, 28, 28, m1.data(), nullptr);
-        cpu::transpose(m1.data(), 32, 14 * 14, m1t.data());  // channels last
-        for (int64_t y = 0; y < 14; ++y) std::copy_n(m1t.data() + y * 14 * 32, 14 * 32, dst + y * conv.row_stride());
-        conv.forward(1, o + i * 7 * 7 * 64);
+        conv.forward(1, m1.data(), o + i * 64 * 7 * 7);
       }
     });
     return out;

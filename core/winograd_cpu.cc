@@ -71,11 +71,11 @@ inline void b6(SPARROW_SIX(x), SPARROW_SIX_OUT(o), int64_t n) {
 // The six vectors p[0], p[s], ..., p[5 s].
 #define SPARROW_AT6(p, s) (p), (p) + (s), (p) + 2 * (s), (p) + 3 * (s), (p) + 4 * (s), (p) + 5 * (s)
 
-// pad [rows, cols, c] (zero border of 2) from x [c, h, w]: channels last,
+// pad [rows, cols, c] (interior from row and column 2) from x [c, h, w]: channels last,
 // so the tile transforms vectorise across channels.
 SPARROW_SIMD_CLONES
-void pad_channels_last(const float* __restrict x, int64_t c, int64_t h, int64_t w, float* __restrict pad) {
-  const int64_t cols = w + 4;
+void pad_channels_last(const float* __restrict x, int64_t c, int64_t h, int64_t w, int64_t cols,
+                       float* __restrict pad) {
   for (int64_t y = 0; y < h; ++y)
     for (int64_t xx = 0; xx < w; ++xx) {
       float* __restrict dst = pad + ((y + 2) * cols + xx + 2) * c;
@@ -213,10 +213,10 @@ void input_grad_tiles(const float* dv, int64_t c, int64_t th, int64_t tw, float*
     }
 }
 
-// dx [c, h, w] from dpad [h + 4, w + 4, c] (the border dropped).
+// dx [c, h, w] from dpad [rows, cols, c] (interior from row and column 2; the border dropped).
 SPARROW_SIMD_CLONES
-void unpad_channels_first(const float* __restrict dpad, int64_t c, int64_t h, int64_t w, float* __restrict dx) {
-  const int64_t cols = w + 4;
+void unpad_channels_first(const float* __restrict dpad, int64_t c, int64_t h, int64_t w, int64_t cols,
+                          float* __restrict dx) {
   for (int64_t y = 0; y < h; ++y)
     for (int64_t xx = 0; xx < w; ++xx) {
       const float* __restrict src = dpad + ((y + 2) * cols + xx + 2) * c;
@@ -410,15 +410,21 @@ void input_tiles_f4(const float* pad, int64_t c, int64_t th, int64_t tw, float* 
   }
 }
 
-// out [py, px, co] = relu(max of the window + bias) for one 2x2 window whose
-// values are y00, y01 (+c) and y10, y11 (+4c) of a tile's [4, 4, c] outputs.
-inline void pool_window(const float* __restrict y, const float* __restrict bias, float* __restrict out, int64_t c) {
+// out [co] = relu(the window's max + bias) for one 2x2 window whose values
+// are y00, y01 (+c) and y10, y11 (+4c) of a tile's [4, 4, c] outputs; arg
+// (or null) the winner as output_tiles writes it.
+inline void pool_window(const float* __restrict y, const float* __restrict bias, float* __restrict out,
+                        int32_t* __restrict arg, int64_t c) {
   const float* __restrict y01 = y + c;
   const float* __restrict y10 = y + 4 * c;
   const float* __restrict y11 = y + 5 * c;
   for (int64_t co = 0; co < c; ++co) {
-    const float best = std::max(std::max(y[co], y01[co]), std::max(y10[co], y11[co])) + bias[co];
+    const float b = bias[co], v0 = y[co] + b, v1 = y01[co] + b, v2 = y10[co] + b, v3 = y11[co] + b;
+    const float b01 = v1 > v0 ? v1 : v0, w01 = v1 > v0 ? 1.0f : 0.0f;  // float selects vectorise
+    const float b23 = v3 > v2 ? v3 : v2, w23 = v3 > v2 ? 3.0f : 2.0f;
+    const float best = b23 > b01 ? b23 : b01, which = b23 > b01 ? w23 : w01;
     out[co] = best > 0 ? best : 0.0f;
+    if (arg) arg[co] = static_cast<int32_t>(best > 0 ? which : 4.0f);
   }
 }
 
@@ -428,7 +434,7 @@ inline void pool_window(const float* __restrict y, const float* __restrict bias,
 // tmp: 48 c floats.
 SPARROW_SIMD_CLONES
 void output_tiles_f4(const float* m, int64_t mstride, int64_t row0, const float* bias, int64_t c, int64_t th,
-                     int64_t tw, int64_t ph, int64_t pw, float* out, float* tmp) {
+                     int64_t tw, int64_t ph, int64_t pw, float* out, int32_t* arg, float* tmp) {
   float* y = tmp + 4 * kA8 * c;  // [4, 4, c]
   for (int64_t ty = 0; ty < th; ++ty)
     for (int64_t tx = 0; tx < tw; ++tx) {
@@ -440,8 +446,113 @@ void output_tiles_f4(const float* m, int64_t mstride, int64_t row0, const float*
       for (int pi = 0; pi < 2; ++pi)
         for (int pj = 0; pj < 2; ++pj) {
           const int64_t py = 2 * ty + pi, px = 2 * tx + pj;
-          if (py < ph && px < pw) pool_window(y + (2 * pi * 4 + 2 * pj) * c, bias, out + (py * pw + px) * c, c);
+          if (py < ph && px < pw)
+            pool_window(y + (2 * pi * 4 + 2 * pj) * c, bias, out + (py * pw + px) * c,
+                        arg ? arg + (py * pw + px) * c : nullptr, c);
         }
+    }
+}
+
+// o = B x (B^T's transpose, for the input gradient): eight vectors from
+// eight; acc adds into o.
+template <bool acc>
+inline void b8(SPARROW_EIGHT(x), SPARROW_EIGHT_OUT(o), int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v0 = x0[i], v7 = x7[i];
+    const float d12 = x2[i] - x1[i], s12 = x1[i] + x2[i], d34 = x3[i] - x4[i], s34 = x3[i] + x4[i], d56 = x5[i] - x6[i],
+                s56 = x5[i] + x6[i];
+    const float r0 = 4 * v0, r1 = 4 * d12 + 2 * d34 + 4 * d56 - 4 * v7, r2 = -21 * v0 - 4 * s12 + s34 + 8 * s56,
+                r3 = -17 * d12 - 10 * d34 - 5 * d56 + 21 * v7, r4 = 21 * v0 + 17 * s12 - 5 * s34 - 10 * s56,
+                r5 = 4 * d12 + 8 * d34 + d56 - 21 * v7, r6 = -4 * v0 - 4 * s12 + 4 * s34 + 2 * s56, r7 = 4 * v7;
+    if (acc) {
+      o0[i] += r0, o1[i] += r1, o2[i] += r2, o3[i] += r3, o4[i] += r4, o5[i] += r5, o6[i] += r6, o7[i] += r7;
+    } else {
+      o0[i] = r0, o1[i] = r1, o2[i] = r2, o3[i] = r3, o4[i] = r4, o5[i] = r5, o6[i] = r6, o7[i] = r7;
+    }
+  }
+}
+
+// A^T's rows (F(4, 5)), for the gradient tiles.
+constexpr float kAT8[4][kA8] = {{1, 1, 1, 1, 1, 1, 1, 0},
+                                {0, 1, -1, 2, -2, 0.5f, -0.5f, 0},
+                                {0, 1, 1, 4, 4, 0.25f, 0.25f, 0},
+                                {0, 1, -1, 8, -8, 0.125f, -0.125f, 1}};
+
+// W[pos, row0 + t, co] = (A dY A^T)[pos] for one image's tiles, dY the 4x4
+// tile's gradient: dout [ph, pw, c] at each window's winner (arg), 0
+// elsewhere. dY has one non-zero per window, so W is the sum of four outer
+// products (column i of A^T times g) x (column j of A^T). db += the gradients
+// that pass the ReLU. tmp: 67 c floats.
+SPARROW_SIMD_CLONES
+void grad_tiles_f4(const float* __restrict dout, const int32_t* __restrict arg, int64_t th, int64_t tw, int64_t ph,
+                   int64_t pw, int64_t c, float* __restrict w, int64_t wstride, int64_t row0, float* __restrict db,
+                   float* __restrict tmp) {
+  for (int64_t ty = 0; ty < th; ++ty)
+    for (int64_t tx = 0; tx < tw; ++tx) {
+      for (int win = 0; win < 4; ++win) {  // ra [8, c] then rb [8, c] per window
+        float* __restrict ra = tmp + win * 16 * c;
+        float* __restrict rb = ra + 8 * c;
+        const int pi = win / 2, pj = win % 2;
+        const int64_t py = 2 * ty + pi, px = 2 * tx + pj;
+        if (py >= ph || px >= pw) {  // the tiling's padding: no gradient
+          std::fill(ra, ra + 16 * c, 0.0f);
+          continue;
+        }
+        const float* __restrict d = dout + (py * pw + px) * c;
+        const int32_t* __restrict q = arg + (py * pw + px) * c;
+        const float* a0 = kAT8[2 * pi];
+        const float* a1 = kAT8[2 * pi + 1];
+        const float* b0 = kAT8[2 * pj];
+        const float* b1 = kAT8[2 * pj + 1];
+        float* __restrict gv = tmp + 64 * c;  // the gradient that passes, and the winner's row and column
+        float* __restrict sv = gv + c;
+        float* __restrict tv = sv + c;
+        for (int64_t co = 0; co < c; ++co) {  // float selects only, so the loop vectorises
+          const float qf = static_cast<float>(q[co]);
+          gv[co] = d[co] * (qf < 4.0f ? 1.0f : 0.0f);
+          db[co] += gv[co];
+          sv[co] = qf >= 2.0f ? 1.0f : 0.0f;
+          tv[co] = qf == 1.0f || qf == 3.0f ? 1.0f : 0.0f;
+        }
+        for (int a = 0; a < kA8; ++a) {
+          const float base = a0[a], step = a1[a] - a0[a];
+          float* __restrict r = ra + a * c;
+          for (int64_t co = 0; co < c; ++co) r[co] = gv[co] * (base + sv[co] * step);
+        }
+        for (int b = 0; b < kA8; ++b) {
+          const float base = b0[b], step = b1[b] - b0[b];
+          float* __restrict r = rb + b * c;
+          for (int64_t co = 0; co < c; ++co) r[co] = base + tv[co] * step;
+        }
+      }
+      float* tile = w + (row0 + ty * tw + tx) * c;
+      for (int a = 0; a < kA8; ++a)
+        for (int b = 0; b < kA8; ++b) {
+          const float* __restrict x0 = tmp + a * c;
+          const float* __restrict y0 = tmp + (8 + b) * c;
+          float* __restrict out = tile + (a * kA8 + b) * wstride;
+          for (int64_t co = 0; co < c; ++co)
+            out[co] = x0[co] * y0[co] + x0[16 * c + co] * y0[16 * c + co] + x0[32 * c + co] * y0[32 * c + co] +
+                      x0[48 * c + co] * y0[48 * c + co];
+        }
+    }
+}
+
+// dpad += B dV_t B^T on every 8x8 window of one image's pad (stride 4, the
+// windows overlap); dV rows row0.., vstride = dV's rows per position times c.
+// tmp: 64 c floats.
+SPARROW_SIMD_CLONES
+void input_grad_tiles_f4(const float* dv, int64_t vstride, int64_t row0, int64_t c, int64_t th, int64_t tw, float* dpad,
+                         float* tmp) {
+  const int64_t cols = 4 * tw + 4;
+  for (int64_t ty = 0; ty < th; ++ty)
+    for (int64_t tx = 0; tx < tw; ++tx) {
+      const float* in = dv + (row0 + ty * tw + tx) * c;
+      for (int a = 0; a < kA8; ++a)  // tmp[a, l] = (dV B^T)[a, l]: along row a
+        b8<false>(SPARROW_AT8(in + a * kA8 * vstride, vstride), SPARROW_AT8(tmp + a * kA8 * c, c), c);
+      float* base = dpad + (4 * ty * cols + 4 * tx) * c;
+      for (int l = 0; l < kA8; ++l)  // window += (B tmp)[k, l]: down column l
+        b8<true>(SPARROW_AT8(tmp + l * c, kA8 * c), SPARROW_AT8(base + l * c, cols * c), c);
     }
 }
 
@@ -608,7 +719,7 @@ void WinogradConv5Pool::set_weights(const float* w, const float* bias) {
 }
 
 void WinogradConv5Pool::input_transform(const float* x) {
-  pad_channels_last(x, cin_, h_, w_, pad_.data());
+  pad_channels_last(x, cin_, h_, w_, w_ + 4, pad_.data());
   input_tiles(pad_.data(), cin_, h_ / 2, w_ / 2, v_.data(), tmp_.data());
 }
 
@@ -641,7 +752,7 @@ void WinogradConv5Pool::backward(const float* x, const int32_t* arg, const float
   float* dpad = pad_.data();  // reused; forward rewrites the interior and this clears the border below
   std::fill(pad_.begin(), pad_.end(), 0.0f);
   input_grad_tiles(dv, cin_, h_ / 2, w_ / 2, dpad, tmp_.data());
-  unpad_channels_first(dpad, cin_, h_, w_, dx);
+  unpad_channels_first(dpad, cin_, h_, w_, w_ + 4, dx);
   std::fill(pad_.begin(), pad_.end(), 0.0f);
 }
 
@@ -671,30 +782,85 @@ WinogradF4Conv5Pool::WinogradF4Conv5Pool(int64_t cin, int64_t cout, int64_t h, i
                                         << group << " (positive, even sides)");
   const int64_t rows = group * th_ * tw_;
   u_.resize(kA8 * kA8 * cin * cout);
+  ut_.resize(u_.size());
+  du_.assign(u_.size(), 0.0f);
   bias_.assign(cout, 0.0f);
-  pad_.assign(group * pad_size_, 0.0f);  // the border stays zero
-  v_.resize(kA8 * kA8 * rows * cin);
-  m_.resize(kA8 * kA8 * rows * cout);
-  tmp_.resize(std::max(kA8 * cols_ * cin, 48 * cout));
+  db_.assign(cout, 0.0f);
+  pad_.assign(pad_size_, 0.0f);  // the border stays zero
+  dpad_.resize(pad_size_);
+  pooled_.resize((h / 2) * (w / 2) * cout);
+  // One position's rows, padded by a cache line: at whole multiples of 4 KiB
+  // (16 tiles x 32 channels x 4 B x 2^k) the 64 positions' rows alias in the
+  // L1 cache and the transforms, which write or read all 64, ran 3x slower.
+  vstride_ = rows * cin + 16;
+  mstride_ = rows * cout + 16;
+  v_.resize(kA8 * kA8 * vstride_);
+  m_.resize(kA8 * kA8 * mstride_);
+  tmp_.resize(std::max(kA8 * cols_ * cin, 67 * cout));
   scratch_.resize((5 * kA8 + 25) * cout);
 }
 
 void WinogradF4Conv5Pool::set_weights(const float* w, const float* bias) {
   transform_weights(w, cin_, cout_, &kG8[0][0], kA8, u_.data(), scratch_.data(), scratch_.data() + 25 * cout_);
+  for (int p = 0; p < kA8 * kA8; ++p)
+    transpose(u_.data() + p * cin_ * cout_, cin_, cout_, ut_.data() + p * cout_ * cin_);
   std::copy(bias, bias + cout_, bias_.begin());
 }
 
-void WinogradF4Conv5Pool::forward(int64_t n, float* out) {
+void WinogradF4Conv5Pool::input_transform(int64_t n, const float* x) {
   SPARROW_CHECK(n >= 1 && n <= group_, "WinogradF4Conv5Pool: " << n << " images for groups of " << group_);
-  const int64_t tiles = th_ * tw_, rows = group_ * tiles, ph = h_ / 2, pw = w_ / 2;
-  for (int64_t i = 0; i < n; ++i)
-    input_tiles_f4(pad_.data() + i * pad_size_, cin_, th_, tw_, v_.data(), rows * cin_, i * tiles, tmp_.data());
+  const int64_t tiles = th_ * tw_;
+  for (int64_t i = 0; i < n; ++i) {
+    pad_channels_last(x + i * cin_ * h_ * w_, cin_, h_, w_, cols_, pad_.data());
+    input_tiles_f4(pad_.data(), cin_, th_, tw_, v_.data(), vstride_, i * tiles, tmp_.data());
+  }
+}
+
+void WinogradF4Conv5Pool::forward(int64_t n, const float* x, float* out, int32_t* arg) {
+  input_transform(n, x);
+  const int64_t tiles = th_ * tw_, pooled = (h_ / 2) * (w_ / 2) * cout_;
   for (int p = 0; p < kA8 * kA8; ++p)
-    gemm_nn(n * tiles, cout_, cin_, v_.data() + p * rows * cin_, u_.data() + p * cin_ * cout_,
-            m_.data() + p * rows * cout_, false);
-  for (int64_t i = 0; i < n; ++i)
-    output_tiles_f4(m_.data(), rows * cout_, i * tiles, bias_.data(), cout_, th_, tw_, ph, pw,
-                    out + i * ph * pw * cout_, tmp_.data());
+    gemm_nn(n * tiles, cout_, cin_, v_.data() + p * vstride_, u_.data() + p * cin_ * cout_, m_.data() + p * mstride_,
+            false);
+  for (int64_t i = 0; i < n; ++i) {
+    output_tiles_f4(m_.data(), mstride_, i * tiles, bias_.data(), cout_, th_, tw_, h_ / 2, w_ / 2, pooled_.data(),
+                    arg ? arg + i * pooled : nullptr, tmp_.data());
+    transpose(pooled_.data(), (h_ / 2) * (w_ / 2), cout_, out + i * pooled);  // channels first
+  }
+}
+
+void WinogradF4Conv5Pool::zero_grad() {
+  std::fill(du_.begin(), du_.end(), 0.0f);
+  std::fill(db_.begin(), db_.end(), 0.0f);
+}
+
+void WinogradF4Conv5Pool::backward(int64_t n, const float* x, const int32_t* arg, const float* dout, float* dx) {
+  input_transform(n, x);  // checks n
+  const int64_t tiles = th_ * tw_, ph = h_ / 2, pw = w_ / 2, pooled = ph * pw * cout_;
+  float* w = m_.data();  // W [64, rows, cout]
+  for (int64_t i = 0; i < n; ++i) {
+    transpose(dout + i * pooled, cout_, ph * pw, pooled_.data());  // channels last
+    grad_tiles_f4(pooled_.data(), arg + i * pooled, th_, tw_, ph, pw, cout_, w, mstride_, i * tiles, db_.data(),
+                  tmp_.data());
+  }
+  for (int p = 0; p < kA8 * kA8; ++p)
+    gemm_tn(cin_, cout_, n * tiles, v_.data() + p * vstride_, w + p * mstride_, du_.data() + p * cin_ * cout_, true);
+  if (!dx) return;
+  float* dv = v_.data();  // V is no longer needed: dV [64, rows, cin] takes its place
+  for (int p = 0; p < kA8 * kA8; ++p)
+    gemm_nn(n * tiles, cin_, cout_, w + p * mstride_, ut_.data() + p * cout_ * cin_, dv + p * vstride_, false);
+  for (int64_t i = 0; i < n; ++i) {
+    std::fill(dpad_.begin(), dpad_.end(), 0.0f);
+    input_grad_tiles_f4(dv, vstride_, i * tiles, cin_, th_, tw_, dpad_.data(), tmp_.data());
+    unpad_channels_first(dpad_.data(), cin_, h_, w_, cols_, dx + i * cin_ * h_ * w_);
+  }
+}
+
+void WinogradF4Conv5Pool::weight_grad(float* gw, float* gb, float alpha, float beta) const {
+  std::vector<float> scratch((5 * kA8 + 25) * cout_);
+  untransform_grad(du_.data(), cin_, cout_, &kG8[0][0], kA8, gw, alpha, beta, scratch.data(),
+                   scratch.data() + 5 * kA8 * cout_);
+  for (int64_t co = 0; co < cout_; ++co) gb[co] = beta == 0 ? alpha * db_[co] : beta * gb[co] + alpha * db_[co];
 }
 
 }  // namespace sparrow::core::cpu

@@ -67,15 +67,14 @@ class WinogradConv5Pool {
   std::vector<float> scratch_;        // set_weights' transform
 };
 
-// The same convolution + bias + ReLU + 2x2 max pooling for inference only,
-// with Winograd's F(4x4, 5x5) on 8x8 tiles (points 0, +-1, +-2, +-1/2 and
-// infinity): 64 multiplies per 16 outputs, 1.7x fewer than F(2x2, 5x5) on a
-// 14x14 image even with its 16x16 tiling, at float error (relative ~1e-6,
-// the same order as F(2x2, 5x5)). A 4x4 output tile is four pooling windows,
-// so bias, ReLU and pooling are again fused into the output transform. The
-// GEMMs run over `group` images at once ([group * tiles, cin] x [cin, cout]
-// per transformed position). Training keeps F(2x2, 5x5), whose backward is
-// written; evaluation is forward passes only.
+// The same convolution + bias + ReLU + 2x2 max pooling with Winograd's
+// F(4x4, 5x5) on 8x8 tiles (points 0, +-1, +-2, +-1/2 and infinity): 64
+// multiplies per 16 outputs, 1.7x fewer than F(2x2, 5x5) on a 14x14 image
+// even with its 16x16 tiling, at float error (relative ~1e-6, the same order
+// as F(2x2, 5x5)). A 4x4 output tile is four pooling windows, so bias, ReLU
+// and pooling are again fused into the output transform. The GEMMs run over
+// `group` images at once ([group * tiles, cin] x [cin, cout] per transformed
+// position). The backward mirrors WinogradConv5Pool's with 8x8 transforms.
 class WinogradF4Conv5Pool {
  public:
   WinogradF4Conv5Pool(int64_t cin, int64_t cout, int64_t h, int64_t w, int64_t group);
@@ -85,23 +84,35 @@ class WinogradF4Conv5Pool {
   // Transforms the weights w [cout, cin, 5, 5] and keeps bias [cout].
   void set_weights(const float* w, const float* bias);
 
-  // Where image i (< group) of the next forward goes: pixel (y, x), channel c
-  // at interior(i)[(y * row_stride()) + x * cin + c], channels last. The
-  // zero border around it is kept by forward.
-  float* interior(int64_t i) { return pad_.data() + i * pad_size_ + (2 * cols_ + 2) * cin_; }
-  int64_t row_stride() const { return cols_ * cin_; }
+  // n (<= group) images x [n, cin, h, w] -> out [n, cout, h/2, w/2] =
+  // maxpool(relu(conv(x) + bias)). arg (n pooled_size() values, or null)
+  // receives which element of each window won, for backward.
+  int64_t pooled_size() const { return cout_ * (h_ / 2) * (w_ / 2); }
+  void forward(int64_t n, const float* x, float* out, int32_t* arg = nullptr);
 
-  // The first n (<= group) images written through interior() ->
-  // out [n, h/2, w/2, cout] = maxpool(relu(conv(x) + bias)), channels last.
-  void forward(int64_t n, float* out);
+  // Clears the gradients accumulated by backward.
+  void zero_grad();
+
+  // The backward of n images: x and arg as given to and returned by forward,
+  // dout [n, cout, h/2, w/2] the gradient of out. Accumulates the weight and
+  // bias gradients; writes dL/dx [n, cin, h, w] into dx unless it is null.
+  void backward(int64_t n, const float* x, const int32_t* arg, const float* dout, float* dx);
+
+  // gw = beta gw + alpha dL/dw, gb likewise, over every image since zero_grad.
+  void weight_grad(float* gw, float* gb, float alpha, float beta) const;
 
  private:
+  void input_transform(int64_t n, const float* x);
+
   int64_t cin_, cout_, h_, w_, group_, th_, tw_, cols_, pad_size_;
-  std::vector<float> u_, bias_;  // U [64, cin, cout]
-  std::vector<float> pad_;       // group x [4 th + 4, 4 tw + 4, cin], zero border
-  std::vector<float> v_, m_;     // V [64, group * tiles, cin], M [64, group * tiles, cout]
-  std::vector<float> tmp_;       // a band's or a tile's half-transformed values
-  std::vector<float> scratch_;   // the weight transform's
+  int64_t vstride_ = 0, mstride_ = 0;  // floats from one position's rows to the next in V and M
+  std::vector<float> u_, ut_, bias_;   // U [64, cin, cout], U^T [64, cout, cin]
+  std::vector<float> du_, db_;         // dL/dU [64, cin, cout], dL/db [cout]
+  std::vector<float> pad_, dpad_;      // one image padded [4 th + 4, 4 tw + 4, cin], channels last; its gradient
+  std::vector<float> pooled_;          // one image's output (or its gradient) channels last [h/2, w/2, cout]
+  std::vector<float> v_, m_;           // V [64, group * tiles, cin], M [64, group * tiles, cout], padded
+  std::vector<float> tmp_;             // a band's or a tile's half-transformed values
+  std::vector<float> scratch_;         // the weight transform's
 };
 
 // A 5x5 convolution (stride 1, padding 2) of one single-channel h x w image

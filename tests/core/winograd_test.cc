@@ -77,8 +77,9 @@ TEST_CASE("winograd conv5x5 + relu + maxpool equals ATen and autograd") {
 
 namespace {
 
-// maxpool(relu(conv5x5(x) + bias)) by ATen and by WinogradF4Conv5Pool, the
-// images fed `group` at a time through its channels-last interior.
+// maxpool(relu(conv5x5(x) + bias)) by ATen and autograd, and by
+// WinogradF4Conv5Pool, `group` images at a time: forward, winners, weight,
+// bias and input gradients.
 void check_f4_against_aten(int64_t n, int64_t cin, int64_t cout, int64_t h, int64_t w, int64_t group) {
   CAPTURE(cin);
   CAPTURE(cout);
@@ -86,35 +87,59 @@ void check_f4_against_aten(int64_t n, int64_t cin, int64_t cout, int64_t h, int6
   CAPTURE(w);
   CAPTURE(group);
   torch::manual_seed(cin * 10 + w);
-  const at::Tensor x = torch::randn({n, cin, h, w});
-  const at::Tensor weight = 0.1 * torch::randn({cout, cin, 5, 5}), bias = 0.1 * torch::randn({cout});
-  const at::Tensor ref = torch::max_pool2d(torch::relu(at::conv2d(x, weight, bias, 1, 2)), 2).permute({0, 2, 3, 1});
+  const at::Tensor x = torch::randn({n, cin, h, w}).requires_grad_();
+  const at::Tensor weight = (0.1 * torch::randn({cout, cin, 5, 5})).requires_grad_();
+  const at::Tensor bias = (0.1 * torch::randn({cout})).requires_grad_();
+  const at::Tensor ref = torch::max_pool2d(torch::relu(at::conv2d(x, weight, bias, 1, 2)), 2);
+  const at::Tensor dout = torch::randn(ref.sizes());
+  (ref * dout).sum().backward();
   sparrow::core::cpu::WinogradF4Conv5Pool conv(cin, cout, h, w, group);
-  conv.set_weights(weight.contiguous().data_ptr<float>(), bias.contiguous().data_ptr<float>());
-  const at::Tensor xl = x.permute({0, 2, 3, 1}).contiguous();  // [n, h, w, cin]
-  at::Tensor out = torch::full({n, h / 2, w / 2, cout}, 9.0f);
+  REQUIRE(conv.pooled_size() == cout * (h / 2) * (w / 2));
+  conv.set_weights(weight.detach().contiguous().data_ptr<float>(), bias.detach().contiguous().data_ptr<float>());
+  conv.zero_grad();
+  const at::Tensor xd = x.detach().contiguous();
+  const int64_t pooled = conv.pooled_size(), in_size = cin * h * w;
+  at::Tensor out = torch::full(ref.sizes(), 9.0f), out2 = torch::full(ref.sizes(), 9.0f);
+  at::Tensor dx = torch::full(x.sizes(), 9.0f);
+  std::vector<int32_t> arg(static_cast<size_t>(n * pooled));
   for (int64_t g0 = 0; g0 < n; g0 += group) {
     const int64_t k = std::min(group, n - g0);
-    for (int64_t i = 0; i < k; ++i)
-      for (int64_t y = 0; y < h; ++y)
-        std::copy_n(xl[g0 + i][y].data_ptr<float>(), w * cin, conv.interior(i) + y * conv.row_stride());
-    conv.forward(k, out.data_ptr<float>() + g0 * (h / 2) * (w / 2) * cout);
+    const float* xg = xd.data_ptr<float>() + g0 * in_size;
+    conv.forward(k, xg, out.data_ptr<float>() + g0 * pooled, arg.data() + g0 * pooled);
+    conv.forward(k, xg, out2.data_ptr<float>() + g0 * pooled);  // inference: no winners kept
+    conv.backward(k, xg, arg.data() + g0 * pooled, dout.data_ptr<float>() + g0 * pooled,
+                  dx.data_ptr<float>() + g0 * in_size);
   }
-  CHECK(rel(out, ref) < 2e-6);
-  CHECK((out - ref).abs().max().item<double>() < 1e-4 * ref.abs().max().item<double>());
+  at::Tensor gw = torch::full(weight.sizes(), 7.0f), gb = torch::full(bias.sizes(), 7.0f);
+  conv.weight_grad(gw.data_ptr<float>(), gb.data_ptr<float>(), 1.0f, 0.0f);  // 7s overwritten
+  const at::Tensor want = ref.detach();
+  CHECK(rel(out, want) < 2e-6);
+  CHECK((out - want).abs().max().item<double>() < 1e-4 * want.abs().max().item<double>());
+  CHECK(torch::equal(out, out2));
+  CHECK(rel(dx, x.grad()) < 1e-5);
+  CHECK(rel(gw, weight.grad()) < 1e-4);
+  CHECK(rel(gb, bias.grad()) < 1e-5);
+  at::Tensor acc = torch::ones(weight.sizes()), accb = torch::ones(bias.sizes());
+  conv.weight_grad(acc.data_ptr<float>(), accb.data_ptr<float>(), -0.5f, 0.25f);
+  CHECK(rel(acc, 0.25 - 0.5 * weight.grad()) < 1e-4);
+  CHECK(rel(accb, 0.25 - 0.5 * bias.grad()) < 1e-5);
+  conv.zero_grad();
+  conv.weight_grad(gw.data_ptr<float>(), gb.data_ptr<float>(), 1.0f, 0.0f);
+  CHECK(gw.abs().max().item<float>() == 0.0f);
+  CHECK(gb.abs().max().item<float>() == 0.0f);
 }
 
 }  // namespace
 
-TEST_CASE("winograd F(4x4, 5x5) inference equals ATen") {
+TEST_CASE("winograd F(4x4, 5x5) + relu + maxpool equals ATen and autograd") {
   check_f4_against_aten(11, 32, 64, 14, 14, 4);  // the CNN's conv2, a last group of 3
   check_f4_against_aten(3, 3, 5, 8, 6, 2);       // odd channel counts, non-square
   check_f4_against_aten(2, 1, 17, 2, 2, 1);      // one tile, mostly padding
   check_f4_against_aten(2, 4, 3, 10, 18, 5);     // one group larger than the batch
   CHECK_THROWS_WITH(sparrow::core::cpu::WinogradF4Conv5Pool(1, 1, 4, 3, 1), doctest::Contains("even"));
   sparrow::core::cpu::WinogradF4Conv5Pool conv(1, 1, 4, 4, 2);
-  std::vector<float> out(16);
-  CHECK_THROWS_WITH(conv.forward(3, out.data()), doctest::Contains("3 images for groups of 2"));
+  std::vector<float> in(48), out(12);
+  CHECK_THROWS_WITH(conv.forward(3, in.data(), out.data()), doctest::Contains("3 images for groups of 2"));
 }
 
 TEST_CASE("winograd: a window the ReLU zeroes passes no gradient, ties go to the first") {
