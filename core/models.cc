@@ -248,7 +248,7 @@ class Cnn final : public Model {
     const at::Tensor xcont = x.contiguous();
     at::Tensor win = at::empty({b, 64 * 7 * 7}, x.options().dtype(at::kInt));
     at::Tensor win1 = at::empty({b, 32 * 14 * 14}, x.options().dtype(at::kInt));
-    cpu::WinogradF4Conv5Pool& conv2 = winograd_train();
+    cpu::WinogradConv5Pool& conv2 = winograd_train();
     const int64_t in2 = 32 * 14 * 14, out2 = 64 * 7 * 7;
     for (int64_t c = 0; c < k; ++c) {
       const at::Tensor xc = as_image28(xcont[c]);
@@ -313,13 +313,13 @@ class Cnn final : public Model {
   // This thread's conv2 (workers train on threads of their own).
   // One image at a time: the fastest grouping on the 2-vCPU machine (a
   // group's transformed tiles then stay in L2).
-  static cpu::WinogradF4Conv5Pool& winograd() {
-    static thread_local cpu::WinogradF4Conv5Pool conv(32, 64, 14, 14, 1);
+  static cpu::WinogradConv5Pool& winograd() {
+    static thread_local cpu::WinogradConv5Pool conv(32, 64, 14, 14, 1);
     return conv;
   }
   static constexpr int64_t kTrainGroup = 4;
-  static cpu::WinogradF4Conv5Pool& winograd_train() {
-    static thread_local cpu::WinogradF4Conv5Pool conv(32, 64, 14, 14, kTrainGroup);
+  static cpu::WinogradConv5Pool& winograd_train() {
+    static thread_local cpu::WinogradConv5Pool conv(32, 64, 14, 14, kTrainGroup);
     return conv;
   }
   // The pooled conv2 features [N, 64, 7, 7] of images x [N, 1, 28, 28]
@@ -331,7 +331,7 @@ class Cnn final : public Model {
     const float* in = x.data_ptr<float>();
     float* o = out.data_ptr<float>();
     at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
-      cpu::WinogradF4Conv5Pool& conv = winograd();
+      cpu::WinogradConv5Pool& conv = winograd();
       conv.set_weights(w2.data_ptr<float>(), b2.data_ptr<float>());
       std::vector<float> col(25 * 28 * 28), r1(32 * 28 * 28), m1(32 * 14 * 14);
       for (int64_t i = begin; i < end; ++i) {

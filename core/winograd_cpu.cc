@@ -17,56 +17,14 @@
 namespace sparrow::core::cpu {
 namespace {
 
-constexpr int kA = 6;          // transformed tile side
-constexpr int kPos = kA * kA;  // transformed positions
-
-// F(2, 5) with the points 0, 1, -1, 2, -2 and infinity (derived with exact
-// rationals; y = A^T [(G g) . (B^T d)] is the 1-D correlation y_i = sum_k g_k d_{i+k}).
-//   B^T = [4 0 -5 0 1 0; 0 -4 -4 1 1 0; 0 4 -4 -1 1 0; 0 -2 -1 2 1 0; 0 2 -1 -2 1 0; 0 4 0 -5 0 1]
-//   G   = [1/4 0 0 0 0; -1/6 x5; -1/6 1/6 -1/6 1/6 -1/6; 1/24 1/12 1/6 1/3 2/3; 1/24 -1/12 1/6 -1/3 2/3; 0 0 0 0 1]
-//   A^T = [1 1 1 1 1 0; 0 1 -1 2 -2 1]
-constexpr float kG[kA][5] = {{0.25f, 0, 0, 0, 0},
-                             {-1.f / 6, -1.f / 6, -1.f / 6, -1.f / 6, -1.f / 6},
-                             {-1.f / 6, 1.f / 6, -1.f / 6, 1.f / 6, -1.f / 6},
-                             {1.f / 24, 1.f / 12, 1.f / 6, 1.f / 3, 2.f / 3},
-                             {1.f / 24, -1.f / 12, 1.f / 6, -1.f / 3, 2.f / 3},
-                             {0, 0, 0, 0, 1}};
-
-// The 1-D transforms on six channel vectors of n floats (x_0..x_5 -> o_0..o_5),
-// vectorised across the channels. bt6: o = B^T x. b6: o = B x (its
-// transpose, for the input gradient). acc adds into o instead of writing.
+// Parameter lists of six (and, below, eight) channel vectors: the 1-D
+// transforms are vectorised across the channels.
 #define SPARROW_SIX(p)                                                                      \
   const float* __restrict p##0, const float* __restrict p##1, const float* __restrict p##2, \
       const float* __restrict p##3, const float* __restrict p##4, const float* __restrict p##5
 #define SPARROW_SIX_OUT(p)                                                                        \
   float* __restrict p##0, float* __restrict p##1, float* __restrict p##2, float* __restrict p##3, \
       float* __restrict p##4, float* __restrict p##5
-
-inline void bt6(SPARROW_SIX(x), SPARROW_SIX_OUT(o), int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float d0 = x0[i], d1 = x1[i], d2 = x2[i], d3 = x3[i], d4 = x4[i], d5 = x5[i];
-    o0[i] = 4 * d0 - 5 * d2 + d4;
-    o1[i] = -4 * (d1 + d2) + d3 + d4;
-    o2[i] = 4 * (d1 - d2) - d3 + d4;
-    o3[i] = 2 * (d3 - d1) - d2 + d4;
-    o4[i] = 2 * (d1 - d3) - d2 + d4;
-    o5[i] = 4 * d1 - 5 * d3 + d5;
-  }
-}
-
-template <bool acc>
-inline void b6(SPARROW_SIX(x), SPARROW_SIX_OUT(o), int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    const float v0 = x0[i], v1 = x1[i], v2 = x2[i], v3 = x3[i], v4 = x4[i], v5 = x5[i];
-    const float r0 = 4 * v0, r1 = 4 * (v2 - v1) + 2 * (v4 - v3) + 4 * v5, r2 = -5 * v0 - 4 * (v1 + v2) - v3 - v4,
-                r3 = v1 - v2 + 2 * (v3 - v4) - 5 * v5, r4 = v0 + v1 + v2 + v3 + v4, r5 = v5;
-    if (acc) {
-      o0[i] += r0, o1[i] += r1, o2[i] += r2, o3[i] += r3, o4[i] += r4, o5[i] += r5;
-    } else {
-      o0[i] = r0, o1[i] = r1, o2[i] = r2, o3[i] = r3, o4[i] = r4, o5[i] = r5;
-    }
-  }
-}
 
 // The six vectors p[0], p[s], ..., p[5 s].
 #define SPARROW_AT6(p, s) (p), (p) + (s), (p) + 2 * (s), (p) + 3 * (s), (p) + 4 * (s), (p) + 5 * (s)
@@ -81,135 +39,6 @@ void pad_channels_last(const float* __restrict x, int64_t c, int64_t h, int64_t 
       float* __restrict dst = pad + ((y + 2) * cols + xx + 2) * c;
       const float* __restrict src = x + y * w + xx;
       for (int64_t ci = 0; ci < c; ++ci) dst[ci] = src[ci * h * w];
-    }
-}
-
-// V[pos, t, c] = (B^T d_t B)[pos] for every 6x6 tile d_t of pad (stride 2).
-// tmp: 36 c floats.
-SPARROW_SIMD_CLONES
-void input_tiles(const float* pad, int64_t c, int64_t th, int64_t tw, float* v, float* tmp) {
-  const int64_t cols = 2 * tw + 4, tiles = th * tw;
-  for (int64_t ty = 0; ty < th; ++ty)
-    for (int64_t tx = 0; tx < tw; ++tx) {
-      const float* base = pad + (2 * ty * cols + 2 * tx) * c;
-      for (int j = 0; j < kA; ++j)  // tmp[a, j] = (B^T d)[a, j]: down column j
-        bt6(SPARROW_AT6(base + j * c, cols * c), SPARROW_AT6(tmp + j * c, kA * c), c);
-      float* out = v + (ty * tw + tx) * c;
-      for (int a = 0; a < kA; ++a)  // V[a, b] = (tmp B)[a, b]: along row a
-        bt6(SPARROW_AT6(tmp + a * kA * c, c), SPARROW_AT6(out + a * kA * tiles * c, tiles * c), c);
-    }
-}
-
-// For each tile and output channel: y = A^T M A (2x2) + bias, then ReLU and
-// the max over the window: pooled [t, co] and, when arg is set, the winner
-// (0..3 in row-major window order, the first of equal ones; 4 when the ReLU
-// zeroed the whole window, so no gradient flows). tmp: 12 c floats.
-SPARROW_SIMD_CLONES
-void output_tiles(const float* m, const float* __restrict bias, int64_t tiles, int64_t c, float* __restrict pooled,
-                  int32_t* __restrict arg, float* __restrict tmp) {
-  const int64_t stride = tiles * c;
-  for (int64_t t = 0; t < tiles; ++t) {
-    for (int j = 0; j < kA; ++j) {  // tmp[i, j] = (A^T M)[i, j]
-      const float* __restrict m0 = m + (0 * kA + j) * stride + t * c;
-      const float* __restrict m1 = m0 + kA * stride;
-      const float* __restrict m2 = m1 + kA * stride;
-      const float* __restrict m3 = m2 + kA * stride;
-      const float* __restrict m4 = m3 + kA * stride;
-      const float* __restrict m5 = m4 + kA * stride;
-      float* __restrict r0 = tmp + j * c;
-      float* __restrict r1 = tmp + (kA + j) * c;
-      for (int64_t co = 0; co < c; ++co) {
-        r0[co] = m0[co] + m1[co] + m2[co] + m3[co] + m4[co];
-        r1[co] = m1[co] - m2[co] + 2 * (m3[co] - m4[co]) + m5[co];
-      }
-    }
-    float* __restrict out = pooled + t * c;
-    int32_t* __restrict win = arg + t * c;
-    const float* __restrict r00 = tmp;
-    const float* __restrict r01 = tmp + c;
-    const float* __restrict r02 = tmp + 2 * c;
-    const float* __restrict r03 = tmp + 3 * c;
-    const float* __restrict r04 = tmp + 4 * c;
-    const float* __restrict r05 = tmp + 5 * c;
-    const float* __restrict r10 = tmp + 6 * c;
-    const float* __restrict r11 = tmp + 7 * c;
-    const float* __restrict r12 = tmp + 8 * c;
-    const float* __restrict r13 = tmp + 9 * c;
-    const float* __restrict r14 = tmp + 10 * c;
-    const float* __restrict r15 = tmp + 11 * c;
-    for (int64_t co = 0; co < c; ++co) {
-      const float b = bias[co];
-      const float y0 = r00[co] + r01[co] + r02[co] + r03[co] + r04[co] + b;
-      const float y1 = r01[co] - r02[co] + 2 * (r03[co] - r04[co]) + r05[co] + b;
-      const float y2 = r10[co] + r11[co] + r12[co] + r13[co] + r14[co] + b;
-      const float y3 = r11[co] - r12[co] + 2 * (r13[co] - r14[co]) + r15[co] + b;
-      // Branch-free selects, so the loop vectorises.
-      const float b01 = y1 > y0 ? y1 : y0;
-      const float w01 = y1 > y0 ? 1.0f : 0.0f;  // the winner as a float: GCC vectorises float selects only
-      const float b23 = y3 > y2 ? y3 : y2;
-      const float w23 = y3 > y2 ? 3.0f : 2.0f;
-      const float best = b23 > b01 ? b23 : b01;
-      const float which = b23 > b01 ? w23 : w01;
-      out[co] = best > 0 ? best : 0.0f;
-      win[co] = static_cast<int32_t>(best > 0 ? which : 4.0f);
-    }
-  }
-}
-
-// W[pos, t, co] = (A dY A^T)[pos] with dY the window's gradient, which is
-// dout at the winner and 0 elsewhere; db += the gradients that pass the ReLU.
-// tmp: 12 c floats.
-SPARROW_SIMD_CLONES
-void grad_tiles(const float* __restrict dpooled, const int32_t* __restrict arg, int64_t tiles, int64_t c,
-                float* __restrict w, float* __restrict db, float* __restrict tmp) {
-  const int64_t stride = tiles * c;
-  float* __restrict ra = tmp;           // [6, c]: column i of A^T times the gradient
-  float* __restrict rb = tmp + kA * c;  // [6, c]: column j of A^T
-  for (int64_t t = 0; t < tiles; ++t) {
-#pragma GCC ivdep  // the twelve rows of tmp are disjoint
-    for (int64_t co = 0; co < c; ++co) {
-      // Float selects only, so the loop vectorises. q = 4: no gradient (g = 0).
-      const float q = static_cast<float>(arg[t * c + co]);
-      const float g = dpooled[t * c + co] * (q < 4.0f ? 1.0f : 0.0f);
-      db[co] += g;
-      // Window row i1, column j1 of the winner; A^T[0] = (1 1 1 1 1 0), A^T[1] = (0 1 -1 2 -2 1).
-      const float i1 = q >= 2.0f ? 1.0f : 0.0f, j1 = q == 1.0f || q == 3.0f ? 1.0f : 0.0f, i0 = 1 - i1, j0 = 1 - j1;
-      ra[co] = i0 * g;
-      ra[c + co] = g;
-      ra[2 * c + co] = (i0 - i1) * g;
-      ra[3 * c + co] = (i0 + 2 * i1) * g;
-      ra[4 * c + co] = (i0 - 2 * i1) * g;
-      ra[5 * c + co] = i1 * g;
-      rb[co] = j0;
-      rb[c + co] = 1.0f;
-      rb[2 * c + co] = j0 - j1;
-      rb[3 * c + co] = j0 + 2 * j1;
-      rb[4 * c + co] = j0 - 2 * j1;
-      rb[5 * c + co] = j1;
-    }
-    for (int i = 0; i < kA; ++i)
-      for (int j = 0; j < kA; ++j) {
-        const float* __restrict x = ra + i * c;
-        const float* __restrict y = rb + j * c;
-        float* __restrict out = w + (i * kA + j) * stride + t * c;
-        for (int64_t co = 0; co < c; ++co) out[co] = x[co] * y[co];
-      }
-  }
-}
-
-// dpad += B dV_t B^T on every tile's 6x6 window (the windows overlap).
-// tmp: 36 c floats.
-SPARROW_SIMD_CLONES
-void input_grad_tiles(const float* dv, int64_t c, int64_t th, int64_t tw, float* dpad, float* tmp) {
-  const int64_t cols = 2 * tw + 4, tiles = th * tw;
-  for (int64_t ty = 0; ty < th; ++ty)
-    for (int64_t tx = 0; tx < tw; ++tx) {
-      const float* in = dv + (ty * tw + tx) * c;
-      for (int a = 0; a < kA; ++a)  // tmp[a, j] = (dV B^T)[a, j]: along row a
-        b6<false>(SPARROW_AT6(in + a * kA * tiles * c, tiles * c), SPARROW_AT6(tmp + a * kA * c, c), c);
-      float* base = dpad + (2 * ty * cols + 2 * tx) * c;
-      for (int j = 0; j < kA; ++j)  // dpad window += (B tmp)[i, j]: down column j
-        b6<true>(SPARROW_AT6(tmp + j * c, kA * c), SPARROW_AT6(base + j * c, cols * c), c);
     }
 }
 
@@ -338,7 +167,7 @@ bool have_avx512() {
 }
 #endif
 
-// F(4, 5) (core/winograd_cpu.h, WinogradF4Conv5Pool), derived with exact
+// F(4, 5) (core/winograd_cpu.h), derived with exact
 // rationals from the points 0, 1, -1, 2, -2, 1/2, -1/2 and infinity, B^T's
 // rows scaled to integers (G's rows scaled back):
 //   B^T = [4 0 -21 0 21 0 -4 0; 0 -4 -4 17 17 -4 -4 0; 0 4 -4 -17 17 4 -4 0;
@@ -396,8 +225,8 @@ inline void at8(SPARROW_EIGHT(m), SPARROW_FOUR_OUT(o), int64_t n) {
 // image's pad [4 th + 4, 4 tw + 4, c] (stride 4); vstride = the rows of V per
 // position times c. tmp: 8 (4 tw + 4) c floats.
 SPARROW_SIMD_CLONES
-void input_tiles_f4(const float* pad, int64_t c, int64_t th, int64_t tw, float* v, int64_t vstride, int64_t row0,
-                    float* tmp) {
+void input_tiles(const float* pad, int64_t c, int64_t th, int64_t tw, float* v, int64_t vstride, int64_t row0,
+                 float* tmp) {
   const int64_t band = (4 * tw + 4) * c;
   for (int64_t ty = 0; ty < th; ++ty) {
     const float* base = pad + 4 * ty * band;                     // rows 4 ty .. 4 ty + 7, each `band` floats
@@ -433,8 +262,8 @@ inline void pool_window(const float* __restrict y, const float* __restrict bias,
 // out [ph, pw, c] (windows past ph, pw are the tiling's padding, dropped).
 // tmp: 48 c floats.
 SPARROW_SIMD_CLONES
-void output_tiles_f4(const float* m, int64_t mstride, int64_t row0, const float* bias, int64_t c, int64_t th,
-                     int64_t tw, int64_t ph, int64_t pw, float* out, int32_t* arg, float* tmp) {
+void output_tiles(const float* m, int64_t mstride, int64_t row0, const float* bias, int64_t c, int64_t th, int64_t tw,
+                  int64_t ph, int64_t pw, float* out, int32_t* arg, float* tmp) {
   float* y = tmp + 4 * kA8 * c;  // [4, 4, c]
   for (int64_t ty = 0; ty < th; ++ty)
     for (int64_t tx = 0; tx < tw; ++tx) {
@@ -484,9 +313,9 @@ constexpr float kAT8[4][kA8] = {{1, 1, 1, 1, 1, 1, 1, 0},
 // products (column i of A^T times g) x (column j of A^T). db += the gradients
 // that pass the ReLU. tmp: 67 c floats.
 SPARROW_SIMD_CLONES
-void grad_tiles_f4(const float* __restrict dout, const int32_t* __restrict arg, int64_t th, int64_t tw, int64_t ph,
-                   int64_t pw, int64_t c, float* __restrict w, int64_t wstride, int64_t row0, float* __restrict db,
-                   float* __restrict tmp) {
+void grad_tiles(const float* __restrict dout, const int32_t* __restrict arg, int64_t th, int64_t tw, int64_t ph,
+                int64_t pw, int64_t c, float* __restrict w, int64_t wstride, int64_t row0, float* __restrict db,
+                float* __restrict tmp) {
   for (int64_t ty = 0; ty < th; ++ty)
     for (int64_t tx = 0; tx < tw; ++tx) {
       for (int win = 0; win < 4; ++win) {  // ra [8, c] then rb [8, c] per window
@@ -542,8 +371,8 @@ void grad_tiles_f4(const float* __restrict dout, const int32_t* __restrict arg, 
 // windows overlap); dV rows row0.., vstride = dV's rows per position times c.
 // tmp: 64 c floats.
 SPARROW_SIMD_CLONES
-void input_grad_tiles_f4(const float* dv, int64_t vstride, int64_t row0, int64_t c, int64_t th, int64_t tw, float* dpad,
-                         float* tmp) {
+void input_grad_tiles(const float* dv, int64_t vstride, int64_t row0, int64_t c, int64_t th, int64_t tw, float* dpad,
+                      float* tmp) {
   const int64_t cols = 4 * tw + 4;
   for (int64_t ty = 0; ty < th; ++ty)
     for (int64_t tx = 0; tx < tw; ++tx) {
@@ -693,81 +522,7 @@ void relu_maxpool2_backward(const int32_t* arg, const float* dout, int64_t plane
     relu_maxpool2_backward_row(arg + r * ow, dout + r * ow, ow, din + 2 * r * w, din + (2 * r + 1) * w);
 }
 
-WinogradConv5Pool::WinogradConv5Pool(int64_t cin, int64_t cout, int64_t h, int64_t w)
-    : cin_(cin), cout_(cout), h_(h), w_(w), tiles_((h / 2) * (w / 2)) {
-  SPARROW_CHECK(
-      cin > 0 && cout > 0 && h > 0 && w > 0 && h % 2 == 0 && w % 2 == 0,
-      "WinogradConv5Pool: " << cin << " -> " << cout << " channels of " << h << "x" << w << " (positive, even sides)");
-  u_.resize(kPos * cin * cout);
-  ut_.resize(u_.size());
-  du_.assign(u_.size(), 0.0f);
-  bias_.assign(cout, 0.0f);
-  db_.assign(cout, 0.0f);
-  pad_.assign((h + 4) * (w + 4) * cin, 0.0f);  // the border stays zero
-  v_.resize(kPos * tiles_ * cin);
-  m_.resize(kPos * tiles_ * std::max(cin, cout));
-  pooled_.resize(tiles_ * cout);
-  arg_.resize(tiles_ * cout);
-  tmp_.resize(kPos * std::max(cin, cout));
-  scratch_.resize((5 * kA + 25) * cout);
-}
-
-void WinogradConv5Pool::set_weights(const float* w, const float* bias) {
-  transform_weights(w, cin_, cout_, &kG[0][0], kA, u_.data(), scratch_.data(), scratch_.data() + 25 * cout_);
-  for (int p = 0; p < kPos; ++p) transpose(u_.data() + p * cin_ * cout_, cin_, cout_, ut_.data() + p * cout_ * cin_);
-  std::copy(bias, bias + cout_, bias_.begin());
-}
-
-void WinogradConv5Pool::input_transform(const float* x) {
-  pad_channels_last(x, cin_, h_, w_, w_ + 4, pad_.data());
-  input_tiles(pad_.data(), cin_, h_ / 2, w_ / 2, v_.data(), tmp_.data());
-}
-
-void WinogradConv5Pool::forward(const float* x, float* out, int32_t* arg) {
-  input_transform(x);
-  for (int p = 0; p < kPos; ++p)
-    gemm_nn(tiles_, cout_, cin_, v_.data() + p * tiles_ * cin_, u_.data() + p * cin_ * cout_,
-            m_.data() + p * tiles_ * cout_, false);
-  output_tiles(m_.data(), bias_.data(), tiles_, cout_, pooled_.data(), arg ? arg : arg_.data(), tmp_.data());
-  transpose(pooled_.data(), tiles_, cout_, out);
-}
-
-void WinogradConv5Pool::zero_grad() {
-  std::fill(du_.begin(), du_.end(), 0.0f);
-  std::fill(db_.begin(), db_.end(), 0.0f);
-}
-
-void WinogradConv5Pool::backward(const float* x, const int32_t* arg, const float* dout, float* dx) {
-  transpose(dout, cout_, tiles_, pooled_.data());  // [t, co]
-  float* w = m_.data();                            // W [36, tiles, cout]
-  grad_tiles(pooled_.data(), arg, tiles_, cout_, w, db_.data(), tmp_.data());
-  input_transform(x);
-  for (int p = 0; p < kPos; ++p)
-    gemm_tn(cin_, cout_, tiles_, v_.data() + p * tiles_ * cin_, w + p * tiles_ * cout_, du_.data() + p * cin_ * cout_,
-            true);
-  if (!dx) return;
-  float* dv = v_.data();  // V is no longer needed: dV [36, tiles, cin] takes its place
-  for (int p = 0; p < kPos; ++p)
-    gemm_nn(tiles_, cin_, cout_, w + p * tiles_ * cout_, ut_.data() + p * cout_ * cin_, dv + p * tiles_ * cin_, false);
-  float* dpad = pad_.data();  // reused; forward rewrites the interior and this clears the border below
-  std::fill(pad_.begin(), pad_.end(), 0.0f);
-  input_grad_tiles(dv, cin_, h_ / 2, w_ / 2, dpad, tmp_.data());
-  unpad_channels_first(dpad, cin_, h_, w_, w_ + 4, dx);
-  std::fill(pad_.begin(), pad_.end(), 0.0f);
-}
-
-void WinogradConv5Pool::weight_grad(float* gw, float* gb, float alpha, float beta) const {
-  std::vector<float> scratch((5 * kA + 25) * cout_);
-  untransform_grad(du_.data(), cin_, cout_, &kG[0][0], kA, gw, alpha, beta, scratch.data(),
-                   scratch.data() + 5 * kA * cout_);
-  for (int64_t co = 0; co < cout_; ++co) gb[co] = beta == 0 ? alpha * db_[co] : beta * gb[co] + alpha * db_[co];
-}
-
-}  // namespace sparrow::core::cpu
-
-namespace sparrow::core::cpu {
-
-WinogradF4Conv5Pool::WinogradF4Conv5Pool(int64_t cin, int64_t cout, int64_t h, int64_t w, int64_t group)
+WinogradConv5Pool::WinogradConv5Pool(int64_t cin, int64_t cout, int64_t h, int64_t w, int64_t group)
     : cin_(cin),
       cout_(cout),
       h_(h),
@@ -778,8 +533,8 @@ WinogradF4Conv5Pool::WinogradF4Conv5Pool(int64_t cin, int64_t cout, int64_t h, i
       cols_(4 * tw_ + 4),
       pad_size_((4 * th_ + 4) * cols_ * cin) {
   SPARROW_CHECK(cin > 0 && cout > 0 && h > 0 && w > 0 && h % 2 == 0 && w % 2 == 0 && group > 0,
-                "WinogradF4Conv5Pool: " << cin << " -> " << cout << " channels of " << h << "x" << w << ", groups of "
-                                        << group << " (positive, even sides)");
+                "WinogradConv5Pool: " << cin << " -> " << cout << " channels of " << h << "x" << w << ", groups of "
+                                      << group << " (positive, even sides)");
   const int64_t rows = group * th_ * tw_;
   u_.resize(kA8 * kA8 * cin * cout);
   ut_.resize(u_.size());
@@ -800,48 +555,48 @@ WinogradF4Conv5Pool::WinogradF4Conv5Pool(int64_t cin, int64_t cout, int64_t h, i
   scratch_.resize((5 * kA8 + 25) * cout);
 }
 
-void WinogradF4Conv5Pool::set_weights(const float* w, const float* bias) {
+void WinogradConv5Pool::set_weights(const float* w, const float* bias) {
   transform_weights(w, cin_, cout_, &kG8[0][0], kA8, u_.data(), scratch_.data(), scratch_.data() + 25 * cout_);
   for (int p = 0; p < kA8 * kA8; ++p)
     transpose(u_.data() + p * cin_ * cout_, cin_, cout_, ut_.data() + p * cout_ * cin_);
   std::copy(bias, bias + cout_, bias_.begin());
 }
 
-void WinogradF4Conv5Pool::input_transform(int64_t n, const float* x) {
-  SPARROW_CHECK(n >= 1 && n <= group_, "WinogradF4Conv5Pool: " << n << " images for groups of " << group_);
+void WinogradConv5Pool::input_transform(int64_t n, const float* x) {
+  SPARROW_CHECK(n >= 1 && n <= group_, "WinogradConv5Pool: " << n << " images for groups of " << group_);
   const int64_t tiles = th_ * tw_;
   for (int64_t i = 0; i < n; ++i) {
     pad_channels_last(x + i * cin_ * h_ * w_, cin_, h_, w_, cols_, pad_.data());
-    input_tiles_f4(pad_.data(), cin_, th_, tw_, v_.data(), vstride_, i * tiles, tmp_.data());
+    input_tiles(pad_.data(), cin_, th_, tw_, v_.data(), vstride_, i * tiles, tmp_.data());
   }
 }
 
-void WinogradF4Conv5Pool::forward(int64_t n, const float* x, float* out, int32_t* arg) {
+void WinogradConv5Pool::forward(int64_t n, const float* x, float* out, int32_t* arg) {
   input_transform(n, x);
   const int64_t tiles = th_ * tw_, pooled = (h_ / 2) * (w_ / 2) * cout_;
   for (int p = 0; p < kA8 * kA8; ++p)
     gemm_nn(n * tiles, cout_, cin_, v_.data() + p * vstride_, u_.data() + p * cin_ * cout_, m_.data() + p * mstride_,
             false);
   for (int64_t i = 0; i < n; ++i) {
-    output_tiles_f4(m_.data(), mstride_, i * tiles, bias_.data(), cout_, th_, tw_, h_ / 2, w_ / 2, pooled_.data(),
-                    arg ? arg + i * pooled : nullptr, tmp_.data());
+    output_tiles(m_.data(), mstride_, i * tiles, bias_.data(), cout_, th_, tw_, h_ / 2, w_ / 2, pooled_.data(),
+                 arg ? arg + i * pooled : nullptr, tmp_.data());
     transpose(pooled_.data(), (h_ / 2) * (w_ / 2), cout_, out + i * pooled);  // channels first
   }
 }
 
-void WinogradF4Conv5Pool::zero_grad() {
+void WinogradConv5Pool::zero_grad() {
   std::fill(du_.begin(), du_.end(), 0.0f);
   std::fill(db_.begin(), db_.end(), 0.0f);
 }
 
-void WinogradF4Conv5Pool::backward(int64_t n, const float* x, const int32_t* arg, const float* dout, float* dx) {
+void WinogradConv5Pool::backward(int64_t n, const float* x, const int32_t* arg, const float* dout, float* dx) {
   input_transform(n, x);  // checks n
   const int64_t tiles = th_ * tw_, ph = h_ / 2, pw = w_ / 2, pooled = ph * pw * cout_;
   float* w = m_.data();  // W [64, rows, cout]
   for (int64_t i = 0; i < n; ++i) {
     transpose(dout + i * pooled, cout_, ph * pw, pooled_.data());  // channels last
-    grad_tiles_f4(pooled_.data(), arg + i * pooled, th_, tw_, ph, pw, cout_, w, mstride_, i * tiles, db_.data(),
-                  tmp_.data());
+    grad_tiles(pooled_.data(), arg + i * pooled, th_, tw_, ph, pw, cout_, w, mstride_, i * tiles, db_.data(),
+               tmp_.data());
   }
   for (int p = 0; p < kA8 * kA8; ++p)
     gemm_tn(cin_, cout_, n * tiles, v_.data() + p * vstride_, w + p * mstride_, du_.data() + p * cin_ * cout_, true);
@@ -851,12 +606,12 @@ void WinogradF4Conv5Pool::backward(int64_t n, const float* x, const int32_t* arg
     gemm_nn(n * tiles, cin_, cout_, w + p * mstride_, ut_.data() + p * cout_ * cin_, dv + p * vstride_, false);
   for (int64_t i = 0; i < n; ++i) {
     std::fill(dpad_.begin(), dpad_.end(), 0.0f);
-    input_grad_tiles_f4(dv, vstride_, i * tiles, cin_, th_, tw_, dpad_.data(), tmp_.data());
+    input_grad_tiles(dv, vstride_, i * tiles, cin_, th_, tw_, dpad_.data(), tmp_.data());
     unpad_channels_first(dpad_.data(), cin_, h_, w_, cols_, dx + i * cin_ * h_ * w_);
   }
 }
 
-void WinogradF4Conv5Pool::weight_grad(float* gw, float* gb, float alpha, float beta) const {
+void WinogradConv5Pool::weight_grad(float* gw, float* gb, float alpha, float beta) const {
   std::vector<float> scratch((5 * kA8 + 25) * cout_);
   untransform_grad(du_.data(), cin_, cout_, &kG8[0][0], kA8, gw, alpha, beta, scratch.data(),
                    scratch.data() + 5 * kA8 * cout_);

@@ -17,70 +17,10 @@ double rel(const at::Tensor& got, const at::Tensor& want) {
   return (got - want).norm().item<double>() / want.norm().item<double>();
 }
 
-// maxpool(relu(conv5x5(x) + bias)) by ATen, its gradients by autograd, and
-// the same through WinogradConv5Pool one image at a time.
-void check_against_aten(int64_t n, int64_t cin, int64_t cout, int64_t h, int64_t w) {
-  CAPTURE(cin);
-  CAPTURE(cout);
-  CAPTURE(h);
-  CAPTURE(w);
-  torch::manual_seed(cin * 100 + h);
-  const at::Tensor x = torch::randn({n, cin, h, w}).requires_grad_();
-  const at::Tensor weight = (0.1 * torch::randn({cout, cin, 5, 5})).requires_grad_();
-  const at::Tensor bias = (0.1 * torch::randn({cout})).requires_grad_();
-  const at::Tensor ref = torch::max_pool2d(torch::relu(at::conv2d(x, weight, bias, 1, 2)), 2);
-  const at::Tensor dout = torch::randn(ref.sizes());
-  (ref * dout).sum().backward();
-
-  WinogradConv5Pool conv(cin, cout, h, w);
-  REQUIRE(conv.pooled_size() == cout * (h / 2) * (w / 2));
-  const at::Tensor wd = weight.detach().contiguous(), bd = bias.detach().contiguous(), xd = x.detach().contiguous();
-  conv.set_weights(wd.data_ptr<float>(), bd.data_ptr<float>());
-  conv.zero_grad();
-  at::Tensor out = torch::full(ref.sizes(), 9.0f), dx = torch::full(x.sizes(), 9.0f);
-  std::vector<int32_t> arg(static_cast<size_t>(n * conv.pooled_size()));
-  const int64_t in_size = cin * h * w, out_size = conv.pooled_size();
-  for (int64_t i = 0; i < n; ++i)
-    conv.forward(xd.data_ptr<float>() + i * in_size, out.data_ptr<float>() + i * out_size, arg.data() + i * out_size);
-  for (int64_t i = 0; i < n; ++i)
-    conv.backward(xd.data_ptr<float>() + i * in_size, arg.data() + i * out_size, dout.data_ptr<float>() + i * out_size,
-                  dx.data_ptr<float>() + i * in_size);
-  at::Tensor gw = torch::full(weight.sizes(), 7.0f), gb = torch::full(bias.sizes(), 7.0f);
-  conv.weight_grad(gw.data_ptr<float>(), gb.data_ptr<float>(), 1.0f, 0.0f);  // 7s overwritten
-  CHECK(rel(out, ref.detach()) < 1e-5);
-  CHECK(rel(dx, x.grad()) < 1e-5);
-  CHECK(rel(gw, weight.grad()) < 1e-4);
-  CHECK(rel(gb, bias.grad()) < 1e-5);
-  // Accumulation: g = beta g + alpha dL/dw.
-  at::Tensor acc = torch::ones(weight.sizes()), accb = torch::ones(bias.sizes());
-  conv.weight_grad(acc.data_ptr<float>(), accb.data_ptr<float>(), -0.5f, 0.25f);
-  CHECK(rel(acc, 0.25 - 0.5 * weight.grad()) < 1e-4);
-  CHECK(rel(accb, 0.25 - 0.5 * bias.grad()) < 1e-5);
-  // Forward without arg (inference) gives the same output; zero_grad clears.
-  at::Tensor out2 = torch::empty(ref.sizes());
-  for (int64_t i = 0; i < n; ++i)
-    conv.forward(xd.data_ptr<float>() + i * in_size, out2.data_ptr<float>() + i * out_size, nullptr);
-  CHECK(torch::equal(out, out2));
-  conv.zero_grad();
-  conv.weight_grad(gw.data_ptr<float>(), gb.data_ptr<float>(), 1.0f, 0.0f);
-  CHECK(gw.abs().max().item<float>() == 0.0f);
-  CHECK(gb.abs().max().item<float>() == 0.0f);
-}
-
-}  // namespace
-
-TEST_CASE("winograd conv5x5 + relu + maxpool equals ATen and autograd") {
-  check_against_aten(3, 32, 64, 14, 14);  // the CNN's conv2
-  check_against_aten(2, 3, 5, 8, 6);      // odd channel counts, non-square
-  check_against_aten(2, 1, 17, 2, 2);     // one tile
-}
-
-namespace {
-
 // maxpool(relu(conv5x5(x) + bias)) by ATen and autograd, and by
-// WinogradF4Conv5Pool, `group` images at a time: forward, winners, weight,
+// WinogradConv5Pool, `group` images at a time: forward, winners, weight,
 // bias and input gradients.
-void check_f4_against_aten(int64_t n, int64_t cin, int64_t cout, int64_t h, int64_t w, int64_t group) {
+void check_against_aten(int64_t n, int64_t cin, int64_t cout, int64_t h, int64_t w, int64_t group) {
   CAPTURE(cin);
   CAPTURE(cout);
   CAPTURE(h);
@@ -93,7 +33,7 @@ void check_f4_against_aten(int64_t n, int64_t cin, int64_t cout, int64_t h, int6
   const at::Tensor ref = torch::max_pool2d(torch::relu(at::conv2d(x, weight, bias, 1, 2)), 2);
   const at::Tensor dout = torch::randn(ref.sizes());
   (ref * dout).sum().backward();
-  sparrow::core::cpu::WinogradF4Conv5Pool conv(cin, cout, h, w, group);
+  WinogradConv5Pool conv(cin, cout, h, w, group);
   REQUIRE(conv.pooled_size() == cout * (h / 2) * (w / 2));
   conv.set_weights(weight.detach().contiguous().data_ptr<float>(), bias.detach().contiguous().data_ptr<float>());
   conv.zero_grad();
@@ -131,38 +71,38 @@ void check_f4_against_aten(int64_t n, int64_t cin, int64_t cout, int64_t h, int6
 
 }  // namespace
 
-TEST_CASE("winograd F(4x4, 5x5) + relu + maxpool equals ATen and autograd") {
-  check_f4_against_aten(11, 32, 64, 14, 14, 4);  // the CNN's conv2, a last group of 3
-  check_f4_against_aten(3, 3, 5, 8, 6, 2);       // odd channel counts, non-square
-  check_f4_against_aten(2, 1, 17, 2, 2, 1);      // one tile, mostly padding
-  check_f4_against_aten(2, 4, 3, 10, 18, 5);     // one group larger than the batch
-  CHECK_THROWS_WITH(sparrow::core::cpu::WinogradF4Conv5Pool(1, 1, 4, 3, 1), doctest::Contains("even"));
-  sparrow::core::cpu::WinogradF4Conv5Pool conv(1, 1, 4, 4, 2);
+TEST_CASE("winograd F(4x4, 5x5) conv5x5 + relu + maxpool equals ATen and autograd") {
+  check_against_aten(11, 32, 64, 14, 14, 4);  // the CNN's conv2, a last group of 3
+  check_against_aten(3, 3, 5, 8, 6, 2);       // odd channel counts, non-square
+  check_against_aten(2, 1, 17, 2, 2, 1);      // one tile, mostly padding
+  check_against_aten(2, 4, 3, 10, 18, 5);     // one group larger than the batch
+  CHECK_THROWS_WITH(WinogradConv5Pool(1, 1, 4, 3, 1), doctest::Contains("even"));
+  WinogradConv5Pool conv(1, 1, 4, 4, 2);
   std::vector<float> in(48), out(12);
   CHECK_THROWS_WITH(conv.forward(3, in.data(), out.data()), doctest::Contains("3 images for groups of 2"));
 }
 
 TEST_CASE("winograd: a window the ReLU zeroes passes no gradient, ties go to the first") {
-  WinogradConv5Pool conv(1, 1, 2, 2);
+  WinogradConv5Pool conv(1, 1, 2, 2, 1);
   std::vector<float> w(25, 0.0f), b{0.0f}, x(4);
   w[12] = 1.0f;  // the centre tap: conv(x) = x
   conv.set_weights(w.data(), b.data());
   float out = 0, dx[4];
   int32_t arg = -1;
   x = {-1, -2, -3, -4};
-  conv.forward(x.data(), &out, &arg);
+  conv.forward(1, x.data(), &out, &arg);
   CHECK(out == 0.0f);
   const float d = 1.0f;
   conv.zero_grad();
-  conv.backward(x.data(), &arg, &d, dx);
+  conv.backward(1, x.data(), &arg, &d, dx);
   for (float v : dx) CHECK(v == doctest::Approx(0.0).epsilon(1e-6));
   x = {1, 3, 3, 2};
-  conv.forward(x.data(), &out, &arg);
+  conv.forward(1, x.data(), &out, &arg);
   CHECK(out == doctest::Approx(3.0f));
-  conv.backward(x.data(), &arg, &d, dx);
+  conv.backward(1, x.data(), &arg, &d, dx);
   CHECK(dx[1] == doctest::Approx(1.0));
   CHECK(dx[2] == doctest::Approx(0.0).epsilon(1e-6));
-  CHECK_THROWS_WITH(WinogradConv5Pool(1, 1, 3, 4), doctest::Contains("even"));
+  CHECK_THROWS_WITH(WinogradConv5Pool(1, 1, 3, 4, 1), doctest::Contains("even"));
 }
 
 TEST_CASE("cnn inference on the CPU (Winograd) equals the training-mode forward") {
