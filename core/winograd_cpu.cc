@@ -54,17 +54,33 @@ void unpad_channels_first(const float* __restrict dpad, int64_t c, int64_t h, in
     }
 }
 
+// The ReLU + max of one 2x2 window (v0 v1 / v2 v3, row-major) as ATen's relu
+// then max_pool2d compute it: the first of equal maxima wins; a NaN wins over
+// numbers (the last one, as ATen's `val > max || isnan(val)` scan) and passes
+// the ReLU. which: the winner 0..3, or 4 when the ReLU zeroed the window (no
+// gradient flows). Branch-free float selects, so callers' loops vectorise.
+[[gnu::always_inline]] inline void relu_max4(float v0, float v1, float v2, float v3, float& out, float& which) {
+  // Each test as a float flag, summed for "or": GCC vectorises float selects
+  // on them, not selects on combined bools.
+  const float c01 = (v1 > v0 ? 1.0f : 0.0f) + (v1 != v1 ? 1.0f : 0.0f);
+  const float c23 = (v3 > v2 ? 1.0f : 0.0f) + (v3 != v3 ? 1.0f : 0.0f);
+  const float b01 = c01 > 0 ? v1 : v0, w01 = c01 > 0 ? 1.0f : 0.0f;
+  const float b23 = c23 > 0 ? v3 : v2, w23 = c23 > 0 ? 3.0f : 2.0f;
+  const float c = (b23 > b01 ? 1.0f : 0.0f) + (b23 != b23 ? 1.0f : 0.0f);
+  const float best = c > 0 ? b23 : b01, w = c > 0 ? w23 : w01;
+  const float keep = (best > 0 ? 1.0f : 0.0f) + (best != best ? 1.0f : 0.0f);
+  out = keep > 0 ? best : 0.0f;
+  which = keep > 0 ? w : 4.0f;
+}
+
 // One row of windows: in0/in1 the two input rows (2 n values each).
 SPARROW_SIMD_CLONES
 void relu_maxpool2_row(const float* __restrict in0, const float* __restrict in1, int64_t n, float* __restrict out,
                        int32_t* __restrict arg) {
   for (int64_t x = 0; x < n; ++x) {
-    const float y0 = in0[2 * x], y1 = in0[2 * x + 1], y2 = in1[2 * x], y3 = in1[2 * x + 1];
-    const float b01 = y1 > y0 ? y1 : y0, w01 = y1 > y0 ? 1.0f : 0.0f;  // float selects vectorise
-    const float b23 = y3 > y2 ? y3 : y2, w23 = y3 > y2 ? 3.0f : 2.0f;
-    const float best = b23 > b01 ? b23 : b01, which = b23 > b01 ? w23 : w01;
-    out[x] = best > 0 ? best : 0.0f;
-    if (arg) arg[x] = static_cast<int32_t>(best > 0 ? which : 4.0f);
+    float which;
+    relu_max4(in0[2 * x], in0[2 * x + 1], in1[2 * x], in1[2 * x + 1], out[x], which);
+    if (arg) arg[x] = static_cast<int32_t>(which);
   }
 }
 
@@ -80,7 +96,7 @@ void relu_maxpool2_backward_row(const int32_t* __restrict arg, const float* __re
   }
 }
 
-// The sum of n floats (eight partial sums, so it vectorises without -ffast-math).
+// The sum of n floats (16 partial sums, so it vectorises without -ffast-math).
 SPARROW_SIMD_CLONES
 float row_sum(const float* __restrict x, int64_t n) {
   float part[16] = {};
@@ -97,8 +113,8 @@ float row_sum(const float* __restrict x, int64_t n) {
 // The same pooling with AVX-512 intrinsics, 16 windows per step: the
 // compiler's vectorisation of the stride-2 window loop above runs mostly in
 // scalar code on 14-window rows (a tenth of a CNN training step). The even
-// and odd columns are split by a two-register permute; comparisons are
-// ordered (false on NaN) like the scalar ones, so the results are identical.
+// and odd columns are split by a two-register permute; the comparisons follow
+// relu_max4's rules, so the results are identical to the scalar loop's.
 __attribute__((target("avx512f"))) void relu_maxpool2_avx512(const float* in, int64_t rows, int64_t ow, float* out,
                                                              int32_t* arg) {
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
@@ -114,15 +130,18 @@ __attribute__((target("avx512f"))) void relu_maxpool2_avx512(const float* in, in
       const __mmask16 lo = static_cast<__mmask16>(k >= 8 ? 0xFFFF : (1u << (2 * k)) - 1);
       const __mmask16 hi = static_cast<__mmask16>(k <= 8 ? 0 : (1u << (2 * k - 16)) - 1);
       const __mmask16 wm = static_cast<__mmask16>((1u << k) - 1);
-      const __m512 a0 = _mm512_maskz_loadu_ps(lo, in0 + 2 * x0), a1 = _mm512_maskz_loadu_ps(hi, in0 + 2 * x0 + 16);
-      const __m512 b0 = _mm512_maskz_loadu_ps(lo, in1 + 2 * x0), b1 = _mm512_maskz_loadu_ps(hi, in1 + 2 * x0 + 16);
+      const int64_t second = hi ? 2 * x0 + 16 : 2 * x0;  // no address past the row when the mask is empty
+      const __m512 a0 = _mm512_maskz_loadu_ps(lo, in0 + 2 * x0), a1 = _mm512_maskz_loadu_ps(hi, in0 + second);
+      const __m512 b0 = _mm512_maskz_loadu_ps(lo, in1 + 2 * x0), b1 = _mm512_maskz_loadu_ps(hi, in1 + second);
       const __m512 y0 = _mm512_permutex2var_ps(a0, even, a1), y1 = _mm512_permutex2var_ps(a0, odd, a1);
       const __m512 y2 = _mm512_permutex2var_ps(b0, even, b1), y3 = _mm512_permutex2var_ps(b0, odd, b1);
-      const __mmask16 m01 = _mm512_cmp_ps_mask(y1, y0, _CMP_GT_OQ), m23 = _mm512_cmp_ps_mask(y3, y2, _CMP_GT_OQ);
+      // relu_max4's rules: greater, or NaN (unordered with itself); kept if > 0 or NaN.
+      const __mmask16 m01 = _mm512_cmp_ps_mask(y1, y0, _CMP_GT_OQ) | _mm512_cmp_ps_mask(y1, y1, _CMP_UNORD_Q);
+      const __mmask16 m23 = _mm512_cmp_ps_mask(y3, y2, _CMP_GT_OQ) | _mm512_cmp_ps_mask(y3, y3, _CMP_UNORD_Q);
       const __m512 b01 = _mm512_mask_blend_ps(m01, y0, y1), b23 = _mm512_mask_blend_ps(m23, y2, y3);
-      const __mmask16 m = _mm512_cmp_ps_mask(b23, b01, _CMP_GT_OQ);
+      const __mmask16 m = _mm512_cmp_ps_mask(b23, b01, _CMP_GT_OQ) | _mm512_cmp_ps_mask(b23, b23, _CMP_UNORD_Q);
       const __m512 best = _mm512_mask_blend_ps(m, b01, b23);
-      const __mmask16 pos = _mm512_cmp_ps_mask(best, fzero, _CMP_GT_OQ);
+      const __mmask16 pos = _mm512_cmp_ps_mask(best, fzero, _CMP_NLE_UQ);
       _mm512_mask_storeu_ps(out + r * ow + x0, wm, _mm512_maskz_mov_ps(pos, best));
       if (arg) {
         const __m512i w01 = _mm512_mask_blend_epi32(m01, zero, one), w23 = _mm512_mask_blend_epi32(m23, two, three);
@@ -153,10 +172,11 @@ __attribute__((target("avx512f"))) void relu_maxpool2_backward_avx512(const int3
       const __m512 v1 = _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(q, one), d);
       const __m512 v2 = _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(q, two), d);
       const __m512 v3 = _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(q, three), d);
+      const int64_t second = hi ? 2 * x0 + 16 : 2 * x0;  // no address past the row when the mask is empty
       _mm512_mask_storeu_ps(din0 + 2 * x0, lo, _mm512_permutex2var_ps(v0, ilo, v1));
-      _mm512_mask_storeu_ps(din0 + 2 * x0 + 16, hi, _mm512_permutex2var_ps(v0, ihi, v1));
+      _mm512_mask_storeu_ps(din0 + second, hi, _mm512_permutex2var_ps(v0, ihi, v1));
       _mm512_mask_storeu_ps(din1 + 2 * x0, lo, _mm512_permutex2var_ps(v2, ilo, v3));
-      _mm512_mask_storeu_ps(din1 + 2 * x0 + 16, hi, _mm512_permutex2var_ps(v2, ihi, v3));
+      _mm512_mask_storeu_ps(din1 + second, hi, _mm512_permutex2var_ps(v2, ihi, v3));
     }
   }
 }
@@ -192,7 +212,7 @@ constexpr float kG8[kA8][5] = {{1.0f / 4, 0, 0, 0, 0},
 #define SPARROW_AT4(p, s) (p), (p) + (s), (p) + 2 * (s), (p) + 3 * (s)
 
 // o = B^T x on eight vectors of n floats.
-inline void bt8(SPARROW_EIGHT(x), SPARROW_EIGHT_OUT(o), int64_t n) {
+[[gnu::always_inline]] inline void bt8(SPARROW_EIGHT(x), SPARROW_EIGHT_OUT(o), int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float d0 = x0[i], d1 = x1[i], d2 = x2[i], d3 = x3[i], d4 = x4[i], d5 = x5[i], d6 = x6[i], d7 = x7[i];
     o0[i] = 4 * (d0 - d6) + 21 * (d4 - d2);
@@ -210,7 +230,7 @@ inline void bt8(SPARROW_EIGHT(x), SPARROW_EIGHT_OUT(o), int64_t n) {
 }
 
 // o = A^T m: four vectors from eight.
-inline void at8(SPARROW_EIGHT(m), SPARROW_FOUR_OUT(o), int64_t n) {
+[[gnu::always_inline]] inline void at8(SPARROW_EIGHT(m), SPARROW_FOUR_OUT(o), int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float s12 = m1[i] + m2[i], d12 = m1[i] - m2[i], s34 = m3[i] + m4[i], d34 = m3[i] - m4[i], s56 = m5[i] + m6[i],
                 d56 = m5[i] - m6[i];
@@ -242,18 +262,16 @@ void input_tiles(const float* pad, int64_t c, int64_t th, int64_t tw, float* v, 
 // out [co] = relu(the window's max + bias) for one 2x2 window whose values
 // are y00, y01 (+c) and y10, y11 (+4c) of a tile's [4, 4, c] outputs; arg
 // (or null) the winner as output_tiles writes it.
-inline void pool_window(const float* __restrict y, const float* __restrict bias, float* __restrict out,
-                        int32_t* __restrict arg, int64_t c) {
+[[gnu::always_inline]] inline void pool_window(const float* __restrict y, const float* __restrict bias,
+                                               float* __restrict out, int32_t* __restrict arg, int64_t c) {
   const float* __restrict y01 = y + c;
   const float* __restrict y10 = y + 4 * c;
   const float* __restrict y11 = y + 5 * c;
   for (int64_t co = 0; co < c; ++co) {
-    const float b = bias[co], v0 = y[co] + b, v1 = y01[co] + b, v2 = y10[co] + b, v3 = y11[co] + b;
-    const float b01 = v1 > v0 ? v1 : v0, w01 = v1 > v0 ? 1.0f : 0.0f;  // float selects vectorise
-    const float b23 = v3 > v2 ? v3 : v2, w23 = v3 > v2 ? 3.0f : 2.0f;
-    const float best = b23 > b01 ? b23 : b01, which = b23 > b01 ? w23 : w01;
-    out[co] = best > 0 ? best : 0.0f;
-    if (arg) arg[co] = static_cast<int32_t>(best > 0 ? which : 4.0f);
+    const float b = bias[co];
+    float which;
+    relu_max4(y[co] + b, y01[co] + b, y10[co] + b, y11[co] + b, out[co], which);
+    if (arg) arg[co] = static_cast<int32_t>(which);
   }
 }
 
@@ -285,7 +303,7 @@ void output_tiles(const float* m, int64_t mstride, int64_t row0, const float* bi
 // o = B x (B^T's transpose, for the input gradient): eight vectors from
 // eight; acc adds into o.
 template <bool acc>
-inline void b8(SPARROW_EIGHT(x), SPARROW_EIGHT_OUT(o), int64_t n) {
+[[gnu::always_inline]] inline void b8(SPARROW_EIGHT(x), SPARROW_EIGHT_OUT(o), int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     const float v0 = x0[i], v7 = x7[i];
     const float d12 = x2[i] - x1[i], s12 = x1[i] + x2[i], d34 = x3[i] - x4[i], s34 = x3[i] + x4[i], d56 = x5[i] - x6[i],
@@ -338,7 +356,8 @@ void grad_tiles(const float* __restrict dout, const int32_t* __restrict arg, int
         float* __restrict tv = sv + c;
         for (int64_t co = 0; co < c; ++co) {  // float selects only, so the loop vectorises
           const float qf = static_cast<float>(q[co]);
-          gv[co] = d[co] * (qf < 4.0f ? 1.0f : 0.0f);
+          const float dv = d[co];          // loaded unconditionally, so the select vectorises
+          gv[co] = qf < 4.0f ? dv : 0.0f;  // a select, not a product: an Inf in a zeroed window stays out
           db[co] += gv[co];
           sv[co] = qf >= 2.0f ? 1.0f : 0.0f;
           tv[co] = qf == 1.0f || qf == 3.0f ? 1.0f : 0.0f;

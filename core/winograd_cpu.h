@@ -44,7 +44,8 @@ class WinogradConv5Pool {
 
   // n (<= group) images x [n, cin, h, w] -> out [n, cout, h/2, w/2] =
   // maxpool(relu(conv(x) + bias)). arg (n pooled_size() values, or null)
-  // receives which element of each window won, for backward.
+  // receives which element of each window won, for backward only (its
+  // layout is internal: channels last).
   int64_t pooled_size() const { return cout_ * (h_ / 2) * (w_ / 2); }
   void forward(int64_t n, const float* x, float* out, int32_t* arg = nullptr);
 
@@ -95,10 +96,11 @@ void conv5x5_one_channel_weight_grad(const float* x, int64_t h, int64_t w, const
                                      float* gb, float* col, float* colt);
 
 // ReLU then 2x2 max pooling (stride 2) of `planes` planes of h x w (even):
-// out [planes, h/2, w/2]. arg (same size, or null) receives the winner as
-// WinogradConv5Pool::forward does (4: the ReLU zeroed the window). The same
-// as ATen's relu + max_pool2d_with_indices, whose CPU kernel in LibTorch 1.13
-// is scalar and cost a fifth of a CNN training step.
+// out [planes, h/2, w/2]. arg (same size, or null) receives each window's
+// winner, 0..3 in row-major order (4: the ReLU zeroed the window). The same
+// as ATen's relu + max_pool2d_with_indices, NaN included (it passes), whose
+// CPU kernel in LibTorch 1.13 is scalar and cost a fifth of a CNN training
+// step.
 // simd = false keeps to the portable loop (for tests; by default AVX-512
 // intrinsics run where the CPU has them, with identical results).
 void relu_maxpool2(const float* in, int64_t planes, int64_t h, int64_t w, float* out, int32_t* arg, bool simd = true);

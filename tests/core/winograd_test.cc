@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "core/error.h"
@@ -130,6 +131,12 @@ TEST_CASE("relu + 2x2 max pooling equals ATen and autograd") {
       const int64_t h = hw.first, w = hw.second;
       at::Tensor x = torch::randn({3, 4, h, w});
       x.view(-1).slice(0, 0, 40).fill_(0.5f);  // ties: the first of equal ones wins, as in ATen
+      // One NaN in each of a few windows, at each of the four places (a
+      // negative neighbour too): it wins and passes the ReLU, as in ATen.
+      for (const auto& yx : {std::pair<int64_t, int64_t>{0, 0}, {0, 3}, {3, 0}, {3, 3}})
+        x[1][2][yx.first][yx.second] = NAN;
+      x[2][1][h - 1][w - 1] = NAN;
+      x[2][1][h - 1][w - 2] = -1.0f;
       x.requires_grad_();
       const at::Tensor ref = torch::max_pool2d(torch::relu(x), 2);
       const at::Tensor dout = torch::randn(ref.sizes());
@@ -138,13 +145,14 @@ TEST_CASE("relu + 2x2 max pooling equals ATen and autograd") {
       at::Tensor out = torch::empty(ref.sizes()), din = torch::full(x.sizes(), 5.0f);
       std::vector<int32_t> arg(static_cast<size_t>(ref.numel()));
       sparrow::core::cpu::relu_maxpool2(xd.data_ptr<float>(), 12, h, w, out.data_ptr<float>(), arg.data(), simd);
-      CHECK(torch::equal(out, ref.detach()));
+      CHECK(torch::allclose(out, ref.detach(), 0, 0, /*equal_nan=*/true));
+      CHECK(out.isnan().sum().item<int64_t>() == 5);
       sparrow::core::cpu::relu_maxpool2_backward(arg.data(), dout.data_ptr<float>(), 12, h, w, din.data_ptr<float>(),
                                                  simd);
       CHECK(torch::equal(din, x.grad()));
       at::Tensor out2 = torch::empty(ref.sizes());
       sparrow::core::cpu::relu_maxpool2(xd.data_ptr<float>(), 12, h, w, out2.data_ptr<float>(), nullptr, simd);
-      CHECK(torch::equal(out2, out));
+      CHECK(torch::allclose(out2, out, 0, 0, /*equal_nan=*/true));
     }
   at::Tensor out2 = torch::empty({1});
   const at::Tensor xd = torch::zeros({6});
