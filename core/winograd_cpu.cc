@@ -404,6 +404,19 @@ void input_grad_tiles(const float* dv, int64_t vstride, int64_t row0, int64_t c,
     }
 }
 
+// dst [n] = sum over k < terms of coef[k * cstride] * src[k * sstride .. + n]
+// (the weight transforms' step; zero coefficients are skipped).
+[[gnu::always_inline]] inline void lincomb(float* __restrict dst, int64_t n, const float* coef, int64_t cstride,
+                                           int terms, const float* __restrict src, int64_t sstride) {
+  std::fill(dst, dst + n, 0.0f);
+  for (int k = 0; k < terms; ++k) {
+    const float c = coef[k * cstride];
+    const float* __restrict x = src + k * sstride;
+    if (c != 0)
+      for (int64_t i = 0; i < n; ++i) dst[i] += c * x[i];
+  }
+}
+
 // U[a, b, ci, co] = (G g G^T)[a, b] for every 5x5 filter g = w[co, ci] and
 // G [n, 5] (row-major): vectorised across the output channels, one input
 // channel at a time. wt: 25 cout floats, r: 5 n cout floats of scratch.
@@ -413,28 +426,11 @@ void transform_weights(const float* __restrict w, int64_t cin, int64_t cout, con
   for (int64_t ci = 0; ci < cin; ++ci) {
     for (int64_t co = 0; co < cout; ++co)
       for (int t = 0; t < 25; ++t) wt[t * cout + co] = w[(co * cin + ci) * 25 + t];
-    for (int a = 0; a < n; ++a)  // r[a, l] = (G g)[a, l]
-      for (int l = 0; l < 5; ++l) {
-        float* __restrict dst = r + (a * 5 + l) * cout;
-        std::fill(dst, dst + cout, 0.0f);
-        for (int k = 0; k < 5; ++k) {
-          const float c = g[a * 5 + k];
-          const float* __restrict src = wt + (k * 5 + l) * cout;
-          if (c != 0)
-            for (int64_t co = 0; co < cout; ++co) dst[co] += c * src[co];
-        }
-      }
-    for (int a = 0; a < n; ++a)  // U[a, b] = (r G^T)[a, b]
-      for (int b = 0; b < n; ++b) {
-        float* __restrict dst = u + ((a * n + b) * cin + ci) * cout;
-        std::fill(dst, dst + cout, 0.0f);
-        for (int l = 0; l < 5; ++l) {
-          const float c = g[b * 5 + l];
-          const float* __restrict src = r + (a * 5 + l) * cout;
-          if (c != 0)
-            for (int64_t co = 0; co < cout; ++co) dst[co] += c * src[co];
-        }
-      }
+    for (int a = 0; a < n; ++a)  // r[a, l] = (G g)[a, l] = sum_k G[a, k] g[k, l]
+      for (int l = 0; l < 5; ++l) lincomb(r + (a * 5 + l) * cout, cout, g + a * 5, 1, 5, wt + l * cout, 5 * cout);
+    for (int a = 0; a < n; ++a)  // U[a, b] = (r G^T)[a, b] = sum_l r[a, l] G[b, l]
+      for (int b = 0; b < n; ++b)
+        lincomb(u + ((a * n + b) * cin + ci) * cout, cout, g + b * 5, 1, 5, r + a * 5 * cout, cout);
   }
 }
 
@@ -445,28 +441,11 @@ SPARROW_SIMD_CLONES
 void untransform_grad(const float* __restrict du, int64_t cin, int64_t cout, const float* __restrict g, int n,
                       float* __restrict gw, float alpha, float beta, float* __restrict r, float* __restrict res) {
   for (int64_t ci = 0; ci < cin; ++ci) {
-    for (int k = 0; k < 5; ++k)  // r[k, b] = (G^T dU)[k, b]
-      for (int b = 0; b < n; ++b) {
-        float* __restrict dst = r + (k * n + b) * cout;
-        std::fill(dst, dst + cout, 0.0f);
-        for (int a = 0; a < n; ++a) {
-          const float c = g[a * 5 + k];
-          const float* __restrict src = du + ((a * n + b) * cin + ci) * cout;
-          if (c != 0)
-            for (int64_t co = 0; co < cout; ++co) dst[co] += c * src[co];
-        }
-      }
-    for (int k = 0; k < 5; ++k)  // res[k, l] = (r G)[k, l]
-      for (int l = 0; l < 5; ++l) {
-        float* __restrict dst = res + (k * 5 + l) * cout;
-        std::fill(dst, dst + cout, 0.0f);
-        for (int b = 0; b < n; ++b) {
-          const float c = g[b * 5 + l];
-          const float* __restrict src = r + (k * n + b) * cout;
-          if (c != 0)
-            for (int64_t co = 0; co < cout; ++co) dst[co] += c * src[co];
-        }
-      }
+    for (int k = 0; k < 5; ++k)  // r[k, b] = (G^T dU)[k, b] = sum_a G[a, k] dU[a, b]
+      for (int b = 0; b < n; ++b)
+        lincomb(r + (k * n + b) * cout, cout, g + k, 5, n, du + (b * cin + ci) * cout, n * cin * cout);
+    for (int k = 0; k < 5; ++k)  // res[k, l] = (r G)[k, l] = sum_b r[k, b] G[b, l]
+      for (int l = 0; l < 5; ++l) lincomb(res + (k * 5 + l) * cout, cout, g + l, 5, n, r + k * n * cout, cout);
     for (int64_t co = 0; co < cout; ++co)
       for (int t = 0; t < 25; ++t) {
         float& dst = gw[(co * cin + ci) * 25 + t];
