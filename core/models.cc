@@ -310,9 +310,10 @@ class Cnn final : public Model {
   }
 
  private:
-  // This thread's conv2 (workers train on threads of their own).
-  // One image at a time: the fastest grouping on the 2-vCPU machine (a
-  // group's transformed tiles then stay in L2).
+  // This thread's conv2 (workers train on threads of their own), for
+  // evaluation and for training: the GEMMs' fastest groupings on the 2-vCPU
+  // machine were one image in evaluation (its transformed tiles stay in L2)
+  // and four in training (the weight gradient's GEMMs reduce over 64 rows).
   static cpu::WinogradConv5Pool& winograd() {
     static thread_local cpu::WinogradConv5Pool conv(32, 64, 14, 14, 1);
     return conv;
