@@ -5,6 +5,7 @@
 //   sparrow-bench compress [--elements N] [--repeat R] [--methods a,b,...] [--device cpu|cuda]
 //   sparrow-bench server [--clients C] [--rounds R] [--repeat N] [--cases ingest,dense,dashboard]
 //   sparrow-bench secagg [--clients 10,100,1000] [--degrees 8,16,0] [--dropout 0.1] [--cases protocol,service]
+//   sparrow-bench kernels [--images N] [--repeat R]
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,6 +20,7 @@
 #include <sstream>
 
 #include "core/error_text.h"
+#include "bench/kernel_bench.h"
 #include "bench/resnet50.h"
 #include "bench/secagg_bench.h"
 #include "bench/server_bench.h"
@@ -343,6 +345,12 @@ int main(int argc, char** argv) {
   secagg->add_option("--rounds", secagg_opts.rounds, "service: rounds per configuration")->check(CLI::Range(1, 100));
   secagg->add_option("--degree", secagg_opts.degree, "service: the SecAgg+ degree")->check(CLI::Range(2, 254));
   secagg->add_option("--tmp", secagg_opts.tmp, "service: folder for the servers' databases");
+  sparrow::bench::KernelBenchOptions kernel_opts;
+  auto* kernels = app.add_subcommand(
+      "kernels", "the CNN's CPU kernels (Winograd conv2, pooling, conv1 gradient) vs ATen and a large at::mm");
+  kernels->add_option("--images", kernel_opts.images, "images per timing")->check(CLI::Range(1, 100000));
+  kernels->add_option("--repeat", kernel_opts.repeat, "timings per kernel (median reported)")
+      ->check(CLI::Range(1, 1000));
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -355,6 +363,7 @@ int main(int argc, char** argv) {
                                        : bench_compress(elements, repeat, methods);
     if (*server) return sparrow::bench::bench_server(server_opts);
     if (*secagg) return sparrow::bench::bench_secagg(secagg_opts);
+    if (*kernels) return sparrow::bench::bench_kernels(kernel_opts);
     if (*sim) {
       auto has = [&](const char* c) {
         return ("," + sim_cases + ",").find("," + std::string(c) + ",") != std::string::npos;

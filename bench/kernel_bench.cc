@@ -1,0 +1,132 @@
+#include "bench/kernel_bench.h"
+
+#include <ATen/ATen.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <chrono>
+#include <functional>
+#include <iostream>
+#include <vector>
+
+#include "core/json.h"
+#include "core/winograd_cpu.h"
+
+namespace sparrow::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Median milliseconds of `repeat` calls of f, after one untimed call.
+double median_ms(int repeat, const std::function<void()>& f) {
+  f();
+  std::vector<double> t;
+  for (int i = 0; i < repeat; ++i) {
+    const auto t0 = Clock::now();
+    f();
+    t.push_back(std::chrono::duration<double, std::milli>(Clock::now() - t0).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// The time one large at::mm takes for `flops` floating-point operations.
+double mm_ms(double flops, int repeat) {
+  const int64_t n = 1024;
+  const at::Tensor a = at::randn({n, n}), b = at::randn({n, n});
+  at::Tensor c = at::empty({n, n});
+  const double per = median_ms(repeat, [&] { at::mm_out(c, a, b); });
+  return per * flops / (2.0 * n * n * n);
+}
+
+void print(const std::string& kernel, const std::string& setting, int images, double sparrow_ms, double aten_ms,
+           double direct_flops, double limit_ms) {
+  std::cout << "{\"bench\":\"kernels\",\"kernel\":" << json_string(kernel) << ",\"setting\":" << json_string(setting)
+            << ",\"images\":" << images << ",\"sparrow_ms\":" << json_number(sparrow_ms)
+            << ",\"aten_ms\":" << json_number(aten_ms) << ",\"speedup_vs_aten\":" << json_number(aten_ms / sparrow_ms)
+            << ",\"direct_gflop\":" << json_number(direct_flops / 1e9) << ",\"mm_ms\":" << json_number(limit_ms) << "}"
+            << std::endl;
+}
+
+}  // namespace
+
+int bench_kernels(const KernelBenchOptions& o) {
+  at::set_num_threads(1);
+  torch::manual_seed(1);
+  const int64_t n = o.images;
+  std::cout << "{\"bench\":\"kernels\",\"case\":\"machine\",\"threads\":1}" << std::endl;
+
+  // conv2: 32 -> 64 channels, 14x14, 5x5, padding 2, then bias, ReLU, 2x2 max pooling.
+  const at::Tensor x = at::rand({n, 32, 14, 14}), w = 0.05 * at::randn({64, 32, 5, 5}), b = 0.1 * at::randn({64});
+  const double conv2_flops = 2.0 * n * 64 * 32 * 25 * 14 * 14;
+  core::cpu::WinogradConv5Pool conv(32, 64, 14, 14, 4);
+  at::Tensor out = at::empty({n, 64, 7, 7}), dout = at::randn({n, 64, 7, 7}), dx = at::empty_like(x);
+  std::vector<int32_t> arg(static_cast<size_t>(n * conv.pooled_size()));
+  const int64_t in_size = 32 * 14 * 14, pooled = conv.pooled_size();
+  auto forward = [&](bool keep) {
+    for (int64_t i = 0; i < n; i += 4)
+      conv.forward(std::min<int64_t>(4, n - i), x.data_ptr<float>() + i * in_size, out.data_ptr<float>() + i * pooled,
+                   keep ? arg.data() + i * pooled : nullptr);
+  };
+  const double fwd = median_ms(o.repeat, [&] {
+    conv.set_weights(w.data_ptr<float>(), b.data_ptr<float>());
+    forward(false);
+  });
+  const double fwd_aten = median_ms(o.repeat, [&] {
+    at::NoGradGuard guard;
+    at::max_pool2d(at::relu(at::conv2d(x, w, b, 1, 2)), 2);
+  });
+  print("conv2_relu_pool", "forward (inference)", static_cast<int>(n), fwd, fwd_aten, conv2_flops,
+        mm_ms(conv2_flops, o.repeat));
+  std::vector<float> gw(64 * 32 * 25), gb(64);
+  const double train = median_ms(o.repeat, [&] {
+    conv.set_weights(w.data_ptr<float>(), b.data_ptr<float>());
+    conv.zero_grad();
+    forward(true);
+    for (int64_t i = 0; i < n; i += 4)
+      conv.backward(std::min<int64_t>(4, n - i), x.data_ptr<float>() + i * in_size, arg.data() + i * pooled,
+                    dout.data_ptr<float>() + i * pooled, dx.data_ptr<float>() + i * in_size);
+    conv.weight_grad(gw.data(), gb.data(), 1.0f, 0.0f);
+  });
+  const at::Tensor xg = x.clone().requires_grad_(), wg = w.clone().requires_grad_(), bg = b.clone().requires_grad_();
+  const double train_aten = median_ms(o.repeat, [&] {
+    const at::Tensor y = at::max_pool2d(at::relu(at::conv2d(xg, wg, bg, 1, 2)), 2);
+    y.backward(dout);
+  });
+  print("conv2_relu_pool", "forward + backward (training)", static_cast<int>(n), train, train_aten, 3 * conv2_flops,
+        mm_ms(3 * conv2_flops, o.repeat));
+
+  // conv1's ReLU + max pooling (32 planes of 28x28 per image) and its backward.
+  const at::Tensor r = at::randn({n, 32, 28, 28}), dp = at::randn({n, 32, 14, 14});
+  at::Tensor p = at::empty({n, 32, 14, 14}), dr = at::empty_like(r);
+  std::vector<int32_t> win(static_cast<size_t>(p.numel()));
+  const double pool = median_ms(o.repeat, [&] {
+    core::cpu::relu_maxpool2(r.data_ptr<float>(), n * 32, 28, 28, p.data_ptr<float>(), win.data());
+    core::cpu::relu_maxpool2_backward(win.data(), dp.data_ptr<float>(), n * 32, 28, 28, dr.data_ptr<float>());
+  });
+  const at::Tensor rg = r.clone().requires_grad_();
+  const double pool_aten = median_ms(o.repeat, [&] { at::max_pool2d(at::relu(rg), 2).backward(dp); });
+  print("relu_maxpool2", "forward + backward", static_cast<int>(n), pool, pool_aten, 0, 0);
+
+  // conv1's weight and bias gradients (1 -> 32 channels, 28x28, 5x5).
+  const at::Tensor img = at::rand({n, 1, 28, 28}), dy = at::randn({n, 32, 28, 28}), w1 = at::randn({32, 1, 5, 5});
+  const double conv1_flops = 2.0 * n * 32 * 25 * 28 * 28;
+  std::vector<float> g1(32 * 25), b1(32), col(25 * 28 * 28), colt(col.size());
+  const double wgrad = median_ms(o.repeat, [&] {
+    std::fill(g1.begin(), g1.end(), 0.0f);
+    std::fill(b1.begin(), b1.end(), 0.0f);
+    for (int64_t i = 0; i < n; ++i)
+      core::cpu::conv5x5_one_channel_weight_grad(img.data_ptr<float>() + i * 784, 28, 28,
+                                                 dy.data_ptr<float>() + i * 32 * 784, 32, g1.data(), b1.data(),
+                                                 col.data(), colt.data());
+  });
+  const double wgrad_aten = median_ms(o.repeat, [&] {
+    at::convolution_backward(dy, img, w1, at::IntArrayRef{32}, {1, 1}, {2, 2}, {1, 1}, false, {0, 0}, 1,
+                             {false, true, true});
+  });
+  print("conv1_weight_grad", "weight + bias gradients", static_cast<int>(n), wgrad, wgrad_aten, conv1_flops,
+        mm_ms(conv1_flops, o.repeat));
+  return 0;
+}
+
+}  // namespace sparrow::bench
