@@ -30,13 +30,13 @@ double median_ms(int repeat, const std::function<void()>& f) {
   return t[t.size() / 2];
 }
 
-// The time one large at::mm takes for `flops` floating-point operations.
-double mm_ms(double flops, int repeat) {
+// Milliseconds per floating-point operation of one large at::mm (timed once
+// per run; each line scales it by its FLOPs).
+double mm_ms_per_flop(int repeat) {
   const int64_t n = 1024;
   const at::Tensor a = at::randn({n, n}), b = at::randn({n, n});
   at::Tensor c = at::empty({n, n});
-  const double per = median_ms(repeat, [&] { at::mm_out(c, a, b); });
-  return per * flops / (2.0 * n * n * n);
+  return median_ms(repeat, [&] { at::mm_out(c, a, b); }) / (2.0 * n * n * n);
 }
 
 void print(const std::string& kernel, const std::string& setting, int images, double sparrow_ms, double aten_ms,
@@ -55,6 +55,8 @@ int bench_kernels(const KernelBenchOptions& o) {
   torch::manual_seed(1);
   const int64_t n = o.images;
   std::cout << "{\"bench\":\"kernels\",\"case\":\"machine\",\"threads\":1}" << std::endl;
+  const double mm_rate = mm_ms_per_flop(o.repeat);
+  auto mm_ms = [&](double flops) { return mm_rate * flops; };
 
   // conv2: 32 -> 64 channels, 14x14, 5x5, padding 2, then bias, ReLU, 2x2 max pooling.
   const at::Tensor x = at::rand({n, 32, 14, 14}), w = 0.05 * at::randn({64, 32, 5, 5}), b = 0.1 * at::randn({64});
@@ -76,8 +78,7 @@ int bench_kernels(const KernelBenchOptions& o) {
     at::NoGradGuard guard;
     at::max_pool2d(at::relu(at::conv2d(x, w, b, 1, 2)), 2);
   });
-  print("conv2_relu_pool", "forward (inference)", static_cast<int>(n), fwd, fwd_aten, conv2_flops,
-        mm_ms(conv2_flops, o.repeat));
+  print("conv2_relu_pool", "forward (inference)", static_cast<int>(n), fwd, fwd_aten, conv2_flops, mm_ms(conv2_flops));
   std::vector<float> gw(64 * 32 * 25), gb(64);
   const double train = median_ms(o.repeat, [&] {
     conv.set_weights(w.data_ptr<float>(), b.data_ptr<float>());
@@ -94,7 +95,7 @@ int bench_kernels(const KernelBenchOptions& o) {
     y.backward(dout);
   });
   print("conv2_relu_pool", "forward + backward (training)", static_cast<int>(n), train, train_aten, 3 * conv2_flops,
-        mm_ms(3 * conv2_flops, o.repeat));
+        mm_ms(3 * conv2_flops));
 
   // conv1's ReLU + max pooling (32 planes of 28x28 per image) and its backward.
   const at::Tensor r = at::randn({n, 32, 28, 28}), dp = at::randn({n, 32, 14, 14});
@@ -125,7 +126,7 @@ int bench_kernels(const KernelBenchOptions& o) {
                              {false, true, true});
   });
   print("conv1_weight_grad", "weight + bias gradients", static_cast<int>(n), wgrad, wgrad_aten, conv1_flops,
-        mm_ms(conv1_flops, o.repeat));
+        mm_ms(conv1_flops));
   return 0;
 }
 

@@ -110,6 +110,23 @@ float row_sum(const float* __restrict x, int64_t n) {
 }
 
 #ifdef SPARROW_POOL_AVX512
+// One 16-window step of a pooling row from window x0 of ow: the masks of its
+// two 16-float input (or input-gradient) halves and of its windows, and where
+// the second half starts (no address past the row when its mask is empty).
+struct PoolStep {
+  __mmask16 lo, hi, windows;
+  int64_t second;
+};
+inline PoolStep pool_step(int64_t x0, int64_t ow) {
+  const int64_t k = std::min<int64_t>(16, ow - x0);  // windows in this step: 2 k inputs per row
+  PoolStep s;
+  s.lo = static_cast<__mmask16>(k >= 8 ? 0xFFFF : (1u << (2 * k)) - 1);
+  s.hi = static_cast<__mmask16>(k <= 8 ? 0 : (1u << (2 * k - 16)) - 1);
+  s.windows = static_cast<__mmask16>((1u << k) - 1);
+  s.second = s.hi ? 2 * x0 + 16 : 2 * x0;
+  return s;
+}
+
 // The same pooling with AVX-512 intrinsics, 16 windows per step: the
 // compiler's vectorisation of the stride-2 window loop above runs mostly in
 // scalar code on 14-window rows (a tenth of a CNN training step). The even
@@ -126,11 +143,9 @@ __attribute__((target("avx512f"))) void relu_maxpool2_avx512(const float* in, in
     const float* in0 = in + 4 * r * ow;
     const float* in1 = in0 + 2 * ow;
     for (int64_t x0 = 0; x0 < ow; x0 += 16) {
-      const int64_t k = std::min<int64_t>(16, ow - x0);  // windows in this step: 2 k inputs per row
-      const __mmask16 lo = static_cast<__mmask16>(k >= 8 ? 0xFFFF : (1u << (2 * k)) - 1);
-      const __mmask16 hi = static_cast<__mmask16>(k <= 8 ? 0 : (1u << (2 * k - 16)) - 1);
-      const __mmask16 wm = static_cast<__mmask16>((1u << k) - 1);
-      const int64_t second = hi ? 2 * x0 + 16 : 2 * x0;  // no address past the row when the mask is empty
+      const PoolStep st = pool_step(x0, ow);
+      const __mmask16 lo = st.lo, hi = st.hi, wm = st.windows;
+      const int64_t second = st.second;
       const __m512 a0 = _mm512_maskz_loadu_ps(lo, in0 + 2 * x0), a1 = _mm512_maskz_loadu_ps(hi, in0 + second);
       const __m512 b0 = _mm512_maskz_loadu_ps(lo, in1 + 2 * x0), b1 = _mm512_maskz_loadu_ps(hi, in1 + second);
       const __m512 y0 = _mm512_permutex2var_ps(a0, even, a1), y1 = _mm512_permutex2var_ps(a0, odd, a1);
@@ -162,17 +177,15 @@ __attribute__((target("avx512f"))) void relu_maxpool2_backward_avx512(const int3
     float* din0 = din + 4 * r * ow;
     float* din1 = din0 + 2 * ow;
     for (int64_t x0 = 0; x0 < ow; x0 += 16) {
-      const int64_t k = std::min<int64_t>(16, ow - x0);
-      const __mmask16 lo = static_cast<__mmask16>(k >= 8 ? 0xFFFF : (1u << (2 * k)) - 1);
-      const __mmask16 hi = static_cast<__mmask16>(k <= 8 ? 0 : (1u << (2 * k - 16)) - 1);
-      const __mmask16 wm = static_cast<__mmask16>((1u << k) - 1);
+      const PoolStep st = pool_step(x0, ow);
+      const __mmask16 lo = st.lo, hi = st.hi, wm = st.windows;
+      const int64_t second = st.second;
       const __m512i q = _mm512_maskz_loadu_epi32(wm, arg + r * ow + x0);
       const __m512 d = _mm512_maskz_loadu_ps(wm, dout + r * ow + x0);
       const __m512 v0 = _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(q, _mm512_setzero_si512()), d);
       const __m512 v1 = _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(q, one), d);
       const __m512 v2 = _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(q, two), d);
       const __m512 v3 = _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(q, three), d);
-      const int64_t second = hi ? 2 * x0 + 16 : 2 * x0;  // no address past the row when the mask is empty
       _mm512_mask_storeu_ps(din0 + 2 * x0, lo, _mm512_permutex2var_ps(v0, ilo, v1));
       _mm512_mask_storeu_ps(din0 + second, hi, _mm512_permutex2var_ps(v0, ihi, v1));
       _mm512_mask_storeu_ps(din1 + 2 * x0, lo, _mm512_permutex2var_ps(v2, ilo, v3));
