@@ -7,9 +7,13 @@
 #include <chrono>
 #include <functional>
 #include <iostream>
+#include <map>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "core/json.h"
+#include "core/models.h"
 #include "core/winograd_cpu.h"
 
 namespace sparrow::bench {
@@ -109,9 +113,25 @@ int bench_kernels(const KernelBenchOptions& o) {
   const double pool_aten = median_ms(o.repeat, [&] { at::max_pool2d(at::relu(rg), 2).backward(dp); });
   print("relu_maxpool2", "forward + backward", static_cast<int>(n), pool, pool_aten, 0, 0);
 
-  // conv1's weight and bias gradients (1 -> 32 channels, 28x28, 5x5).
+  // conv1 (1 -> 32 channels, 28x28, 5x5) + bias + ReLU + 2x2 max pooling, as
+  // training runs it (the winners kept for the backward).
   const at::Tensor img = at::rand({n, 1, 28, 28}), dy = at::randn({n, 32, 28, 28}), w1 = at::randn({32, 1, 5, 5});
+  const at::Tensor bias1 = at::randn({32});
   const double conv1_flops = 2.0 * n * 32 * 25 * 28 * 28;
+  std::vector<float> scratch(57 * 28 * 28);
+  at::Tensor p1 = at::empty({n, 32, 14, 14});
+  const double c1 = median_ms(o.repeat, [&] {
+    for (int64_t i = 0; i < n; ++i)
+      core::cpu::conv5x5_one_channel_relu_pool(img.data_ptr<float>() + i * 784, 28, 28, w1.data_ptr<float>(),
+                                               bias1.data_ptr<float>(), 32, p1.data_ptr<float>() + i * 32 * 196,
+                                               win.data() + i * 32 * 196, scratch.data());
+  });
+  const double c1_aten =
+      median_ms(o.repeat, [&] { at::max_pool2d_with_indices(at::relu(at::conv2d(img, w1, bias1, 1, 2)), 2); });
+  print("conv1_relu_pool", "forward (training: winners kept)", static_cast<int>(n), c1, c1_aten, conv1_flops,
+        mm_ms(conv1_flops));
+
+  // conv1's weight and bias gradients.
   std::vector<float> g1(32 * 25), b1(32), col(25 * 28 * 28), colt(col.size());
   const double wgrad = median_ms(o.repeat, [&] {
     std::fill(g1.begin(), g1.end(), 0.0f);
@@ -127,6 +147,30 @@ int bench_kernels(const KernelBenchOptions& o) {
   });
   print("conv1_weight_grad", "weight + bias gradients", static_cast<int>(n), wgrad, wgrad_aten, conv1_flops,
         mm_ms(conv1_flops));
+
+  // The whole CNN's inference (evaluation) in batches of 64, as
+  // LocalTrainer::evaluate runs it, against the same layers in ATen.
+  const std::shared_ptr<core::Model> cnn = core::make_model("cnn", 1);
+  const at::Tensor imgs = at::rand({n, 784});
+  std::map<std::string, at::Tensor> par;
+  for (const auto& kv : cnn->named_parameters()) par[kv.key()] = kv.value();
+  const double cnn_flops = conv1_flops + conv2_flops + 2.0 * n * (3136 * 512 + 512 * 10);
+  at::NoGradGuard no_grad;
+  cnn->eval();
+  const double infer = median_ms(o.repeat, [&] {
+    for (int64_t i = 0; i < n; i += 64) cnn->forward(imgs.narrow(0, i, std::min<int64_t>(64, n - i)));
+  });
+  const double infer_aten = median_ms(o.repeat, [&] {
+    for (int64_t i = 0; i < n; i += 64) {
+      at::Tensor h = imgs.narrow(0, i, std::min<int64_t>(64, n - i)).view({-1, 1, 28, 28});
+      h = at::max_pool2d(at::relu(at::conv2d(h, par["conv1.weight"], par["conv1.bias"], 1, 2)), 2);
+      h = at::max_pool2d(at::relu(at::conv2d(h, par["conv2.weight"], par["conv2.bias"], 1, 2)), 2);
+      h = at::relu(at::linear(h.flatten(1), par["fc1.weight"], par["fc1.bias"]));
+      at::linear(h, par["fc2.weight"], par["fc2.bias"]);
+    }
+  });
+  print("cnn", "inference (evaluation, batches of 64)", static_cast<int>(n), infer, infer_aten, cnn_flops,
+        mm_ms(cnn_flops));
   return 0;
 }
 

@@ -173,7 +173,7 @@ class Cnn final : public Model {
   at::Tensor forward(const at::Tensor& x) override {
     at::Tensor h;
     // Inference on the CPU (evaluation): both convolutions, ReLUs and
-    // poolings by core/winograd_cpu.h.
+    // poolings by core/winograd_cpu.h (as in training).
     if (!at::GradMode::is_enabled() && cpu_fast_path(parameters(), x)) {
       h = convs_inference(as_image28(x).contiguous());
     } else {
@@ -233,8 +233,8 @@ class Cnn final : public Model {
     check_clients(p, 8, x);
     check_grads(p, g);
     // One client after another, each through its whole step (its activations
-    // stay in cache): conv1 forward and its weight gradient as im2col + GEMM,
-    // conv2 + ReLU + pooling by Winograd (core/winograd_cpu.h), the Linear
+    // stay in cache): conv1 + ReLU + pooling by a fused direct kernel, its
+    // weight gradient as im2col + GEMM, conv2 + ReLU + pooling by Winograd (core/winograd_cpu.h), the Linear
     // head by the raw path of core/linear_cpu.h, which also hands back the
     // head's input gradient.
     const int64_t k = x.size(0), b = x.size(1);
@@ -242,7 +242,7 @@ class Cnn final : public Model {
     at::Tensor loss = at::empty({k}, x.options());
     at::Tensor m2 = at::empty({b, 64, 7, 7}, x.options()), dh = at::empty_like(m2);
     at::Tensor m1 = at::empty({b, 32, 14, 14}, x.options()), dm1 = at::empty({kTrainGroup, 32, 14, 14}, x.options());
-    at::Tensor r1 = at::empty({32, 28, 28}, x.options()), dr1 = at::empty_like(r1);
+    at::Tensor dr1 = at::empty({32, 28, 28}, x.options()), scratch = at::empty({(25 + 32) * 28 * 28}, x.options());
     at::Tensor col = at::empty({25 * 28 * 28}, x.options()), colt = at::empty_like(col);
     at::Tensor gw1 = at::empty({32, 25}, x.options()), gb1 = at::empty({32}, x.options());
     const at::Tensor xcont = x.contiguous();
@@ -254,10 +254,9 @@ class Cnn final : public Model {
       const at::Tensor xc = as_image28(xcont[c]);
       const float* xp = xc.data_ptr<float>();
       for (int64_t i = 0; i < b; ++i) {  // pooled image by image, while conv1's output is in cache
-        cpu::conv5x5_one_channel(xp + i * 28 * 28, 28, 28, p[0][c].data_ptr<float>(), p[1][c].data_ptr<float>(), 32,
-                                 r1.data_ptr<float>(), col.data_ptr<float>());
-        cpu::relu_maxpool2(r1.data_ptr<float>(), 32, 28, 28, m1.data_ptr<float>() + i * in2,
-                           win1.data_ptr<int32_t>() + i * in2);
+        cpu::conv5x5_one_channel_relu_pool(xp + i * 28 * 28, 28, 28, p[0][c].data_ptr<float>(),
+                                           p[1][c].data_ptr<float>(), 32, m1.data_ptr<float>() + i * in2,
+                                           win1.data_ptr<int32_t>() + i * in2, scratch.data_ptr<float>());
       }
       conv2.set_weights(p[2][c].data_ptr<float>(), p[3][c].data_ptr<float>());
       conv2.zero_grad();
@@ -334,11 +333,10 @@ class Cnn final : public Model {
     at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
       cpu::WinogradConv5Pool& conv = winograd();
       conv.set_weights(w2.data_ptr<float>(), b2.data_ptr<float>());
-      std::vector<float> col(25 * 28 * 28), r1(32 * 28 * 28), m1(32 * 14 * 14);
+      std::vector<float> scratch((25 + 32) * 28 * 28), m1(32 * 14 * 14);
       for (int64_t i = begin; i < end; ++i) {
-        cpu::conv5x5_one_channel(in + i * 28 * 28, 28, 28, w1.data_ptr<float>(), b1.data_ptr<float>(), 32, r1.data(),
-                                 col.data());
-        cpu::relu_maxpool2(r1.data(), 32, 28, 28, m1.data(), nullptr);
+        cpu::conv5x5_one_channel_relu_pool(in + i * 28 * 28, 28, 28, w1.data_ptr<float>(), b1.data_ptr<float>(), 32,
+                                           m1.data(), nullptr, scratch.data());
         conv.forward(1, m1.data(), o + i * 64 * 7 * 7);
       }
     });

@@ -83,6 +83,21 @@ class WinogradConv5Pool {
 void conv5x5_one_channel(const float* x, int64_t h, int64_t w, const float* weight, const float* bias, int64_t cout,
                          float* out, float* col);
 
+// conv5x5_one_channel then relu_maxpool2 (h, w even): out [cout, h/2, w/2]
+// and arg as relu_maxpool2 gives them; the CNN's conv1 in training and
+// evaluation. Where the CPU has AVX-512 (and w <= 32, h <= 60, cout a
+// multiple of 4) a fused register-blocked kernel pools straight from its
+// accumulators (1.7x the two kernels on the CNN's 28x28 images, in cache); otherwise, or with
+// simd = false, the two kernels run, in scratch ((25 + cout) h w floats;
+// unused by the fused kernel). The two agree to float rounding: the fused
+// kernel sums the 25 products in kernel order and adds the bias last, as
+// LibTorch 1.13's convolution does (on this machine its outputs were
+// bit-identical to ATen's); the GEMM's order differs by up to ~4e-7. Which
+// of two nearly equal values wins a pooling window follows from that, and a
+// different winner moves a whole window's gradient.
+void conv5x5_one_channel_relu_pool(const float* x, int64_t h, int64_t w, const float* weight, const float* bias,
+                                   int64_t cout, float* out, int32_t* arg, float* scratch, bool simd = true);
+
 // col [25, h, w]: the 25 copies of one h x w image shifted by (ky - 2,
 // kx - 2), zero outside (im2col for a 5x5 kernel, padding 2).
 void im2col5x5(const float* x, int64_t h, int64_t w, float* col);

@@ -191,3 +191,53 @@ TEST_CASE("conv5x5 of one channel equals ATen") {
     CHECK(rel(out, ref) < 1e-6);
   }
 }
+
+TEST_CASE("conv5x5 of one channel + ReLU + pooling, fused, equals ATen and autograd") {
+  // 28x28 with 32 channels: the CNN's conv1, on the fused AVX-512 kernel; 6x8:
+  // rows narrower than a vector; 8x36 (wider than 32), 62x4 (taller than 60)
+  // and 5 channels (not a multiple of 4): the two kernels. Both paths; a NaN
+  // pixel makes its 5x5 neighbourhood NaN in every channel, which must pass.
+  for (const auto& hw : {std::pair<int64_t, int64_t>{28, 28}, {6, 8}, {8, 36}, {62, 4}})
+    for (const int64_t cout : {32, 5})
+      for (const bool simd : {true, false})
+        for (const bool nan : {false, true}) {
+          CAPTURE(hw.first);
+          CAPTURE(hw.second);
+          CAPTURE(cout);
+          CAPTURE(simd);
+          CAPTURE(nan);
+          torch::manual_seed(31);
+          const int64_t h = hw.first, w = hw.second;
+          at::Tensor x = torch::randn({1, 1, h, w});
+          if (nan) x[0][0][h / 2][w - 1] = NAN;
+          const at::Tensor wt = 0.3 * torch::randn({cout, 1, 5, 5}), b = 0.1 * torch::randn({cout});
+          const at::Tensor y = at::conv2d(x, wt, b, 1, 2).requires_grad_();
+          const at::Tensor ref = torch::max_pool2d(torch::relu(y), 2);
+          const at::Tensor dout = torch::randn(ref.sizes());
+          (ref * dout).sum().backward();
+          at::Tensor out = torch::full(ref.sizes(), 7.0f), din = torch::full(y.sizes(), 5.0f);
+          std::vector<int32_t> arg(static_cast<size_t>(ref.numel()), -1);
+          std::vector<float> scratch(static_cast<size_t>((25 + cout) * h * w), 9.0f);
+          sparrow::core::cpu::conv5x5_one_channel_relu_pool(x.data_ptr<float>(), h, w, wt.data_ptr<float>(),
+                                                            b.data_ptr<float>(), cout, out.data_ptr<float>(),
+                                                            arg.data(), scratch.data(), simd);
+          const at::Tensor finite = ref.isfinite();
+          CHECK(torch::equal(out.isnan(), ref.isnan()));
+          CHECK(out.isnan().any().item<bool>() == nan);
+          CHECK(rel(out.masked_select(finite), ref.detach().masked_select(finite)) < 1e-6);
+          // The winners give autograd's gradient (no ties in random data).
+          sparrow::core::cpu::relu_maxpool2_backward(arg.data(), dout.data_ptr<float>(), cout, h, w,
+                                                     din.data_ptr<float>());
+          CHECK(torch::equal(din, y.grad()));
+          at::Tensor out2 = torch::empty(ref.sizes());  // without winners: the same outputs
+          sparrow::core::cpu::conv5x5_one_channel_relu_pool(x.data_ptr<float>(), h, w, wt.data_ptr<float>(),
+                                                            b.data_ptr<float>(), cout, out2.data_ptr<float>(), nullptr,
+                                                            scratch.data(), simd);
+          CHECK(torch::allclose(out2, out, 0, 0, /*equal_nan=*/true));
+        }
+  std::vector<float> scratch(57 * 9), out(32);
+  const std::vector<float> x(9), wt(32 * 25), b(32);
+  CHECK_THROWS_WITH(sparrow::core::cpu::conv5x5_one_channel_relu_pool(x.data(), 3, 3, wt.data(), b.data(), 32,
+                                                                      out.data(), nullptr, scratch.data()),
+                    doctest::Contains("even"));
+}
