@@ -328,8 +328,9 @@ TrainResult LocalTrainer::train(const Weights& global, const at::Tensor& x_in, c
 
 std::pair<double, double> LocalTrainer::evaluate(const Weights& weights, const at::Tensor& x_in, const at::Tensor& y_in,
                                                  int batch_size) {
-  SPARROW_CHECK(batch_size >= 1, "evaluate: batch_size must be >= 1, got " << batch_size);
+  SPARROW_CHECK(batch_size >= 0, "evaluate: batch_size must be >= 0 (0: the model's), got " << batch_size);
   auto [x, y] = prepare_data(x_in, y_in);
+  if (batch_size == 0) batch_size = static_cast<int>(replica_->eval_batch(x.device()));
   load(weights);
   const int64_t n = x.size(0);
   at::NoGradGuard no_grad;

@@ -103,13 +103,11 @@ class LocalTrainer {
                     Weights* client_control = nullptr, const Weights* server_control = nullptr);
 
   // Mean cross-entropy loss and accuracy (in [0, 1]) of `weights` on (x, y),
-  // in batches of batch_size, without autograd. The default 64 is measured:
-  // LibTorch 1.13's oneDNN convolutions evaluate the CNN's 10,000 test images
-  // in 3.2 s at batch 64 and 21 s at batch 1000 on one core (a cliff between
-  // 64 and 96; docs/performance.md). Loads `weights` into the
-  // replica (train() overwrites them anyway). Same input checks as train().
+  // in batches of batch_size (0: the model's choice, core::Model::eval_batch,
+  // which is measured), without autograd. Loads `weights` into the replica
+  // (train() overwrites them anyway). Same input checks as train().
   std::pair<double, double> evaluate(const Weights& weights, const at::Tensor& x, const at::Tensor& y,
-                                     int batch_size = 64);
+                                     int batch_size = 0);
 
   const TrainConfig& config() const { return cfg_; }
   // Parameter names in the model's named_parameters() order.

@@ -188,6 +188,12 @@ class Cnn final : public Model {
             stage_of(*this, "fc2", {"fc2"})};
   }
   bool can_forward_clients() const override { return true; }
+  // Batches of 256 evaluate 8-10% faster than 64 on the CPU kernels (the
+  // Linear layers' GEMMs and conv2's weight transform amortised over more
+  // images; sparrow-sim on the 2-vCPU machine).
+  int64_t eval_batch(const at::Device& device) const override {
+    return device.is_cpu() ? 256 : Model::eval_batch(device);
+  }
   // On CUDA the K clients' convolutions are one grouped convolution: the
   // batch is laid out [B, K * channels, H, W] with client k's channels in
   // group k (max pooling is per channel anyway). On the CPU, oneDNN's grouped
@@ -546,6 +552,8 @@ at::Tensor Model::loss_backward_clients(const std::vector<at::Tensor>& p, const 
     accumulate(g[i], grads[i].defined() ? grads[i] : at::zeros_like(g[i]), alpha, beta);
   return loss.detach();
 }
+
+int64_t Model::eval_batch(const at::Device&) const { return 64; }
 
 at::Tensor linear_clients(const at::Tensor& h, const at::Tensor& weight, const at::Tensor& bias) {
   return at::baddbmm(bias.unsqueeze(2), weight, h);

@@ -62,6 +62,14 @@ class Model : public torch::nn::Module {
   virtual at::Tensor loss_backward_clients(const std::vector<at::Tensor>& params, const at::Tensor& x,
                                            const at::Tensor& y, const at::Tensor& w, std::vector<at::Tensor>& grads,
                                            double alpha = 1.0, double beta = 0.0);
+
+  // The batch size evaluation (client::LocalTrainer::evaluate) runs this
+  // model at on `device` unless its caller chooses one. 64 by default:
+  // LibTorch 1.13's oneDNN convolutions evaluate the CNN's 10,000 test images
+  // in 3.2 s at batch 64 and 21 s at batch 1000 on one core (a cliff between
+  // 64 and 96; docs/performance.md). "cnn" on the CPU runs its own kernels,
+  // which have no such cliff, and takes 256.
+  virtual int64_t eval_batch(const at::Device& device) const;
 };
 
 // Building blocks for loss_backward_clients.

@@ -257,6 +257,24 @@ TEST_CASE("evaluate matches a direct computation") {
   CHECK(t.evaluate(global, d.x, logits.argmax(1), 1000).second == 1.0);
 }
 
+TEST_CASE("evaluate at the model's batch size (0) equals any other, and refuses a negative one") {
+  // The CNN on the CPU evaluates in batches of 256: 600 images are two full
+  // batches and a short one.
+  const Data d = make_data(600, 8);
+  const Weights global = get_weights(*sparrow::core::make_model("cnn", 4));
+  LocalTrainer t(sparrow::core::make_model("cnn", 5), TrainConfig{});
+  CHECK(t.replica().eval_batch(at::Device(at::kCPU)) == 256);
+  CHECK(sparrow::core::make_model("mlp", 1)->eval_batch(at::Device(at::kCPU)) == 64);
+  const auto [loss, acc] = t.evaluate(global, d.x, d.y);
+  const auto [loss1, acc1] = t.evaluate(global, d.x, d.y, 600);
+  const auto [loss2, acc2] = t.evaluate(global, d.x, d.y, 7);
+  CHECK(loss == doctest::Approx(loss1).epsilon(1e-6));
+  CHECK(loss == doctest::Approx(loss2).epsilon(1e-6));
+  CHECK(acc == acc1);
+  CHECK(acc == acc2);
+  CHECK_THROWS_WITH(t.evaluate(global, d.x, d.y, -1), doctest::Contains("batch_size"));
+}
+
 TEST_CASE("a reused replica leaks no state between clients") {
   TrainConfig cfg;
   cfg.batch_size = 8;
