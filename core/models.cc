@@ -13,6 +13,7 @@
 #include "core/linear_cpu.h"
 #include "core/winograd_cpu.h"
 #include "core/spec.h"
+#include "core/threads.h"
 
 namespace sparrow::core {
 namespace {
@@ -122,13 +123,15 @@ class Mlp final : public Model {
       const at::Tensor xc = x.reshape({k, b, 784}).contiguous();
       const at::Tensor yc = y.contiguous(), wc = w.contiguous();
       at::Tensor loss = at::empty({k}, x.options());
-      for (int64_t c = 0; c < k; ++c) {
-        std::vector<cpu::LinearRef> layers;
-        for (int l = 0; l < 3; ++l) layers.push_back(linear_ref(p, g, 2 * l, c));
-        loss.data_ptr<float>()[c] = cpu::linear_chain_step(
-            b, xc[c].data_ptr<float>(), layers, yc.data_ptr<int64_t>() + c * b, wc.data_ptr<float>() + c * b, nullptr,
-            static_cast<float>(alpha), static_cast<float>(beta));
-      }
+      parallel_for_single_blas(k, 1, [&](int64_t c0, int64_t c1) {  // each client's arithmetic on any thread
+        for (int64_t c = c0; c < c1; ++c) {
+          std::vector<cpu::LinearRef> layers;
+          for (int l = 0; l < 3; ++l) layers.push_back(linear_ref(p, g, 2 * l, c));
+          loss.data_ptr<float>()[c] = static_cast<float>(cpu::linear_chain_step(
+              b, xc[c].data_ptr<float>(), layers, yc.data_ptr<int64_t>() + c * b, wc.data_ptr<float>() + c * b, nullptr,
+              static_cast<float>(alpha), static_cast<float>(beta)));
+        }
+      });
       return loss;
     }
     const at::Tensor xt = x.reshape({k, b, 784});  // batch-major: the transpose of the feature-major input
@@ -174,12 +177,9 @@ class Cnn final : public Model {
     at::Tensor h;
     // Inference on the CPU (evaluation): both convolutions, ReLUs and
     // poolings by core/winograd_cpu.h (as in training).
-    if (!at::GradMode::is_enabled() && cpu_fast_path(parameters(), x)) {
-      h = convs_inference(as_image28(x).contiguous());
-    } else {
-      h = torch::max_pool2d(torch::relu(conv1_->forward(as_image28(x))), 2);
-      h = torch::max_pool2d(torch::relu(conv2_->forward(h)), 2);
-    }
+    if (!at::GradMode::is_enabled() && cpu_fast_path(parameters(), x)) return inference(as_image28(x).contiguous());
+    h = torch::max_pool2d(torch::relu(conv1_->forward(as_image28(x))), 2);
+    h = torch::max_pool2d(torch::relu(conv2_->forward(h)), 2);
     h = torch::relu(fc1_->forward(h.flatten(1)));
     return fc2_->forward(h);
   }
@@ -238,64 +238,29 @@ class Cnn final : public Model {
     if (!cpu_fast_path(p, x)) return Model::loss_backward_clients(p, x, y, w, g, alpha, beta);
     check_clients(p, 8, x);
     check_grads(p, g);
-    // One client after another, each through its whole step (its activations
-    // stay in cache): conv1 + ReLU + pooling by a fused direct kernel, its
-    // weight gradient as im2col + GEMM, conv2 + ReLU + pooling by Winograd (core/winograd_cpu.h), the Linear
-    // head by the raw path of core/linear_cpu.h, which also hands back the
-    // head's input gradient.
+    // Each client through its whole step (its activations stay in cache):
+    // conv1 + ReLU + pooling by a fused direct kernel, its weight gradient as
+    // im2col + GEMM, conv2 + ReLU + pooling by Winograd (core/winograd_cpu.h),
+    // the Linear head by the raw path of core/linear_cpu.h, which also hands
+    // back the head's input gradient. The clients are shared out over the
+    // intra-op threads (each client's arithmetic is the same on any thread).
     const int64_t k = x.size(0), b = x.size(1);
-    const at::Tensor yc = y.contiguous(), wc = w.contiguous();
+    const at::Tensor yc = y.contiguous(), wc = w.contiguous(), xcont = x.contiguous();
     at::Tensor loss = at::empty({k}, x.options());
-    at::Tensor m2 = at::empty({b, 64, 7, 7}, x.options()), dh = at::empty_like(m2);
-    at::Tensor m1 = at::empty({b, 32, 14, 14}, x.options()), dm1 = at::empty({kTrainGroup, 32, 14, 14}, x.options());
-    at::Tensor dr1 = at::empty({32, 28, 28}, x.options()), scratch = at::empty({(25 + 32) * 28 * 28}, x.options());
-    at::Tensor col = at::empty({25 * 28 * 28}, x.options()), colt = at::empty_like(col);
-    at::Tensor gw1 = at::empty({32, 25}, x.options()), gb1 = at::empty({32}, x.options());
-    const at::Tensor xcont = x.contiguous();
-    at::Tensor win = at::empty({b, 64 * 7 * 7}, x.options().dtype(at::kInt));
-    at::Tensor win1 = at::empty({b, 32 * 14 * 14}, x.options().dtype(at::kInt));
-    cpu::WinogradConv5Pool& conv2 = winograd_train();
-    const int64_t in2 = 32 * 14 * 14, out2 = 64 * 7 * 7;
-    for (int64_t c = 0; c < k; ++c) {
-      const at::Tensor xc = as_image28(xcont[c]);
-      const float* xp = xc.data_ptr<float>();
-      for (int64_t i = 0; i < b; ++i) {  // pooled image by image, while conv1's output is in cache
-        cpu::conv5x5_one_channel_relu_pool(xp + i * 28 * 28, 28, 28, p[0][c].data_ptr<float>(),
-                                           p[1][c].data_ptr<float>(), 32, m1.data_ptr<float>() + i * in2,
-                                           win1.data_ptr<int32_t>() + i * in2, scratch.data_ptr<float>());
-      }
-      conv2.set_weights(p[2][c].data_ptr<float>(), p[3][c].data_ptr<float>());
-      conv2.zero_grad();
-      const float* m1p = m1.data_ptr<float>();
-      const int64_t group = conv2.group();
-      for (int64_t i = 0; i < b; i += group)
-        conv2.forward(std::min(group, b - i), m1p + i * in2, m2.data_ptr<float>() + i * out2,
-                      win.data_ptr<int32_t>() + i * out2);
-      // m2 [B, 64, 7, 7] is the head's batch-major input [B, 3136].
-      const std::vector<cpu::LinearRef> head{linear_ref(p, g, 4, c), linear_ref(p, g, 6, c)};
-      loss.data_ptr<float>()[c] = static_cast<float>(cpu::linear_chain_step(
-          b, m2.data_ptr<float>(), head, yc.data_ptr<int64_t>() + c * b, wc.data_ptr<float>() + c * b,
-          dh.data_ptr<float>(), static_cast<float>(alpha), static_cast<float>(beta)));
-      // Image by image back to conv1's weights, each image's gradients in cache.
-      gw1.zero_();
-      gb1.zero_();
-      for (int64_t i0 = 0; i0 < b; i0 += group) {
-        const int64_t n = std::min(group, b - i0);
-        conv2.backward(n, m1p + i0 * in2, win.data_ptr<int32_t>() + i0 * out2, dh.data_ptr<float>() + i0 * out2,
-                       dm1.data_ptr<float>());
-        for (int64_t i = i0; i < i0 + n; ++i) {
-          cpu::relu_maxpool2_backward(win1.data_ptr<int32_t>() + i * in2, dm1.data_ptr<float>() + (i - i0) * in2, 32,
-                                      28, 28, dr1.data_ptr<float>());
-          cpu::conv5x5_one_channel_weight_grad(xp + i * 28 * 28, 28, 28, dr1.data_ptr<float>(), 32,
-                                               gw1.data_ptr<float>(), gb1.data_ptr<float>(), col.data_ptr<float>(),
-                                               colt.data_ptr<float>());
-        }
-      }
-      conv2.weight_grad(g[2][c].data_ptr<float>(), g[3][c].data_ptr<float>(), static_cast<float>(alpha),
-                        static_cast<float>(beta));
-      accumulate(g[0][c], gw1.view_as(g[0][c]), alpha, beta);
-      accumulate(g[1][c], gb1, alpha, beta);
-    }
+    parallel_for_single_blas(k, 1, [&](int64_t c0, int64_t c1) {
+      at::Tensor m2 = at::empty({b, 64, 7, 7}, x.options()), dh = at::empty_like(m2);
+      at::Tensor m1 = at::empty({b, 32, 14, 14}, x.options()), dm1 = at::empty({kTrainGroup, 32, 14, 14}, x.options());
+      at::Tensor dr1 = at::empty({32, 28, 28}, x.options()), scratch = at::empty({(25 + 32) * 28 * 28}, x.options());
+      at::Tensor col = at::empty({25 * 28 * 28}, x.options()), colt = at::empty_like(col);
+      at::Tensor gw1 = at::empty({32, 25}, x.options()), gb1 = at::empty({32}, x.options());
+      at::Tensor win = at::empty({b, 64 * 7 * 7}, x.options().dtype(at::kInt));
+      at::Tensor win1 = at::empty({b, 32 * 14 * 14}, x.options().dtype(at::kInt));
+      for (int64_t c = c0; c < c1; ++c)
+        loss.data_ptr<float>()[c] =
+            cnn_client_step(p, g, as_image28(xcont[c]).data_ptr<float>(), b, yc.data_ptr<int64_t>() + c * b,
+                            wc.data_ptr<float>() + c * b, c, alpha, beta,
+                            {m1, m2, dh, dm1, dr1, scratch, col, colt, gw1, gb1, win, win1});
+    });
     return loss;
   }
   at::Tensor forward_stages(const at::Tensor& x, size_t begin, size_t end) override {
@@ -315,6 +280,56 @@ class Cnn final : public Model {
   }
 
  private:
+  // One client's scratch for cnn_client_step (b images).
+  struct StepScratch {
+    at::Tensor m1, m2, dh, dm1, dr1, scratch, col, colt, gw1, gb1, win, win1;
+  };
+  // Client c's training step on its b images xp [b, 28, 28] (labels y, loss
+  // weights wt): its loss, its gradients into g[.][c] (alpha, beta as
+  // loss_backward_clients).
+  static float cnn_client_step(const std::vector<at::Tensor>& p, std::vector<at::Tensor>& g, const float* xp, int64_t b,
+                               const int64_t* y, const float* wt, int64_t c, double alpha, double beta,
+                               const StepScratch& s) {
+    cpu::WinogradConv5Pool& conv2 = winograd_train();
+    const int64_t in2 = 32 * 14 * 14, out2 = 64 * 7 * 7;
+    float* m1 = s.m1.data_ptr<float>();
+    int32_t* win1 = s.win1.data_ptr<int32_t>();
+    for (int64_t i = 0; i < b; ++i)  // pooled image by image, while conv1's output is in cache
+      cpu::conv5x5_one_channel_relu_pool(xp + i * 28 * 28, 28, 28, p[0][c].data_ptr<float>(), p[1][c].data_ptr<float>(),
+                                         32, m1 + i * in2, win1 + i * in2, s.scratch.data_ptr<float>());
+    conv2.set_weights(p[2][c].data_ptr<float>(), p[3][c].data_ptr<float>());
+    conv2.zero_grad();
+    const int64_t group = conv2.group();
+    float* m2 = s.m2.data_ptr<float>();
+    int32_t* win = s.win.data_ptr<int32_t>();
+    for (int64_t i = 0; i < b; i += group)
+      conv2.forward(std::min(group, b - i), m1 + i * in2, m2 + i * out2, win + i * out2);
+    // m2 [B, 64, 7, 7] is the head's batch-major input [B, 3136].
+    const std::vector<cpu::LinearRef> head{linear_ref(p, g, 4, c), linear_ref(p, g, 6, c)};
+    float* dh = s.dh.data_ptr<float>();
+    const auto loss = static_cast<float>(
+        cpu::linear_chain_step(b, m2, head, y, wt, dh, static_cast<float>(alpha), static_cast<float>(beta)));
+    // Image by image back to conv1's weights, each image's gradients in cache.
+    s.gw1.zero_();
+    s.gb1.zero_();
+    for (int64_t i0 = 0; i0 < b; i0 += group) {
+      const int64_t n = std::min(group, b - i0);
+      conv2.backward(n, m1 + i0 * in2, win + i0 * out2, dh + i0 * out2, s.dm1.data_ptr<float>());
+      for (int64_t i = i0; i < i0 + n; ++i) {
+        cpu::relu_maxpool2_backward(win1 + i * in2, s.dm1.data_ptr<float>() + (i - i0) * in2, 32, 28, 28,
+                                    s.dr1.data_ptr<float>());
+        cpu::conv5x5_one_channel_weight_grad(xp + i * 28 * 28, 28, 28, s.dr1.data_ptr<float>(), 32,
+                                             s.gw1.data_ptr<float>(), s.gb1.data_ptr<float>(), s.col.data_ptr<float>(),
+                                             s.colt.data_ptr<float>());
+      }
+    }
+    conv2.weight_grad(g[2][c].data_ptr<float>(), g[3][c].data_ptr<float>(), static_cast<float>(alpha),
+                      static_cast<float>(beta));
+    accumulate(g[0][c], s.gw1.view_as(g[0][c]), alpha, beta);
+    accumulate(g[1][c], s.gb1, alpha, beta);
+    return loss;
+  }
+
   // This thread's conv2 (workers train on threads of their own), for
   // evaluation and for training: the GEMMs' fastest groupings on the 2-vCPU
   // machine were one image in evaluation (its transformed tiles stay in L2)
@@ -328,25 +343,36 @@ class Cnn final : public Model {
     static thread_local cpu::WinogradConv5Pool conv(32, 64, 14, 14, kTrainGroup);
     return conv;
   }
-  // The pooled conv2 features [N, 64, 7, 7] of images x [N, 1, 28, 28]
-  // (contiguous), without gradient: images split over the intra-op threads.
-  at::Tensor convs_inference(const at::Tensor& x) {
+  // The logits [N, 10] of images x [N, 1, 28, 28] (contiguous), without
+  // gradient, in blocks of kInferenceBlock images, each block through the
+  // whole model on one thread: the blocks are shared out over the intra-op
+  // threads, and the same blocks on any number of threads give the same bits
+  // (the Linear layers' GEMMs see the same shapes).
+  static constexpr int64_t kInferenceBlock = 128;
+  at::Tensor inference(const at::Tensor& x) {
     const at::Tensor w1 = conv1_->weight.contiguous(), b1 = conv1_->bias.contiguous();
     const at::Tensor w2 = conv2_->weight.contiguous(), b2 = conv2_->bias.contiguous();
-    at::Tensor out = at::empty({x.size(0), 64, 7, 7}, x.options());
+    const int64_t n = x.size(0), blocks = (n + kInferenceBlock - 1) / kInferenceBlock;
+    at::Tensor feat = at::empty({n, 64 * 7 * 7}, x.options());
+    at::Tensor logits = at::empty({n, fc2_->weight.size(0)}, x.options());
     const float* in = x.data_ptr<float>();
-    float* o = out.data_ptr<float>();
-    at::parallel_for(0, x.size(0), 16, [&](int64_t begin, int64_t end) {
+    float* o = feat.data_ptr<float>();
+    parallel_for_single_blas(blocks, 1, [&](int64_t block0, int64_t block1) {
       cpu::WinogradConv5Pool& conv = winograd();
       conv.set_weights(w2.data_ptr<float>(), b2.data_ptr<float>());
       std::vector<float> scratch((25 + 32) * 28 * 28), m1(32 * 14 * 14);
-      for (int64_t i = begin; i < end; ++i) {
-        cpu::conv5x5_one_channel_relu_pool(in + i * 28 * 28, 28, 28, w1.data_ptr<float>(), b1.data_ptr<float>(), 32,
-                                           m1.data(), nullptr, scratch.data());
-        conv.forward(1, m1.data(), o + i * 64 * 7 * 7);
+      for (int64_t block = block0; block < block1; ++block) {
+        const int64_t begin = block * kInferenceBlock, end = std::min(n, begin + kInferenceBlock);
+        for (int64_t i = begin; i < end; ++i) {
+          cpu::conv5x5_one_channel_relu_pool(in + i * 28 * 28, 28, 28, w1.data_ptr<float>(), b1.data_ptr<float>(), 32,
+                                             m1.data(), nullptr, scratch.data());
+          conv.forward(1, m1.data(), o + i * 64 * 7 * 7);
+        }
+        const at::Tensor h = at::relu(fc1_->forward(feat.narrow(0, begin, end - begin)));
+        logits.narrow(0, begin, end - begin).copy_(fc2_->forward(h));
       }
     });
-    return out;
+    return logits;
   }
 
   torch::nn::Conv2d conv1_{nullptr}, conv2_{nullptr};

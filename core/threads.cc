@@ -11,6 +11,7 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <sstream>
 
 #include "core/linear_cpu.h"
@@ -143,6 +144,51 @@ int configure_threads(int workers, int threads) {
   if (auto set = sym<void (*)(int)>("openblas_set_num_threads")) set(n);
   if (auto set = sym<void (*)(long)>("bli_thread_set_num_threads")) set(n);
   return n;
+}
+
+namespace {
+
+std::mutex g_blas_hold_mutex;
+int g_blas_holders = 0;
+int g_blas_saved = 0;  // the BLAS's thread count before the first holder
+
+// Holds the BLAS (OpenBLAS or BLIS) to one thread while it lives.
+class BlasSingleThread {
+ public:
+  BlasSingleThread() {
+    std::lock_guard<std::mutex> lock(g_blas_hold_mutex);
+    if (g_blas_holders++ > 0) return;
+    static const auto get = sym<int (*)()>("openblas_get_num_threads");
+    static const auto get_blis = sym<long (*)()>("bli_thread_get_num_threads");
+    g_blas_saved = get ? get() : get_blis ? static_cast<int>(get_blis()) : 0;
+    if (g_blas_saved > 1) set_blas_threads(1);
+  }
+  ~BlasSingleThread() {
+    std::lock_guard<std::mutex> lock(g_blas_hold_mutex);
+    if (--g_blas_holders == 0 && g_blas_saved > 1) set_blas_threads(g_blas_saved);
+  }
+  BlasSingleThread(const BlasSingleThread&) = delete;
+  BlasSingleThread& operator=(const BlasSingleThread&) = delete;
+
+ private:
+  static void set_blas_threads(int n) {
+    static const auto set = sym<void (*)(int)>("openblas_set_num_threads");
+    static const auto set_blis = sym<void (*)(long)>("bli_thread_set_num_threads");
+    if (set) set(n);
+    if (set_blis) set_blis(n);
+  }
+};
+
+}  // namespace
+
+void parallel_for_single_blas(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& f) {
+  if (n <= 0) return;
+  if (at::get_num_threads() <= 1 || at::in_parallel_region() || n <= grain) {
+    f(0, n);
+    return;
+  }
+  BlasSingleThread hold;
+  at::parallel_for(0, n, grain, f);
 }
 
 std::string threads_summary(int workers) {

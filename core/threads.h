@@ -16,6 +16,8 @@
 // AVX2 core on an AVX-512 CPU costs 1.2-1.7x on GEMMs (docs/performance.md),
 // so blas_warning() says so.
 
+#include <cstdint>
+#include <functional>
 #include <string>
 
 namespace sparrow::core {
@@ -69,6 +71,20 @@ int env_threads();
 // workers). Returns the count set. Call once at start-up, before worker
 // threads exist.
 int configure_threads(int workers, int threads = 0);
+
+// Runs f(begin, end) over chunks of [0, n) (at least `grain` each) on ATen's
+// intra-op threads, with the BLAS held to one thread meanwhile, so that each
+// thread's GEMMs run in that thread: for loops whose iterations are
+// independent and whose results must not depend on the thread count (the
+// batched fast paths' clients, evaluation's images). A threaded OpenBLAS
+// called from inside such a loop would queue the threads on its one pool,
+// and after each GEMM its workers spin (sched_yield) for about 2^28 cycles,
+// taking a core from the intra-op threads: a 3-round CNN run at 2 threads
+// made 200,000 sched_yield calls and spent 2.2 s in the kernel. With one
+// intra-op thread, or inside a parallel region, it calls f(0, n) directly.
+// Several callers at once (workers) share the hold: the BLAS gets its count
+// back when the last one leaves.
+void parallel_for_single_blas(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& f);
 
 // One line for logs: "BLAS: OpenBLAS 0.3.21 (SkylakeX), 1 thread; small GEMMs: libxsmm (cpx); ATen 1
 // thread x 2 workers on 2 cores".

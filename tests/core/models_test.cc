@@ -8,6 +8,7 @@
 
 #include "core/error.h"
 #include "core/models.h"
+#include "core/threads.h"
 
 using sparrow::ConfigError;
 using sparrow::core::make_model;
@@ -218,6 +219,44 @@ TEST_CASE("models: hand-written backward of stacked clients equals autograd") {
       m->loss_backward_clients(p, x2, y, w, g2);
       for (size_t i = 0; i < p.size(); ++i) CHECK(torch::allclose(g2[i], g_hand[i], 1e-5, 1e-7));
     }
+}
+
+TEST_CASE("models: the CPU fast paths give the same bits on one thread and on several") {
+  // The clients (training) and the images (evaluation) are shared out over
+  // the intra-op threads; nothing a client or an image gets may depend on that.
+  const int saved = at::get_num_threads();
+  for (const std::string name : {"mlp", "cnn"}) {
+    CAPTURE(name);
+    auto m = make_model(name, 6);
+    const int64_t k = 5, b = 9;
+    std::vector<at::Tensor> p;
+    int c = 0;
+    for (const auto& t : m->parameters()) {
+      std::vector<int64_t> shape{k};
+      shape.insert(shape.end(), t.sizes().begin(), t.sizes().end());
+      torch::manual_seed(200 + c++);
+      p.push_back(t.detach().unsqueeze(0).expand(shape) + 0.05 * torch::randn(shape));
+    }
+    torch::manual_seed(10);
+    // 300 images: two blocks of 128 and a short one (core/models.cc's inference).
+    const at::Tensor x = torch::rand({k, b, 1, 28, 28}), imgs = torch::rand({300, 784});
+    const at::Tensor y = torch::randint(0, 10, {k * b}, torch::kLong), w = torch::full({k * b}, 1.0f / b);
+    std::vector<at::Tensor> loss(2), logits(2);
+    std::vector<std::vector<at::Tensor>> grads(2);
+    for (const int threads : {1, 2}) {
+      sparrow::core::configure_threads(1, threads);  // ATen's and the BLAS's, as the programs set them
+      REQUIRE(at::get_num_threads() == threads);
+      for (const auto& t : p) grads[threads - 1].push_back(torch::empty_like(t));
+      loss[threads - 1] = m->loss_backward_clients(p, x, y, w, grads[threads - 1]);
+      at::NoGradGuard no_grad;
+      logits[threads - 1] = m->forward(imgs);
+    }
+    sparrow::core::configure_threads(1, saved);
+    CHECK(torch::equal(loss[0], loss[1]));
+    // The MLP's forward is ATen's, whose BLAS splits GEMMs by its thread count.
+    if (name == "cnn") CHECK(torch::equal(logits[0], logits[1]));
+    for (size_t i = 0; i < p.size(); ++i) CHECK(torch::equal(grads[0][i], grads[1][i]));
+  }
 }
 
 TEST_CASE("models: hand-written backward checks its buffers") {
