@@ -191,6 +191,18 @@ void parallel_for_single_blas(int64_t n, int64_t grain, const std::function<void
   at::parallel_for(0, n, grain, f);
 }
 
+ScopedIntraOpThreads::ScopedIntraOpThreads(int n) {
+  const int now = at::get_num_threads();
+  if (n > now) {
+    saved_ = now;
+    at::set_num_threads(n);
+  }
+}
+
+ScopedIntraOpThreads::~ScopedIntraOpThreads() {
+  if (saved_ > 0) at::set_num_threads(saved_);
+}
+
 std::string threads_summary(int workers) {
   const BlasInfo b = blas_info();
   std::ostringstream os;

@@ -86,6 +86,22 @@ int configure_threads(int workers, int threads = 0);
 // back when the last one leaves.
 void parallel_for_single_blas(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& f);
 
+// Raises ATen's intra-op threads to n for its lifetime (then sets them back;
+// n no more than now does nothing): for work that runs while a program's
+// other compute threads are idle, such as the simulator's evaluation between
+// rounds. Call from the thread that configured them, with no other thread
+// starting ATen work meanwhile.
+class ScopedIntraOpThreads {
+ public:
+  explicit ScopedIntraOpThreads(int n);
+  ~ScopedIntraOpThreads();
+  ScopedIntraOpThreads(const ScopedIntraOpThreads&) = delete;
+  ScopedIntraOpThreads& operator=(const ScopedIntraOpThreads&) = delete;
+
+ private:
+  int saved_ = 0;
+};
+
 // One line for logs: "BLAS: OpenBLAS 0.3.21 (SkylakeX), 1 thread; small GEMMs: libxsmm (cpx); ATen 1
 // thread x 2 workers on 2 cores".
 std::string threads_summary(int workers);

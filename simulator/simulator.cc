@@ -38,6 +38,7 @@
 #include "core/partition.h"
 #include "core/rng.h"
 #include "core/spec.h"
+#include "core/threads.h"
 #include "simulator/attack.h"
 #include "simulator/cluster.h"
 #include "simulator/scheduler.h"
@@ -1383,6 +1384,10 @@ struct Simulator::Impl {
     m.accuracy = m.loss = kNaN;
     if (eval) {
       const auto e0 = Clock::now();
+      // The workers are idle: evaluation takes all of their threads (the
+      // CNN's CPU evaluation gives the same bits on any number).
+      const int threads = std::min(core::available_cores(), static_cast<int>(workers.size()) * at::get_num_threads());
+      const core::ScopedIntraOpThreads eval_threads(device.is_cpu() ? threads : 1);
       auto [loss, acc] = workers[0].trainer->evaluate(global, test_x, test_y);
       m.eval_s = seconds_since(e0);
       m.loss = loss;
