@@ -148,9 +148,12 @@ int bench_kernels(const KernelBenchOptions& o) {
   print("conv1_weight_grad", "weight + bias gradients", static_cast<int>(n), wgrad, wgrad_aten, conv1_flops,
         mm_ms(conv1_flops));
 
-  // The whole CNN's inference (evaluation) in batches of 64, as
-  // LocalTrainer::evaluate runs it, against the same layers in ATen.
+  // The whole CNN's inference (evaluation), each at its evaluation batch:
+  // Sparrow's model's own (Model::eval_batch: 256), ATen's 64 (LibTorch
+  // 1.13's oneDNN convolutions fall off a cliff above it), as
+  // LocalTrainer::evaluate runs them.
   const std::shared_ptr<core::Model> cnn = core::make_model("cnn", 1);
+  const int64_t eb = cnn->eval_batch(at::Device(at::kCPU));
   const at::Tensor imgs = at::rand({n, 784});
   std::map<std::string, at::Tensor> par;
   for (const auto& kv : cnn->named_parameters()) par[kv.key()] = kv.value();
@@ -158,7 +161,7 @@ int bench_kernels(const KernelBenchOptions& o) {
   at::NoGradGuard no_grad;
   cnn->eval();
   const double infer = median_ms(o.repeat, [&] {
-    for (int64_t i = 0; i < n; i += 64) cnn->forward(imgs.narrow(0, i, std::min<int64_t>(64, n - i)));
+    for (int64_t i = 0; i < n; i += eb) cnn->forward(imgs.narrow(0, i, std::min<int64_t>(eb, n - i)));
   });
   const double infer_aten = median_ms(o.repeat, [&] {
     for (int64_t i = 0; i < n; i += 64) {
@@ -169,8 +172,8 @@ int bench_kernels(const KernelBenchOptions& o) {
       at::linear(h, par["fc2.weight"], par["fc2.bias"]);
     }
   });
-  print("cnn", "inference (evaluation, batches of 64)", static_cast<int>(n), infer, infer_aten, cnn_flops,
-        mm_ms(cnn_flops));
+  print("cnn", "inference (evaluation batches: " + std::to_string(eb) + ", ATen 64)", static_cast<int>(n), infer,
+        infer_aten, cnn_flops, mm_ms(cnn_flops));
   return 0;
 }
 
