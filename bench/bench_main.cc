@@ -346,8 +346,9 @@ int main(int argc, char** argv) {
   secagg->add_option("--degree", secagg_opts.degree, "service: the SecAgg+ degree")->check(CLI::Range(2, 254));
   secagg->add_option("--tmp", secagg_opts.tmp, "service: folder for the servers' databases");
   sparrow::bench::KernelBenchOptions kernel_opts;
-  auto* kernels = app.add_subcommand(
-      "kernels", "the CNN's CPU kernels (Winograd conv2, pooling, conv1 gradient) vs ATen and a large at::mm");
+  auto* kernels = app.add_subcommand("kernels",
+                                     "the CNN's CPU kernels (Winograd conv2, pooling, fused conv1, conv1 gradient, "
+                                     "inference) vs ATen and a large at::mm");
   kernels->add_option("--images", kernel_opts.images, "images per timing")->check(CLI::Range(1, 100000));
   kernels->add_option("--repeat", kernel_opts.repeat, "timings per kernel (median reported)")
       ->check(CLI::Range(1, 1000));
