@@ -183,12 +183,17 @@ class BlasSingleThread {
 
 void parallel_for_single_blas(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& f) {
   if (n <= 0) return;
-  if (at::get_num_threads() <= 1 || at::in_parallel_region() || n <= grain) {
+  if (at::get_num_threads() <= 1 || at::in_parallel_region()) {  // (the BLAS has as many threads as ATen)
     f(0, n);
     return;
   }
+  // Held even for one chunk, so that a GEMM's bits never depend on the BLAS's
+  // thread count (OpenBLAS's do).
   BlasSingleThread hold;
-  at::parallel_for(0, n, grain, f);
+  if (n <= grain)
+    f(0, n);
+  else
+    at::parallel_for(0, n, grain, f);
 }
 
 ScopedIntraOpThreads::ScopedIntraOpThreads(int n) {

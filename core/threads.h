@@ -80,8 +80,10 @@ int configure_threads(int workers, int threads = 0);
 // called from inside such a loop would queue the threads on its one pool,
 // and after each GEMM its workers spin (sched_yield) for about 2^28 cycles,
 // taking a core from the intra-op threads: a 3-round CNN run at 2 threads
-// made 200,000 sched_yield calls and spent 2.2 s in the kernel. With one
-// intra-op thread, or inside a parallel region, it calls f(0, n) directly.
+// made 200,000 sched_yield calls and spent 2.2 s in the kernel; and
+// OpenBLAS's results depend on its thread count. With one intra-op thread
+// (configure_threads gives the BLAS as many), or inside a parallel region,
+// it calls f(0, n) directly.
 // Several callers at once (workers) share the hold: the BLAS gets its count
 // back when the last one leaves.
 void parallel_for_single_blas(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& f);

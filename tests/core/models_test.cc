@@ -238,23 +238,35 @@ TEST_CASE("models: the CPU fast paths give the same bits on one thread and on se
       p.push_back(t.detach().unsqueeze(0).expand(shape) + 0.05 * torch::randn(shape));
     }
     torch::manual_seed(10);
-    // 300 images: two blocks of 128 and a short one (core/models.cc's inference).
+    // 300 images: two blocks of 128 and a short one (core/models.cc's inference);
+    // 100: one block, on one thread.
     const at::Tensor x = torch::rand({k, b, 1, 28, 28}), imgs = torch::rand({300, 784});
     const at::Tensor y = torch::randint(0, 10, {k * b}, torch::kLong), w = torch::full({k * b}, 1.0f / b);
-    std::vector<at::Tensor> loss(2), logits(2);
+    std::vector<at::Tensor> loss(2), logits(2), logits_one_block(2), loss_one(2);
     std::vector<std::vector<at::Tensor>> grads(2);
     for (const int threads : {1, 2}) {
       sparrow::core::configure_threads(1, threads);  // ATen's and the BLAS's, as the programs set them
       REQUIRE(at::get_num_threads() == threads);
       for (const auto& t : p) grads[threads - 1].push_back(torch::empty_like(t));
       loss[threads - 1] = m->loss_backward_clients(p, x, y, w, grads[threads - 1]);
+      std::vector<at::Tensor> p1, g1;  // a pass of one client: one chunk
+      for (const auto& t : p) {
+        p1.push_back(t.narrow(0, 0, 1).contiguous());
+        g1.push_back(torch::empty_like(p1.back()));
+      }
+      loss_one[threads - 1] = m->loss_backward_clients(p1, x.narrow(0, 0, 1), y.narrow(0, 0, b), w.narrow(0, 0, b), g1);
       at::NoGradGuard no_grad;
       logits[threads - 1] = m->forward(imgs);
+      logits_one_block[threads - 1] = m->forward(imgs.narrow(0, 0, 100));
     }
     sparrow::core::configure_threads(1, saved);
     CHECK(torch::equal(loss[0], loss[1]));
     // The MLP's forward is ATen's, whose BLAS splits GEMMs by its thread count.
-    if (name == "cnn") CHECK(torch::equal(logits[0], logits[1]));
+    if (name == "cnn") {
+      CHECK(torch::equal(logits[0], logits[1]));
+      CHECK(torch::equal(logits_one_block[0], logits_one_block[1]));
+    }
+    CHECK(torch::equal(loss_one[0], loss_one[1]));
     for (size_t i = 0; i < p.size(); ++i) CHECK(torch::equal(grads[0][i], grads[1][i]));
   }
 }
