@@ -174,11 +174,10 @@ class Cnn final : public Model {
     fc2_ = register_module("fc2", torch::nn::Linear(512, 10));
   }
   at::Tensor forward(const at::Tensor& x) override {
-    at::Tensor h;
     // Inference on the CPU (evaluation): both convolutions, ReLUs and
     // poolings by core/winograd_cpu.h (as in training).
     if (!at::GradMode::is_enabled() && cpu_fast_path(parameters(), x)) return inference(as_image28(x).contiguous());
-    h = torch::max_pool2d(torch::relu(conv1_->forward(as_image28(x))), 2);
+    at::Tensor h = torch::max_pool2d(torch::relu(conv1_->forward(as_image28(x))), 2);
     h = torch::max_pool2d(torch::relu(conv2_->forward(h)), 2);
     h = torch::relu(fc1_->forward(h.flatten(1)));
     return fc2_->forward(h);

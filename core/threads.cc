@@ -24,6 +24,21 @@ F sym(const char* name) {
   return reinterpret_cast<F>(dlsym(RTLD_DEFAULT, name));
 }
 
+// The BLAS's own thread count (OpenBLAS or BLIS; 0 when neither is loaded).
+int blas_threads() {
+  static const auto get = sym<int (*)()>("openblas_get_num_threads");
+  static const auto get_blis = sym<long (*)()>("bli_thread_get_num_threads");
+  return get ? get() : get_blis ? static_cast<int>(get_blis()) : 0;
+}
+
+// Sets OpenBLAS's and BLIS's thread counts (whichever is loaded).
+void set_blas_threads(int n) {
+  static const auto set = sym<void (*)(int)>("openblas_set_num_threads");
+  static const auto set_blis = sym<void (*)(long)>("bli_thread_set_num_threads");
+  if (set) set(n);
+  if (set_blis) set_blis(n);
+}
+
 int find_blas_library(dl_phdr_info* info, size_t, void* data) {
   const char* name = info->dlpi_name;
   if (name == nullptr || *name == '\0') return 0;
@@ -57,11 +72,11 @@ BlasInfo blas_info() {
     if (auto core = sym<char* (*)()>("openblas_get_corename")) os << ", core " << core();
     if (const char* forced = std::getenv("OPENBLAS_CORETYPE")) os << " (OPENBLAS_CORETYPE=" << forced << ")";
     b.detail = os.str();
-    if (auto nt = sym<int (*)()>("openblas_get_num_threads")) b.threads = nt();
+    b.threads = blas_threads();
   } else if (auto ver = sym<const char* (*)()>("bli_info_get_version_str")) {
     b.name = "BLIS";
     b.detail = std::string("BLIS ") + ver();
-    if (auto nt = sym<long (*)()>("bli_thread_get_num_threads")) b.threads = static_cast<int>(nt());
+    b.threads = blas_threads();
   } else if (sym<void*>("MKL_Get_Version_String") != nullptr) {
     b.name = "MKL";
     b.detail = "Intel MKL";
@@ -141,8 +156,7 @@ int configure_threads(int workers, int threads) {
   if (threads <= 0) threads = env_threads();
   const int n = threads > 0 ? threads : std::max(1, available_cores() / std::max(1, workers));
   at::set_num_threads(n);
-  if (auto set = sym<void (*)(int)>("openblas_set_num_threads")) set(n);
-  if (auto set = sym<void (*)(long)>("bli_thread_set_num_threads")) set(n);
+  set_blas_threads(n);
   return n;
 }
 
@@ -158,9 +172,7 @@ class BlasSingleThread {
   BlasSingleThread() {
     std::lock_guard<std::mutex> lock(g_blas_hold_mutex);
     if (g_blas_holders++ > 0) return;
-    static const auto get = sym<int (*)()>("openblas_get_num_threads");
-    static const auto get_blis = sym<long (*)()>("bli_thread_get_num_threads");
-    g_blas_saved = get ? get() : get_blis ? static_cast<int>(get_blis()) : 0;
+    g_blas_saved = blas_threads();
     if (g_blas_saved > 1) set_blas_threads(1);
   }
   ~BlasSingleThread() {
@@ -169,14 +181,6 @@ class BlasSingleThread {
   }
   BlasSingleThread(const BlasSingleThread&) = delete;
   BlasSingleThread& operator=(const BlasSingleThread&) = delete;
-
- private:
-  static void set_blas_threads(int n) {
-    static const auto set = sym<void (*)(int)>("openblas_set_num_threads");
-    static const auto set_blis = sym<void (*)(long)>("bli_thread_set_num_threads");
-    if (set) set(n);
-    if (set_blis) set_blis(n);
-  }
 };
 
 }  // namespace
