@@ -2,12 +2,15 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <set>
 #include <stdexcept>
 
 #include "compression/codec_util.h"
 #include "compression/lowrank.h"
+#include "compression/update_norm.h"
 #include "core/error.h"
 
 namespace sparrow::aggregation {
@@ -54,7 +57,8 @@ namespace detail {
 void inject_add_failure_after(int tensors) { g_fail_after = tensors; }
 }  // namespace detail
 
-StreamingAggregator::StreamingAggregator(TensorShapes shapes) : shapes_(std::move(shapes)) {
+StreamingAggregator::StreamingAggregator(TensorShapes shapes)
+    : shapes_(std::move(shapes)), max_norm_(std::numeric_limits<float>::max()) {
   for (const auto& [name, shape] : shapes_) {
     SPARROW_CHECK(!name.empty(), "StreamingAggregator: empty tensor name");
     SPARROW_CHECK(!slots_.count(name), "StreamingAggregator: duplicate tensor name '" << name << "'");
@@ -78,6 +82,11 @@ const StreamingAggregator::Slot& StreamingAggregator::slot(const std::string& na
   return it->second;
 }
 
+void StreamingAggregator::set_max_update_norm(double bound) {
+  SPARROW_CHECK(bound > 0, "aggregator: max_update_norm must be > 0, got " << bound);
+  max_norm_ = std::min<double>(bound, std::numeric_limits<float>::max());
+}
+
 void StreamingAggregator::add(const EncodedUpdate& update, double weight, const ContextMap& contexts) {
   const float w = static_cast<float>(weight);  // NaN, inf and doubles beyond float's range fail as float
   SPARROW_CHECK(std::isfinite(w) && w > 0, "aggregator: weight must be finite and > 0 in float32, got " << weight);
@@ -86,6 +95,9 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
   std::set<std::string> seen;
   std::vector<Pending> pending;
   pending.reserve(update.size());
+  const bool bounded = max_norm_ < std::numeric_limits<float>::max();
+  const at::Tensor one = bounded ? at::ones({1, 1}, at::TensorOptions().dtype(at::kFloat)) : at::Tensor();
+  double norm_sq = 0;
   for (const auto& [name, e] : update) {
     auto it = slots_.find(name);
     SPARROW_CHECK_T(FormatError, it != slots_.end(), "aggregator: unknown tensor '" << name << "' in update");
@@ -159,11 +171,26 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
     }
     if (fill) p.kind = e.values.is_view() ? Pending::kHold : Pending::kFill;
     if (pair) p.kind = Pending::kPair;
+    // Admission by norm (see add() in the header).
+    double n = 0;
+    if (p.kind == Pending::kFactor)
+      n = compression::lowrank_norm(p.factor, p.shared);
+    else if (p.kind == Pending::kScratch && bounded)
+      n = compression::lowrank_norm(p.scratch.reshape({-1, 1}), one);
+    else if (e.format == Format::kLowRank || e.format == Format::kLowRankSparse || bounded)
+      n = compression::decoded_norm(e, p.ctx);
+    norm_sq += n * n;
     pending.push_back(std::move(p));
   }
   for (const auto& [name, s] : slots_) {
     SPARROW_CHECK_T(FormatError, seen.count(name), "aggregator: update lacks tensor '" << name << "'");
   }
+  const double norm = std::sqrt(norm_sq);
+  SPARROW_CHECK_T(FormatError, std::isfinite(norm), "update decodes to a value that is not finite");
+  SPARROW_CHECK_T(FormatError, norm <= max_norm_,
+                  "update norm " << norm << " exceeds "
+                                 << (bounded ? "max_update_norm = " + std::to_string(max_norm_)
+                                             : std::string("float32's range (its product or decode overflows)")));
 
   // ---- Phase 2a: fills and holds, which may still find a non-finite value:
   // one throws with its slot zero again, and the fills and holds before it are

@@ -72,7 +72,17 @@ class StreamingAggregator {
   // kLowRankFactor tensors need the round's shared factor: contexts[name]
   // .shared_factor, or, when undefined, the seeded initial one derived from
   // contexts[name] (seed, name) exactly as the clients derive it.
+  //
+  // Admission by norm (before anything is added): an update whose decoded L2
+  // norm, over all its tensors, exceeds the bound set by set_max_update_norm
+  // (FLT_MAX by default) or is not finite is a FormatError. Low-rank products
+  // are always measured (compression::lowrank_norm, from the factors: finite
+  // factors may still overflow float32 once multiplied); other formats only
+  // under a bound below FLT_MAX (one extra read of a dense update's values).
   void add(const EncodedUpdate& update, double weight, const ContextMap& contexts = {});
+  // The admission bound of add(): > 0; +inf or FLT_MAX for none.
+  void set_max_update_norm(double bound);
+  double max_update_norm() const { return max_norm_; }
 
   // Adds another aggregator's sums, weight and count (hierarchical partial
   // aggregates). Throws sparrow::Error, changing nothing, when the tensor lists
@@ -128,6 +138,7 @@ class StreamingAggregator {
   std::map<std::string, Slot> slots_;
   double total_weight_ = 0.0;
   int64_t count_ = 0;
+  double max_norm_;  // set_max_update_norm
 };
 
 namespace detail {

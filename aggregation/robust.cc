@@ -257,6 +257,12 @@ void Accumulator::reset(double clip) {
 
 int64_t Accumulator::buffered_bytes() const { return static_cast<int64_t>(rows_.size()) * numel_ * 4; }
 
+void Accumulator::set_max_update_norm(double bound) {
+  sum_.set_max_update_norm(bound);
+  if (scratch_) scratch_->set_max_update_norm(bound);
+  max_norm_ = sum_.max_update_norm();
+}
+
 void Accumulator::add(const EncodedUpdate& update, double weight, const ContextMap& contexts) {
   if (plain()) {
     sum_.add(update, weight, contexts);
@@ -280,6 +286,7 @@ void Accumulator::add(const EncodedUpdate& update, double weight, const ContextM
   }
   SPARROW_CHECK_T(FormatError, compression::all_finite(row), "update has a non-finite value");
   const double norm = l2(row);
+  SPARROW_CHECK_T(FormatError, norm <= max_norm_, "update norm " << norm << " exceeds max_update_norm = " << max_norm_);
   const bool central = dp_.mode == DpSpec::Mode::kCentral;
   SPARROW_CHECK(!central || clip_ > 0, "Accumulator: central DP needs reset(clip) with the round's clip first");
   const double bound = central ? clip_ : (robust_.method == RobustSpec::Method::kNormClip ? robust_.clip : 0);

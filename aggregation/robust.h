@@ -42,6 +42,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <limits>
 #include <map>
 #include <memory>
 #include <string>
@@ -105,6 +106,9 @@ class Accumulator {
   // anything changes, and a rejected update (FormatError) changes nothing. A
   // decoded update with a non-finite value is a FormatError.
   void add(const EncodedUpdate& update, double weight, const ContextMap& contexts = {});
+  // Admission bound on an update's decoded L2 norm (StreamingAggregator::
+  // set_max_update_norm), on every path: above it, add() is a FormatError.
+  void set_max_update_norm(double bound);
   // Adds another share (same shapes and specs; a different clip is an Error).
   void merge(const Accumulator& other);
 
@@ -123,6 +127,7 @@ class Accumulator {
   DpSpec dp_;
   int64_t numel_ = 0;
   double clip_ = 0;
+  double max_norm_ = std::numeric_limits<float>::max();
   StreamingAggregator sum_;                       // plain path
   std::unique_ptr<StreamingAggregator> scratch_;  // decodes one update (dense paths only)
   at::Tensor flat_sum_;                           // streamed dense path: Σ w·clip(u) (central DP: Σ clip(u))

@@ -18,6 +18,7 @@
 #include "client/session.h"
 #include "core/error.h"
 #include "core/models.h"
+#include "core/paths.h"
 #include "core/threads.h"
 
 namespace {
@@ -59,6 +60,10 @@ int main(int argc, char** argv) {
     if (insecure) overrides.push_back("insecure=true");
     sparrow::client::SessionConfig cfg = sparrow::client::load_session_config(config_path, overrides);
     cfg.fault = fault;
+    // Paths before anything starts: a bad one is a config error naming its key.
+    sparrow::core::check_file_path("state_db", cfg.state_db);
+    if (const std::string w = cfg.insecure ? "" : sparrow::core::secret_file_warning("key", cfg.key); !w.empty())
+      spdlog::warn("{}", w);
     sparrow::core::configure_threads(1);
     spdlog::info("threads: {}", sparrow::core::threads_summary(1));
     spdlog::info("allocator: {}", sparrow::core::allocator_tuned_for_messages()

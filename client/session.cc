@@ -21,6 +21,7 @@
 #include "core/flat_config.h"
 #include "core/model_digest.h"
 #include "core/models.h"
+#include "core/peer_text.h"
 #include "core/rng.h"
 #include "secagg/secagg.h"
 #include "state/store.h"
@@ -79,8 +80,8 @@ void check_session_config(const core::FlatConfig& f, const SessionConfig& c) {
   } catch (const ConfigError& e) {
     f.fail("server", e.what());
   }
-  f.check("client_id", !c.client_id.empty() && c.client_id.size() <= wire::kMaxClientIdBytes,
-          "must be 1.." + std::to_string(wire::kMaxClientIdBytes) + " bytes");
+  // The server refuses other ids at Hello (docs/security.md): said here, before any connection.
+  f.check("client_id", core::valid_client_id(c.client_id), core::client_id_problem(c.client_id));
   f.check("model", !c.model.empty(), "must not be empty");
   f.check("data", !c.data.data.empty(), "must not be empty");
   f.check("clients", c.data.clients >= 1, "must be >= 1");
@@ -211,8 +212,8 @@ struct ClientSession::Impl {
   Impl(ClientSession& s, SessionConfig c, core::Dataset d, TaskRunner run = {})
       : self(s), cfg(std::move(c)), runner(std::move(run)) {
     // Validate the config as the loader would (a SessionConfig built in code skips it).
-    SPARROW_CHECK_T(ConfigError, !cfg.client_id.empty() && cfg.client_id.size() <= wire::kMaxClientIdBytes,
-                    "client_id: must be 1.." << wire::kMaxClientIdBytes << " bytes");
+    SPARROW_CHECK_T(ConfigError, core::valid_client_id(cfg.client_id),
+                    "client_id: " << core::client_id_problem(cfg.client_id));
     SPARROW_CHECK_T(ConfigError, cfg.heartbeat_ms >= 10, "heartbeat_ms: must be >= 10");
     SPARROW_CHECK_T(ConfigError, cfg.max_message_mb >= 1 && cfg.max_message_mb <= 2047,
                     "max_message_mb: must be in [1, 2047]");
@@ -504,7 +505,10 @@ struct ClientSession::Impl {
       }
       if (welcomed && now >= next_hb) {
         ++n.heartbeats;
-        if (!send(message(wire::Heartbeat{known_round}))) return Outcome::kReconnect;
+        // A gateway's samples change with its clients: the server caps its
+        // relayed num_samples at the latest value (docs/server.md).
+        const uint64_t samples = runner.run && runner.samples ? std::max<uint64_t>(1, runner.samples()) : 0;
+        if (!send(message(wire::Heartbeat{known_round, samples}))) return Outcome::kReconnect;
         next_hb = now + std::chrono::milliseconds(hb_ms);
       }
       auto wake = std::min(silence, now + std::chrono::milliseconds(kPollSliceMs));
@@ -569,7 +573,7 @@ struct ClientSession::Impl {
     }
     if (auto* b = std::get_if<wire::Bye>(&m.body)) {
       if (b->reason == "run finished") return Outcome::kFinished;
-      spdlog::info("server said bye ('{}'): reconnecting", b->reason);
+      spdlog::info("server said bye ('{}'): reconnecting", core::printable(b->reason));
       return Outcome::kReconnect;
     }
     send(net::error_message(wire::ErrorCode::kRejected,
@@ -586,11 +590,12 @@ struct ClientSession::Impl {
     if (w.heartbeat_ms > 0) hb_ms = std::max<uint32_t>(10, w.heartbeat_ms);
     known_round = w.round;
     next_hb = Clock::now() + std::chrono::milliseconds(hb_ms);
-    spdlog::info("welcome: run '{}', round {}, heartbeat {} ms", w.run_id, w.round, hb_ms);
+    spdlog::info("welcome: run '{}', round {}, heartbeat {} ms", core::printable(w.run_id), w.round, hb_ms);
     if (!held_run_id.empty() && held_run_id != w.run_id) {
       // Our state (held model, residuals, c_i) belongs to another run: drop it
       // and tell the server what we now hold (only the seed-built model).
-      spdlog::warn("state: held state is from run '{}', the server runs '{}': starting afresh", held_run_id, w.run_id);
+      spdlog::warn("state: held state is from run '{}', the server runs '{}': starting afresh",
+                   core::printable(held_run_id), core::printable(w.run_id));
       reset_state();
       held_run_id = w.run_id;
       store->set_meta(kMetaHeldRun, held_run_id);
@@ -612,7 +617,7 @@ struct ClientSession::Impl {
       // The server forgot our session (it restarted): Hello again, once per
       // forgetting (several queued answers to heartbeats say the same).
       if (welcomed) {
-        spdlog::info("server: '{}': sending Hello again", e.message);
+        spdlog::info("server: '{}': sending Hello again", core::printable(e.message));
         pending_round.reset();
         if (!send_hello()) return Outcome::kReconnect;
       }
@@ -622,10 +627,11 @@ struct ClientSession::Impl {
       throw Error(std::string("the server refused the Hello (") + wire::error_code_name(e.code) + "): " + e.message);
     if (pending_round && (!e.round || *e.round == *pending_round)) {
       ++n.updates_rejected;
-      spdlog::warn("round {}: update rejected ({}): {}", *pending_round, wire::error_code_name(e.code), e.message);
+      spdlog::warn("round {}: update rejected ({}): {}", *pending_round, wire::error_code_name(e.code),
+                   core::printable(e.message));
       pending_round.reset();
     } else {
-      spdlog::warn("server error ({}): {}", wire::error_code_name(e.code), e.message);
+      spdlog::warn("server error ({}): {}", wire::error_code_name(e.code), core::printable(e.message));
     }
     return Outcome::kContinue;
   }
@@ -667,7 +673,7 @@ struct ClientSession::Impl {
         train_and_send(task, *base);
     } catch (const std::exception& e) {
       ++n.tasks_refused;
-      spdlog::warn("round {}: task refused: {}", r, e.what());
+      spdlog::warn("round {}: task refused: {}", r, core::printable(e.what()));
       wire::Message reply;
       reply.body = wire::error_for(e, r);
       send(reply);

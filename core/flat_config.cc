@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -219,6 +220,10 @@ std::string toml_number(double v) {
 }
 
 std::string read_config_file(const std::string& path) {
+  // A folder opens as a stream that reads nothing: the message would be about missing keys.
+  std::error_code ec;
+  SPARROW_CHECK_T(ConfigError, !std::filesystem::is_directory(path, ec),
+                  "config '" << path << "' is a folder, not a config file");
   std::ifstream in(path, std::ios::binary);
   SPARROW_CHECK_T(ConfigError, in, "cannot read config file '" << path << "'");
   std::ostringstream text;

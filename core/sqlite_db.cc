@@ -6,11 +6,164 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <cstring>
 #include <filesystem>
+#include <fstream>
 
 #include "core/error.h"
 
 namespace sparrow::sqlite {
+namespace {
+
+uint32_t be32(const unsigned char* p) {
+  return (uint32_t{p[0]} << 24) | (uint32_t{p[1]} << 16) | (uint32_t{p[2]} << 8) | uint32_t{p[3]};
+}
+
+// SQLite's WAL checksum: 32-bit words in the byte order the magic names,
+// added in pairs; `s` carries the running sums from frame to frame.
+void wal_checksum(bool big_endian, const unsigned char* p, size_t n, uint32_t s[2]) {
+  for (size_t i = 0; i + 8 <= n; i += 8) {
+    uint32_t x0 = be32(p + i), x1 = be32(p + i + 4);
+    if (!big_endian) {
+      x0 = __builtin_bswap32(x0);
+      x1 = __builtin_bswap32(x1);
+    }
+    s[0] += x0 + s[1];
+    s[1] += x1 + s[0];
+  }
+}
+
+std::string quoted(const std::string& s) { return "'" + s + "'"; }
+
+}  // namespace
+
+WalScan scan_wal(const std::string& wal_path) {
+  WalScan out;
+  std::error_code ec;
+  if (!std::filesystem::exists(wal_path, ec)) return out;
+  std::ifstream in(wal_path, std::ios::binary);
+  SPARROW_CHECK_T(Error, in, "cannot read " << quoted(wal_path));
+  const auto size = static_cast<int64_t>(std::filesystem::file_size(wal_path, ec));
+  SPARROW_CHECK_T(Error, !ec, "cannot read " << quoted(wal_path) << ": " << ec.message());
+  out.present = size > 0;
+  unsigned char h[32];
+  // Shorter than a header: SQLite ignores it, and so nothing can be lost.
+  if (size < 32 || !in.read(reinterpret_cast<char*>(h), sizeof h)) return out;
+  const uint32_t magic = be32(h), page_size = be32(h + 8);
+  const bool big_endian = (magic & 1) != 0;
+  uint32_t sum[2] = {0, 0};
+  wal_checksum(big_endian, h, 24, sum);
+  const bool header_ok = (magic & ~1u) == 0x377f0682u && be32(h + 4) == 3007000u && page_size >= 512 &&
+                         page_size <= 65536 && (page_size & (page_size - 1)) == 0 && sum[0] == be32(h + 24) &&
+                         sum[1] == be32(h + 28);
+  if (!header_ok) {
+    // SQLite then ignores every frame. Only a damaged header makes a file
+    // this long: SQLite writes the header with the first frame after it.
+    out.header_damaged = size >= 32 + 24 + 512;
+    return out;
+  }
+  out.page_size = page_size;
+  const int64_t frame_bytes = 24 + static_cast<int64_t>(page_size);
+  out.frames = (size - 32) / frame_bytes;
+  const uint32_t salt1 = be32(h + 16), salt2 = be32(h + 20);
+  std::vector<unsigned char> frame(static_cast<size_t>(frame_bytes));
+  uint32_t stored_before[2] = {be32(h + 24), be32(h + 28)};  // the previous frame's stored sums
+  bool in_prefix = true;
+  for (int64_t i = 1; i <= out.frames; ++i) {
+    if (!in.read(reinterpret_cast<char*>(frame.data()), frame_bytes)) break;
+    const unsigned char* f = frame.data();
+    const bool ours = be32(f + 8) == salt1 && be32(f + 12) == salt2 && be32(f) != 0;
+    const bool commit = be32(f + 4) != 0;
+    const uint32_t stored[2] = {be32(f + 16), be32(f + 20)};
+    // This frame's checksum, chained from the stored sums of the one before:
+    // equal to SQLite's cumulative check while every frame so far is intact,
+    // and still a check of this frame alone after a damaged one.
+    uint32_t s2[2] = {stored_before[0], stored_before[1]};
+    wal_checksum(big_endian, f, 8, s2);
+    wal_checksum(big_endian, f + 24, page_size, s2);
+    const bool intact = ours && s2[0] == stored[0] && s2[1] == stored[1];
+    if (in_prefix) {
+      if (intact) {
+        if (commit) {
+          ++out.commits;
+          out.intact_bytes = 32 + i * frame_bytes;
+        }
+      } else {
+        // The end of what SQLite replays. Frames of other salts after it are
+        // an older log this one wrote over (normal), never a later commit.
+        in_prefix = false;
+        out.first_bad_frame = i;
+      }
+    } else if (intact && commit) {
+      // A commit of this log after the damaged frame: SQLite never reaches it.
+      // (Frames an uncommitted transaction left behind carry no commit.)
+      ++out.commits_after_bad;
+    }
+    stored_before[0] = stored[0];
+    stored_before[1] = stored[1];
+  }
+  return out;
+}
+
+void check_before_open(const std::string& path, const std::string& what) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  SPARROW_CHECK_T(ConfigError, !fs::is_directory(st), what << " " << quoted(path) << " is a folder, not a file");
+  const fs::path parent = fs::path(path).parent_path();
+  if (!fs::exists(st)) {
+    SPARROW_CHECK_T(ConfigError, parent.empty() || fs::is_directory(parent, ec),
+                    what << " " << quoted(path) << ": the folder " << quoted(parent.string())
+                         << (fs::exists(parent, ec) ? " is not a folder" : " does not exist"));
+    // A -wal file without its database: SQLite would replay it into a new,
+    // empty file (or a later run would pick up a stale log).
+    const auto wal = fs::file_size(path + "-wal", ec);
+    SPARROW_CHECK_T(ConfigError, ec || wal == 0,
+                    what << " " << quoted(path) << " does not exist but its write-ahead log " << quoted(path + "-wal")
+                         << " does: restore the database file next to it, or move the -wal file aside to start "
+                            "afresh");
+    return;
+  }
+  SPARROW_CHECK_T(ConfigError, fs::is_regular_file(st), what << " " << quoted(path) << " is not a regular file");
+  const auto size = fs::file_size(path, ec);
+  // An existing file of 0 bytes is not a new store: it lost its content (or is
+  // a placeholder). Starting afresh over it would hide that.
+  SPARROW_CHECK_T(ConfigError, ec || size != 0,
+                  what << " " << quoted(path)
+                       << " exists but is empty (0 bytes): if it held state, restore it from a backup; to start "
+                          "afresh, remove the file");
+  {
+    // SQLite opens a file shorter than its 100-byte header as a new database
+    // and writes over it: whatever it was would be lost.
+    char magic[16] = {};
+    std::ifstream in(path, std::ios::binary);
+    SPARROW_CHECK_T(ConfigError, in, what << " " << quoted(path) << " cannot be read (permissions?)");
+    in.read(magic, sizeof magic);
+    SPARROW_CHECK_T(FormatError, in && std::memcmp(magic, "SQLite format 3", 16) == 0,
+                    what << " " << quoted(path)
+                         << " is not an SQLite database; nothing was written to it. Use another path, or restore "
+                            "the file from a backup");
+  }
+  const std::string wal = path + "-wal";
+  const WalScan w = scan_wal(wal);
+  if (w.header_damaged)
+    throw FormatError(what + " " + quoted(path) + ": its write-ahead log " + quoted(wal) +
+                      " has a damaged header, so SQLite would silently drop every commit in it. Restore the "
+                      "database and its -wal file from a backup, or move " +
+                      quoted(wal) +
+                      " aside to go back to the state before that log (losing what it holds); nothing was "
+                      "written");
+  if (w.commits_after_bad > 0)
+    throw FormatError(what + " " + quoted(path) + ": its write-ahead log " + quoted(wal) + " is damaged: frame " +
+                      std::to_string(w.first_bad_frame) + " of " + std::to_string(w.frames) +
+                      " fails its checksum, so SQLite would silently drop the " + std::to_string(w.commits_after_bad) +
+                      " committed transaction(s) after it. Restore the database and its -wal file from a backup, "
+                      "or keep the " +
+                      std::to_string(w.commits) +
+                      " intact commit(s) before the damage and lose the later ones: copy the -wal file aside, then "
+                      "truncate -s " +
+                      std::to_string(w.intact_bytes) + " " + quoted(wal) + "; nothing was written");
+}
 
 Db::Db(const std::string& path, const OpenOptions& o) : path_(path), what_(o.what) {
   try {
@@ -30,13 +183,7 @@ void Db::close() {
 
 void Db::open(const OpenOptions& o) {
   const std::string& path = path_;
-  // An existing file of 0 bytes is not a new store: it lost its content (or is
-  // a placeholder). Starting afresh over it would hide that.
-  std::error_code ec;
-  SPARROW_CHECK_T(ConfigError, !std::filesystem::exists(path, ec) || std::filesystem::file_size(path, ec) != 0 || ec,
-                  what_ << " '" << path
-                        << "' exists but is empty (0 bytes): if it held state, restore it from a backup; to start "
-                           "afresh, remove the file");
+  check_before_open(path, what_);
   const int rc = sqlite3_open_v2(path.c_str(), &db_, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, nullptr);
   if (rc != SQLITE_OK) fail("open", rc);
   if (o.exclusive) {

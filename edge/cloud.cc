@@ -16,6 +16,8 @@
 #include "core/error.h"
 #include "core/flat_config.h"
 #include "core/model_digest.h"
+#include "core/peer_text.h"
+#include "core/refusal_log.h"
 #include "core/spec.h"
 #include "edge/act_codec.h"
 #include "edge/cloud_store.h"
@@ -80,7 +82,12 @@ void save_weights(const std::map<std::string, at::Tensor>& weights, const std::s
 }
 
 void load_weights(core::Model& model, const std::string& path) {
-  const compression::State s = compression::State::deserialize(read_text_file(path));
+  compression::State s;
+  try {
+    s = compression::State::deserialize(read_text_file(path));
+  } catch (const FormatError& e) {
+    throw FormatError("weights '" + path + "' is not a weights file (" + e.what() + ")");
+  }
   auto params = model.named_parameters();
   for (const auto& [k, v] : s.tensors) {
     const at::Tensor* p = params.find(k);
@@ -148,7 +155,7 @@ CloudConfig parse_cloud_config(const std::string& toml_text, const std::vector<s
 }
 
 CloudConfig load_cloud_config(const std::string& path, const std::vector<std::string>& overrides) {
-  return parse_cloud_config(read_text_file(path), overrides, path);
+  return parse_cloud_config(core::read_config_file(path), overrides, path);
 }
 
 // ---- the server ----------------------------------------------------------------------
@@ -192,6 +199,7 @@ struct CloudServer::Impl {
   std::vector<int64_t> act_sample_shape;  // per-sample activation shape; empty when unknown (TorchScript)
 
   zmq::context_t ctx{1};
+  core::RefusalLog refused_log;  // before zap: its thread notes here
   std::unique_ptr<net::ZapHandler> zap;
   zmq::socket_t router;
   std::string endpoint;
@@ -250,11 +258,13 @@ struct CloudServer::Impl {
       net::KeyPair keys = net::load_keypair(cfg.key);
       std::set<std::string> allowed = net::load_allow_list(cfg.allow);
       spdlog::info("event=allow_list path={} keys={}", cfg.allow, allowed.size());
-      zap = std::make_unique<net::ZapHandler>(ctx, std::move(allowed),
-                                              [](const std::string& key, const std::string& addr, bool ok) {
-                                                if (!ok)
-                                                  spdlog::warn("event=zap key={} address={} admitted=0", key, addr);
-                                              });
+      // One warning per source address and minute (docs/security.md), the
+      // counts held back written by run().
+      zap = std::make_unique<net::ZapHandler>(
+          ctx, std::move(allowed), [this](const std::string& key, const std::string& addr, bool ok) {
+            if (ok) return;
+            if (const auto line = refused_log.note(addr, key)) spdlog::warn("{}", core::RefusalLog::text(*line));
+          });
       net::make_curve_server(router, keys);
     }
     net::set_limits(router, limits.max_bytes, static_cast<int>(cfg.heartbeat_ms));
@@ -441,7 +451,7 @@ struct CloudServer::Impl {
   }
   void reply_error(const std::string& rid, ErrorCode code, const std::string& text) {
     ++n.errors_sent;
-    spdlog::info("event=error_reply code={} msg=\"{}\"", wire::error_code_name(code), text);
+    spdlog::info("event=error_reply code={} msg=\"{}\"", wire::error_code_name(code), core::printable(text));
     send(rid, wire::serialize(net::error_message(code, text)));
   }
 
@@ -450,6 +460,7 @@ struct CloudServer::Impl {
       zmq::pollitem_t item{static_cast<void*>(router), 0, ZMQ_POLLIN, 0};
       try {
         zmq::poll(&item, 1, std::chrono::milliseconds(100));
+        for (const auto& l : refused_log.due()) spdlog::warn("{}", core::RefusalLog::text(l));
         if (!(item.revents & ZMQ_POLLIN)) continue;
         for (int i = 0; i < 64 && receive_one(); ++i) maybe_snapshot();
       } catch (const zmq::error_t& e) {
@@ -457,6 +468,7 @@ struct CloudServer::Impl {
         if (e.num() != EINTR) spdlog::error("event=io_error error=\"{}\"", e.what());
       }
     }
+    for (const auto& l : refused_log.drain()) spdlog::warn("{}", core::RefusalLog::text(l));
     if (store && store->entries_since_snapshot() > 0) {
       try {
         write_snapshot();
@@ -511,6 +523,11 @@ struct CloudServer::Impl {
 
   void on_hello(const std::string& rid, const std::string& key, const wire::Hello& h) {
     ++n.hellos;
+    // Device ids are logged and stored: the server's character set (docs/security.md).
+    if (const std::string why = core::client_id_problem(h.client_id); !why.empty()) {
+      reply_error(rid, ErrorCode::kRejected, why);
+      return;
+    }
     if (h.model != label || h.model_digest != digest) {
       reply_error(rid, ErrorCode::kRejected,
                   "model mismatch: this cloud serves '" + label + "' (bottom digest " + std::to_string(digest) + ")");

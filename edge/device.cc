@@ -16,7 +16,9 @@
 #include "client/data_folder.h"
 #include "compression/compressor.h"
 #include "compression/state.h"
+#include "core/flat_config.h"
 #include "core/rng.h"
+#include "core/peer_text.h"
 #include "core/sqlite_db.h"
 #include "core/spec.h"
 #include "edge/act_codec.h"
@@ -67,7 +69,7 @@ DeviceConfig parse_device_config(const std::string& toml_text, const std::vector
 }
 
 DeviceConfig load_device_config(const std::string& path, const std::vector<std::string>& overrides) {
-  return parse_device_config(read_text_file(path), overrides, path);
+  return parse_device_config(core::read_config_file(path), overrides, path);
 }
 
 namespace {
@@ -78,7 +80,8 @@ void validate(const DeviceConfig& c) {
   };
   need(!c.cloud.empty(), "cloud: must not be empty");
   net::check_endpoint("device config: cloud", c.cloud, /*for_bind=*/false);
-  need(!c.device_id.empty() && c.device_id.size() <= wire::kMaxClientIdBytes, "device_id: must be 1..256 bytes");
+  // The cloud refuses other ids at Hello (docs/security.md).
+  need(core::valid_client_id(c.device_id), "device_id: " + core::client_id_problem(c.device_id));
   need(c.insecure || (!c.cloud_key.empty() && !c.key.empty()), "cloud_key and key must be set (or insecure = true)");
   need(c.batch_size >= 1 && c.batch_size <= 65536, "batch_size: must be in [1, 65536]");
   need(c.save_every >= 1, "save_every: must be >= 1");
@@ -221,7 +224,13 @@ struct EdgeDevice::Impl {
 
   void load_progress() {
     if (cfg.progress.empty() || !std::ifstream(cfg.progress).good()) return;
-    const compression::State st = compression::State::deserialize(read_text_file(cfg.progress));
+    compression::State st;
+    try {
+      st = compression::State::deserialize(read_text_file(cfg.progress));
+    } catch (const FormatError& e) {
+      throw FormatError("progress '" + cfg.progress + "' is not a progress file (" + std::string(e.what()) +
+                        "); restore it, or remove it to start afresh");
+    }
     const auto names = split->bottom.parameter_names();
     auto params = split->bottom.parameters();
     for (size_t i = 0; i < names.size(); ++i) {
@@ -420,7 +429,7 @@ struct EdgeDevice::Impl {
     close_socket();
     ++failures;
     ++sum.reconnects;
-    spdlog::warn("event=link_failure reason=\"{}\" attempt={}", why, failures);
+    spdlog::warn("event=link_failure reason=\"{}\" attempt={}", core::printable(why), failures);
     SPARROW_CHECK_T(Error, failures <= cfg.max_reconnects,
                     "the cloud at " << cfg.cloud << " did not answer after " << cfg.max_reconnects
                                     << " reconnects (last: " << why << ")");
@@ -488,8 +497,8 @@ struct EdgeDevice::Impl {
       while (auto m = receive_until(deadline)) {
         if (auto* w = std::get_if<wire::Welcome>(&m->body)) {
           failures = 0;
-          spdlog::info("event=welcome cloud={} run_id={} cloud_step={} device_step={}", cfg.cloud, w->run_id, w->round,
-                       completed);
+          spdlog::info("event=welcome cloud={} run_id={} cloud_step={} device_step={}", cfg.cloud,
+                       core::printable(w->run_id), w->round, completed);
           return w->round;
         }
         if (auto* e = std::get_if<wire::ErrorBody>(&m->body))

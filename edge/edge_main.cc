@@ -14,6 +14,7 @@
 #include "core/cli.h"
 #include "core/error_text.h"
 #include "core/error.h"
+#include "core/paths.h"
 #include "core/threads.h"
 #include "edge/cloud.h"
 #include "edge/device.h"
@@ -66,6 +67,9 @@ int main(int argc, char** argv) {
       // --insecure before validation, which otherwise demands key and allow.
       if (serve_insecure) serve_overrides.push_back("insecure=true");
       sparrow::edge::CloudConfig cfg = sparrow::edge::load_cloud_config(serve_config, serve_overrides);
+      if (!cfg.state.empty()) sparrow::core::check_file_path("state", cfg.state);
+      if (const std::string w = cfg.insecure ? "" : sparrow::core::secret_file_warning("key", cfg.key); !w.empty())
+        spdlog::warn("event=key_permissions msg=\"{}\"", w);
       threads(cfg.threads);
       sparrow::edge::CloudServer cloud(cfg);
       g_cloud.store(&cloud);
@@ -82,6 +86,9 @@ int main(int argc, char** argv) {
     }
     if (insecure) overrides.push_back("insecure=true");
     sparrow::edge::DeviceConfig cfg = sparrow::edge::load_device_config(config_path, overrides);
+    if (!cfg.progress.empty()) sparrow::core::check_file_path("progress", cfg.progress);
+    if (const std::string w = cfg.insecure ? "" : sparrow::core::secret_file_warning("key", cfg.key); !w.empty())
+      spdlog::warn("event=key_permissions msg=\"{}\"", w);
     threads(cfg.threads);
     sparrow::edge::DeviceData data = sparrow::edge::load_device_data(cfg);
     sparrow::edge::EdgeDevice device(cfg, std::move(data));

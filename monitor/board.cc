@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "core/json.h"
+#include "core/peer_text.h"
 
 namespace sparrow::monitor {
 
@@ -165,9 +166,10 @@ std::string Board::clients_json(size_t limit) const {
   o << "{\"total\":" << total << ",\"connected\":" << connected << ",\"clients\":[";
   for (size_t i = 0; i < cs.size(); ++i) {
     const ClientInfo& c = cs[i];
-    o << (i ? "," : "") << "{\"id\":" << json_string(c.id) << ",\"connected\":" << (c.connected ? "true" : "false")
-      << ",\"last_seen\":" << time_json(c.last_seen) << ",\"rounds\":" << c.rounds << ",\"bytes_up\":" << c.bytes_up
-      << ",\"bytes_down\":" << c.bytes_down << ",\"samples\":" << c.samples << '}';
+    o << (i ? "," : "") << "{\"id\":" << json_string(core::printable(c.id))
+      << ",\"connected\":" << (c.connected ? "true" : "false") << ",\"last_seen\":" << time_json(c.last_seen)
+      << ",\"rounds\":" << c.rounds << ",\"bytes_up\":" << c.bytes_up << ",\"bytes_down\":" << c.bytes_down
+      << ",\"samples\":" << c.samples << ",\"software\":" << json_string(core::printable(c.software)) << '}';
   }
   o << "]}";
   return o.str();

@@ -58,6 +58,7 @@ struct ClientInfo {
   double last_seen = 0;  // unix seconds
   int64_t rounds = 0;    // updates accepted from it
   uint64_t bytes_up = 0, bytes_down = 0, samples = 0;
+  std::string software;  // what the client said it runs (Hello.software); "" in the simulator
 };
 
 // Monotonic totals for /metrics (counters since the program started).
@@ -84,6 +85,8 @@ class Board {
   void set_totals(const Totals& t);
 
   // GET /api/run, /api/progress, /api/rounds?since=N, /api/clients?limit=N.
+  // Peer text (client ids, `software`) is rendered core::printable() inside
+  // the JSON string: plain ASCII, no control bytes (docs/security.md).
   std::string run_json() const;
   std::string progress_json() const;
   std::string rounds_json(int64_t since) const;

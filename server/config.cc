@@ -10,6 +10,7 @@
 #include "compression/compressor.h"
 #include "core/error.h"
 #include "core/flat_config.h"
+#include "core/peer_text.h"
 #include "core/rng.h"
 #include "secagg/secagg.h"
 #include "core/spec.h"
@@ -42,6 +43,9 @@ void bind_all(core::FlatConfig& f, ServerConfig& c) {
   f.bind("dp", &c.dp);
   f.bind("secagg", &c.secagg);
   f.bind("max_buffer_mb", &c.max_buffer_mb);
+  f.bind("max_update_norm", &c.max_update_norm);
+  f.bind("holdout_after", &c.holdout_after);
+  f.bind("holdout_rounds", &c.holdout_rounds);
   f.bind("rounds", &c.rounds);
   f.bind("clients_per_round", &c.clients_per_round);
   f.bind("min_clients", &c.min_clients);
@@ -179,6 +183,9 @@ void validate(const ServerConfig& c) {
     bad("secagg", e.what());
   }
   if (!(c.max_buffer_mb > 0)) bad("max_buffer_mb", "must be > 0");
+  if (!(c.max_update_norm > 0 && c.max_update_norm <= 1e18)) bad("max_update_norm", "must be in (0, 1e18]");
+  if (c.holdout_after < 1 || c.holdout_after > 1000) bad("holdout_after", "must be in 1..1000");
+  if (c.holdout_rounds < 0 || c.holdout_rounds > 10000) bad("holdout_rounds", "must be in 0..10000 (0 = never)");
   if (c.rounds < 1) bad("rounds", "must be >= 1");
   if (c.clients_per_round < 1) bad("clients_per_round", "must be >= 1");
   if (c.min_clients < 0 || c.min_clients > c.clients_per_round)
@@ -203,8 +210,7 @@ void validate(const ServerConfig& c) {
     } catch (const ConfigError& e) {
       bad("upstream", e.what());
     }
-    if (c.upstream_id.empty() || c.upstream_id.size() > wire::kMaxClientIdBytes)
-      bad("upstream_id", "must be 1.." + std::to_string(wire::kMaxClientIdBytes) + " bytes");
+    if (!core::valid_client_id(c.upstream_id)) bad("upstream_id", core::client_id_problem(c.upstream_id));
     if (!c.insecure && (c.upstream_server_key.empty() || c.upstream_key.empty()))
       bad("upstream",
           "needs upstream_server_key (the root's .key) and upstream_key (this gateway's .key_secret) "

@@ -37,6 +37,13 @@ struct ServerConfig {
   std::string dp = "none";          // differential privacy: none | central:clip=,noise= | local:clip=,noise=
   std::string secagg =
       "none";  // secure aggregation: none | secagg+:degree=,threshold=,clip=,timeout= (docs/security.md)
+  // Admission: an update whose decoded L2 norm exceeds this is refused before
+  // its Ack (docs/server.md, "Admission"); (0, 1e18].
+  double max_update_norm = 1e6;
+  // Refused updates in a row after which a client sits out selection:
+  // holdout_rounds rounds the first time, doubling each time after (at most 64x).
+  int64_t holdout_after = 2;
+  int64_t holdout_rounds = 4;
   double max_buffer_mb = 2048;  // bound on a buffering aggregator's memory (clients_per_round × model)
 
   // Rounds.

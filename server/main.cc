@@ -20,6 +20,8 @@
 
 #include "core/cli.h"
 #include "core/json.h"
+#include "core/paths.h"
+#include "core/peer_text.h"
 #include "core/error_text.h"
 #include "core/export.h"
 #include "core/error.h"
@@ -55,9 +57,11 @@ std::string num(double v) {
 }
 
 using sparrow::json_string;  // core/json.h
+using sparrow::core::printable;
 
 // The newest intact checkpoint's global model, as model.pt and .npy files.
 int export_model(const std::string& db, const std::string& out) {
+  sparrow::core::check_file_path("--db", db);
   auto store = sparrow::server::ServerStore::open_readonly(db);
   const auto run = store->run();
   SPARROW_CHECK_T(sparrow::ConfigError, run.has_value(), "export: '" << db << "' holds no run");
@@ -74,6 +78,7 @@ int export_model(const std::string& db, const std::string& out) {
 }
 
 int status(const std::string& db, bool json) {
+  sparrow::core::check_file_path("--db", db);
   auto store = sparrow::server::ServerStore::open_readonly(db);
   auto run = store->run();
   auto rounds = store->rounds();
@@ -96,16 +101,17 @@ int status(const std::string& db, bool json) {
     os << "],\"clients\":[";
     for (size_t i = 0; i < clients.size(); ++i) {
       const auto& c = clients[i];
-      os << (i ? "," : "") << "{\"client_id\":" << json_string(c.client_id)
+      // Peer text (ids, software, metric names) printable() here and below (docs/security.md).
+      os << (i ? "," : "") << "{\"client_id\":" << json_string(printable(c.client_id))
          << ",\"public_key\":" << json_string(c.public_key) << ",\"last_seen\":" << c.last_seen
          << ",\"last_selected\":" << c.last_selected << ",\"selected\":" << c.selected << ",\"updates\":" << c.updates
          << ",\"rejects\":" << c.rejects << ",\"num_samples\":" << c.num_samples << ",\"bytes_up\":" << c.bytes_up
-         << ",\"bytes_down\":" << c.bytes_down << ",\"software\":" << json_string(c.software) << "}";
+         << ",\"bytes_down\":" << c.bytes_down << ",\"software\":" << json_string(printable(c.software)) << "}";
     }
     os << "],\"latest_metrics\":{";
     bool first = true;
     for (const auto& [k, v] : metrics) {
-      os << (first ? "" : ",") << json_string(k) << ":" << num(v);
+      os << (first ? "" : ",") << json_string(printable(k)) << ":" << num(v);
       first = false;
     }
     os << "}}";
@@ -123,16 +129,17 @@ int status(const std::string& db, bool json) {
                 static_cast<unsigned long long>(r.bytes_in), static_cast<unsigned long long>(r.bytes_out), r.train_loss,
                 r.eval_loss, r.eval_accuracy);
   std::cout << "\nclients (" << clients.size() << "):\n";
-  std::printf("%-24s %8s %8s %8s %8s %10s %12s %12s  %s\n", "client_id", "selected", "updates", "rejects", "last_sel",
-              "samples", "bytes_up", "bytes_down", "public_key");
+  std::printf("%-24s %8s %8s %8s %8s %10s %12s %12s  %-40s  %s\n", "client_id", "selected", "updates", "rejects",
+              "last_sel", "samples", "bytes_up", "bytes_down", "public_key", "software");
   for (const auto& c : clients)
-    std::printf("%-24s %8lld %8lld %8lld %8lld %10llu %12llu %12llu  %s\n", c.client_id.c_str(),
+    std::printf("%-24s %8lld %8lld %8lld %8lld %10llu %12llu %12llu  %-40s  \"%s\"\n", printable(c.client_id).c_str(),
                 static_cast<long long>(c.selected), static_cast<long long>(c.updates),
                 static_cast<long long>(c.rejects), static_cast<long long>(c.last_selected),
                 static_cast<unsigned long long>(c.num_samples), static_cast<unsigned long long>(c.bytes_up),
-                static_cast<unsigned long long>(c.bytes_down), c.public_key.empty() ? "-" : c.public_key.c_str());
+                static_cast<unsigned long long>(c.bytes_down), c.public_key.empty() ? "-" : c.public_key.c_str(),
+                printable(c.software).c_str());
   std::cout << "\nlatest metrics (round " << last << "):\n";
-  for (const auto& [k, v] : metrics) std::cout << "  " << k << " = " << num(v) << "\n";
+  for (const auto& [k, v] : metrics) std::cout << "  " << printable(k) << " = " << num(v) << "\n";
   return 0;
 }
 
@@ -232,6 +239,16 @@ int main(int argc, char** argv) {
     }
     sparrow::server::ServerConfig cfg = sparrow::server::load_server_config(config_path, overrides);
     cfg.insecure = insecure;
+    // Paths before anything starts: a bad one is a config error naming its key.
+    sparrow::core::check_file_path("db", cfg.db);
+    if (cfg.gateway() && !cfg.upstream_state_db.empty())
+      sparrow::core::check_file_path("upstream_state_db", cfg.upstream_state_db);
+    auto check_key = [&](const char* key, const std::string& file) {
+      if (const std::string w = cfg.insecure ? "" : sparrow::core::secret_file_warning(key, file); !w.empty())
+        spdlog::warn("event=key_permissions msg=\"{}\"", w);
+    };
+    check_key("key", cfg.server_key);
+    if (cfg.gateway()) check_key("upstream_key", cfg.upstream_key);
     if (!http.empty()) cfg.http = http;
     if (!http_token.empty()) cfg.http_token = http_token;
     // The decode/aggregate pool runs cfg.workers threads: each gets its share.

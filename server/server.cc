@@ -34,6 +34,8 @@
 #include "core/error.h"
 #include "core/model_digest.h"
 #include "core/models.h"
+#include "core/peer_text.h"
+#include "core/refusal_log.h"
 #include "core/rng.h"
 #include "core/spec.h"
 #include "monitor/board.h"
@@ -273,8 +275,8 @@ struct Server::Impl {
   // Transport.
   zmq::context_t ctx{1};
   // Declared before `zap`, whose thread uses it: destroyed after it.
-  RateLimiter refused_log;   // refused keys, on the ZAP handler's thread
-  RateLimiter mismatch_log;  // handshake failures, on the I/O thread
+  core::RefusalLog refused_log;  // refused keys by address (ZAP thread notes, I/O thread flushes)
+  RateLimiter mismatch_log;      // handshake failures, on the I/O thread
   std::unique_ptr<net::ZapHandler> zap;
   zmq::socket_t router;
   std::unique_ptr<net::HandshakeMonitor> monitor;  // of `router` (CURVE only), read by the I/O thread
@@ -288,6 +290,12 @@ struct Server::Impl {
   std::map<std::string, Session> sessions;       // routing id -> session
   std::map<std::string, std::string> by_client;  // client id -> routing id
   std::map<std::string, ClientRow> clients;      // every client ever seen
+  struct Holdout {
+    int64_t strikes = 0;  // refused updates in a row
+    uint64_t holds = 0;   // times held out so far
+    uint64_t until = 0;   // not selected in rounds <= until
+  };
+  std::map<std::string, Holdout> holdouts;       // client id -> its record (strike())
   std::map<std::string, std::string> id_of_key;  // CURVE public key -> the client id it registered
   std::set<std::string> dirty_clients;
   uint64_t round = 0;  // the round in progress (0 before the first)
@@ -417,6 +425,7 @@ struct Server::Impl {
     }
     for (auto& p : partials) {
       p.agg = std::make_unique<aggregation::Accumulator>(aggregator->make_accumulator(shapes));
+      p.agg->set_max_update_norm(cfg.max_update_norm);
       p.agg->reset(aggregator->clip());
     }
 
@@ -495,7 +504,7 @@ struct Server::Impl {
     v.reserve(clients.size());
     for (const auto& [id, row] : clients)
       v.push_back({id, by_client.count(id) > 0, static_cast<double>(row.last_seen), row.updates, row.bytes_up,
-                   row.bytes_down, row.num_samples});
+                   row.bytes_down, row.num_samples, row.software});
     board->set_clients(std::move(v));
     monitor::Totals t;
     t.bytes_in = n.bytes_in.load();
@@ -547,6 +556,19 @@ struct Server::Impl {
       spdlog::warn("event=checkpoint_damaged round={} db={} msg=\"checksum mismatch: skipped, {}\"", r, cfg.db,
                    ck ? "resuming from round " + std::to_string(ck->round) + " (later rounds run again)"
                       : std::string("no intact checkpoint"));
+    // The rounds table says how far the run got. A newest checkpoint behind it
+    // (rows deleted or damaged) loses the rounds in between, said in a warning;
+    // none at all is refused rather than taken for a new run.
+    const int64_t recorded = store->completed_rounds();
+    SPARROW_CHECK_T(FormatError, ck || recorded == 0,
+                    "server database '" << cfg.db << "' records " << recorded
+                                        << " completed round(s) but holds no checkpoint to resume from; restore it "
+                                           "from a backup, or use another db to start a new run");
+    if (ck && ck->round < recorded)
+      spdlog::warn(
+          "event=rounds_lost db={} checkpoint_round={} recorded_rounds={} lost={} msg=\"the newest checkpoint is of "
+          "round {}: rounds {} to {} are lost and run again\"",
+          cfg.db, ck->round, recorded, recorded - ck->round, ck->round, ck->round + 1, recorded);
     if (ck) resume(*ck);
   }
 
@@ -589,21 +611,17 @@ struct Server::Impl {
       public_key = keys.public_key;
       std::set<std::string> allowed = net::load_allow_list(cfg.allow);
       spdlog::info("event=allow_list path={} keys={}", cfg.allow, allowed.size());
-      // A refused client retries every ~100 ms: one warning per key and
-      // minute (with the count since the last one), the rest at debug.
+      // A refused client retries every ~100 ms, and a peer can use a fresh
+      // key per connection: one warning per source address and minute (with
+      // the counts since the last one), at most 20 a minute in all; the
+      // counted refusals are written by log_handshake_failures().
       zap = std::make_unique<net::ZapHandler>(
           ctx, std::move(allowed), [this](const std::string& key, const std::string& addr, bool ok) {
             if (ok) {
-              spdlog::debug("event=zap key={} address={} admitted=1", key, addr);
+              spdlog::debug("event=zap key={} address={} admitted=1", key, core::printable(addr));
               return;
             }
-            if (const auto n = refused_log.admit(key))
-              spdlog::warn(
-                  "event=zap key={} address={} admitted=0 refused_since_last_warning={} msg=\"key not on "
-                  "the allow-list\"",
-                  key, addr, *n);
-            else
-              spdlog::debug("event=zap key={} address={} admitted=0", key, addr);
+            if (const auto line = refused_log.note(addr, key)) log_refused(*line);
           });
       net::make_curve_server(router, keys);
     }
@@ -699,10 +717,14 @@ struct Server::Impl {
       log_handshake_failures();
     }
     flush_outbox();
+    for (const auto& l : refused_log.drain()) log_refused(l);  // the counts not written yet
   }
+
+  static void log_refused(const core::RefusalLog::Line& l) { spdlog::warn("{}", core::RefusalLog::text(l)); }
 
   void log_handshake_failures() {
     if (!monitor) return;
+    for (const auto& l : refused_log.due()) log_refused(l);
     using Kind = net::HandshakeMonitor::Kind;
     for (const auto& e : monitor->drain()) {
       if (e.kind != Kind::kMismatch && e.kind != Kind::kFailed) continue;
@@ -744,7 +766,7 @@ struct Server::Impl {
         try {
           handle_control(job.routing_id, job.key, *job.parsed, job.size);
         } catch (const std::exception& e) {  // never fatal for the I/O thread
-          spdlog::error("event=control_error error=\"{}\"", e.what());
+          spdlog::error("event=control_error error=\"{}\"", core::printable(e.what()));
           reply_error(job.routing_id, ErrorCode::kInternal, "internal error");
         }
         return true;
@@ -790,7 +812,7 @@ struct Server::Impl {
           handle_control(job.routing_id, job.key, *job.parsed, job.size);
       } catch (const std::exception& e) {
         // Never fatal: a peer's message cannot take the server down.
-        spdlog::error("event=worker_error error=\"{}\"", e.what());
+        spdlog::error("event=worker_error error=\"{}\"", core::printable(e.what()));
         reply_error(job.routing_id, ErrorCode::kInternal, "internal error");
       }
     }
@@ -804,8 +826,9 @@ struct Server::Impl {
     auto it = sessions.find(rid);
     if (std::holds_alternative<wire::ErrorBody>(m.body)) {
       const auto& e = std::get<wire::ErrorBody>(m.body);
-      spdlog::warn("event=client_error client={} code={} msg=\"{}\"", it == sessions.end() ? "?" : it->second.client_id,
-                   wire::error_code_name(e.code), e.message);
+      spdlog::warn("event=client_error client={} code={} msg=\"{}\"",
+                   it == sessions.end() ? "?" : core::printable(it->second.client_id), wire::error_code_name(e.code),
+                   core::printable(e.message));
       return;  // never answer an Error with an Error
     }
     if (it == sessions.end()) {
@@ -817,14 +840,16 @@ struct Server::Impl {
     Session& s = it->second;
     s.last_seen = Clock::now();
     touch(s.client_id);
-    if (std::holds_alternative<wire::Heartbeat>(m.body)) {
+    if (const auto* hb = std::get_if<wire::Heartbeat>(&m.body)) {
+      if (hb->num_samples > 0) s.num_samples = hb->num_samples;  // a gateway's clients changed
       const uint64_t r = round;
       g.unlock();
       reply(rid, msg(wire::Heartbeat{r}));
     } else if (const auto* sm = std::get_if<wire::SecAgg>(&m.body)) {
       handle_secagg(g, rid, s, *sm, frame_bytes);
     } else if (const auto* b = std::get_if<wire::Bye>(&m.body)) {
-      spdlog::info("event=client_bye client={} reason=\"{}\"", s.client_id, b->reason);
+      spdlog::info("event=client_bye client={} reason=\"{}\"", core::printable(s.client_id),
+                   core::printable(b->reason));
       by_client.erase(s.client_id);
       sessions.erase(it);
       n_connected_changed();
@@ -845,9 +870,12 @@ struct Server::Impl {
 
   void handle_hello(const std::string& rid, const std::string& key, const wire::Hello& h) {
     auto refuse = [&](const std::string& why) {
-      spdlog::warn("event=hello_refused client={} key={} reason=\"{}\"", h.client_id, key, why);
+      spdlog::warn("event=hello_refused client=\"{}\" key={} reason=\"{}\"", core::printable(h.client_id), key,
+                   core::printable(why));
       reply_error(rid, ErrorCode::kRejected, why);
     };
+    // Ids are shown in logs, status output and the dashboard (docs/security.md).
+    if (const std::string why = core::client_id_problem(h.client_id); !why.empty()) return refuse(why);
     if (h.num_samples == 0) return refuse("num_samples must be > 0");
     if (h.model != cfg.model)
       return refuse("model mismatch: server runs '" + cfg.model + "', client has '" + h.model + "'");
@@ -905,7 +933,8 @@ struct Server::Impl {
     w.model_seed = cfg.model_seed;
     reply(rid, msg(w));
     spdlog::info("event=hello client={} samples={} last_round={} software=\"{}\" sessions={}", h.client_id,
-                 h.num_samples, h.last_round ? std::to_string(*h.last_round) : "none", h.software, sessions.size());
+                 h.num_samples, h.last_round ? std::to_string(*h.last_round) : "none", core::printable(h.software),
+                 sessions.size());
     // Selected in the open round and still owing its update: (re)send the task.
     if (round_open) {
       auto sel = selected.find(h.client_id);
@@ -940,7 +969,7 @@ struct Server::Impl {
       round_stale++;
       g.unlock();
       spdlog::info("event=secagg_stale client={} round={} stage={} reason=\"{}\"", s.client_id, m.round,
-                   wire::secagg_stage_name(m.stage), why);
+                   wire::secagg_stage_name(m.stage), core::printable(why));
       reply(rid, net::error_message(ErrorCode::kRejected, why, m.round));
       return;
     }
@@ -968,7 +997,7 @@ struct Server::Impl {
       const std::string cid = s.client_id;
       g.unlock();
       spdlog::warn("event=secagg_rejected client={} round={} stage={} error=\"{}\"", cid, m.round,
-                   wire::secagg_stage_name(m.stage), e.what());
+                   wire::secagg_stage_name(m.stage), core::printable(e.what()));
       reply_error(rid, ErrorCode::kRejected, e.what(), m.round);
       cv.notify_all();
       return;
@@ -1214,6 +1243,14 @@ struct Server::Impl {
       sel->second = Status::kInFlight;
       ++in_flight;
       rc = round_ctx;
+      // An update weighs at most the samples the client said it holds (at
+      // Hello, or a gateway's latest Heartbeat): a claim above that is capped.
+      if (u.num_samples > s.num_samples) {
+        if (const auto k = mismatch_log.admit("samples:" + s.client_id))
+          spdlog::warn("event=samples_capped client={} key={} round={} claimed={} capped_to={} since_last_warning={}",
+                       core::printable(s.client_id), s.key, u.round, u.num_samples, s.num_samples, *k);
+        u.num_samples = s.num_samples;
+      }
     }
     std::string error;
     ErrorCode code = ErrorCode::kRejected;
@@ -1232,6 +1269,7 @@ struct Server::Impl {
       auto sel = selected.find(u.client_id);
       ClientRow& row = clients[u.client_id];
       if (error.empty()) {
+        holdouts[u.client_id].strikes = 0;
         if (sel != selected.end()) sel->second = Status::kDone;
         ++round_accepted;
         row.updates++;
@@ -1242,6 +1280,7 @@ struct Server::Impl {
         if (sel != selected.end()) sel->second = Status::kWaiting;  // it may send a good one
         ++round_rejected;
         row.rejects++;
+        strike(u.client_id, row.public_key);
       }
       dirty_clients.insert(u.client_id);
       --in_flight;
@@ -1251,10 +1290,25 @@ struct Server::Impl {
       reply(rid, msg(wire::Ack{u.round}));
       spdlog::debug("event=update_accepted client={} round={}", u.client_id, u.round);
     } else {
-      spdlog::warn("event=update_rejected client={} round={} error=\"{}\"", u.client_id, u.round, error);
+      spdlog::warn("event=update_rejected client={} round={} error=\"{}\"", u.client_id, u.round,
+                   core::printable(error));
       reply_error(rid, code, "update rejected: " + error, u.round);
     }
     cv.notify_all();
+  }
+
+  // Under mu: one more refused update of `cid`. holdout_after refusals in a
+  // row hold it out of selection for holdout_rounds rounds, twice as long each
+  // time after (at most 64x); an accepted update clears the count.
+  void strike(const std::string& cid, const std::string& key) {
+    Holdout& h = holdouts[cid];
+    if (++h.strikes < cfg.holdout_after || cfg.holdout_rounds == 0) return;
+    h.strikes = 0;
+    const uint64_t rounds = static_cast<uint64_t>(cfg.holdout_rounds) << std::min<uint64_t>(h.holds, 6);
+    ++h.holds;
+    h.until = round + rounds;
+    spdlog::warn("event=client_held_out client={} key={} refused_in_a_row={} until_round={}", core::printable(cid),
+                 key.empty() ? "-" : key, cfg.holdout_after, h.until);
   }
 
   // Verifies and adds one update to a worker's partial; all-or-nothing.
@@ -1406,7 +1460,11 @@ struct Server::Impl {
     {
       std::unique_lock<std::mutex> g(mu);
       std::vector<Candidate> cand;
-      for (const auto& [cid, rid] : by_client) cand.push_back({cid, clients[cid].last_selected});
+      for (const auto& [cid, rid] : by_client) {
+        auto h = holdouts.find(cid);
+        if (h != holdouts.end() && h->second.until >= r) continue;  // held out (strike())
+        cand.push_back({cid, clients[cid].last_selected});
+      }
       chosen = select_clients(std::move(cand), static_cast<size_t>(cfg.clients_per_round),
                               rng::derive(rng::derive(cfg.seed, kSelectTag), r));
       g.unlock();

@@ -11,6 +11,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "core/sqlite_db.h"
 
 namespace sparrow::server {
 namespace {
@@ -144,14 +145,11 @@ ServerStore::~ServerStore() = default;
 const std::string& ServerStore::path() const { return impl_->path; }
 
 std::unique_ptr<ServerStore> ServerStore::open(const std::string& path) {
-  // An existing file of 0 bytes is not an empty run: it is a database that
-  // lost its content (or a placeholder). Starting a new run over it would
-  // hide that; the operator removes it to start afresh.
-  std::error_code ec;
-  SPARROW_CHECK_T(ConfigError, !std::filesystem::exists(path, ec) || std::filesystem::file_size(path, ec) != 0 || ec,
-                  "server database '" << path
-                                      << "' exists but is empty (0 bytes): if it held a run, restore it from a "
-                                         "backup; to start a new run, remove the file");
+  // Before SQLite touches the file: a folder, a file of 0 bytes (a lost
+  // database is not a new run), a file that is not SQLite (SQLite would take
+  // a short one as a new database and write over it), a damaged -wal file.
+  const bool existed = std::filesystem::exists(path);
+  sqlite::check_before_open(path, "server database");
   auto impl = std::make_unique<Impl>();
   impl->path = path;
   const int rc = sqlite3_open_v2(path.c_str(), &impl->db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, nullptr);
@@ -194,6 +192,12 @@ std::unique_ptr<ServerStore> ServerStore::open(const std::string& path) {
     SPARROW_CHECK_T(ConfigError, t.i64(0) == 0 || t.i64(1) > 0,
                     "server database '" << path << "' is an SQLite database of something else (" << t.i64(0)
                                         << " tables, none of a sparrow-server run): use another path");
+    // An existing file is written to only when it is a server database: an
+    // SQLite file without tables is someone's too.
+    SPARROW_CHECK_T(ConfigError, !existed || t.i64(0) > 0,
+                    "server database '" << path
+                                        << "' exists but is not a sparrow-server database (no tables); nothing was "
+                                           "written to it: use another path, or remove the file to start a new run");
   }
   impl->exec("PRAGMA journal_mode=WAL");
   // FULL: a committed round survives power loss too, not only a process crash.
@@ -215,7 +219,17 @@ std::unique_ptr<ServerStore> ServerStore::open(const std::string& path) {
 }
 
 std::unique_ptr<ServerStore> ServerStore::open_readonly(const std::string& path) {
+  SPARROW_CHECK_T(ConfigError, !std::filesystem::is_directory(path),
+                  "server database '" << path << "' is a folder, not a file");
   SPARROW_CHECK_T(ConfigError, std::filesystem::exists(path), "server database '" << path << "' does not exist");
+  {
+    // The -wal check only when no server holds the file: a running server
+    // checked it at its start and may be rewriting the log while it is read.
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    const bool idle = fd >= 0 && ::flock(fd, LOCK_SH | LOCK_NB) == 0;
+    if (fd >= 0) ::close(fd);
+    if (idle) sqlite::check_before_open(path, "server database");
+  }
   auto impl = std::make_unique<Impl>();
   impl->path = path;
   const int rc = sqlite3_open_v2(path.c_str(), &impl->db, SQLITE_OPEN_READONLY, nullptr);

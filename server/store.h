@@ -74,11 +74,14 @@ struct Checkpoint {
 class ServerStore {
  public:
   // Opens or creates the database. FormatError when the file is not an SQLite
-  // database or fails SQLite's quick_check (a damaged page, index or b-tree);
-  // ConfigError when it exists with 0 bytes (a lost database is not a new run)
-  // or is another program's database; Error for other SQLite failures.
+  // database, its -wal file is damaged (sqlite::check_before_open) or it fails
+  // SQLite's quick_check (a damaged page, index or b-tree); ConfigError when it
+  // is a folder, exists with 0 bytes (a lost database is not a new run), or is
+  // another program's database or an SQLite file without tables; nothing is
+  // written to a refused file. Error for other SQLite failures.
   static std::unique_ptr<ServerStore> open(const std::string& path);
-  // Read-only open (status): FormatError / Error as above; ConfigError when missing.
+  // Read-only open (status): FormatError / Error as above (the -wal check only
+  // when no server holds the file); ConfigError when missing or a folder.
   static std::unique_ptr<ServerStore> open_readonly(const std::string& path);
   ~ServerStore();
   ServerStore(const ServerStore&) = delete;

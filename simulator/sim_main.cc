@@ -34,6 +34,7 @@
 #include "core/cli.h"
 #include "core/error_text.h"
 #include "core/export.h"
+#include "core/paths.h"
 #include "core/error.h"
 #include "simulator/cluster.h"
 #include "simulator/config.h"
@@ -324,6 +325,8 @@ int main(int argc, char** argv) {
       }
       cfg = load_config(config_path, overrides);
     }
+    // Before anything starts: a file, /proc, a read-only folder is a config error naming the key.
+    sparrow::core::check_output_folder(resume ? "--resume" : "out", cfg.out);
     const std::filesystem::path run_db = std::filesystem::path(cfg.out) / "run.db";
     if (!resume && !force && std::filesystem::exists(run_db)) {
       std::cerr << "sparrow-sim: config error: the run folder " << cfg.out

@@ -38,6 +38,7 @@
 #include "core/partition.h"
 #include "core/rng.h"
 #include "core/spec.h"
+#include "core/sqlite_db.h"
 #include "core/threads.h"
 #include "simulator/attack.h"
 #include "simulator/cluster.h"
@@ -663,6 +664,17 @@ struct Simulator::Impl {
         fs::remove(p.string() + "-shm");
       }
     }
+    if (resume) {
+      // run.db holds the rounds' history: a missing or empty one would start
+      // a new history silently (sqlite3_open creates it).
+      std::error_code ec;
+      const auto size = fs::file_size(dbp, ec);
+      SPARROW_CHECK_T(ConfigError, !ec && size > 0,
+                      "resume: " << dbp.string() << (ec ? " is missing" : " is empty")
+                                 << ": the history of the run's rounds is gone; restore the run folder from a "
+                                    "backup, or start the run again with --force");
+    }
+    if (resume) sqlite::check_before_open(dbp.string(), "resume: run database");  // not SQLite, a damaged -wal
     if (sqlite3_open(dbp.c_str(), &db.db) != SQLITE_OK)
       throw Error("cannot open " + dbp.string() + ": " + sqlite3_errmsg(db.db));
     if (resume) check_intact(db.db, dbp.string());
@@ -695,6 +707,9 @@ struct Simulator::Impl {
   // checkpoint: between checkpoints nothing reaches the database.
   void checkpoint(int completed, bool wait) {
     store->set_meta("checkpoint.round", std::to_string(completed));
+    // The whole effective config, so that a resume can refuse an edited
+    // config.toml (check_resume_config); committed with the checkpoint.
+    store->set_meta("checkpoint.config", to_toml(cfg));
     store->set_meta("checkpoint.global", serialize_weights(global));
     store->set_meta("checkpoint.server_opt", server_opt->serialize_state());
     store->set_meta("checkpoint.scaffold", server_control.empty() ? std::string() : serialize_weights(server_control));
@@ -720,6 +735,43 @@ struct Simulator::Impl {
                       "resume: " << what << " does not match the model at '" << k << "'");
       v.copy_(g.at(k));
     }
+  }
+
+  // The keys a resumed run may change: they change neither the experiment's
+  // results nor what was recorded (docs/simulator.md, "Resuming").
+  static void copy_safe_keys(const SimConfig& from, SimConfig& to) {
+    to.rounds = from.rounds;
+    to.out = from.out;
+    to.checkpoint_every = from.checkpoint_every;  // only changes when state is written
+    to.threads = from.threads;                    // only changes the speed
+  }
+
+  static void refuse_differences(const SimConfig& recorded, const SimConfig& now, const std::string& where) {
+    std::string keys;
+    for (const std::string& d : config_differences(recorded, now)) keys += (keys.empty() ? "" : ", ") + d;
+    if (keys.empty()) keys = "(a key to_toml does not write)";
+    throw ConfigError("resume: the config differs from " + where + " in " + keys +
+                      "; a resumed run may change only rounds, checkpoint_every and threads");
+  }
+
+  // The config a resume runs under must be the one the checkpoint was taken
+  // under (recorded with it), whatever config.toml says now: an edited
+  // config.toml would mix two experiments in one run folder. Run folders of
+  // older versions have no recorded config; config.toml is then all there is.
+  void check_resume_config() {
+    const std::optional<std::string> text = store->get_meta("checkpoint.config");
+    if (!text) return;
+    SimConfig recorded;
+    try {
+      recorded = parse_config_string(*text);
+    } catch (const std::exception& e) {
+      throw FormatError("resume: the config recorded in " + store->path() + " does not parse (" + e.what() +
+                        "); restore the run folder from a backup or start the run again with --force");
+    }
+    copy_safe_keys(cfg, recorded);
+    if (!(recorded == cfg))
+      refuse_differences(recorded, cfg,
+                         "the one its checkpoint was taken under (" + store->path() + "; config.toml was edited?)");
   }
 
   void load_checkpoint() {
@@ -749,6 +801,16 @@ struct Simulator::Impl {
     for (int r0 = 0; r0 < round; ++r0) count_participations(select_clients(r0));
     // Rounds after the checkpoint (a crash mid-commit) are forgotten.
     db.exec("DELETE FROM rounds WHERE round > " + std::to_string(round) + ";");
+    {
+      // Every round up to the checkpoint has its row (they are written before
+      // the checkpoint that covers them): fewer means run.db lost history.
+      Stmt c{db.prepare("SELECT COUNT(DISTINCT round) FROM rounds WHERE round BETWEEN 1 AND " + std::to_string(round))};
+      const int have = sqlite3_step(c.st) == SQLITE_ROW ? sqlite3_column_int(c.st, 0) : 0;
+      SPARROW_CHECK_T(FormatError, have == round,
+                      "resume: " << (dir / "run.db").string() << " holds " << have << " of the " << round
+                                 << " rounds its checkpoint covers: the run's history is damaged; restore the run "
+                                    "folder from a backup, or start the run again with --force");
+    }
     Stmt r{db.prepare(
         "SELECT round, accuracy, loss, train_loss, bytes_up, bytes_down, sim_round_s, real_s, clients, dropped, "
         "epsilon, clip "
@@ -1448,17 +1510,8 @@ Simulator::Simulator(SimConfig cfg, bool resume, Cluster* cluster) : impl_(std::
     const fs::path prev = s.dir / "config.toml";
     SPARROW_CHECK_T(ConfigError, fs::exists(prev), "resume: " << prev.string() << " not found");
     SimConfig old = load_config(prev.string());
-    old.rounds = s.cfg.rounds;
-    old.out = s.cfg.out;
-    old.checkpoint_every = s.cfg.checkpoint_every;  // only changes when state is written
-    old.threads = s.cfg.threads;                    // only changes the speed
-    if (!(old == s.cfg)) {
-      std::string keys;
-      for (const std::string& d : config_differences(old, s.cfg)) keys += (keys.empty() ? "" : ", ") + d;
-      if (keys.empty()) keys = "(a key to_toml does not write)";
-      throw ConfigError("resume: the config differs from " + prev.string() + " in " + keys +
-                        "; a resumed run may change only rounds, checkpoint_every and threads");
-    }
+    Impl::copy_safe_keys(s.cfg, old);
+    if (!(old == s.cfg)) Impl::refuse_differences(old, s.cfg, prev.string());
   }
   compression::register_builtins();
   s.compressor = compression::make_compressor(s.cfg.compression);
@@ -1511,6 +1564,7 @@ Simulator::Simulator(SimConfig cfg, bool resume, Cluster* cluster) : impl_(std::
   if (s.remote()) return;  // no run folder: rank 0 keeps it
   s.open_db(resume);
   if (resume) {
+    s.check_resume_config();
     s.load_checkpoint();
     std::ofstream(s.dir / "config.toml") << to_toml(s.cfg);  // records a changed `rounds`
   }

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/sqlite_db.h"
 
 namespace sparrow::state {
 namespace {
@@ -122,12 +123,10 @@ struct Conn {
   // Opens the file; `create` also checks, creates and migrates the schema.
   void open(const std::string& p, bool create) {
     path = p;
-    std::error_code ec;
-    SPARROW_CHECK_T(ConfigError,
-                    !create || !std::filesystem::exists(path, ec) || std::filesystem::file_size(path, ec) != 0 || ec,
-                    "client state store '" << path
-                                           << "' exists but is empty (0 bytes): if it held states, restore it from a "
-                                              "backup; to start afresh, remove the file");
+    // Before SQLite touches the file: a folder, 0 bytes (states lost), not
+    // SQLite (SQLite would write over a short file), a damaged -wal file.
+    const bool existed = create && std::filesystem::exists(path);
+    if (create) sqlite::check_before_open(path, "client state store");
     int rc =
         sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX, nullptr);
     if (rc != SQLITE_OK) throw_sqlite(db, path, "open", rc);
@@ -158,6 +157,11 @@ struct Conn {
         SPARROW_CHECK_T(
             ConfigError, sqlite3_column_int64(t.get(), 0) == 0 || sqlite3_column_int64(t.get(), 1) > 0,
             "client state store '" << path << "' is an SQLite database of something else: use another path");
+        // An existing file is written to only when it is a state store.
+        SPARROW_CHECK_T(ConfigError, !existed || version > 0 || sqlite3_column_int64(t.get(), 1) > 0,
+                        "client state store '" << path
+                                               << "' exists but is not a sparrow state store; nothing was written to "
+                                                  "it: use another path, or remove the file to start afresh");
       }
       if (version == 0) exec("PRAGMA page_size=65536");
       exec("PRAGMA journal_mode=WAL");

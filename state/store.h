@@ -64,9 +64,11 @@ class ClientStateStore {
   };
 
   // Creates or opens the database at `path` (WAL journal, synchronous=NORMAL).
-  // Throws ConfigError for bad options, FormatError when the file is not an
-  // SQLite database or has a newer schema than this build, Error for other
-  // SQLite failures (permissions, locked).
+  // Throws ConfigError for bad options, a folder, a 0-byte file or an existing
+  // file that is not a state store; FormatError when the file is not an SQLite
+  // database, its -wal file is damaged (sqlite::check_before_open), or it has a
+  // newer schema than this build (nothing is written to a refused file); Error
+  // for other SQLite failures (permissions, locked).
   static std::unique_ptr<ClientStateStore> open(const std::string& path, Options options);
   static std::unique_ptr<ClientStateStore> open(const std::string& path) { return open(path, Options{}); }
 

@@ -263,7 +263,7 @@ flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const Ac
 }
 
 flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const Heartbeat& h) {
-  return fb::CreateHeartbeat(b, h.round).Union();
+  return fb::CreateHeartbeat(b, h.round, h.num_samples).Union();
 }
 
 flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const Bye& m) {
@@ -726,9 +726,11 @@ Message parse_verified(const uint8_t* buf, size_t size, const ParseLimits& limit
     case fb::Body::Ack:
       out.body = Ack{body_or_fail(m->body_as_Ack(), "Ack").round()};
       return out;
-    case fb::Body::Heartbeat:
-      out.body = Heartbeat{body_or_fail(m->body_as_Heartbeat(), "Heartbeat").round()};
+    case fb::Body::Heartbeat: {
+      const auto& hb = body_or_fail(m->body_as_Heartbeat(), "Heartbeat");
+      out.body = Heartbeat{hb.round(), hb.num_samples()};
       return out;
+    }
     case fb::Body::Bye:
       out.body = Bye{bounded_text(body_or_fail(m->body_as_Bye(), "Bye").reason(), "reason")};
       return out;

@@ -146,6 +146,7 @@ struct Ack {
 
 struct Heartbeat {
   uint64_t round = 0;
+  uint64_t num_samples = 0;  // client -> server: samples held now; 0 = as at Hello (sparrow.fbs)
 };
 
 struct Bye {

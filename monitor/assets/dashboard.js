@@ -592,7 +592,9 @@
       var id = rawValue(c.id);
       var tr = document.createElement('tr');
       tr.setAttribute('data-client', id);
-      addCell(tr, id, id);
+      // The client's software (escaped by the server) as the id's tooltip.
+      var sw = rawValue(c.software);
+      addCell(tr, id, id, '', sw ? 'software: ' + sw : '');
       var conn = c.connected === true;
       addCell(tr, conn ? 'yes' : 'no', conn ? 'true' : 'false', conn ? 'yes' : 'no');
       var ls = c.last_seen;

@@ -612,3 +612,28 @@ TEST_CASE("edge net: a restarted device keeps its BatchNorm statistics") {
   }
   fs::remove(dc.progress);
 }
+
+TEST_CASE("edge net: device ids outside the character set are refused at Hello and in the config") {
+  RunningCloud cloud(cloud_config());
+  zmq::context_t ctx{1};
+  zmq::socket_t sock{ctx, zmq::socket_type::dealer};
+  sock.set(zmq::sockopt::linger, 0);
+  sock.connect(cloud.server.endpoint());
+  auto model = sparrow::core::make_model("mlp", kSeed);
+  Split split = split_model(model, "fc1");
+  wire::Hello h;
+  h.client_id = "dev\n2020-01-01T00:00:00.000 level=info event=forged\x1b[2J";
+  h.model = split_model_label("mlp", "fc1");
+  h.model_digest = bottom_digest(split.bottom.parameter_names(), split.bottom.parameters());
+  wire::Message out;
+  out.body = h;
+  REQUIRE(net::send(sock, out));
+  auto m = net::receive(sock, 5000);
+  REQUIRE(m.has_value());
+  REQUIRE(std::holds_alternative<wire::ErrorBody>(m->body));
+  CHECK(std::get<wire::ErrorBody>(m->body).code == wire::ErrorCode::kRejected);
+  CHECK(std::get<wire::ErrorBody>(m->body).message.find("A-Z a-z 0-9 . _ : @ -") != std::string::npos);
+  // A device checks its own id before it connects.
+  DeviceConfig dc = device_config(cloud.server.endpoint(), "a b");
+  CHECK_THROWS_WITH_AS(EdgeDevice(dc, make_data(7)), doctest::Contains("device_id"), sparrow::ConfigError);
+}

@@ -147,6 +147,7 @@ TEST_CASE("server config: a gateway refuses what only the root can apply, and ne
   }
   CHECK(bad("compression = \"tcs:ratio=0.01\"\n").empty());  // the root's masks are relayed
   CHECK(bad("upstream_id = \"\"\n").find("upstream_id") != std::string::npos);
+  CHECK(bad("upstream_id = \"gw eu\"\n").find("upstream_id") != std::string::npos);  // outside the id set
   CHECK(what_of([] {
           ServerConfig c = parse_server_config("upstream = \"root:7070\"\n");
           c.insecure = true;
