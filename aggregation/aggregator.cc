@@ -48,6 +48,9 @@ struct Pending {
   // A masked share with Context::share_mean: the mask entries it carried
   // (indices into ctx.mask), whose weights grow by the update's.
   bool shares = false;
+  // Its decoded norm came out finite: every value is finite (a held dense
+  // update then needs no second, finiteness-only read).
+  bool measured = false;
   std::vector<int64_t> carried;
 };
 
@@ -173,12 +176,21 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
     if (pair) p.kind = Pending::kPair;
     // Admission by norm (see add() in the header).
     double n = 0;
+    bool computed = true;
     if (p.kind == Pending::kFactor)
       n = compression::lowrank_norm(p.factor, p.shared);
     else if (p.kind == Pending::kScratch && bounded)
       n = compression::lowrank_norm(p.scratch.reshape({-1, 1}), one);
     else if (e.format == Format::kLowRank || e.format == Format::kLowRankSparse || bounded)
       n = compression::decoded_norm(e, p.ctx);
+    else
+      computed = false;
+    // A dense value that is not finite is the NonFiniteError the value scan
+    // would have thrown (wire::parse deferred it); a product that overflows
+    // is refused below with the norm.
+    if (e.format == Format::kDense && std::isinf(n))
+      throw compression::NonFiniteError("aggregator: tensor '" + name + "' has a value that is not finite");
+    p.measured = computed && std::isfinite(n);
     norm_sq += n * n;
     pending.push_back(std::move(p));
   }
@@ -215,8 +227,8 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
       if (p.kind == Pending::kFill) {
         compression::decode_fill(*p.e, s.sum, w, p.ctx);
       } else if (p.kind == Pending::kHold) {
-        compression::validate(*p.e);  // the finiteness scan; read only
-        s.held = *p.e;                // a view: the frame stays alive, nothing is copied
+        if (!p.measured) compression::validate(*p.e);  // the finiteness scan; read only
+        s.held = *p.e;                                 // a view: the frame stays alive, nothing is copied
         s.held_weight = w;
       } else if (p.kind == Pending::kPair) {
         compression::decode_fill_pair(s.held, s.held_weight, *p.e, w, s.sum);  // released once all succeed

@@ -495,9 +495,10 @@ struct DenseTimes {
   double paired_ratio = 0;
 };
 DenseTimes dense_once(const ServerBenchOptions& o, const fs::path& dir, bool curve, const server::Weights& weights,
-                      const wire::NamedTensor& update, BareAcked* bare) {
-  const std::string name = curve ? "dense-curve" : "dense-plain";
+                      const wire::NamedTensor& update, BareAcked* bare, double max_update_norm = -1) {
+  const std::string name = std::string(curve ? "dense-curve" : "dense-plain") + (max_update_norm >= 0 ? "-nb" : "");
   server::ServerConfig cfg = base_config(dir, name, curve);
+  if (max_update_norm >= 0) cfg.max_update_norm = max_update_norm;
   net::KeyPair ck;
   if (curve) {
     net::KeyPair sk = net::generate_keypair();
@@ -605,10 +606,13 @@ int bench_dense(const ServerBenchOptions& o, const fs::path& dir) {
   compression::Context ctx;
   ctx.name = "w";
   wire::NamedTensor update{"w", none->encode(at::randn({5000, 5000}) * 0.01, st, ctx)};
-  DenseTimes plain, curve;
+  DenseTimes plain, curve, unbounded;
   {
     BareAcked pair(static_cast<size_t>(n) * 4 + 4096, false);  // its receiver stops before the CURVE rounds
     plain = dense_once(o, dir, false, weights, update, &pair);
+    // The same without the admission norm bound (max_update_norm = 0): what
+    // the bound's extra read of the values costs end to end.
+    unbounded = dense_once(o, dir, false, weights, update, nullptr, 0.0);
   }
   {
     BareAcked pair(static_cast<size_t>(n) * 4 + 4096, true);
@@ -620,6 +624,7 @@ int bench_dense(const ServerBenchOptions& o, const fs::path& dir) {
   // The server's own work on the same update in this process (no transport):
   // wire::parse (verification + copy out of the frame) and the aggregation.
   double parse_s = 0, parse_copy_s = 0, add_s = 0, fill_s = 0, bare_s = 0, bare_curve_s = 0;
+  double bounded_add_s = 0, bounded_fill_s = 0;
   bool in_place = false;
   {
     wire::ModelUpdate u;
@@ -631,7 +636,9 @@ int bench_dense(const ServerBenchOptions& o, const fs::path& dir) {
     wire::ParseLimits limits;
     limits.max_bytes = b.size() + 1;
     aggregation::StreamingAggregator agg({{"w", {5000, 5000}}});
-    std::vector<double> tp, tc, ta, tf;
+    aggregation::StreamingAggregator bounded({{"w", {5000, 5000}}});  // as the server's default
+    bounded.set_max_update_norm(server::ServerConfig().max_update_norm);
+    std::vector<double> tp, tc, ta, tf, tbf, tba;
     // The frame as the server's worker holds it (a ZeroMQ message, whose data
     // sits where libzmq puts it): values stay in it (views), and their
     // finiteness is checked by the aggregator (as in the server's workers).
@@ -662,11 +669,23 @@ int bench_dense(const ServerBenchOptions& o, const fs::path& dir) {
       t0 = Clock::now();
       agg.add(eu, 100.0);
       ta.push_back(seconds(t0, Clock::now()));
+      // The same two adds under the admission norm bound.
+      bounded.reset();
+      eu = parse_in_place();
+      t0 = Clock::now();
+      bounded.add(eu, 100.0);
+      tbf.push_back(seconds(t0, Clock::now()));
+      eu = parse_in_place();
+      t0 = Clock::now();
+      bounded.add(eu, 100.0);
+      tba.push_back(seconds(t0, Clock::now()));
     }
     parse_s = median(tp);
     parse_copy_s = median(tc);
     add_s = median(ta);
     fill_s = median(tf);
+    bounded_add_s = median(tba);
+    bounded_fill_s = median(tbf);
     bare_s = bare_transfer_s(b, false, o.repeat);
     bare_curve_s = bare_transfer_s(b, true, o.repeat);
   }
@@ -677,7 +696,11 @@ int bench_dense(const ServerBenchOptions& o, const fs::path& dir) {
             << ",\"curve_mb_per_s\":" << json_number(mb / curve_s) << ",\"parse_s\":" << json_number(parse_s)
             << ",\"parse_in_place\":" << (in_place ? "true" : "false")
             << ",\"parse_copy_s\":" << json_number(parse_copy_s) << ",\"aggregate_s\":" << json_number(add_s)
-            << ",\"first_aggregate_s\":" << json_number(fill_s) << ",\"bare_zmq_mb_per_s\":" << json_number(mb / bare_s)
+            << ",\"first_aggregate_s\":" << json_number(fill_s)
+            << ",\"aggregate_norm_bound_s\":" << json_number(bounded_add_s)
+            << ",\"first_aggregate_norm_bound_s\":" << json_number(bounded_fill_s)
+            << ",\"seconds_no_norm_bound\":" << json_number(unbounded.seconds)
+            << ",\"bare_zmq_mb_per_s\":" << json_number(mb / bare_s)
             << ",\"bare_curve_mb_per_s\":" << json_number(mb / bare_curve_s)
             << ",\"bare_acked_mb_per_s\":" << json_number(mb / bare_acked)
             << ",\"vs_bare_acked\":" << json_number(bare_acked / plain_s)

@@ -42,7 +42,7 @@ std::string client_id_problem(std::string_view id) {
   if (valid_client_id(id)) return {};
   std::string shown = printable(id.substr(0, kMaxClientIdChars + 16));
   if (id.size() > kMaxClientIdChars + 16) shown += "...";
-  const std::string what = id.empty()                       ? "is empty"
+  const std::string what = id.empty()                      ? "is empty"
                            : id.size() > kMaxClientIdChars ? "has " + std::to_string(id.size()) + " characters"
                                                            : "has a character outside that set";
   return std::string("client id must be ") + kClientIdRule + "; \"" + shown + "\" " + what;

@@ -31,10 +31,10 @@ class RefusalLog {
   using Clock = std::chrono::steady_clock;
 
   struct Line {
-    std::string address;      // the peer's address as ZAP gives it, or "*" (addresses beyond the table)
-    std::string key;          // the latest refused key from it
-    uint64_t refused = 0;     // refused handshakes since the address's previous line
-    uint64_t keys = 0;        // distinct keys among them, counted up to kMaxKeys
+    std::string address;       // the peer's address as ZAP gives it, or "*" (addresses beyond the table)
+    std::string key;           // the latest refused key from it
+    uint64_t refused = 0;      // refused handshakes since the address's previous line
+    uint64_t keys = 0;         // distinct keys among them, counted up to kMaxKeys
     bool keys_capped = false;  // more than kMaxKeys distinct keys
   };
 

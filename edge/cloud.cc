@@ -260,11 +260,12 @@ struct CloudServer::Impl {
       spdlog::info("event=allow_list path={} keys={}", cfg.allow, allowed.size());
       // One warning per source address and minute (docs/security.md), the
       // counts held back written by run().
-      zap = std::make_unique<net::ZapHandler>(
-          ctx, std::move(allowed), [this](const std::string& key, const std::string& addr, bool ok) {
-            if (ok) return;
-            if (const auto line = refused_log.note(addr, key)) spdlog::warn("{}", core::RefusalLog::text(*line));
-          });
+      zap = std::make_unique<net::ZapHandler>(ctx, std::move(allowed),
+                                              [this](const std::string& key, const std::string& addr, bool ok) {
+                                                if (ok) return;
+                                                if (const auto line = refused_log.note(addr, key))
+                                                  spdlog::warn("{}", core::RefusalLog::text(*line));
+                                              });
       net::make_curve_server(router, keys);
     }
     net::set_limits(router, limits.max_bytes, static_cast<int>(cfg.heartbeat_ms));

@@ -183,7 +183,8 @@ void validate(const ServerConfig& c) {
     bad("secagg", e.what());
   }
   if (!(c.max_buffer_mb > 0)) bad("max_buffer_mb", "must be > 0");
-  if (!(c.max_update_norm > 0 && c.max_update_norm <= 1e18)) bad("max_update_norm", "must be in (0, 1e18]");
+  if (!(c.max_update_norm >= 0 && c.max_update_norm <= 1e18))
+    bad("max_update_norm", "must be in [0, 1e18] (0 = no bound)");
   if (c.holdout_after < 1 || c.holdout_after > 1000) bad("holdout_after", "must be in 1..1000");
   if (c.holdout_rounds < 0 || c.holdout_rounds > 10000) bad("holdout_rounds", "must be in 0..10000 (0 = never)");
   if (c.rounds < 1) bad("rounds", "must be >= 1");

@@ -38,7 +38,8 @@ struct ServerConfig {
   std::string secagg =
       "none";  // secure aggregation: none | secagg+:degree=,threshold=,clip=,timeout= (docs/security.md)
   // Admission: an update whose decoded L2 norm exceeds this is refused before
-  // its Ack (docs/server.md, "Admission"); (0, 1e18].
+  // its Ack (docs/server.md, "Admission"); [0, 1e18], 0 = no bound (an
+  // update that is not finite, or whose low-rank product overflows, is still refused).
   double max_update_norm = 1e6;
   // Refused updates in a row after which a client sits out selection:
   // holdout_rounds rounds the first time, doubling each time after (at most 64x).

@@ -425,7 +425,7 @@ struct Server::Impl {
     }
     for (auto& p : partials) {
       p.agg = std::make_unique<aggregation::Accumulator>(aggregator->make_accumulator(shapes));
-      p.agg->set_max_update_norm(cfg.max_update_norm);
+      if (cfg.max_update_norm > 0) p.agg->set_max_update_norm(cfg.max_update_norm);
       p.agg->reset(aggregator->clip());
     }
 

@@ -18,7 +18,8 @@ using namespace sparrow::testing::integ;
 // The forged id: a newline that starts a complete log line of its own, and
 // terminal escapes (clear screen, set the window title).
 const std::string kForgedId =
-    "evil\n2020-01-01T00:00:00.000 level=info event=round_completed round=999 updates=9 selected=9\x1b[2J\x1b]0;pwned\x07";
+    "evil\n2020-01-01T00:00:00.000 level=info event=round_completed round=999 updates=9 "
+    "selected=9\x1b[2J\x1b]0;pwned\x07";
 // A Hello `software` and a Bye reason with the same kinds of bytes.
 const std::string kSoftware = "sw/1.0\x1b[31m\n2020-01-01T00:00:01.000 level=info event=forged_software \"q\"\\";
 const std::string kByeReason = "going\r\n2020-01-01T00:00:02.000 level=info event=forged_bye\x1b[2J";
@@ -71,8 +72,7 @@ TEST_CASE("integration: peer text is refused or escaped in the log, status and d
   // id over 64 characters.
   CHECK(peer.error_for(sparrow::wire::serialize(as_message(hello(kForgedId, "x")))) ==
         sparrow::wire::ErrorCode::kRejected);
-  CHECK(peer.error_for(sparrow::wire::serialize(as_message(hello("a b", "x")))) ==
-        sparrow::wire::ErrorCode::kRejected);
+  CHECK(peer.error_for(sparrow::wire::serialize(as_message(hello("a b", "x")))) == sparrow::wire::ErrorCode::kRejected);
   CHECK(peer.error_for(sparrow::wire::serialize(as_message(hello(std::string(65, 'a'), "x")))) ==
         sparrow::wire::ErrorCode::kRejected);
   // A valid id with a hostile `software`, then a hostile Bye reason.
