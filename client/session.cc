@@ -88,11 +88,17 @@ void check_session_config(const core::FlatConfig& f, const SessionConfig& c) {
   f.check("index", c.data.index >= 0 && c.data.index < c.data.clients,
           "must be in [0, clients = " + std::to_string(c.data.clients) + ")");
   f.check("state_db", !c.state_db.empty(), "must not be empty");
-  f.check("heartbeat_ms", c.heartbeat_ms >= 10, "must be >= 10");
+  // The ranges of docs/client.md's key table. ZeroMQ keeps the heartbeat TTL
+  // (3 x heartbeat_ms) in deciseconds below 2^16.
+  f.check("clients", c.data.clients <= 10000000, "must be in [1, 10000000]");
+  f.check("heartbeat_ms", c.heartbeat_ms >= 10 && c.heartbeat_ms <= 600000, "must be in [10, 600000]");
   f.check("max_message_mb", c.max_message_mb >= 1 && c.max_message_mb <= 2047, "must be in [1, 2047]");
-  f.check("backoff_initial_ms", c.backoff_initial_ms >= 1, "must be >= 1");
-  f.check("backoff_max_ms", c.backoff_max_ms >= c.backoff_initial_ms, "must be >= backoff_initial_ms");
-  f.check("give_up_s", std::isfinite(c.give_up_s) && c.give_up_s >= 0, "must be >= 0 (0 = never give up)");
+  f.check("backoff_initial_ms", c.backoff_initial_ms >= 1 && c.backoff_initial_ms <= 600000,
+          "must be in [1, 600000]");
+  f.check("backoff_max_ms", c.backoff_max_ms >= c.backoff_initial_ms && c.backoff_max_ms <= 3600000,
+          "must be in [backoff_initial_ms, 3600000]");
+  f.check("give_up_s", std::isfinite(c.give_up_s) && c.give_up_s >= 0 && c.give_up_s <= 1e7,
+          "must be in [0, 1e7] (0 = never give up)");
   f.check("holdout", std::isfinite(c.holdout) && c.holdout >= 0 && c.holdout <= 0.5, "must be in [0, 0.5] (0 = off)");
   try {
     const aggregation::DpSpec d = aggregation::DpSpec::parse(c.dp);
@@ -828,6 +834,11 @@ struct ClientSession::Impl {
     pending_round = r;
     spdlog::info("round {}: trained {} samples in {:.2f} s (loss {:.4f}), sending {} bytes", r, t.tr.num_samples,
                  t.secs, t.tr.mean_loss, bytes.size());
+    // A gateway says how many samples it holds right before its update (the
+    // server caps the update's weight at that; its clients came after its
+    // Hello). In order on the one connection, so the server has it first.
+    if (runner.run && runner.samples)
+      send(message(wire::Heartbeat{known_round, std::max<uint64_t>(1, runner.samples())}));
     bool sent = false;
     try {
       sent = sock->send(zmq::buffer(bytes), zmq::send_flags::dontwait).has_value();

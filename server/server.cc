@@ -27,6 +27,7 @@
 #include "aggregation/server_optimizer.h"
 #include "compression/compressor.h"
 #include "compression/mask.h"
+#include "federation/global_model.h"
 #include "compression/lowrank.h"
 #include "compression/state.h"
 #include "core/data_folder.h"
@@ -53,7 +54,6 @@ using wire::ErrorCode;
 
 constexpr uint64_t kSelectTag = 0x73656c65;  // "sele"
 constexpr uint64_t kTaskTag = 0x7461736b;    // "task"
-constexpr uint64_t kDownTag = 0x646f776e;    // "down"
 constexpr uint64_t kDpTag = 0x64702020;      // "dp  "
 constexpr uint64_t kSecAggTag = 0x73656361;  // "seca"
 // Frames up to this size are parsed on the I/O thread (control messages);
@@ -110,51 +110,6 @@ compression::Encoded dense_encoded(const at::Tensor& t) {
   e.values.resize_uninitialized(bytes);
   if (bytes) std::memcpy(e.values.data(), c.data_ptr<float>(), bytes);
   return e;
-}
-
-// (name, bytes) pairs as one blob: u32 count, then per entry u32 name length,
-// name, u64 blob length, blob (little-endian, as on every supported host).
-std::string pack_blobs(const std::map<std::string, std::string>& m) {
-  std::string out;
-  auto put = [&](const void* p, size_t n) { out.append(static_cast<const char*>(p), n); };
-  const uint32_t n = static_cast<uint32_t>(m.size());
-  put(&n, 4);
-  for (const auto& [k, v] : m) {
-    const uint32_t kl = static_cast<uint32_t>(k.size());
-    const uint64_t vl = v.size();
-    put(&kl, 4);
-    out += k;
-    put(&vl, 8);
-    out += v;
-  }
-  return out;
-}
-
-std::map<std::string, std::string> unpack_blobs(const std::string& s) {
-  std::map<std::string, std::string> m;
-  if (s.empty()) return m;
-  size_t pos = 0;
-  auto get = [&](void* p, size_t n) {
-    SPARROW_CHECK_T(FormatError, n <= s.size() - pos, "checkpoint blob truncated");
-    std::memcpy(p, s.data() + pos, n);
-    pos += n;
-  };
-  uint32_t n = 0;
-  get(&n, 4);
-  for (uint32_t i = 0; i < n; ++i) {
-    uint32_t kl = 0;
-    uint64_t vl = 0;
-    get(&kl, 4);
-    SPARROW_CHECK_T(FormatError, kl <= s.size() - pos, "checkpoint blob truncated");
-    std::string k = s.substr(pos, kl);
-    pos += kl;
-    get(&vl, 8);
-    SPARROW_CHECK_T(FormatError, vl <= s.size() - pos, "checkpoint blob truncated");
-    m[k] = s.substr(pos, vl);
-    pos += vl;
-  }
-  SPARROW_CHECK_T(FormatError, pos == s.size(), "checkpoint blob has trailing bytes");
-  return m;
 }
 
 wire::Message msg(wire::Body body) {
@@ -239,20 +194,11 @@ struct Server::Impl {
 
   // Global state (round thread; weights_mu guards `global` for readers).
   mutable std::mutex weights_mu;
-  Weights global;
-  Weights broadcast;  // downlink: B_r (else unused: B_r = W_r)
-  std::unique_ptr<compression::Compressor> down;
-  std::map<std::string, compression::State> down_state;
-  std::vector<wire::NamedTensor> down_last;  // C_r
-  std::unique_ptr<aggregation::ServerOptimizer> opt;
+  // W_r, B_r, SCAFFOLD's c, ACP factors and TCS masks, the server optimiser and
+  // the global step: the round engine's global side, shared with sparrow-sim.
+  std::unique_ptr<federation::GlobalModel> gm;
+  std::vector<wire::NamedTensor> down_last;             // C_r, as sent in tasks
   std::unique_ptr<aggregation::Aggregator> aggregator;  // robust aggregation, central DP
-  Weights control;                                      // SCAFFOLD c (empty = zeros)
-  std::map<std::string, at::Tensor> acp_shared;         // for round completed + 1
-  int64_t acp_rank = 0;                                 // > 0 when the uplink is ACP
-  // > 0 when the uplink is TCS: the fraction of each tensor the mask holds. The
-  // masks live in acp_shared under compression::mask_key(name) (checkpointed with it).
-  double mask_ratio = 0;
-  bool share_mean = false;  // tcs share=mean: masked shares averaged per position (Context::share_mean)
   std::atomic<int64_t> completed{0};
   // Gateway role: the root's round, model and settings for the round run_round
   // runs now (relay_round), and what it gives back.
@@ -359,27 +305,35 @@ struct Server::Impl {
   void init(Weights initial) {
     validate(cfg);
     compression::register_builtins();
+    Weights w0;
     if (initial.empty()) {
       std::shared_ptr<core::Model> m = core::make_model(cfg.model, cfg.model_seed);
       for (const auto& p : m->named_parameters(/*recurse=*/true)) {
         names.push_back(p.key());
-        global[p.key()] = p.value().detach().to(at::kCPU, at::kFloat).contiguous().clone();
+        w0[p.key()] = p.value().detach().to(at::kCPU, at::kFloat).contiguous().clone();
       }
       if (cfg.eval_every > 0) eval_model = m;
     } else {
       for (auto& [k, v] : initial) {
         SPARROW_CHECK_T(ConfigError, v.defined() && v.dim() >= 1, "initial weights: tensor '" << k << "' is empty");
         names.push_back(k);
-        global[k] = v.detach().to(at::kCPU, at::kFloat).contiguous().clone();
+        w0[k] = v.detach().to(at::kCPU, at::kFloat).contiguous().clone();
       }
       if (cfg.eval_every > 0) eval_model = core::make_model(cfg.model, cfg.model_seed);
     }
     SPARROW_CHECK_T(ConfigError, !names.empty(), "model '" << cfg.model << "' has no parameters");
+    federation::GlobalConfig gc;
+    gc.seed = cfg.seed;
+    gc.algorithm = cfg.algorithm;
+    gc.compression = cfg.compression;
+    gc.downlink = cfg.downlink;
+    gc.server_optimizer = cfg.server_optimizer;
+    gm = std::make_unique<federation::GlobalModel>(gc, std::move(w0), names);
     for (const auto& nm : names) {
-      shapes.emplace_back(nm, global.at(nm).sizes().vec());
-      numel += global.at(nm).numel();
+      shapes.emplace_back(nm, gm->weights().at(nm).sizes().vec());
+      numel += gm->weights().at(nm).numel();
     }
-    digest = core::model_digest(global);
+    digest = core::model_digest(gm->weights());
     if (eval_model) {
       if (cfg.eval_data.empty()) {
         test = core::load_fashion_mnist(cfg.data_dir, "test");
@@ -394,19 +348,7 @@ struct Server::Impl {
                    cfg.eval_data.empty() ? cfg.data_dir + " (test split)" : cfg.eval_data);
     }
 
-    opt = std::make_unique<aggregation::ServerOptimizer>(cfg.server_optimizer);
     sa_params = secagg::Params::parse(cfg.secagg);
-    Spec up = Spec::parse(cfg.compression);
-    if (up.method() == "acp") acp_rank = up.get_int("rank", 0);
-    {
-      const auto uplink = compression::make_compressor(cfg.compression);
-      mask_ratio = uplink->mask_ratio();
-      share_mean = uplink->share_mean();
-    }
-    if (cfg.downlink != "none") {
-      down = compression::make_compressor(cfg.downlink);
-      for (const auto& nm : names) broadcast[nm] = global.at(nm).clone();
-    }
     limits.max_bytes = cfg.max_message_bytes();
     limits.max_elements = static_cast<uint64_t>(numel) * 2 + (uint64_t{1} << 20);
     // A dense fp32 update's finiteness is checked while the aggregator folds
@@ -574,28 +516,29 @@ struct Server::Impl {
 
   Weights check_weights(const std::string& blob, const char* what) {
     Weights w = deserialize_weights(blob);
-    SPARROW_CHECK_T(FormatError, w.size() == global.size(),
-                    "checkpoint " << what << " has " << w.size() << " tensors, the model " << global.size());
-    for (const auto& [k, v] : global)
+    SPARROW_CHECK_T(FormatError, w.size() == gm->weights().size(),
+                    "checkpoint " << what << " has " << w.size() << " tensors, the model " << gm->weights().size());
+    for (const auto& [k, v] : gm->weights())
       SPARROW_CHECK_T(FormatError, w.count(k) && w.at(k).sizes() == v.sizes(),
                       "checkpoint " << what << " does not match the model at '" << k << "'");
     return w;
   }
 
   void resume(const Checkpoint& ck) {
-    global = check_weights(ck.weights, "weights");
-    if (!ck.server_opt.empty()) opt->deserialize_state(ck.server_opt);
+    gm->weights() = check_weights(ck.weights, "weights");
+    if (!ck.server_opt.empty()) gm->optimizer().deserialize_state(ck.server_opt);
     aggregator->deserialize_state(ck.aggregator);
-    if (!ck.control.empty()) control = check_weights(ck.control, "control");
-    if (down) {
-      if (!ck.broadcast.empty()) broadcast = check_weights(ck.broadcast, "broadcast");
-      for (auto& [k, v] : unpack_blobs(ck.downlink_state)) down_state[k] = compression::State::deserialize(v);
+    if (!ck.control.empty()) gm->control() = check_weights(ck.control, "control");
+    if (gm->has_downlink()) {
+      // (Checkpoints before the shared round engine also hold per-tensor
+      // downlink codec states; each round's encode now starts afresh.)
+      if (!ck.broadcast.empty()) gm->broadcast() = check_weights(ck.broadcast, "broadcast");
       if (!ck.downlink_last.empty()) {
         wire::Message m = wire::parse(ck.downlink_last);
         down_last = std::move(std::get<wire::ModelUpdate>(m.body).tensors);
       }
     }
-    acp_shared = deserialize_weights(ck.acp);
+    gm->shared() = deserialize_weights(ck.acp);
     completed = ck.round;
     round = static_cast<uint64_t>(ck.round);
     n.rounds = static_cast<uint64_t>(ck.round);
@@ -659,10 +602,15 @@ struct Server::Impl {
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
   }
+  // The peer gets `code` and `text` without its internal detail (" [COND
+  // failed at FILE:LINE]", core::peer_text); the full text goes to the log.
   void reply_error(const std::string& routing_id, ErrorCode code, const std::string& text,
                    std::optional<uint64_t> r = std::nullopt) {
     n.rejected[static_cast<size_t>(code) & 7]++;
-    reply(routing_id, net::error_message(code, text, r));
+    const wire::Message m = net::error_message(code, text, r);
+    if (std::get<wire::ErrorBody>(m.body).message.size() != text.size())
+      spdlog::info("event=error_detail code={} detail=\"{}\"", wire::error_code_name(code), core::printable(text));
+    reply(routing_id, m);
   }
 
   // ---- I/O thread --------------------------------------------------------------
@@ -1138,7 +1086,7 @@ struct Server::Impl {
     aggregation::EncodedUpdate eu;
     size_t off = 0;
     for (const auto& nm : names) {
-      at::Tensor t = at::empty(global.at(nm).sizes(), at::kFloat);
+      at::Tensor t = at::empty(gm->weights().at(nm).sizes(), at::kFloat);
       const size_t len = static_cast<size_t>(t.numel());
       secagg::dequantise(sum.data() + off, len, scale, t.data_ptr<float>());
       t.div_(wsum);
@@ -1185,7 +1133,7 @@ struct Server::Impl {
     if (s.last_round && *s.last_round == r - 1 && !(rc.relay_train && r == 1)) {
       t.model_encoding = wire::ModelEncoding::kDelta;
       t.base_round = r - 1;
-    } else if (down && r >= 2 && s.last_round && *s.last_round == r - 2 && !rc.delta.empty()) {
+    } else if (gm->has_downlink() && r >= 2 && s.last_round && *s.last_round == r - 2 && !rc.delta.empty()) {
       t.model_encoding = wire::ModelEncoding::kDelta;
       t.base_round = r - 2;
       t.weights = rc.delta;
@@ -1318,8 +1266,8 @@ struct Server::Impl {
     Weights cdelta;
     if (cfg.algorithm == "scaffold") {
       for (auto& nt : u.control_delta) {
-        auto sh = global.find(nt.name);
-        SPARROW_CHECK_T(FormatError, sh != global.end(), "control_delta: unknown tensor '" << nt.name << "'");
+        auto sh = gm->weights().find(nt.name);
+        SPARROW_CHECK_T(FormatError, sh != gm->weights().end(), "control_delta: unknown tensor '" << nt.name << "'");
         at::Tensor d = compression::decode(nt.tensor);
         SPARROW_CHECK_T(FormatError, d.sizes() == sh->second.sizes(), "control_delta: shape of '" << nt.name << "'");
         SPARROW_CHECK_T(FormatError, compression::all_finite(d), "control_delta: '" << nt.name << "' is not finite");
@@ -1375,41 +1323,19 @@ struct Server::Impl {
   std::shared_ptr<RoundContext> make_round_context(uint64_t r, int num_selected) {
     auto rc = std::make_shared<RoundContext>();
     rc->round = r;
-    const Weights& b = down ? broadcast : global;
+    // A gateway passes its root's tcs masks on.
+    rc->contexts = gm->contexts(r, num_selected, relay ? relay->masks : nullptr);
     for (const auto& nm : names) {
-      compression::Context c;
-      c.name = nm;
-      c.seed = cfg.seed;
-      c.num_workers = num_selected;
-      c.round = static_cast<int64_t>(r);
-      if (acp_rank > 0 && compression::lowrank_compressible(global.at(nm).sizes().vec(), acp_rank)) {
-        auto it = acp_shared.find(nm);
-        const auto d = compression::lowrank_dims(global.at(nm).sizes().vec(), acp_rank);
-        at::Tensor sh;
-        if (it != acp_shared.end() &&
-            it->second.sizes().vec() == compression::acp_shared_shape(d, static_cast<int64_t>(r)))
-          sh = it->second;
-        else
-          sh = compression::acp_initial_shared(c, d, static_cast<int64_t>(r));
-        acp_shared[nm] = sh;
-        c.shared_factor = sh;
-        // Labelled as the factor kind it is (the one sent in round r + 1).
+      const compression::Context& c = rc->contexts.at(nm);
+      const std::vector<int64_t> shape = gm->weights().at(nm).sizes().vec();
+      // ACP: labelled as the factor kind it is (the one sent in round r + 1).
+      if (c.shared_factor.defined())
         rc->shared.push_back(
-            {nm, compression::acp_factor_encoded(sh, global.at(nm).sizes().vec(), static_cast<int64_t>(r) + 1)});
-      }
-      if (mask_ratio > 0) {
-        if (relay) {  // a gateway: the root's mask, passed on
-          if (auto it = relay->masks->find(nm); it != relay->masks->end()) c.mask = it->second;
-        } else if (auto it = acp_shared.find(compression::mask_key(nm)); it != acp_shared.end()) {
-          c.mask = compression::mask_from_weights(it->second, global.at(nm).numel());
-        }
-        if (c.mask.defined())
-          rc->shared.push_back({nm, compression::mask_encoded(c.mask, global.at(nm).sizes().vec())});
-        c.share_mean = share_mean;
-      }
-      rc->contexts[nm] = c;
-      rc->full.push_back({nm, dense_encoded(b.at(nm))});
-      if (cfg.algorithm == "scaffold" && !control.empty()) rc->control.push_back({nm, dense_encoded(control.at(nm))});
+            {nm, compression::acp_factor_encoded(c.shared_factor, shape, static_cast<int64_t>(r) + 1)});
+      if (c.mask.defined()) rc->shared.push_back({nm, compression::mask_encoded(c.mask, shape)});
+      rc->full.push_back({nm, dense_encoded(gm->broadcast().at(nm))});
+      if (cfg.algorithm == "scaffold" && !gm->control().empty())
+        rc->control.push_back({nm, dense_encoded(gm->control().at(nm))});
     }
     rc->delta = down_last;
     if (relay) rc->relay_train = *relay->train;
@@ -1451,7 +1377,7 @@ struct Server::Impl {
     // 2. Select and send tasks (a gateway: from the root's model).
     if (relay) {
       std::lock_guard<std::mutex> g(weights_mu);
-      for (auto& [nm, v] : global) v.copy_(relay->base->at(nm));
+      for (auto& [nm, v] : gm->weights()) v.copy_(relay->base->at(nm));
     }
     const double started = unix_now();
     const auto t0 = Clock::now();
@@ -1598,81 +1524,35 @@ struct Server::Impl {
       n.abandoned++;
       return true;
     }
-    const std::string agg_state = aggregator->serialize_state();  // restored if the round is abandoned
     aggregation::AggregateStats ast;
-    Weights delta;
-    try {
-      delta = aggregator->finish(agg, r, &ast);
-    } catch (const Error& e) {
-      aggregator->deserialize_state(agg_state);
-      spdlog::error("event=round_abandoned round={} error=\"{}\"", r, e.what());
+    // The global step (federation::GlobalModel, as in sparrow-sim): all or
+    // nothing; a non-finite aggregate abandons the round.
+    federation::StepResult step;
+    if (relay) {
+      // A gateway: the mean delta goes to the root, which steps its model.
+      step = gm->finish_only(*aggregator, agg, r, &ast);
+    } else {
+      double population;
+      {
+        std::lock_guard<std::mutex> g(mu);
+        population = static_cast<double>(std::max<size_t>(clients.size(), 1));  // SCAFFOLD: the clients seen
+      }
+      std::lock_guard<std::mutex> g(weights_mu);
+      step = gm->step(*aggregator, agg, control_sum, r, population, &ast);
+    }
+    if (!step.applied) {
+      spdlog::error("event=round_abandoned round={} error=\"{}\"", r, step.error);
       n.abandoned++;
       return true;
     }
     if (relay) {
-      // A gateway: the mean delta goes to the root, which steps its model.
-      for (const auto& [nm, v] : delta)
-        if (!compression::all_finite(v)) {
-          spdlog::error("event=round_abandoned round={} error=\"non-finite aggregate at '{}'\"", r, nm);
-          n.abandoned++;
-          return true;
-        }
       relay_out = Server::RelayResult{};
-      relay_out->delta = delta;
+      relay_out->delta = std::move(step.delta);
       relay_out->weight = agg.total_weight();
-    } else {
-      std::lock_guard<std::mutex> g(weights_mu);
-      Weights before;
-      if (mask_ratio > 0)
-        for (const auto& [nm, v] : global) before[nm] = v.clone();
-      try {
-        opt->step(global, delta);  // throws, changing nothing, on a non-finite delta
-      } catch (const Error& e) {
-        aggregator->deserialize_state(agg_state);
-        spdlog::error("event=round_abandoned round={} error=\"{}\"", r, e.what());
-        n.abandoned++;
-        return true;
-      }
-      // TCS: the next round's mask is where this step moved the model most.
-      if (mask_ratio > 0) compression::put_step_masks(acp_shared, before, global, mask_ratio);
     }
-    if (cfg.algorithm == "scaffold" && !control_sum.empty()) {
-      if (control.empty())
-        for (const auto& [k, v] : global) control[k] = at::zeros_like(v);
-      double population;
-      {
-        std::lock_guard<std::mutex> g(mu);
-        population = static_cast<double>(std::max<size_t>(clients.size(), 1));
-      }
-      for (const auto& [k, v] : control_sum) control.at(k).add_(v, 1.0 / population);
-    }
-    if (acp_rank > 0) {
-      std::map<std::string, at::Tensor> next;
-      for (const auto& nm : names) {
-        at::Tensor f = agg.streaming().factor_mean(nm);
-        if (f.defined()) next[nm] = compression::acp_next_shared(f);
-      }
-      acp_shared = std::move(next);  // tensors without a factor get their seeded initial one next round
-    }
-    if (down) {
+    if (gm->has_downlink()) {
       down_last.clear();
-      const uint64_t dkey = rng::derive(cfg.seed, kDownTag);
-      for (const auto& nm : names) {
-        at::Tensor diff = (global.at(nm) - broadcast.at(nm)).contiguous();
-        compression::Context c;
-        c.name = nm;
-        c.seed = dkey;
-        c.round = static_cast<int64_t>(r);
-        // W - B already holds everything not yet broadcast: it is the error
-        // feedback. The codec's own memory (residual, DGC's u and v) would count
-        // that part a second time and overshoot, so it is cleared; its step
-        // count (random streams) is kept.
-        compression::State& st = down_state[nm];
-        st.tensors.clear();
-        compression::Encoded e = down->encode(diff, st, c);
-        compression::decode_add(e, broadcast.at(nm), 1.0f, c);
-        down_last.push_back({nm, std::move(e)});
-      }
+      for (auto& [nm, e] : step.downlink) down_last.push_back({nm, std::move(e)});
     }
     // 6. Evaluate (optional), then checkpoint and record in one transaction.
     RoundRow row;
@@ -1767,15 +1647,12 @@ struct Server::Impl {
     c.round = r;
     {
       std::lock_guard<std::mutex> g(weights_mu);
-      c.weights = serialize_weights(global);
+      c.weights = serialize_weights(gm->weights());
     }
-    c.server_opt = opt->serialize_state();
-    if (!control.empty()) c.control = serialize_weights(control);
-    if (down) {
-      c.broadcast = serialize_weights(broadcast);
-      std::map<std::string, std::string> st;
-      for (const auto& [k, v] : down_state) st[k] = v.serialize();
-      c.downlink_state = pack_blobs(st);
+    c.server_opt = gm->optimizer().serialize_state();
+    if (!gm->control().empty()) c.control = serialize_weights(gm->control());
+    if (gm->has_downlink()) {
+      c.broadcast = serialize_weights(gm->broadcast());
       wire::ModelUpdate u;
       u.round = static_cast<uint64_t>(r);
       u.client_id = "server";
@@ -1783,7 +1660,7 @@ struct Server::Impl {
       u.tensors = down_last;
       c.downlink_last = wire::serialize(msg(std::move(u)));
     }
-    if (!acp_shared.empty()) c.acp = serialize_weights(acp_shared);
+    if (!gm->shared().empty()) c.acp = serialize_weights(gm->shared());
     c.rng = "seed=" + std::to_string(cfg.seed) + ";select_round=" + std::to_string(r + 1);
     c.aggregator = aggregator->serialize_state();
     return c;
@@ -1793,7 +1670,7 @@ struct Server::Impl {
     c10::NoGradGuard ng;
     {
       std::lock_guard<std::mutex> g(weights_mu);
-      for (auto& p : eval_model->named_parameters(/*recurse=*/true)) p.value().copy_(global.at(p.key()));
+      for (auto& p : eval_model->named_parameters(/*recurse=*/true)) p.value().copy_(gm->weights().at(p.key()));
     }
     eval_model->eval();
     const int64_t N = test.size();
@@ -1909,12 +1786,12 @@ std::optional<Server::RelayResult> Server::relay_round(uint64_t round, const Wei
   Impl& s = *impl_;
   SPARROW_CHECK(s.cfg.gateway(), "relay_round: this server has no upstream (not a gateway)");
   SPARROW_CHECK(round >= 1, "relay_round: round must be >= 1");
-  for (const auto& [nm, v] : s.global)
+  for (const auto& [nm, v] : s.gm->weights())
     SPARROW_CHECK(base.count(nm) && base.at(nm).sizes() == v.sizes(),
                   "relay_round: the root's model lacks '" << nm << "' or has another shape");
   for (const auto& [nm, m] : masks) {
-    SPARROW_CHECK(s.global.count(nm), "relay_round: a mask for '" << nm << "', which the model does not have");
-    const int64_t numel = s.global.at(nm).numel();
+    SPARROW_CHECK(s.gm->weights().count(nm), "relay_round: a mask for '" << nm << "', which the model does not have");
+    const int64_t numel = s.gm->weights().at(nm).numel();
     SPARROW_CHECK(
         m.dim() == 1 && m.scalar_type() == at::kLong && m.device().is_cpu() &&
             (m.numel() == 0 || (m[0].item<int64_t>() >= 0 && m[-1].item<int64_t>() < numel &&
@@ -1964,7 +1841,7 @@ const ServerConfig& Server::config() const { return impl_->cfg; }
 Weights Server::global_weights() const {
   std::lock_guard<std::mutex> g(impl_->weights_mu);
   Weights out;
-  for (const auto& [k, v] : impl_->global) out[k] = v.clone();
+  for (const auto& [k, v] : impl_->gm->weights()) out[k] = v.clone();
   return out;
 }
 

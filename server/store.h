@@ -64,7 +64,7 @@ struct Checkpoint {
   std::string server_opt;      // ServerOptimizer::serialize_state()
   std::string control;         // SCAFFOLD server control c (State bytes)
   std::string broadcast;       // downlink: broadcast model B_r (State bytes)
-  std::string downlink_state;  // downlink: per-tensor compressor states
+  std::string downlink_state;  // downlink: per-tensor compressor states (written before the shared round engine; now empty)
   std::string downlink_last;   // downlink: C_r, the last encoded delta (a wire ModelUpdate)
   std::string acp;             // ACP shared factors for round r + 1 (State bytes)
   std::string rng;             // RNG counters ("key=value;..." text)

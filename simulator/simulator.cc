@@ -23,6 +23,7 @@
 #include "aggregation/aggregator.h"
 #include "aggregation/robust.h"
 #include "aggregation/server_optimizer.h"
+#include "federation/global_model.h"
 #include "client/batched_trainer.h"
 #include "client/trainer.h"
 #include "compression/compressor.h"
@@ -265,15 +266,14 @@ struct Simulator::Impl {
   double availability = 1;
 
   std::unique_ptr<compression::Compressor> compressor;
-  // Downlink compression, as sparrow-server does it (docs/server.md): clients
-  // train from the broadcast model B; after each round the server encodes
-  // C = W - B (the gap is the error feedback) and B += C. A
-  // client that took part in the previous round holds the broadcast of the
-  // round before and is sent C (its wire bytes); any other client the dense model.
-  // Who took part in a round follows from the seed (select_clients), and the
-  // codec's step from the round, so only B and the size of C are run state.
-  std::unique_ptr<compression::Compressor> down;
-  client::Weights broadcast;
+  // Downlink compression, as sparrow-server does it (the same code:
+  // federation::GlobalModel): clients train from the broadcast model B; after
+  // each round the server encodes C = W - B (the gap is the error feedback)
+  // and B += C. A client that took part in the previous round holds the
+  // broadcast of the round before and is sent C (its wire bytes); any other
+  // client the dense model. Who took part in a round follows from the seed
+  // (select_clients), and the codec's step from the round, so only B and the
+  // size of C are run state.
   uint64_t down_bytes = 0;         // wire bytes of the last C
   std::vector<std::string> names;  // parameter names, model order
   aggregation::TensorShapes shapes;
@@ -343,7 +343,7 @@ struct Simulator::Impl {
   // The unmask exchange; the survivors' weighted mean joins `agg` with their
   // total weight. Returns false (the round leaves the model as it was) when a
   // secret lacks shares.
-  bool end_secagg(int t, aggregation::Accumulator& agg, const std::vector<int64_t>& ids, int n_sel) {
+  bool end_secagg(int t, aggregation::Accumulator& agg, const std::vector<int64_t>& ids) {
     SecAggRound& r = *sa;
     for (auto& [i, m] : r.server->unmask_messages()) {
       const int64_t c = ids[i - 1];
@@ -376,15 +376,17 @@ struct Simulator::Impl {
       std::memcpy(e.values.data(), x.data_ptr<float>(), len * sizeof(float));
       eu.emplace_back(n, std::move(e));
     }
-    aggregation::ContextMap ctxs = contexts(t, n_sel);
+    aggregation::ContextMap ctxs = round_ctxs;  // per-client edits stay local
     agg.add(eu, samples, ctxs);
     return true;
   }
   std::vector<Worker> workers;
   CostModel cost;
 
-  client::Weights global;
-  std::unique_ptr<aggregation::ServerOptimizer> server_opt;
+  // W, B, SCAFFOLD's c, ACP factors and TCS masks, the server optimiser and
+  // the global step: the round engine's global side, shared with sparrow-server.
+  std::unique_ptr<federation::GlobalModel> gm;
+  aggregation::ContextMap round_ctxs;                   // the codec contexts of the round in progress (gm->contexts)
   std::unique_ptr<aggregation::Aggregator> aggregator;  // robust aggregation, central DP
   aggregation::DpSpec dp;                               // local DP acts in finish_client
   std::vector<char> adversary;                          // per client: attacks when selected
@@ -392,14 +394,6 @@ struct Simulator::Impl {
   int64_t classes = 10;
   std::vector<int64_t> participations;  // rounds each client was selected (local DP accounting)
   int64_t most_participations = 0;
-  client::Weights server_control;  // SCAFFOLD c (empty = zeros)
-  // What the uplink codec shares with the clients, per tensor, for the next
-  // round: ACP's shared factor under the tensor's name, TCS's mask under
-  // compression::mask_key(name) (as mask_to_weights pairs). Checkpointed and
-  // sent to the other ranks as one map.
-  std::map<std::string, at::Tensor> acp_shared;
-  double mask_ratio = 0;    // > 0: the uplink codec wants a mask of this fraction (tcs)
-  bool share_mean = false;  // tcs share=mean: masked shares averaged per position (Context::share_mean)
 
   at::Device device{at::kCPU};
   std::atomic<bool> stop_requested{false};
@@ -619,8 +613,16 @@ struct Simulator::Impl {
         if (wk.batch <= 1) wk.batched.reset();
       }
       if (w == 0) {
-        global = client::get_weights(*wk.model);
-        for (auto& [n, v] : global) v = v.to(at::kCPU);
+        client::Weights w0 = client::get_weights(*wk.model);
+        for (auto& [n, v] : w0) v = v.to(at::kCPU);
+        names = wk.trainer->names();
+        federation::GlobalConfig gc;
+        gc.seed = cfg.seed;
+        gc.algorithm = cfg.algorithm;
+        gc.compression = cfg.compression;
+        gc.downlink = cfg.downlink;
+        gc.server_optimizer = cfg.server_optimizer;
+        gm = std::make_unique<federation::GlobalModel>(gc, std::move(w0), names);
         if (wk.batched)
           training = "batched clients: up to " + std::to_string(wk.batch) + " per pass on each of " +
                      std::to_string(cfg.workers) + (cfg.workers == 1 ? " worker" : " workers") + ", on " + cfg.device;
@@ -631,14 +633,11 @@ struct Simulator::Impl {
           training = "one client at a time on " + cfg.device;
         if (!data_note.empty()) training += "; data: " + data_note;
         if (!validation_note.empty()) training += "; " + validation_note;
-        names = wk.trainer->names();
         for (const auto& n : names) {
-          const at::Tensor& t = global.at(n);
+          const at::Tensor& t = gm->weights().at(n);
           shapes.emplace_back(n, t.sizes().vec());
           model_bytes += static_cast<uint64_t>(t.numel()) * 4;
         }
-        if (down)
-          for (const auto& [n, v] : global) broadcast[n] = v.clone();
       }
       wk.agg = std::make_unique<aggregation::Accumulator>(aggregator->make_accumulator(shapes));
       workers.push_back(std::move(wk));
@@ -710,13 +709,13 @@ struct Simulator::Impl {
     // The whole effective config, so that a resume can refuse an edited
     // config.toml (check_resume_config); committed with the checkpoint.
     store->set_meta("checkpoint.config", to_toml(cfg));
-    store->set_meta("checkpoint.global", serialize_weights(global));
-    store->set_meta("checkpoint.server_opt", server_opt->serialize_state());
-    store->set_meta("checkpoint.scaffold", server_control.empty() ? std::string() : serialize_weights(server_control));
-    store->set_meta("checkpoint.acp", acp_shared.empty() ? std::string() : serialize_weights(acp_shared));
+    store->set_meta("checkpoint.global", serialize_weights(gm->weights()));
+    store->set_meta("checkpoint.server_opt", gm->optimizer().serialize_state());
+    store->set_meta("checkpoint.scaffold", gm->control().empty() ? std::string() : serialize_weights(gm->control()));
+    store->set_meta("checkpoint.acp", gm->shared().empty() ? std::string() : serialize_weights(gm->shared()));
     store->set_meta("checkpoint.aggregator", aggregator->serialize_state());
-    if (down) {
-      store->set_meta("checkpoint.broadcast", serialize_weights(broadcast));
+    if (gm->has_downlink()) {
+      store->set_meta("checkpoint.broadcast", serialize_weights(gm->broadcast()));
       store->set_meta("checkpoint.downlink_bytes", std::to_string(down_bytes));
     }
     if (wait)
@@ -786,14 +785,14 @@ struct Simulator::Impl {
       return *v;
     };
     round = *saved;
-    load_weights(blob("global"), global, "checkpoint");
+    load_weights(blob("global"), gm->weights(), "checkpoint");
     const std::string so = blob("server_opt");
-    if (!so.empty()) server_opt->deserialize_state(so);
-    server_control = deserialize_weights(blob("scaffold"));
-    acp_shared = deserialize_weights(blob("acp"));
+    if (!so.empty()) gm->optimizer().deserialize_state(so);
+    gm->control() = deserialize_weights(blob("scaffold"));
+    gm->shared() = deserialize_weights(blob("acp"));
     if (std::optional<std::string> a = store->get_meta("checkpoint.aggregator")) aggregator->deserialize_state(*a);
-    if (down) {
-      load_weights(blob("broadcast"), broadcast, "checkpoint's broadcast model");
+    if (gm->has_downlink()) {
+      load_weights(blob("broadcast"), gm->broadcast(), "checkpoint's broadcast model");
       down_bytes = std::stoull(blob("downlink_bytes"));
     }
     SPARROW_CHECK_T(ConfigError, round <= cfg.rounds,
@@ -865,7 +864,7 @@ struct Simulator::Impl {
     for (auto& [wk, d] : all) pool.push_back(d->tr.delta);
     const double z = attack.z > 0 ? attack.z : alie_z(n_sel, static_cast<int64_t>(all.size()));
     const client::Weights sent = alie_update(pool, z);
-    aggregation::ContextMap ctxs = contexts(t, n_sel);
+    aggregation::ContextMap ctxs = round_ctxs;  // per-client edits stay local
     for (auto& [wk, d] : all) finish_client(*wk, t, *d->r, d->tr, ctxs, &sent);
     for (auto& wk : workers) wk.deferred.clear();
   }
@@ -888,82 +887,39 @@ struct Simulator::Impl {
   }
 
   // The model the clients of a round start from.
-  const client::Weights& start_model() const { return down ? broadcast : global; }
+  const client::Weights& start_model() const { return gm->broadcast(); }
 
   // Downlink bytes of round t (0-based) for the selected clients, and their
   // bookkeeping; then, after the server step, the broadcast of round t.
   uint64_t downlink_bytes(int t, const std::vector<int64_t>& ids) const {
-    if (!down || t == 0) return model_bytes * static_cast<uint64_t>(ids.size());
+    if (!gm->has_downlink() || t == 0) return model_bytes * static_cast<uint64_t>(ids.size());
     const std::vector<int64_t> before = select_clients(t - 1);  // ascending
     uint64_t bytes = 0;
     for (const int64_t c : ids) bytes += std::binary_search(before.begin(), before.end(), c) ? down_bytes : model_bytes;
     return bytes;
   }
 
-  void update_broadcast(int t) {
-    if (!down) return;
-    aggregation::ContextMap ctxs = contexts(t, cfg.clients_per_round);
-    uint64_t bytes = 0;
-    for (const auto& n : names) {
-      const at::Tensor diff = (global.at(n) - broadcast.at(n)).contiguous();
-      // W - B is the error feedback; the codec's own memory would count the
-      // unsent part twice (as in sparrow-server): a fresh state each round, at
-      // step t (one encode per round) for the codec's random streams.
-      compression::State st;
-      st.step = static_cast<uint64_t>(t);
-      const compression::Encoded e = down->encode(diff, st, ctxs.at(n));
-      at::Tensor& b = broadcast.at(n);
-      compression::decode_add(e, b, 1.0f, ctxs.at(n));
-      bytes += wire::encoded_size(e, n);
-    }
-    down_bytes = bytes;
-  }
-
-  // The TCS mask of tensor n for the coming round (undefined before the first step).
-  at::Tensor tcs_mask(const std::string& n) const {
-    auto it = acp_shared.find(compression::mask_key(n));
-    if (it == acp_shared.end()) return {};
-    return compression::mask_from_weights(it->second, global.at(n).numel());
-  }
-
   // Wire bytes of the masks that go to each selected client with the round's model.
   uint64_t mask_bytes() const {
     uint64_t bytes = 0;
-    if (mask_ratio <= 0) return bytes;
+    if (gm->mask_ratio() <= 0) return bytes;
     for (const auto& n : names) {
-      const at::Tensor mk = tcs_mask(n);
-      if (mk.defined()) bytes += wire::encoded_size(compression::mask_encoded(mk, global.at(n).sizes().vec()), n);
+      const at::Tensor mk = gm->mask(n);
+      if (mk.defined())
+        bytes += wire::encoded_size(compression::mask_encoded(mk, gm->weights().at(n).sizes().vec()), n);
     }
     return bytes;
-  }
-
-  // Per-tensor codec contexts of round t.
-  aggregation::ContextMap contexts(int t, int num_selected) const {
-    aggregation::ContextMap ctxs;
-    for (const auto& n : names) {
-      compression::Context c;
-      c.name = n;
-      c.seed = cfg.seed;
-      c.num_workers = num_selected;
-      c.round = t;
-      auto it = acp_shared.find(n);
-      if (it != acp_shared.end()) c.shared_factor = it->second;
-      if (mask_ratio > 0) c.mask = tcs_mask(n);
-      c.share_mean = share_mean;
-      ctxs[n] = c;
-    }
-    return ctxs;
   }
 
   bool attacks(int64_t c) const { return !adversary.empty() && adversary[static_cast<size_t>(c)]; }
 
   // One worker's clients, in ascending id; results go to their slots.
-  void run_worker(int w, int t, const std::vector<int64_t>& ids, std::vector<ClientResult*> out, int num_selected) {
+  void run_worker(int w, int t, const std::vector<int64_t>& ids, std::vector<ClientResult*> out) {
     Worker& wk = workers[w];
     wk.agg->reset(aggregator->clip());
     wk.control_sum.clear();
     wk.deferred.clear();
-    aggregation::ContextMap ctxs = contexts(t, num_selected);
+    aggregation::ContextMap ctxs = round_ctxs;  // per-client edits stay local
     const bool scaffold = cfg.algorithm == "scaffold";
     // Clients in ascending id, in passes of up to wk.batch; each pass trains,
     // then its clients are encoded and aggregated one by one in id order.
@@ -994,12 +950,12 @@ struct Simulator::Impl {
           client::ClientJob& job = jobs[j - j0];
           const auto t0 = Clock::now();
           trained.push_back(wk.trainer->train(start_model(), job.x, job.y, job.seed, job.client_control,
-                                              scaffold ? &server_control : nullptr));
+                                              scaffold ? &gm->control() : nullptr));
           out[j]->train_s = seconds_since(t0);
         }
       } else {
         const auto t0 = Clock::now();
-        trained = wk.batched->train(start_model(), jobs, scaffold ? &server_control : nullptr);
+        trained = wk.batched->train(start_model(), jobs, scaffold ? &gm->control() : nullptr);
         // One pass trained them all: each client is charged the pass's time in
         // proportion to its steps x batch (its share of the work).
         const double secs = seconds_since(t0);
@@ -1119,9 +1075,9 @@ struct Simulator::Impl {
   // This process's workers on their slots' clients (slots 0..workers-1), on
   // threads when there are several.
   void run_local(int t, const std::vector<std::vector<int64_t>>& wids,
-                 const std::vector<std::vector<ClientResult*>>& wout, int n_sel) {
+                 const std::vector<std::vector<ClientResult*>>& wout) {
     if (workers.size() == 1) {
-      run_worker(0, t, wids[0], wout[0], n_sel);
+      run_worker(0, t, wids[0], wout[0]);
       return;
     }
     std::vector<std::thread> th;
@@ -1137,7 +1093,7 @@ struct Simulator::Impl {
           c10::optional<c10::Stream> own;
           if (device.is_cuda()) own = c10::impl::getDeviceGuardImpl(device.type())->getStreamFromGlobalPool(device);
           c10::OptionalStreamGuard guard(own);
-          run_worker(static_cast<int>(w), t, wids[w], wout[w], n_sel);
+          run_worker(static_cast<int>(w), t, wids[w], wout[w]);
           // Its last kernels done before the main thread (default stream)
           // touches the worker's tensors again.
           if (own) own->synchronize();
@@ -1160,8 +1116,8 @@ struct Simulator::Impl {
     h.u64(static_cast<uint64_t>(t));
     h.u64(static_cast<uint64_t>(n_sel));
     h.str(serialize_weights(start_model()));
-    h.str(weights_or_empty(server_control));
-    h.str(weights_or_empty(acp_shared));
+    h.str(weights_or_empty(gm->control()));
+    h.str(weights_or_empty(gm->shared()));
     cluster->broadcast(h.b);
     rank_sent.assign(static_cast<size_t>(ranks), 0);
     rank_sent[0] = h.b.size() * static_cast<uint64_t>(ranks - 1);
@@ -1233,12 +1189,12 @@ struct Simulator::Impl {
   // Rank 0: the round's client states to the store and their updates into
   // one partial, in client-id order: float sums in a fixed order, so the model
   // does not depend on the number of ranks or workers, or on timing.
-  void fold_ranked(int t, std::vector<ClientResult>& results, int n_sel) {
+  void fold_ranked(std::vector<ClientResult>& results) {
     Worker& wk = workers[0];
     wk.agg->reset(aggregator->clip());
     wk.control_sum.clear();
-    aggregation::ContextMap ctxs = contexts(t, n_sel);
-    for (ClientResult& r : results) {  // ids ascend
+    aggregation::ContextMap ctxs = round_ctxs;  // per-client edits stay local
+    for (ClientResult& r : results) {           // ids ascend
       store->put(r.client, std::move(r.state));
       if (r.kept) fold(wk, r.update, r.control_delta, ctxs);
       r.update.clear();
@@ -1255,9 +1211,10 @@ struct Simulator::Impl {
     if (in.u64() == 0) return false;
     const int t = static_cast<int>(in.u64());
     const int n_sel = static_cast<int>(in.u64());
-    load_weights(in.str(), down ? broadcast : global, "the round's model");
-    server_control = weights_from(in.str());
-    acp_shared = weights_from(in.str());
+    load_weights(in.str(), gm->broadcast(), "the round's model");
+    gm->control() = weights_from(in.str());
+    gm->shared() = weights_from(in.str());
+    round_ctxs = gm->contexts(static_cast<uint64_t>(t) + 1, n_sel);
     const auto r0 = Clock::now();
     std::string& task = msg_in;
     cluster->receive(0, task);
@@ -1289,7 +1246,7 @@ struct Simulator::Impl {
         wout[w].push_back(&r);
       }
     const double unpack_s = seconds_since(r0) - recv_s;
-    run_local(t, wids, wout, n_sel);
+    run_local(t, wids, wout);
     const double train_s = seconds_since(r0) - recv_s - unpack_s;
     Out& o = msg_out;
     o.b.clear();
@@ -1333,11 +1290,12 @@ struct Simulator::Impl {
       }
     }
     const int n_sel = static_cast<int>(ids.size());
+    round_ctxs = gm->contexts(static_cast<uint64_t>(t) + 1, n_sel);  // rounds are 1-based in the engine
     if (sa_params.enabled) begin_secagg(t, ids);
     const auto s0 = Clock::now();
     if (distributed()) send_round(t, n_sel, wids);
     const double send_s = seconds_since(s0);
-    run_local(t, wids, wout, n_sel);
+    run_local(t, wids, wout);
     const double local_s = seconds_since(s0) - send_s;
     double wait_s = 0, fold_s = 0;
     if (distributed()) {
@@ -1361,7 +1319,7 @@ struct Simulator::Impl {
     }
     if (distributed()) {
       const auto f0 = Clock::now();
-      fold_ranked(t, results, n_sel);
+      fold_ranked(results);
       fold_s = seconds_since(f0);
       spdlog::debug("round {}: ranks: folded in {:.3f} s", t + 1, fold_s);
     }
@@ -1384,7 +1342,7 @@ struct Simulator::Impl {
       }
     }
     if (sa) {
-      end_secagg(t, agg, ids, n_sel);
+      end_secagg(t, agg, ids);
       for (auto& r : results) r.bytes_up += sa->up[r.client];
     }
     RoundMetrics m;
@@ -1421,25 +1379,22 @@ struct Simulator::Impl {
     m.epsilon = m.clip = kNaN;
     if (agg.total_weight() > 0) {
       aggregation::AggregateStats st;
-      client::Weights delta = aggregator->finish(agg, static_cast<uint64_t>(t), &st);
-      if (st.clip > 0) m.clip = st.clip;
-      client::Weights before;
-      if (mask_ratio > 0)
-        for (const auto& [n, v] : global) before[n] = v.clone();
-      server_opt->step(global, delta);
-      // TCS: the next round's mask is where this step moved the model most.
-      if (mask_ratio > 0) compression::put_step_masks(acp_shared, before, global, mask_ratio);
-      update_broadcast(t);
-      if (cfg.algorithm == "scaffold" && !control_sum.empty()) {
-        if (server_control.empty())
-          for (const auto& [n, v] : global) server_control[n] = at::zeros_like(v);
-        for (const auto& [n, v] : control_sum) server_control.at(n).add_(v, 1.0 / cfg.clients);
-      }
-      if (agg.streaming().total_weight() > 0)
-        for (const auto& n : names) {
-          at::Tensor f = agg.streaming().factor_mean(n);
-          if (f.defined()) acp_shared[n] = compression::acp_next_shared(f);
+      // The global step (federation::GlobalModel, as in sparrow-server): all or
+      // nothing; a non-finite aggregate leaves the model as it was (the round
+      // is abandoned, as the server abandons it). SCAFFOLD's c averages over
+      // the population, `clients`.
+      const federation::StepResult step =
+          gm->step(*aggregator, agg, control_sum, static_cast<uint64_t>(t) + 1, static_cast<double>(cfg.clients), &st);
+      if (!step.applied) {
+        spdlog::warn("round {}: abandoned, the model is unchanged: {}", t + 1, step.error);
+        m.abandoned = true;
+      } else {
+        if (st.clip > 0) m.clip = st.clip;
+        if (gm->has_downlink()) {
+          down_bytes = 0;
+          for (const auto& [n, e] : step.downlink) down_bytes += wire::encoded_size(e, n);
         }
+      }
     }
     m.epsilon = epsilon_after(t + 1);
     const bool eval = (t + 1) % cfg.eval_every == 0 || t + 1 == cfg.rounds;
@@ -1450,7 +1405,7 @@ struct Simulator::Impl {
       // CNN's CPU evaluation gives the same bits on any number).
       const int threads = std::min(core::available_cores(), static_cast<int>(workers.size()) * at::get_num_threads());
       const core::ScopedIntraOpThreads eval_threads(device.is_cpu() ? threads : 1);
-      auto [loss, acc] = workers[0].trainer->evaluate(global, test_x, test_y);
+      auto [loss, acc] = workers[0].trainer->evaluate(gm->weights(), test_x, test_y);
       m.eval_s = seconds_since(e0);
       m.loss = loss;
       m.accuracy = acc;
@@ -1515,10 +1470,6 @@ Simulator::Simulator(SimConfig cfg, bool resume, Cluster* cluster) : impl_(std::
   }
   compression::register_builtins();
   s.compressor = compression::make_compressor(s.cfg.compression);
-  s.mask_ratio = s.compressor->mask_ratio();
-  s.share_mean = s.compressor->share_mean();
-  if (s.cfg.downlink != "none") s.down = compression::make_compressor(s.cfg.downlink);
-  s.server_opt = std::make_unique<aggregation::ServerOptimizer>(s.cfg.server_optimizer);
   s.aggregator = std::make_unique<aggregation::Aggregator>(s.cfg.aggregator, s.cfg.dp, s.cfg.clients_per_round,
                                                            rng::derive(s.cfg.seed, kDpTag));
   aggregation::check_combination(s.aggregator->robust(), s.aggregator->dp(), s.cfg.compression, s.cfg.algorithm);
@@ -1670,7 +1621,7 @@ Summary Simulator::summary() const {
 }
 
 const std::vector<RoundMetrics>& Simulator::history() const { return impl_->history; }
-const Simulator::Weights& Simulator::global() const { return impl_->global; }
+const Simulator::Weights& Simulator::global() const { return impl_->gm->weights(); }
 const SimConfig& Simulator::config() const { return impl_->cfg; }
 const std::string& Simulator::training_mode() const { return impl_->training; }
 std::vector<int64_t> Simulator::selection(int round) const { return impl_->select_clients(round); }

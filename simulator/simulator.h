@@ -88,10 +88,13 @@ struct RoundMetrics {
   double real_s = 0;        // measured wall-clock of the round
   int clients = 0;          // selected clients
   int dropped = 0;          // stragglers whose update was not aggregated
-  int64_t samples = 0;      // samples trained (data × local epochs); not persisted, 0 on rounds a resume reloads
-  double eval_s = 0;        // of real_s, the seconds spent evaluating; not persisted
-  double epsilon = 0;       // DP: privacy spent after this round at dp's delta; NaN without DP
-  double clip = 0;          // the norm bound the aggregator applied (central DP, normclip); NaN if none
+  // The global step refused the round's aggregate (not finite) and left the
+  // model as it was, as sparrow-server abandons such a round. Not persisted.
+  bool abandoned = false;
+  int64_t samples = 0;  // samples trained (data × local epochs); not persisted, 0 on rounds a resume reloads
+  double eval_s = 0;    // of real_s, the seconds spent evaluating; not persisted
+  double epsilon = 0;   // DP: privacy spent after this round at dp's delta; NaN without DP
+  double clip = 0;      // the norm bound the aggregator applied (central DP, normclip); NaN if none
   std::vector<Participant> participants;  // by client id; not persisted, empty on rounds a resume reloads
   // Over MPI ranks: the bytes each rank sent this round (rank 0: the round's
   // model to every rank and each rank's clients with their states; rank r:

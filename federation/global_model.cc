@@ -1,0 +1,150 @@
+#include "federation/global_model.h"
+
+#include <ATen/ATen.h>
+
+#include <utility>
+
+#include "compression/lowrank.h"
+#include "compression/mask.h"
+#include "core/error.h"
+#include "core/rng.h"
+#include "core/spec.h"
+
+namespace sparrow::federation {
+
+GlobalModel::GlobalModel(const GlobalConfig& cfg, Weights initial, std::vector<std::string> names)
+    : cfg_(cfg), names_(std::move(names)), global_(std::move(initial)) {
+  SPARROW_CHECK(global_.size() == names_.size(),
+                "GlobalModel: " << names_.size() << " names for " << global_.size() << " tensors");
+  for (const auto& n : names_) SPARROW_CHECK(global_.count(n), "GlobalModel: no tensor '" << n << "'");
+  compression::register_builtins();
+  opt_ = std::make_unique<aggregation::ServerOptimizer>(cfg_.server_optimizer);
+  Spec up = Spec::parse(cfg_.compression);
+  if (up.method() == "acp") acp_rank_ = up.get_int("rank", 0);
+  {
+    const auto uplink = compression::make_compressor(cfg_.compression);
+    mask_ratio_ = uplink->mask_ratio();
+    share_mean_ = uplink->share_mean();
+  }
+  if (cfg_.downlink != "none") {
+    down_ = compression::make_compressor(cfg_.downlink);
+    for (const auto& n : names_) broadcast_[n] = global_.at(n).clone();
+  }
+}
+
+GlobalModel::~GlobalModel() = default;
+
+at::Tensor GlobalModel::mask(const std::string& name) const {
+  auto it = shared_.find(compression::mask_key(name));
+  if (it == shared_.end()) return {};
+  return compression::mask_from_weights(it->second, global_.at(name).numel());
+}
+
+aggregation::ContextMap GlobalModel::contexts(uint64_t r, int num_selected, const Weights* masks) {
+  SPARROW_CHECK(r >= 1, "GlobalModel::contexts: rounds start at 1, got " << r);
+  aggregation::ContextMap out;
+  for (const auto& n : names_) {
+    compression::Context c;
+    c.name = n;
+    c.seed = cfg_.seed;
+    c.num_workers = num_selected;
+    c.round = static_cast<int64_t>(r);
+    const std::vector<int64_t> shape = global_.at(n).sizes().vec();
+    if (acp_rank_ > 0 && compression::lowrank_compressible(shape, acp_rank_)) {
+      const auto d = compression::lowrank_dims(shape, acp_rank_);
+      auto it = shared_.find(n);
+      if (it == shared_.end() || it->second.sizes().vec() != compression::acp_shared_shape(d, c.round))
+        shared_[n] = compression::acp_initial_shared(c, d, c.round);
+      c.shared_factor = shared_.at(n);
+    }
+    if (mask_ratio_ > 0) {
+      if (masks != nullptr) {
+        if (auto it = masks->find(n); it != masks->end()) c.mask = it->second;
+      } else {
+        c.mask = mask(n);
+      }
+      c.share_mean = share_mean_;
+    }
+    out[n] = std::move(c);
+  }
+  return out;
+}
+
+StepResult GlobalModel::finish_only(aggregation::Aggregator& aggregator, const aggregation::Accumulator& agg,
+                                    uint64_t r, aggregation::AggregateStats* stats) {
+  StepResult out;
+  const std::string saved = aggregator.serialize_state();
+  try {
+    out.delta = aggregator.finish(agg, r, stats);
+    for (const auto& [n, v] : out.delta)
+      SPARROW_CHECK(compression::all_finite(v), "non-finite aggregate at '" << n << "'");
+  } catch (const Error& e) {
+    aggregator.deserialize_state(saved);
+    out.delta.clear();
+    out.error = e.what();
+    return out;
+  }
+  out.applied = true;
+  return out;
+}
+
+StepResult GlobalModel::step(aggregation::Aggregator& aggregator, const aggregation::Accumulator& agg,
+                             const Weights& control_sum, uint64_t r, double population,
+                             aggregation::AggregateStats* stats) {
+  SPARROW_CHECK(population > 0, "GlobalModel::step: population must be > 0");
+  const std::string saved = aggregator.serialize_state();
+  StepResult out;
+  Weights before;
+  try {
+    out.delta = aggregator.finish(agg, r, stats);
+    if (mask_ratio_ > 0)
+      for (const auto& [n, v] : global_) before[n] = v.clone();
+    opt_->step(global_, out.delta);  // throws, changing nothing, on a non-finite delta
+  } catch (const Error& e) {
+    aggregator.deserialize_state(saved);
+    out.delta.clear();
+    out.error = e.what();
+    return out;
+  }
+  out.applied = true;
+  // TCS: the next round's mask is where this step moved the model most.
+  if (mask_ratio_ > 0) compression::put_step_masks(shared_, before, global_, mask_ratio_);
+  if (cfg_.algorithm == "scaffold" && !control_sum.empty()) {
+    if (control_.empty())
+      for (const auto& [n, v] : global_) control_[n] = at::zeros_like(v);
+    for (const auto& [n, v] : control_sum) control_.at(n).add_(v, 1.0 / population);
+  }
+  if (acp_rank_ > 0) {
+    Weights next;
+    for (const auto& n : names_) {
+      at::Tensor f = agg.streaming().total_weight() > 0 ? agg.streaming().factor_mean(n) : at::Tensor();
+      if (f.defined()) next[n] = compression::acp_next_shared(f);
+    }
+    shared_ = std::move(next);
+  }
+  encode_downlink(r, out);
+  return out;
+}
+
+void GlobalModel::encode_downlink(uint64_t r, StepResult& out) {
+  if (!down_) return;
+  const uint64_t key = rng::derive(cfg_.seed, kDownTag);
+  for (const auto& n : names_) {
+    const at::Tensor diff = (global_.at(n) - broadcast_.at(n)).contiguous();
+    compression::Context c;
+    c.name = n;
+    c.seed = key;
+    c.round = static_cast<int64_t>(r);
+    // W - B already holds everything not yet broadcast: it is the error
+    // feedback. The codec's own memory (residual, DGC's u and v) would count
+    // that part a second time and overshoot, so each round starts from an
+    // empty state at step r - 1 (one encode a round: its random streams).
+    compression::State st;
+    st.step = r - 1;
+    compression::Encoded e = down_->encode(diff, st, c);
+    compression::decode_add(e, broadcast_.at(n), 1.0f, c);
+    out.downlink.emplace_back(n, std::move(e));
+  }
+}
+
+}  // namespace sparrow::federation
