@@ -8,7 +8,6 @@
 
 #include <CLI/CLI.hpp>
 #include <atomic>
-#include <csignal>
 #include <iostream>
 #include <memory>
 
@@ -21,19 +20,21 @@
 #include "core/paths.h"
 #include "core/threads.h"
 
+SPARROW_STOP_HANDLERS_AT_LOAD();
+
 namespace {
 
 std::atomic<sparrow::client::ClientSession*> g_session{nullptr};
-std::atomic<bool> g_stop_requested{false};
 
-extern "C" void on_signal(int) {
-  g_stop_requested.store(true);
+// Called by the first SIGINT/SIGTERM (core/cli.h).
+void stop_session() {
   if (auto* s = g_session.load()) s->stop();  // stop() only stores an atomic
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  sparrow::cli::install_stop_handlers();  // done at load already (above); here for the record
   // Before any thread: received messages reuse heap blocks (core/threads.h).
   sparrow::core::tune_allocator_for_messages();
   CLI::App app{"sparrow-client: trains tasks from a Sparrow server and sends compressed updates"};
@@ -48,20 +49,38 @@ int main(int argc, char** argv) {
   app.add_option("--fault", fault, "testing: exit as a crash would at a secure-aggregation stage")
       ->check(CLI::IsMember({"secagg-keys", "secagg-shares", "secagg-masked", "secagg-reveal"}))
       ->group("Testing");
+  int update_delay_ms = 0;
+  app.add_option("--update-delay-ms", update_delay_ms, "testing: wait this long after training before sending")
+      ->check(CLI::Range(0, 60000))
+      ->group("Testing");
   sparrow::cli::add_common_options(app, "sparrow-client", &log_level);
   if (const int rc = sparrow::cli::parse(app, argc, argv); rc >= 0) return rc;
   sparrow::cli::setup_logging("sparrow-client", log_level);
-
-  std::signal(SIGINT, on_signal);
-  std::signal(SIGTERM, on_signal);
+  sparrow::cli::on_stop(stop_session);
+  // The command that goes on after a signal: this one (the state database holds the session).
+  std::string command = "sparrow-client";
+  for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
+  auto interrupted = [&](const std::string& what) {
+    spdlog::info("event=interrupted msg=\"{}; continue with: {}\"", what, command);
+    return sparrow::cli::kInterrupted;
+  };
 
   std::unique_ptr<sparrow::client::ClientSession> session;
   try {
     if (insecure) overrides.push_back("insecure=true");
     sparrow::client::SessionConfig cfg = sparrow::client::load_session_config(config_path, overrides);
     cfg.fault = fault;
+    cfg.update_delay_ms = update_delay_ms;
     // Paths before anything starts: a bad one is a config error naming its key.
     sparrow::core::check_file_path("state_db", cfg.state_db);
+    if (!cfg.insecure) {
+      sparrow::core::check_input_file("server_key", cfg.server_key);
+      sparrow::core::check_input_file("key", cfg.key);
+    }
+    if (cfg.data.data.rfind("folder:", 0) == 0)
+      sparrow::core::check_data_folder("data", cfg.data.data.substr(7));
+    else if (cfg.data.data.rfind("fashion-mnist", 0) == 0)
+      sparrow::core::check_data_folder("data_dir", cfg.data.data_dir);
     if (const std::string w = cfg.insecure ? "" : sparrow::core::secret_file_warning("key", cfg.key); !w.empty())
       spdlog::warn("{}", w);
     sparrow::core::configure_threads(1);
@@ -70,7 +89,9 @@ int main(int argc, char** argv) {
                                       ? "received messages reuse heap blocks"
                                       : "glibc default (SPARROW_SYSTEM_MALLOC)");
     if (const std::string w = sparrow::core::blas_warning(); !w.empty()) spdlog::warn("{}", w);
+    if (sparrow::cli::stop_requested()) return interrupted("stopped before loading the data");
     sparrow::core::Dataset data = sparrow::client::load_client_data(cfg.data, cfg.model);
+    if (sparrow::cli::stop_requested()) return interrupted("stopped after loading the data");
     spdlog::info("data: {} samples from '{}'", data.size(), cfg.data.data);
     // The model against the data, before any connection: one forward pass.
     sparrow::client::check_model_on_data(*sparrow::core::make_model(cfg.model, 0), data, cfg.model);
@@ -86,7 +107,7 @@ int main(int argc, char** argv) {
     return sparrow::cli::kFailure;
   }
   g_session.store(session.get());
-  if (g_stop_requested.load()) session->stop();  // a signal before the session existed
+  if (sparrow::cli::stop_requested()) session->stop();  // a signal before the session existed
   int status = sparrow::cli::kOk;
   try {
     if (!session->run()) status = sparrow::cli::kInterrupted;  // stopped by a signal
@@ -98,5 +119,6 @@ int main(int argc, char** argv) {
   const auto c = session->counters();
   spdlog::info("tasks {} (refused {}), updates acked {} rejected {}, reconnects {}", c.tasks_done, c.tasks_refused,
                c.updates_acked, c.updates_rejected, c.reconnects);
+  if (status == sparrow::cli::kInterrupted) return interrupted("stopped");
   return status;
 }

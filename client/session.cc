@@ -16,6 +16,7 @@
 #include "client/data_folder.h"
 #include "client/trainer.h"
 #include "compression/compressor.h"
+#include "compression/lowrank.h"
 #include "compression/mask.h"
 #include "core/error.h"
 #include "core/flat_config.h"
@@ -23,6 +24,7 @@
 #include "core/models.h"
 #include "core/peer_text.h"
 #include "core/rng.h"
+#include "federation/client_pipeline.h"
 #include "secagg/secagg.h"
 #include "state/store.h"
 #include "wire/net.h"
@@ -93,8 +95,7 @@ void check_session_config(const core::FlatConfig& f, const SessionConfig& c) {
   f.check("clients", c.data.clients <= 10000000, "must be in [1, 10000000]");
   f.check("heartbeat_ms", c.heartbeat_ms >= 10 && c.heartbeat_ms <= 600000, "must be in [10, 600000]");
   f.check("max_message_mb", c.max_message_mb >= 1 && c.max_message_mb <= 2047, "must be in [1, 2047]");
-  f.check("backoff_initial_ms", c.backoff_initial_ms >= 1 && c.backoff_initial_ms <= 600000,
-          "must be in [1, 600000]");
+  f.check("backoff_initial_ms", c.backoff_initial_ms >= 1 && c.backoff_initial_ms <= 600000, "must be in [1, 600000]");
   f.check("backoff_max_ms", c.backoff_max_ms >= c.backoff_initial_ms && c.backoff_max_ms <= 3600000,
           "must be in [backoff_initial_ms, 3600000]");
   f.check("give_up_s", std::isfinite(c.give_up_s) && c.give_up_s >= 0 && c.give_up_s <= 1e7,
@@ -753,7 +754,14 @@ struct ClientSession::Impl {
       }
     } else {
       check_tensors(task.shared, "task shared", /*exact=*/false, /*same_shape=*/false);
-      p.shared = decode_all(task.shared);
+      // ACP: each entry is the round's shared factor of a parameter, {k, r}:
+      // as sparrow-server sends it, a factor (compression::acp_factor_encoded),
+      // whose values are the factor itself (decoding it would expand a
+      // full-shape product), or a dense {k, r} tensor.
+      for (const auto& nt : task.shared)
+        p.shared[nt.name] = nt.tensor.format == compression::Format::kLowRankFactor
+                                ? compression::acp_factor(nt.tensor).contiguous()
+                                : compression::decode(nt.tensor).contiguous();
     }
     SPARROW_CHECK_T(Error, task.control.empty() || scaffold,
                     "task: control variates with algorithm '" << tc.algorithm << "'");
@@ -852,26 +860,20 @@ struct ClientSession::Impl {
     const uint64_t r = task.round;
     Prepared p = prepare(task, base);
     Trained t = train(task, base, p);
-    wire::ModelUpdate u;
-    u.round = r;
-    u.client_id = cfg.client_id;
-    u.num_samples = static_cast<uint64_t>(t.tr.num_samples);
-    u.metrics = t.metrics;
+    // The client pipeline the simulator's clients run too
+    // (federation/client_pipeline.h).
+    std::map<std::string, compression::Context> contexts;
     for (const auto& name : names) {
       compression::Context c;
       c.name = name;
-      c.seed = task.seed;
-      c.num_workers = 1;  // the Task does not say how many clients take part
       c.round = static_cast<int64_t>(r);
       if (auto it = p.shared.find(name); it != p.shared.end()) c.shared_factor = it->second;
       if (auto it = p.masks.find(name); it != p.masks.end()) c.mask = it->second;
-      const at::Tensor d = t.outgoing.at(name).to(at::kCPU, at::kFloat).contiguous();
-      u.tensors.push_back({name, p.comp->encode(d, t.next.compressor[name], c)});
+      contexts[name] = federation::client_context(std::move(c), task.seed, task.clients);
     }
-    for (const auto& [name, dc] : t.tr.control_delta) {
-      compression::State scratch;
-      u.control_delta.push_back({name, dense->encode(dc.to(at::kCPU, at::kFloat).contiguous(), scratch, {})});
-    }
+    const wire::ModelUpdate u = federation::make_update(r, cfg.client_id, t.tr.num_samples, names, t.outgoing, *p.comp,
+                                                        t.next.compressor, contexts, t.tr.control_delta, t.metrics);
+    if (cfg.update_delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(cfg.update_delay_ms));
     commit_and_send(r, t, wire::serialize(message(u)));
   }
 

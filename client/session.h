@@ -81,6 +81,10 @@ struct SessionConfig {
   // as a crash would, at "secagg-keys" (a SecAgg Task arrived), "secagg-shares"
   // (Neighbours), "secagg-masked" (SharesIn) or "secagg-reveal" (Unmask).
   std::string fault;
+  // Testing aid, never read from TOML (sparrow-client --update-delay-ms): wait
+  // this long after training before sending the update, so that a test can
+  // order the updates' arrival (tests/integration/parity_test.cc).
+  int update_delay_ms = 0;
 };
 
 // Reads a client TOML file (strict keys: an unknown key is a ConfigError naming

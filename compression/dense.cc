@@ -46,7 +46,8 @@ SPARROW_SIMD_CLONES
 void set_scaled(const float* __restrict v, uint64_t n, float weight, float* __restrict out) {
   for (uint64_t i = 0; i < n; ++i) out[i] = weight * v[i];
 }
-// out = wa a + wb b, rounded as set_scaled(a, wa) then add_scaled(b, wb).
+// out = wa a + wb b, rounded as set_scaled(a, wa) then add_scaled(b, wb)
+// (this file is built with -ffp-contract=off: no product is fused).
 SPARROW_SIMD_CLONES
 void set_scaled_pair(const float* __restrict a, float wa, const float* __restrict b, float wb, uint64_t n,
                      float* __restrict out) {

@@ -8,7 +8,11 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include <signal.h>
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
+#include <atomic>
 #include <string>
 
 #ifndef SPARROW_VERSION
@@ -44,6 +48,60 @@ inline int parse(CLI::App& app, int argc, char** argv) {
   }
   return -1;
 }
+
+// ---- SIGINT and SIGTERM, the same in every program (docs/cli.md) ----------------
+//
+// The handlers are installed before anything else runs: SPARROW_STOP_HANDLERS_AT_LOAD
+// in a program's main file puts install_stop_handlers in the executable's
+// .preinit_array, which the loader runs before the libraries' static
+// initialisers (LibTorch's take about 0.3 s, during which a signal would
+// otherwise kill the process, or be ignored when the shell started it in the
+// background with SIGINT ignored). The first signal sets stop_requested() and
+// calls the function given to on_stop(); the program stops at its next safe
+// point, saves what it has and exits kInterrupted. A second signal exits
+// kInterrupted at once (the last saved state stands).
+
+namespace stop_detail {
+inline std::atomic<bool> requested{false};
+inline std::atomic<void (*)()> callback{nullptr};
+}  // namespace stop_detail
+
+// The handler of SIGINT and SIGTERM (also usable for other signals that mean
+// "stop", as sparrow-sim's SIGUSR1 over MPI).
+inline void stop_signal_handler(int) {
+  using namespace stop_detail;
+  if (requested.exchange(true)) _exit(kInterrupted);
+  if (auto* f = callback.load()) f();  // stores to atomics only: async-signal-safe
+  const char msg[] = "\nstopping at the next safe point (a second Ctrl-C quits at once)\n";
+  (void)!write(2, msg, sizeof msg - 1);
+}
+
+// SIGINT and SIGTERM to the handler above (idempotent). SA_RESTART: an
+// interrupted write of a log line is resumed, not failed.
+inline void install_stop_handlers() {
+  struct sigaction sa {};
+  sa.sa_handler = stop_signal_handler;
+  sa.sa_flags = SA_RESTART;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGINT, &sa, nullptr);
+  sigaction(SIGTERM, &sa, nullptr);
+}
+inline void install_stop_handlers_at_load(int, char**, char**) { install_stop_handlers(); }
+
+// Whether a signal asked the program to stop.
+inline bool stop_requested() { return stop_detail::requested.load(); }
+
+// `f` (which must only store to atomics) is called by the first signal; called
+// at once if a signal came already. nullptr: none.
+inline void on_stop(void (*f)()) {
+  stop_detail::callback.store(f);
+  if (f && stop_requested()) f();
+}
+
+// One line per program main file, at namespace scope.
+#define SPARROW_STOP_HANDLERS_AT_LOAD()                                                                \
+  __attribute__((section(".preinit_array"), used)) static void (*const sparrow_stop_handlers_at_load)( \
+      int, char**, char**) = &::sparrow::cli::install_stop_handlers_at_load
 
 // One log format for every program, on stderr:
 //   2026-11-25T08:00:00.123 level=info event=... key=value ... msg="..."

@@ -53,6 +53,49 @@ void check_output_folder(const std::string& key, const std::string& path) {
   ::rmdir(missing.c_str());
 }
 
+void check_input_file(const std::string& key, const std::string& path) {
+  std::error_code ec;
+  SPARROW_CHECK_T(ConfigError, fs::exists(path, ec),
+                  "config key " << quoted(key) << ": " << quoted(path) << " does not exist");
+  SPARROW_CHECK_T(ConfigError, !fs::is_directory(path, ec),
+                  "config key " << quoted(key) << ": " << quoted(path) << " is a folder, not a file");
+  SPARROW_CHECK_T(ConfigError, ::access(path.c_str(), R_OK) == 0,
+                  "config key " << quoted(key) << ": " << quoted(path) << " cannot be read");
+}
+
+void check_input_path(const std::string& key, const std::string& path) {
+  std::error_code ec;
+  SPARROW_CHECK_T(ConfigError, fs::exists(path, ec),
+                  "config key " << quoted(key) << ": " << quoted(path) << " does not exist");
+  SPARROW_CHECK_T(ConfigError, ::access(path.c_str(), R_OK) == 0,
+                  "config key " << quoted(key) << ": " << quoted(path) << " cannot be read");
+}
+
+namespace {
+// x.npy + y.npy, or an IDX image and label file pair with `prefix` (train or t10k).
+bool holds_data(const fs::path& dir) {
+  std::error_code ec;
+  auto has = [&](const std::string& name) {
+    return fs::is_regular_file(dir / name, ec) || fs::is_regular_file(dir / (name + ".gz"), ec);
+  };
+  if (fs::is_regular_file(dir / "x.npy", ec) && fs::is_regular_file(dir / "y.npy", ec)) return true;
+  for (const char* prefix : {"train", "t10k"})
+    if (has(std::string(prefix) + "-images-idx3-ubyte") && has(std::string(prefix) + "-labels-idx1-ubyte")) return true;
+  return false;
+}
+}  // namespace
+
+void check_data_folder(const std::string& key, const std::string& path) {
+  std::error_code ec;
+  SPARROW_CHECK_T(ConfigError, fs::is_directory(path, ec),
+                  "config key " << quoted(key) << ": " << quoted(path)
+                                << (fs::exists(path, ec) ? " is not a folder" : " does not exist"));
+  SPARROW_CHECK_T(ConfigError, holds_data(path) || holds_data(fs::path(path) / "test"),
+                  "config key " << quoted(key) << ": the folder " << quoted(path)
+                                << " holds no data (x.npy + y.npy, or MNIST-format IDX files such as "
+                                   "train-images-idx3-ubyte + train-labels-idx1-ubyte)");
+}
+
 std::string secret_file_warning(const std::string& key, const std::string& path) {
   struct stat st {};
   if (path.empty() || ::stat(path.c_str(), &st) != 0 || (st.st_mode & 077) == 0) return "";

@@ -3,10 +3,12 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <sstream>
 
@@ -15,6 +17,7 @@
 #include "compression/state.h"
 #include "core/error.h"
 #include "core/flat_config.h"
+#include "core/error_text.h"
 #include "core/model_digest.h"
 #include "core/peer_text.h"
 #include "core/refusal_log.h"
@@ -132,6 +135,8 @@ CloudConfig parse_cloud_config(const std::string& toml_text, const std::vector<s
                     {"grad_codec", &c.grad_codec},
                     {"lr", &c.lr},
                     {"momentum", &c.momentum},
+                    {"max_grad_norm", &c.max_grad_norm},
+                    {"grad_norm_factor", &c.grad_norm_factor},
                     {"fedavg_devices", &c.fedavg_devices},
                     {"state", &c.state},
                     {"checkpoint_every", &c.checkpoint_every},
@@ -144,18 +149,60 @@ CloudConfig parse_cloud_config(const std::string& toml_text, const std::vector<s
   net::check_endpoint(source + ": listen", c.listen, /*for_bind=*/true);
   SPARROW_CHECK_T(ConfigError, c.insecure || (!c.key.empty() && !c.allow.empty()),
                   source << ": key and allow must be set (or insecure = true)");
+  // The ranges of docs/split.md's key table (NaN fails every comparison).
   SPARROW_CHECK_T(ConfigError, c.max_message_mb >= 1 && c.max_message_mb <= 2047,
                   source << ": max_message_mb: must be in [1, 2047]");
-  SPARROW_CHECK_T(ConfigError, c.checkpoint_every >= 1, source << ": checkpoint_every: must be >= 1");
+  SPARROW_CHECK_T(ConfigError, c.checkpoint_every >= 1 && c.checkpoint_every <= 1000000,
+                  source << ": checkpoint_every: must be in [1, 1000000]");
   SPARROW_CHECK_T(ConfigError, c.threads >= 0 && c.threads <= 1024,
                   source << ": threads: must be in [0, 1024] (0 = one per core)");
-  SPARROW_CHECK_T(ConfigError, c.heartbeat_ms >= 10 && c.heartbeat_ms <= 3600000,
-                  source << ": heartbeat_ms: must be in [10, 3600000]");
+  // ZeroMQ keeps the heartbeat TTL (3 x heartbeat_ms) in deciseconds below 2^16.
+  SPARROW_CHECK_T(ConfigError, c.heartbeat_ms >= 10 && c.heartbeat_ms <= 600000,
+                  source << ": heartbeat_ms: must be in [10, 600000]");
+  SPARROW_CHECK_T(ConfigError, c.lr > 0 && c.lr <= 10, source << ": lr: must be in (0, 10]");
+  SPARROW_CHECK_T(ConfigError, c.momentum >= 0 && c.momentum < 1, source << ": momentum: must be in [0, 1)");
+  SPARROW_CHECK_T(ConfigError, c.max_grad_norm > 0 && c.max_grad_norm <= 1e12,
+                  source << ": max_grad_norm: must be in (0, 1e12]");
+  SPARROW_CHECK_T(ConfigError, c.grad_norm_factor == 0 || (c.grad_norm_factor >= 2 && c.grad_norm_factor <= 1e6),
+                  source << ": grad_norm_factor: must be 0 (off) or in [2, 1e6]");
+  SPARROW_CHECK_T(ConfigError, c.fedavg_devices <= 10000, source << ": fedavg_devices: must be in [0, 10000]");
   return c;
 }
 
 CloudConfig load_cloud_config(const std::string& path, const std::vector<std::string>& overrides) {
   return parse_cloud_config(core::read_config_file(path), overrides, path);
+}
+
+// ---- the step guard ----------------------------------------------------------------
+
+std::string StepGuard::refusal(double loss, double grad_norm) const {
+  if (!std::isfinite(loss)) return "the loss is not finite";
+  if (!std::isfinite(grad_norm)) return "the top's gradient is not finite";
+  const double b = bound();
+  if (grad_norm > b) {
+    std::ostringstream os;
+    os << "the top's gradient norm " << grad_norm << " is above the bound " << b
+       << (b < max_norm_ ? " (grad_norm_factor x the median of recent steps)" : " (max_grad_norm)");
+    return os.str();
+  }
+  return "";
+}
+
+double StepGuard::bound() const {
+  if (factor_ <= 0 || history_.size() < kWarmup) return max_norm_;
+  std::vector<double> h = history_;
+  std::nth_element(h.begin(), h.begin() + static_cast<std::ptrdiff_t>(h.size() / 2), h.end());
+  return std::min(max_norm_, factor_ * h[h.size() / 2]);
+}
+
+void StepGuard::accepted(double grad_norm) {
+  history_.push_back(grad_norm);
+  if (history_.size() > kWindow) history_.erase(history_.begin());
+}
+
+void StepGuard::restore(std::vector<double> h) {
+  if (h.size() > kWindow) h.erase(h.begin(), h.end() - static_cast<std::ptrdiff_t>(kWindow));
+  history_ = std::move(h);
 }
 
 // ---- the server ----------------------------------------------------------------------
@@ -170,6 +217,17 @@ struct Session {
   std::unique_ptr<CloudHalf> half;
   uint64_t last_step = 0;  // last applied training step
   std::string last_reply;  // serialized SplitGradient of last_step ("" before any step in this process)
+  StepGuard guard{1, 0};   // set from the config by new_session
+};
+
+// A training step computed but not applied: the top's .grad holds its gradient
+// and the session's CloudHalf its new basis; commit_step applies it,
+// discard_step puts both back.
+struct PreparedStep {
+  CloudHalf::Result result;
+  CodecState peer_before;                  // the session's codec state before the step
+  std::vector<at::Tensor> buffers_before;  // the model's buffers (BatchNorm statistics) before the forward
+  double grad_norm = 0;
 };
 
 wire::Message message(wire::Body body) {
@@ -206,6 +264,10 @@ struct CloudServer::Impl {
 
   std::map<std::string, Session> sessions;      // client id -> session
   std::map<std::string, std::string> by_route;  // routing id -> client id
+  // One key, one device (as sparrow-server binds client ids): a CURVE key that
+  // opened a session cannot open others under other ids, which would count it
+  // several times in SplitFed rounds and multiply its steps on the top.
+  std::map<std::string, std::string> id_of_key;  // CURVE key -> the device id it bound first
 
   // SplitFed: the round being collected is fed_round + 1.
   uint64_t fed_round = 0;
@@ -302,6 +364,9 @@ struct CloudServer::Impl {
       top["w/" + names[i]] = params[i];
       top["m/" + names[i]] = sgd->buffers()[i];
     }
+    // Each device's step-guard history (doubles as fp64 tensors: exact).
+    for (const auto& [id, session] : sessions)
+      if (!session.guard.history().empty()) top["g/" + id] = torch::tensor(session.guard.history(), torch::kDouble);
     c.top = compression::serialize_weights(top);
     c.fed_round = fed_round;
     c.fed_task = fed_task;
@@ -366,6 +431,10 @@ struct CloudServer::Impl {
     for (const auto& row : snap->sessions) {
       Session& session = new_session(row.client_id, row.key, row.last_step);
       session.last_reply = row.last_reply;
+      if (auto g = top.find("g/" + row.client_id); g != top.end() && g->second.dim() == 1) {
+        const at::Tensor h = g->second.to(at::kDouble).contiguous();
+        session.guard.restore(std::vector<double>(h.data_ptr<double>(), h.data_ptr<double>() + h.numel()));
+      }
       if (!row.codec.empty()) session.half->restore_peer_state(deserialize_codec_state(row.codec));
     }
     // The log, with the code that applied it the first time.
@@ -393,7 +462,10 @@ struct CloudServer::Impl {
     wire::Message m = wire::parse(e.body.data(), e.body.size(), limits);
     if (auto* a = std::get_if<wire::SplitActivation>(&m.body)) {
       Session& session = sessions.at(a->session);
-      if (a->step == session.last_step + 1) apply_step(session, *a);
+      if (a->step == session.last_step + 1) {
+        PreparedStep p = prepare_step(session, *a);  // admitted when logged: only finiteness is checked again
+        commit_step(session, *a, p);
+      }
     } else if (auto* u = std::get_if<wire::ModelUpdate>(&m.body)) {
       if (u->round == fed_round + 1 && !fed_members.count(u->client_id)) apply_update(*u);
     }
@@ -433,6 +505,8 @@ struct CloudServer::Impl {
     s.key = key;
     s.half = std::make_unique<CloudHalf>(split->top, cfg.grad_codec);
     s.last_step = last_step;
+    s.guard = StepGuard(cfg.max_grad_norm, cfg.grad_norm_factor);
+    if (!key.empty()) id_of_key.emplace(key, client_id);  // the first binding stands
     return sessions.emplace(client_id, std::move(s)).first->second;
   }
 
@@ -450,9 +524,12 @@ struct CloudServer::Impl {
       spdlog::warn("event=send_failed error=\"{}\"", e.what());
     }
   }
-  void reply_error(const std::string& rid, ErrorCode code, const std::string& text) {
+  // The peer gets `text` without its internal detail (core::peer_text); the
+  // log line has the full text (`detail`, when the reply is made from an exception).
+  void reply_error(const std::string& rid, ErrorCode code, const std::string& text, const std::string& detail = "") {
     ++n.errors_sent;
-    spdlog::info("event=error_reply code={} msg=\"{}\"", wire::error_code_name(code), core::printable(text));
+    spdlog::info("event=error_reply code={} msg=\"{}\"", wire::error_code_name(code),
+                 core::printable(detail.empty() ? text : detail));
     send(rid, wire::serialize(net::error_message(code, text)));
   }
 
@@ -501,7 +578,7 @@ struct CloudServer::Impl {
       current_frame = nullptr;
       // Every check runs before any change, so the state is as it was.
       const wire::ErrorBody eb = wire::error_for(e);
-      reply_error(rid, eb.code, eb.message);
+      reply_error(rid, eb.code, eb.message, core::error_text(e));
     }
     return true;
   }
@@ -538,6 +615,16 @@ struct CloudServer::Impl {
     if (it != sessions.end() && it->second.key != key) {
       reply_error(rid, ErrorCode::kRejected, "client_id '" + h.client_id + "' is bound to another key");
       return;
+    }
+    if (!key.empty()) {
+      auto kit = id_of_key.find(key);
+      if (kit != id_of_key.end() && kit->second != h.client_id) {
+        spdlog::warn("event=key_bound key={} device={} bound_to={}", key, core::printable(h.client_id),
+                     core::printable(kit->second));
+        reply_error(rid, ErrorCode::kRejected,
+                    "this key is bound to device id '" + kit->second + "': one key is one device");
+        return;
+      }
     }
     if (it == sessions.end()) {
       // A session this cloud has not seen (a new device, or a cloud without a
@@ -617,25 +704,80 @@ struct CloudServer::Impl {
       check_codec(a, p);
       labels_tensor(a, p);
     }
-    const int64_t seq = log_message(LogKind::kStep, a.session, s.key, a.step);
-    logged(seq, [&] { apply_step(s, a); });
+    // Computed and checked before it is logged: a refused step leaves the top,
+    // its momentum, the session and the log as they were.
+    PreparedStep p = prepare_step(s, a);
+    int64_t seq = 0;
+    try {
+      seq = log_message(LogKind::kStep, a.session, s.key, a.step);
+    } catch (...) {
+      discard_step(s, p);
+      throw;
+    }
+    logged(seq, [&] { commit_step(s, a, p); });
     ++n.steps_applied;
     spdlog::debug("event=step client={} step={}", a.session, a.step);
     send(rid, s.last_reply);
   }
 
-  // The step's change of state: top step, optimiser step, the session's basis,
-  // step and reply. FormatError (nothing changed) for what CloudHalf refuses.
-  void apply_step(Session& s, const wire::SplitActivation& a) {
-    const ActPacket p = ActPacket::deserialize(a.payload.data(), a.payload.size());
-    check_codec(a, p);
-    const at::Tensor y = labels_tensor(a, p);
+  // The step's forward and backward on the top, checked by the session's step
+  // guard (only finiteness while replaying the log: a logged step was admitted).
+  // FormatError for what CloudHalf refuses, ProtocolError{Rejected} for what the
+  // guard refuses; either way nothing is changed.
+  PreparedStep prepare_step(Session& s, const wire::SplitActivation& a) {
+    const ActPacket packet = ActPacket::deserialize(a.payload.data(), a.payload.size());
+    check_codec(a, packet);
+    const at::Tensor y = labels_tensor(a, packet);
     split->top.train(true);
     sgd->zero_grad();
-    CloudHalf::Result res = s.half->step(p, y);  // FormatError before any change
-    SPARROW_CHECK_T(Error, std::isfinite(res.loss), "activation: the loss is not finite");
+    PreparedStep p;
+    p.peer_before = s.half->peer_state();
+    for (const at::Tensor& b : model->buffers(/*recurse=*/true)) p.buffers_before.push_back(b.detach().clone());
+    try {
+      p.result = s.half->step(packet, y);  // FormatError before any change
+      p.grad_norm = top_grad_norm();
+      const std::string why = replaying
+                                  ? StepGuard(std::numeric_limits<double>::max(), 0).refusal(p.result.loss, p.grad_norm)
+                                  : s.guard.refusal(p.result.loss, p.grad_norm);
+      if (!why.empty()) {
+        spdlog::warn("event=step_refused client={} key={} step={} loss={} grad_norm={} reason=\"{}\"",
+                     core::printable(a.session), s.key, a.step, p.result.loss, p.grad_norm, why);
+        throw wire::ProtocolError(ErrorCode::kRejected, "activation: step refused: " + why);
+      }
+    } catch (...) {
+      discard_step(s, p);
+      throw;
+    }
+    return p;
+  }
+
+  void discard_step(Session& s, PreparedStep& p) {
+    sgd->zero_grad();
+    s.half->restore_peer_state(std::move(p.peer_before));
+    torch::NoGradGuard no_grad;
+    size_t i = 0;
+    for (at::Tensor b : model->buffers(/*recurse=*/true))
+      if (i < p.buffers_before.size()) b.copy_(p.buffers_before[i++]);
+  }
+
+  // L2 norm of the top's accumulated gradient, summed in fp64 (fp32 squares of
+  // a 1e20 gradient would overflow to inf and hide the size).
+  double top_grad_norm() const {
+    double sum = 0;
+    for (const at::Tensor& param : split->top.parameters()) {
+      const at::Tensor& g = param.grad();
+      if (g.defined()) sum += g.to(at::kDouble).pow(2).sum().item<double>();
+    }
+    return std::sqrt(sum);
+  }
+
+  // The prepared step's change of state: optimiser step, the session's step
+  // guard, step and reply.
+  void commit_step(Session& s, const wire::SplitActivation& a, PreparedStep& p) {
+    const CloudHalf::Result& res = p.result;
     sgd->step();
     sgd->zero_grad();
+    s.guard.accepted(p.grad_norm);
     wire::SplitGradient g;
     g.session = a.session;
     g.step = a.step;

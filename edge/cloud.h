@@ -91,6 +91,35 @@ std::string split_model_label(const std::string& model, const std::string& cut);
 
 // ---- the cloud -------------------------------------------------------------------
 
+// Which training steps of one device may touch the top all devices share (one
+// device with a valid key must not poison it for the others). A step is refused
+// when its loss or the L2 norm of its top gradient is not finite, when the norm
+// exceeds `max_norm`, or, once kWarmup steps of this device were accepted, when
+// it exceeds `factor` x the median norm of its last kWindow accepted steps
+// (factor 0: no such rule). One per device session, so that no device's steps
+// move another's bound. Pure bookkeeping, no locking: the cloud's I/O loop is
+// its only user.
+class StepGuard {
+ public:
+  static constexpr size_t kWindow = 64;
+  static constexpr size_t kWarmup = 16;
+
+  StepGuard(double max_norm, double factor) : max_norm_(max_norm), factor_(factor) {}
+  // "" when the step may be applied, otherwise why not (for the device and the log).
+  std::string refusal(double loss, double grad_norm) const;
+  // The bound on the norm now: max_norm, or less once the history is long enough.
+  double bound() const;
+  // An applied step's norm joins the history (the oldest leaves after kWindow).
+  void accepted(double grad_norm);
+  // The history, oldest first (the cloud's snapshot keeps it across restarts).
+  const std::vector<double>& history() const { return history_; }
+  void restore(std::vector<double> h);
+
+ private:
+  double max_norm_, factor_;
+  std::vector<double> history_;
+};
+
 struct CloudConfig {
   std::string listen = "tcp://*:7080";  // ROUTER endpoint ("tcp://127.0.0.1:*" picks a port)
   std::string key;                      // own key pair (.key_secret)
@@ -103,6 +132,12 @@ struct CloudConfig {
   std::string grad_codec = "none";      // CloudHalf gradient codec for non-lowrank activations
   double lr = 0.05;                     // top optimiser (Sgd)
   double momentum = 0.0;
+  // Step guard (StepGuard below, docs/split.md "Step guard"): a training step
+  // whose top-gradient L2 norm exceeds max_grad_norm, or (after the warm-up)
+  // grad_norm_factor x the median of the last accepted norms, is refused
+  // before it changes anything. grad_norm_factor = 0: the absolute bound only.
+  double max_grad_norm = 1e4;
+  double grad_norm_factor = 20;
   // SplitFed: devices averaged per round (every device sends its bottom every
   // fedavg_every steps as a dense ModelUpdate; when this many have arrived for a
   // round, each gets the weighted mean as a Task). 0: off (ModelUpdate refused).

@@ -65,6 +65,27 @@ DeviceConfig parse_device_config(const std::string& toml_text, const std::vector
                     {"threads", &c.threads},
                     {"fedavg_every", &c.fedavg_every}},
                    overrides);
+  // The ranges of docs/split.md's key table, before anything is loaded (NaN
+  // fails every comparison); validate() adds the cross-key checks.
+  auto range = [&](const char* key, bool ok, const std::string& what) {
+    SPARROW_CHECK_T(ConfigError, ok, source << ": " << key << ": must be " << what);
+  };
+  range("lr", c.lr > 0 && c.lr <= 10, "in (0, 10]");
+  range("momentum", c.momentum >= 0 && c.momentum < 1, "in [0, 1)");
+  range("batch_size", c.batch_size >= 1 && c.batch_size <= 65536, "in [1, 65536]");
+  range("steps", c.steps >= 1 && c.steps <= 1000000000, "in [1, 1000000000]");
+  range("eval_samples", c.eval_samples <= 10000000, "in [0, 10000000]");
+  range("save_every", c.save_every >= 1 && c.save_every <= 1000000000, "in [1, 1000000000]");
+  range("reply_timeout_ms", c.reply_timeout_ms >= 10 && c.reply_timeout_ms <= 3600000, "in [10, 3600000]");
+  range("backoff_initial_ms", c.backoff_initial_ms >= 1 && c.backoff_initial_ms <= 600000, "in [1, 600000]");
+  range("backoff_max_ms", c.backoff_max_ms >= c.backoff_initial_ms && c.backoff_max_ms <= 3600000,
+        "in [backoff_initial_ms, 3600000]");
+  range("max_reconnects", c.max_reconnects <= 1000000000, "in [0, 1000000000]");
+  range("max_message_mb", c.max_message_mb >= 1 && c.max_message_mb <= 2047, "in [1, 2047]");
+  range("threads", c.threads >= 0 && c.threads <= 1024, "in [0, 1024] (0 = one per core)");
+  range("clients", c.clients >= 1 && c.clients <= 1000000, "in [1, 1000000]");
+  range("index", c.index >= 0 && c.index < c.clients, "in [0, clients)");
+  range("fedavg_every", c.fedavg_every <= 1000000000, "in [0, 1000000000] (0 = off)");
   return c;
 }
 

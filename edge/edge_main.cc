@@ -8,7 +8,6 @@
 #include <spdlog/spdlog.h>
 
 #include <atomic>
-#include <csignal>
 #include <iostream>
 
 #include "core/cli.h"
@@ -19,20 +18,29 @@
 #include "edge/cloud.h"
 #include "edge/device.h"
 
+SPARROW_STOP_HANDLERS_AT_LOAD();
+
 namespace {
 
 std::atomic<sparrow::edge::CloudServer*> g_cloud{nullptr};
 std::atomic<sparrow::edge::EdgeDevice*> g_device{nullptr};
 
-extern "C" void on_signal(int) {
-  // Both only store to an atomic flag: async-signal-safe.
+// Called by the first SIGINT/SIGTERM (core/cli.h): both only store to an atomic flag.
+void stop_all() {
   if (auto* c = g_cloud.load()) c->stop();
   if (auto* d = g_device.load()) d->stop();
+}
+
+// A signal came: what was saved and the command that goes on from it.
+int interrupted(const std::string& what, const std::string& resume) {
+  spdlog::info("event=interrupted msg=\"{}; continue with: {}\"", what, resume);
+  return sparrow::cli::kInterrupted;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  sparrow::cli::install_stop_handlers();  // done at load already (above); here for the record
   // Before any thread: received messages reuse heap blocks (core/threads.h).
   sparrow::core::tune_allocator_for_messages();
   CLI::App app{"sparrow-edge: split fine-tuning between an edge device and the cloud (docs/split.md)"};
@@ -53,8 +61,10 @@ int main(int argc, char** argv) {
   serve->add_option("--set", serve_overrides, "override a config key: key=value (repeatable)");
   if (const int rc = sparrow::cli::parse(app, argc, argv); rc >= 0) return rc;
   sparrow::cli::setup_logging("sparrow-edge", log_level);
-  std::signal(SIGINT, on_signal);
-  std::signal(SIGTERM, on_signal);
+  sparrow::cli::on_stop(stop_all);
+  // The command that continues after a signal: this one.
+  std::string command = "sparrow-edge";
+  for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
   if (const std::string w = sparrow::core::blas_warning(); !w.empty()) spdlog::warn("event=blas msg=\"{}\"", w);
   // Before any compute, after the config (its `threads` key).
   auto threads = [](int64_t n) {
@@ -68,17 +78,27 @@ int main(int argc, char** argv) {
       if (serve_insecure) serve_overrides.push_back("insecure=true");
       sparrow::edge::CloudConfig cfg = sparrow::edge::load_cloud_config(serve_config, serve_overrides);
       if (!cfg.state.empty()) sparrow::core::check_file_path("state", cfg.state);
+      if (!cfg.insecure) {
+        sparrow::core::check_input_file("key", cfg.key);
+        sparrow::core::check_input_path("allow", cfg.allow);
+      }
+      if (!cfg.weights.empty()) sparrow::core::check_input_file("weights", cfg.weights);
       if (const std::string w = cfg.insecure ? "" : sparrow::core::secret_file_warning("key", cfg.key); !w.empty())
         spdlog::warn("event=key_permissions msg=\"{}\"", w);
       threads(cfg.threads);
-      sparrow::edge::CloudServer cloud(cfg);
+      if (sparrow::cli::stop_requested()) return interrupted("stopped before the cloud started", command);
+      sparrow::edge::CloudServer cloud(cfg);  // a signal while it builds: noticed by run() at once
       g_cloud.store(&cloud);
+      if (sparrow::cli::stop_requested()) cloud.stop();
       cloud.run();
       g_cloud.store(nullptr);
       const auto c = cloud.counters();
       spdlog::info("event=stopped steps_applied={} duplicates={} evals={} errors_sent={}", c.steps_applied,
                    c.duplicates, c.evals, c.errors_sent);
-      return 0;
+      // The cloud serves until a signal: ending is always an interruption.
+      return interrupted(cfg.state.empty() ? "stopped (no state file: the top is lost)"
+                                           : "stopped; the top and the sessions are in " + cfg.state,
+                         command);
     }
     if (config_path.empty()) {
       std::cerr << "sparrow-edge: --config FILE is required (or: sparrow-edge serve --config FILE)\n";
@@ -87,12 +107,24 @@ int main(int argc, char** argv) {
     if (insecure) overrides.push_back("insecure=true");
     sparrow::edge::DeviceConfig cfg = sparrow::edge::load_device_config(config_path, overrides);
     if (!cfg.progress.empty()) sparrow::core::check_file_path("progress", cfg.progress);
+    if (!cfg.insecure) {
+      sparrow::core::check_input_file("cloud_key", cfg.cloud_key);
+      sparrow::core::check_input_file("key", cfg.key);
+    }
+    if (!cfg.weights.empty()) sparrow::core::check_input_file("weights", cfg.weights);
+    if (cfg.data.rfind("folder:", 0) == 0)
+      sparrow::core::check_data_folder("data", cfg.data.substr(7));
+    else if (cfg.data.rfind("fashion-mnist", 0) == 0)
+      sparrow::core::check_data_folder("data_dir", cfg.data_dir);
     if (const std::string w = cfg.insecure ? "" : sparrow::core::secret_file_warning("key", cfg.key); !w.empty())
       spdlog::warn("event=key_permissions msg=\"{}\"", w);
     threads(cfg.threads);
+    if (sparrow::cli::stop_requested()) return interrupted("stopped before the device started", command);
     sparrow::edge::DeviceData data = sparrow::edge::load_device_data(cfg);
+    if (sparrow::cli::stop_requested()) return interrupted("stopped after loading the data", command);
     sparrow::edge::EdgeDevice device(cfg, std::move(data));
     g_device.store(&device);
+    if (sparrow::cli::stop_requested()) device.stop();
     const auto summary = device.run();
     g_device.store(nullptr);
     std::cout << summary.json() << std::endl;
@@ -105,7 +137,7 @@ int main(int argc, char** argv) {
     return sparrow::cli::kBadInput;
   } catch (const sparrow::edge::Stopped&) {
     spdlog::info("event=stopped msg=\"progress saved\"");
-    return sparrow::cli::kInterrupted;
+    return interrupted("stopped; progress saved", command);
   } catch (const std::exception& e) {
     spdlog::error("event=fatal msg=\"{}\"", sparrow::core::error_text(e));
     return sparrow::cli::kFailure;

@@ -19,16 +19,20 @@
 // every request then carries `Authorization: Bearer TOKEN` (or, for opening
 // the page in a browser, `?token=TOKEN`; the page forwards it as the header).
 //
-// A guard owns the public socket: it reads each request head under hard
-// limits (8 KB, 3 s in all; 431 / 408 answered by the guard itself, bodies
-// refused with 413) and relays it, one request per connection, to
-// cpp-httplib on a private loopback port, copying the answer back within
-// 10 s. httplib 0.11.4 alone would buffer an endless header line without
-// bound and keep a thread for a peer trickling a byte at a time. Both the
-// guard and httplib have pools of 8 threads with at most 64 connections
-// queued (then the kernel's backlog), so a flood cannot exhaust the
-// process's descriptors. Handlers only read the Board (short copies under
-// its lock): the program's round loop never waits on a peer.
+// One guard thread owns the only listening socket and every connection
+// (non-blocking I/O; no listener exists besides the public one). It reads each
+// request head under hard limits (8 KB, 3 s in all; 431 / 408 answered by the
+// guard itself, bodies refused with 413) and hands the complete head to one
+// of 2 workers, which run cpp-httplib's request handling on it in memory;
+// the guard sends the answer within 10 s. Connections are capped at 128 in
+// all and 16 per peer address (IPv6: per /64); a new connection over a cap
+// closes the oldest one still sending its head (or reading its answer for
+// over 1 s), so idle, trickling and non-reading connections cannot keep an
+// honest request waiting. Memory is bounded: heads by 8 KB a connection, an
+// answer by 16 MB, answers waiting to be sent by 32 MB; Range headers are
+// dropped (a multi-range answer repeats the page per range). Handlers only
+// read the Board (short copies under its lock): the program's round loop
+// never waits on a peer.
 
 #include <memory>
 #include <string>
@@ -62,7 +66,7 @@ class HttpEndpoint {
 
  private:
   struct Impl;
-  std::shared_ptr<Impl> impl_;  // shared with the serving thread (see ~HttpEndpoint)
+  std::shared_ptr<Impl> impl_;
 };
 
 }  // namespace sparrow::monitor

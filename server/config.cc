@@ -120,17 +120,21 @@ void validate(const ServerConfig& c) {
     if (!a.loopback && c.http_token.empty())
       bad("http", "is not a loopback address: set http_token to a file holding the dashboard's bearer token");
   }
-  if (!(c.max_message_mb > 0 && c.max_message_mb <= 2047)) bad("max_message_mb", "must be in (0, 2047]");
-  if (c.heartbeat_ms < 10) bad("heartbeat_ms", "must be >= 10");
+  // The ranges of docs/server.md's key table: outside them a run cannot work
+  // (a frame too small for any model, a heartbeat ZeroMQ refuses, a step that
+  // overflows). NaN fails every comparison below.
+  if (!(c.max_message_mb >= 1 && c.max_message_mb <= 2047)) bad("max_message_mb", "must be in [1, 2047]");
+  // ZeroMQ keeps the heartbeat TTL (3 x heartbeat_ms) in deciseconds below 2^16.
+  if (c.heartbeat_ms < 10 || c.heartbeat_ms > 600000) bad("heartbeat_ms", "must be in [10, 600000]");
   if (c.model.empty()) bad("model", "must not be empty");
   if (c.algorithm != "fedavg" && c.algorithm != "fedprox" && c.algorithm != "scaffold")
     bad("algorithm", "must be fedavg, fedprox or scaffold (got '" + c.algorithm + "')");
-  if (c.mu < 0) bad("mu", "must be >= 0");
-  if (c.local_epochs < 1) bad("local_epochs", "must be >= 1");
-  if (c.batch_size < 1) bad("batch_size", "must be >= 1");
-  if (!(c.lr > 0)) bad("lr", "must be > 0");
-  if (c.momentum < 0 || c.momentum >= 1) bad("momentum", "must be in [0, 1)");
-  if (c.weight_decay < 0) bad("weight_decay", "must be >= 0");
+  if (!(c.mu >= 0 && c.mu <= 1000)) bad("mu", "must be in [0, 1000]");
+  if (c.local_epochs < 1 || c.local_epochs > 1000) bad("local_epochs", "must be in [1, 1000]");
+  if (c.batch_size < 1 || c.batch_size > 1000000) bad("batch_size", "must be in [1, 1000000]");
+  if (!(c.lr > 0 && c.lr <= 10)) bad("lr", "must be in (0, 10]");
+  if (!(c.momentum >= 0 && c.momentum < 1)) bad("momentum", "must be in [0, 1)");
+  if (!(c.weight_decay >= 0 && c.weight_decay <= 1)) bad("weight_decay", "must be in [0, 1]");
   compression::register_builtins();
   try {
     compression::make_compressor(c.compression);
@@ -182,13 +186,13 @@ void validate(const ServerConfig& c) {
   } catch (const ConfigError& e) {
     bad("secagg", e.what());
   }
-  if (!(c.max_buffer_mb > 0)) bad("max_buffer_mb", "must be > 0");
+  if (!(c.max_buffer_mb > 0 && c.max_buffer_mb <= 1048576)) bad("max_buffer_mb", "must be in (0, 1048576]");
   if (!(c.max_update_norm >= 0 && c.max_update_norm <= 1e18))
     bad("max_update_norm", "must be in [0, 1e18] (0 = no bound)");
   if (c.holdout_after < 1 || c.holdout_after > 1000) bad("holdout_after", "must be in 1..1000");
   if (c.holdout_rounds < 0 || c.holdout_rounds > 10000) bad("holdout_rounds", "must be in 0..10000 (0 = never)");
-  if (c.rounds < 1) bad("rounds", "must be >= 1");
-  if (c.clients_per_round < 1) bad("clients_per_round", "must be >= 1");
+  if (c.rounds < 1 || c.rounds > 100000000) bad("rounds", "must be in [1, 100000000]");
+  if (c.clients_per_round < 1 || c.clients_per_round > 1000000) bad("clients_per_round", "must be in [1, 1000000]");
   if (c.min_clients < 0 || c.min_clients > c.clients_per_round)
     bad("min_clients", "must be in [0, clients_per_round] (0 = clients_per_round)");
   if (c.quorum < 1 || c.quorum > c.effective_min_clients())
@@ -196,15 +200,18 @@ void validate(const ServerConfig& c) {
   if (robust.min_updates() > c.quorum)
     bad("aggregator", "'" + c.aggregator + "' needs at least " + std::to_string(robust.min_updates()) +
                           " updates per round: raise quorum (now " + std::to_string(c.quorum) + ") or lower f");
-  if (!(c.round_deadline_s > 0)) bad("round_deadline_s", "must be > 0");
-  if (c.max_round_wait_s < 0) bad("max_round_wait_s", "must be >= 0 (0 = 4 x round_deadline_s)");
+  // Below 0.1 s no client can train and answer: every round would be abandoned.
+  if (!(c.round_deadline_s >= 0.1 && c.round_deadline_s <= 604800))
+    bad("round_deadline_s", "must be in [0.1, 604800] seconds");
+  if (!(c.max_round_wait_s >= 0 && c.max_round_wait_s <= 2419200))
+    bad("max_round_wait_s", "must be in [0, 2419200] seconds (0 = 4 x round_deadline_s)");
   if (c.max_round_wait_s > 0 && c.max_round_wait_s < c.round_deadline_s)
     bad("max_round_wait_s", "must be >= round_deadline_s");
   if (c.workers < 1 || c.workers > 256) bad("workers", "must be in [1, 256]");
   if (c.db.empty()) bad("db", "must not be empty");
-  if (c.keep_checkpoints < 1) bad("keep_checkpoints", "must be >= 1");
-  if (c.eval_every < 0) bad("eval_every", "must be >= 0 (0 = off)");
-  if (c.eval_batch < 1) bad("eval_batch", "must be >= 1");
+  if (c.keep_checkpoints < 1 || c.keep_checkpoints > 1000000) bad("keep_checkpoints", "must be in [1, 1000000]");
+  if (c.eval_every < 0 || c.eval_every > 100000000) bad("eval_every", "must be in [0, 100000000] (0 = off)");
+  if (c.eval_batch < 1 || c.eval_batch > 1000000) bad("eval_batch", "must be in [1, 1000000]");
   if (c.gateway()) {
     try {
       net::check_endpoint("upstream", c.upstream, /*for_bind=*/false);

@@ -12,7 +12,6 @@
 #include <chrono>
 #include <thread>
 #include <cmath>
-#include <csignal>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
@@ -33,20 +32,21 @@
 #include "server/try.h"
 #include "wire/net.h"
 
+SPARROW_STOP_HANDLERS_AT_LOAD();
+
 namespace {
 
 std::atomic<sparrow::server::Server*> g_server{nullptr};
 
-std::atomic<bool> g_signalled{false};
-extern "C" void on_signal(int) {
-  g_signalled.store(true);
+// Called by the first SIGINT/SIGTERM (core/cli.h).
+void stop_server() {
   sparrow::server::Server* s = g_server.load();
   if (s) s->stop();                 // stores to an atomic flag only: async-signal-safe
   sparrow::server::stop_gateway();  // atomic stores too
 }
 
 std::atomic<bool> g_try_stop{false};
-extern "C" void on_try_signal(int) { g_try_stop.store(true); }
+void stop_try() { g_try_stop.store(true); }
 
 std::string num(double v) {
   if (!std::isfinite(v)) return "null";
@@ -175,6 +175,7 @@ int keygen(const std::string& out, const std::string& name, int clients) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  sparrow::cli::install_stop_handlers();  // done at load already (above); here for the record
   // Before any thread: received messages reuse heap blocks (core/threads.h).
   sparrow::core::tune_allocator_for_messages();
   CLI::App app{"sparrow-server: federated-learning aggregator (docs/server.md)"};
@@ -229,37 +230,59 @@ int main(int argc, char** argv) {
     if (*st) return status(st_db, st_json);
     if (*ex) return export_model(ex_db, ex_out);
     if (*tr) {
-      std::signal(SIGINT, on_try_signal);
-      std::signal(SIGTERM, on_try_signal);
+      sparrow::cli::on_stop(stop_try);
       return sparrow::server::run_try(try_opts, g_try_stop);
     }
     if (config_path.empty()) {
       std::cerr << "sparrow-server: --config FILE is required (or a subcommand: keygen, status, export, try)\n";
       return 2;
     }
+    sparrow::cli::on_stop(stop_server);
+    // The command that resumes after a signal: this one (the database holds the run).
+    std::string command = "sparrow-server";
+    for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
+    auto interrupted = [&](const std::string& what) {
+      spdlog::info("event=interrupted msg=\"{}; continue with: {}\"", what, command);
+      return sparrow::cli::kInterrupted;
+    };
     sparrow::server::ServerConfig cfg = sparrow::server::load_server_config(config_path, overrides);
     cfg.insecure = insecure;
-    // Paths before anything starts: a bad one is a config error naming its key.
+    if (!http.empty()) cfg.http = http;
+    if (!http_token.empty()) cfg.http_token = http_token;
+    // Ranges and paths before anything starts: a bad one is a config error naming its key.
+    sparrow::server::validate(cfg);
     sparrow::core::check_file_path("db", cfg.db);
     if (cfg.gateway() && !cfg.upstream_state_db.empty())
       sparrow::core::check_file_path("upstream_state_db", cfg.upstream_state_db);
+    if (!cfg.insecure) {
+      sparrow::core::check_input_file("key", cfg.server_key);
+      sparrow::core::check_input_path("allow", cfg.allow);
+      if (cfg.gateway()) {
+        sparrow::core::check_input_file("upstream_server_key", cfg.upstream_server_key);
+        sparrow::core::check_input_file("upstream_key", cfg.upstream_key);
+      }
+    }
+    if (!cfg.http_token.empty()) sparrow::core::check_input_file("http_token", cfg.http_token);
+    if (!cfg.eval_data.empty()) sparrow::core::check_data_folder("eval_data", cfg.eval_data);
+    if (cfg.eval_every > 0 && cfg.eval_data.empty()) sparrow::core::check_data_folder("data_dir", cfg.data_dir);
     auto check_key = [&](const char* key, const std::string& file) {
       if (const std::string w = cfg.insecure ? "" : sparrow::core::secret_file_warning(key, file); !w.empty())
         spdlog::warn("event=key_permissions msg=\"{}\"", w);
     };
     check_key("key", cfg.server_key);
     if (cfg.gateway()) check_key("upstream_key", cfg.upstream_key);
-    if (!http.empty()) cfg.http = http;
-    if (!http_token.empty()) cfg.http_token = http_token;
     // The decode/aggregate pool runs cfg.workers threads: each gets its share.
     sparrow::core::configure_threads(cfg.workers);
     spdlog::info("event=threads msg=\"{}\"", sparrow::core::threads_summary(cfg.workers));
     spdlog::info("event=allocator malloc={}", sparrow::core::allocator_tuned_for_messages() ? "reuse" : "system");
     if (const std::string w = sparrow::core::blas_warning(); !w.empty()) spdlog::warn("event=blas msg=\"{}\"", w);
-    sparrow::server::Server server(cfg);
+    if (sparrow::cli::stop_requested()) return interrupted("stopped before the server started");
+    sparrow::server::Server server(cfg);  // builds the model, opens the database, loads evaluation data
     g_server.store(&server);
-    std::signal(SIGINT, on_signal);
-    std::signal(SIGTERM, on_signal);
+    if (sparrow::cli::stop_requested()) {
+      g_server.store(nullptr);
+      return interrupted("stopped before the first round (the database holds the run)");
+    }
     bool done = false;
     if (cfg.gateway()) {
       spdlog::info(
@@ -270,18 +293,20 @@ int main(int argc, char** argv) {
       server.run();
       done = server.completed_rounds() >= cfg.rounds;
     }
-    if (http_linger > 0 && !server.dashboard_url().empty() && !g_signalled.load()) {
+    if (http_linger > 0 && !server.dashboard_url().empty() && !sparrow::cli::stop_requested()) {
       // The run is over (socket closed, database written); its final state
       // stays on the dashboard for a while. A signal ends it.
       spdlog::info("event=http_linger url={} seconds={}", server.dashboard_url(), http_linger);
       const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(http_linger);
-      while (!g_signalled.load() && std::chrono::steady_clock::now() < until)
+      while (!sparrow::cli::stop_requested() && std::chrono::steady_clock::now() < until)
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     g_server.store(nullptr);
     // Stopped by a signal before the last round: interrupted (the last
     // completed round is on disk; the same config resumes after it).
-    return done ? sparrow::cli::kOk : sparrow::cli::kInterrupted;
+    if (done) return sparrow::cli::kOk;
+    return interrupted("stopped after round " + std::to_string(server.completed_rounds()) + " of " +
+                       std::to_string(cfg.rounds));
   } catch (const sparrow::ConfigError& e) {
     spdlog::error("event=config_error msg=\"{}\"", sparrow::core::error_text(e));
     return sparrow::cli::kBadInput;

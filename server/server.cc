@@ -27,6 +27,7 @@
 #include "aggregation/server_optimizer.h"
 #include "compression/compressor.h"
 #include "compression/mask.h"
+#include "federation/client_pipeline.h"
 #include "federation/global_model.h"
 #include "compression/lowrank.h"
 #include "compression/state.h"
@@ -53,7 +54,6 @@ using Clock = std::chrono::steady_clock;
 using wire::ErrorCode;
 
 constexpr uint64_t kSelectTag = 0x73656c65;  // "sele"
-constexpr uint64_t kTaskTag = 0x7461736b;    // "task"
 constexpr uint64_t kDpTag = 0x64702020;      // "dp  "
 constexpr uint64_t kSecAggTag = 0x73656361;  // "seca"
 // Frames up to this size are parsed on the I/O thread (control messages);
@@ -1123,7 +1123,8 @@ struct Server::Impl {
     t.train.mu = cfg.algorithm == "fedprox" ? cfg.mu : 0.0;
     if (rc.relay_train) t.train = *rc.relay_train;  // a gateway passes the root's settings on
     t.compression = cfg.compression;
-    t.seed = rng::derive(rng::derive(rng::derive(cfg.seed, kTaskTag), r), rng::hash_name(s.client_id));
+    t.seed = federation::task_seed(cfg.seed, r, s.client_id);  // as the simulator's clients
+    if (!rc.contexts.empty()) t.clients = static_cast<uint32_t>(rc.contexts.begin()->second.num_workers);
     t.shared = rc.shared;
     t.control = rc.control;
     t.deadline_ms = static_cast<uint64_t>(cfg.round_deadline_s * 1000.0);

@@ -60,15 +60,16 @@ struct ClientRow {
 // serialized wire messages); empty = absent.
 struct Checkpoint {
   int64_t round = 0;
-  std::string weights;         // global model W_r (compression::State bytes)
-  std::string server_opt;      // ServerOptimizer::serialize_state()
-  std::string control;         // SCAFFOLD server control c (State bytes)
-  std::string broadcast;       // downlink: broadcast model B_r (State bytes)
-  std::string downlink_state;  // downlink: per-tensor compressor states (written before the shared round engine; now empty)
-  std::string downlink_last;   // downlink: C_r, the last encoded delta (a wire ModelUpdate)
-  std::string acp;             // ACP shared factors for round r + 1 (State bytes)
-  std::string rng;             // RNG counters ("key=value;..." text)
-  std::string aggregator;      // aggregation::Aggregator::serialize_state() (adaptive DP clip)
+  std::string weights;     // global model W_r (compression::State bytes)
+  std::string server_opt;  // ServerOptimizer::serialize_state()
+  std::string control;     // SCAFFOLD server control c (State bytes)
+  std::string broadcast;   // downlink: broadcast model B_r (State bytes)
+  std::string
+      downlink_state;  // downlink: per-tensor compressor states (written before the shared round engine; now empty)
+  std::string downlink_last;  // downlink: C_r, the last encoded delta (a wire ModelUpdate)
+  std::string acp;            // ACP shared factors for round r + 1 (State bytes)
+  std::string rng;            // RNG counters ("key=value;..." text)
+  std::string aggregator;     // aggregation::Aggregator::serialize_state() (adaptive DP clip)
 };
 
 class ServerStore {

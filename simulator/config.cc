@@ -149,7 +149,7 @@ void check_robust(const core::FlatConfig& f, const SimConfig& c) {
   } catch (const ConfigError& e) {
     f.fail("secagg", e.what());
   }
-  f.check("max_buffer_mb", c.max_buffer_mb > 0, "must be > 0");
+  f.check("max_buffer_mb", c.max_buffer_mb > 0 && c.max_buffer_mb <= 1048576, "must be in (0, 1048576]");
   f.check("adversaries", c.adversaries >= 0 && c.adversaries < 1, "must be in [0, 1)");
   try {
     AttackSpec::parse(c.attack);
@@ -171,19 +171,20 @@ void finish(const core::FlatConfig& f, SimConfig& c, std::optional<double> alpha
           "is not available with the synthetic dataset (its test set is per client)");
   const std::string pmethod = spec_method(f, "partition", c.partition, {"iid", "dirichlet", "shards", "quantity"});
   if (alpha) fold_alpha(f, c, pmethod, *alpha);
-  f.check("clients", c.clients >= 1, "must be >= 1");
+  // The ranges of docs/simulator.md's key table (NaN fails every comparison).
+  f.check("clients", c.clients >= 1 && c.clients <= 10000000, "must be in [1, 10000000]");
   f.check("clients_per_round", c.clients_per_round >= 1 && c.clients_per_round <= c.clients,
           "must be in [1, clients = " + std::to_string(c.clients) + "]");
-  f.check("rounds", c.rounds >= 1, "must be >= 1");
+  f.check("rounds", c.rounds >= 1 && c.rounds <= 100000000, "must be in [1, 100000000]");
   f.check("model", !c.model.empty(), "must not be empty");
   f.check("algorithm", c.algorithm == "fedavg" || c.algorithm == "fedprox" || c.algorithm == "scaffold",
           "must be fedavg, fedprox or scaffold");
-  f.check("mu", c.mu >= 0, "must be >= 0");
-  f.check("local_epochs", c.local_epochs >= 1, "must be >= 1");
-  f.check("batch_size", c.batch_size >= 1, "must be >= 1");
-  f.check("lr", c.lr > 0, "must be > 0");
+  f.check("mu", c.mu >= 0 && c.mu <= 1000, "must be in [0, 1000]");
+  f.check("local_epochs", c.local_epochs >= 1 && c.local_epochs <= 1000, "must be in [1, 1000]");
+  f.check("batch_size", c.batch_size >= 1 && c.batch_size <= 1000000, "must be in [1, 1000000]");
+  f.check("lr", c.lr > 0 && c.lr <= 10, "must be in (0, 10]");
   f.check("momentum", c.momentum >= 0 && c.momentum < 1, "must be in [0, 1)");
-  f.check("weight_decay", c.weight_decay >= 0, "must be >= 0");
+  f.check("weight_decay", c.weight_decay >= 0 && c.weight_decay <= 1, "must be in [0, 1]");
   spec_method(f, "compression", c.compression, {});
   spec_method(f, "downlink", c.downlink, {});
   f.check("downlink", c.downlink.rfind("acp", 0) != 0,
@@ -192,18 +193,23 @@ void finish(const core::FlatConfig& f, SimConfig& c, std::optional<double> alpha
           "tcs sends values on the server's mask and cannot compress the broadcast; use stc, topk, dgc, ...");
   spec_method(f, "server_optimizer", c.server_optimizer, {});
   check_robust(f, c);
-  f.check("workers", c.workers >= 1, "must be >= 1");
-  f.check("client_batch", c.client_batch >= 0, "must be >= 0 (0 = choose automatically, 1 = one client at a time)");
-  f.check("threads", c.threads >= 0, "must be >= 0 (0 = cores / workers)");
+  f.check("workers", c.workers >= 1 && c.workers <= 1024, "must be in [1, 1024]");
+  f.check("client_batch", c.client_batch >= 0 && c.client_batch <= 100000,
+          "must be in [0, 100000] (0 = choose automatically, 1 = one client at a time)");
+  f.check("threads", c.threads >= 0 && c.threads <= 1024, "must be in [0, 1024] (0 = cores / workers)");
   f.check("device", c.device == "cpu" || c.device == "cuda" || c.device.rfind("cuda:", 0) == 0,
           "must be \"cpu\", \"cuda\" or \"cuda:N\"");
-  f.check("eval_every", c.eval_every >= 1, "must be >= 1");
-  f.check("checkpoint_every", c.checkpoint_every >= 1, "must be >= 1 (1 = every round)");
+  f.check("eval_every", c.eval_every >= 1 && c.eval_every <= 100000000, "must be in [1, 100000000]");
+  f.check("checkpoint_every", c.checkpoint_every >= 1 && c.checkpoint_every <= 100000000,
+          "must be in [1, 100000000] (1 = every round)");
   f.check("out", !c.out.empty(), "must not be empty");
-  f.check("deadline_s", c.deadline_s >= 0, "must be >= 0 (0 = no deadline)");
-  f.check("profiles.compute_speed", c.profiles.compute_speed >= 0, "must be >= 0 (a lognormal sigma)");
-  f.check("profiles.uplink_mbps", c.profiles.uplink_mbps > 0, "must be > 0");
-  f.check("profiles.downlink_mbps", c.profiles.downlink_mbps > 0, "must be > 0");
+  // Simulated seconds: a deadline nobody meets is a legitimate experiment.
+  f.check("deadline_s", c.deadline_s >= 0 && c.deadline_s <= 1e9, "must be in [0, 1e9] (0 = no deadline)");
+  f.check("profiles.compute_speed", c.profiles.compute_speed >= 0 && c.profiles.compute_speed <= 10,
+          "must be in [0, 10] (a lognormal sigma)");
+  f.check("profiles.uplink_mbps", c.profiles.uplink_mbps > 0 && c.profiles.uplink_mbps <= 1e6, "must be in (0, 1e6]");
+  f.check("profiles.downlink_mbps", c.profiles.downlink_mbps > 0 && c.profiles.downlink_mbps <= 1e6,
+          "must be in (0, 1e6]");
   f.check("profiles.availability", c.profiles.availability > 0 && c.profiles.availability <= 1, "must be in (0, 1]");
 }
 

@@ -44,28 +44,25 @@
 #include "monitor/board.h"
 #include "monitor/http.h"
 
+SPARROW_STOP_HANDLERS_AT_LOAD();
+
 namespace {
 
-volatile sig_atomic_t g_stop = 0;
 std::atomic<sparrow::simulator::Simulator*> g_sim{nullptr};
 
-void on_signal(int) {
-  if (g_stop) _exit(130);  // a second Ctrl-C: the last checkpoint stands
-  g_stop = 1;
+// Called by the first SIGINT/SIGTERM (core/cli.h): the clients in training
+// finish, the unfinished round is given up.
+void stop_sim() {
   if (auto* s = g_sim.load()) s->request_stop();  // stores atomics only
-  const char msg[] = "\nsparrow-sim: stopping after the clients in training (Ctrl-C again to quit at once)\n";
-  (void)!write(2, msg, sizeof msg - 1);
 }
 
-void install_signal_handlers() {
+// mpirun kills its ranks on SIGINT/SIGTERM but forwards SIGUSR1: the graceful
+// stop of a run over MPI ranks (docs/simulator.md), handled as SIGINT is.
+void install_rank0_usr1_handler() {
   struct sigaction sa {};
-  sa.sa_handler = on_signal;
+  sa.sa_handler = sparrow::cli::stop_signal_handler;
   sa.sa_flags = SA_RESTART;  // an interrupted write of the progress line is resumed, not failed
   sigemptyset(&sa.sa_mask);
-  sigaction(SIGINT, &sa, nullptr);
-  sigaction(SIGTERM, &sa, nullptr);
-  // mpirun kills its ranks on SIGINT/SIGTERM but forwards SIGUSR1: the
-  // graceful stop of a run over MPI ranks (docs/simulator.md).
   sigaction(SIGUSR1, &sa, nullptr);
 }
 
@@ -214,6 +211,7 @@ class SimBoard {
 }  // namespace
 
 int main(int argc, char** argv) {
+  sparrow::cli::install_stop_handlers();  // done at load already (above); here for the record
   using namespace sparrow::simulator;
   CLI::App app{"sparrow-sim: simulate a federated-learning experiment"};
   std::string config_path, resume_dir;
@@ -244,6 +242,7 @@ int main(int argc, char** argv) {
   exp->add_option("--out", export_out, "output folder (default RUN_DIR/export)");
   if (const int rc = sparrow::cli::parse(app, argc, argv); rc >= 0) return rc;
   sparrow::cli::setup_logging("sparrow-sim", log_level);
+  sparrow::cli::on_stop(stop_sim);
   if (*exp) {
     try {
       const SimConfig rc = load_config((std::filesystem::path(export_dir) / "config.toml").string());
@@ -327,6 +326,10 @@ int main(int argc, char** argv) {
     }
     // Before anything starts: a file, /proc, a read-only folder is a config error naming the key.
     sparrow::core::check_output_folder(resume ? "--resume" : "out", cfg.out);
+    if (cfg.dataset.rfind("folder:", 0) == 0)
+      sparrow::core::check_data_folder("dataset", cfg.dataset.substr(7));
+    else if (cfg.dataset.rfind("fashion-mnist", 0) == 0)
+      sparrow::core::check_data_folder("data_dir", cfg.data_dir);
     const std::filesystem::path run_db = std::filesystem::path(cfg.out) / "run.db";
     if (!resume && !force && std::filesystem::exists(run_db)) {
       std::cerr << "sparrow-sim: config error: the run folder " << cfg.out
@@ -353,11 +356,19 @@ int main(int argc, char** argv) {
       started = true;
     }
     if (const std::string w = sparrow::core::blas_warning(); !w.empty()) std::cerr << "sparrow-sim: " << w << '\n';
+    // A signal before the simulator exists: nothing was started (a resumed run is as it was).
+    if (sparrow::cli::stop_requested() && !ranked) {
+      std::cerr << "sparrow-sim: interrupted before the run started; nothing was written"
+                << (resume ? "; continue with: sparrow-sim --resume " + cfg.out : std::string()) << '\n';
+      return sparrow::cli::kInterrupted;
+    }
     const auto start = std::chrono::steady_clock::now();
+    // A signal while it builds (data, partition, model): the loop below does no
+    // round, the run is checkpointed as it stands and the --resume command printed.
     Simulator sim(cfg, resume, cluster.get());
     std::cerr << "sparrow-sim: run folder " << cfg.out << (resume ? " (resumed)" : "") << "; training "
               << sim.training_mode() << '\n';
-    install_signal_handlers();
+    install_rank0_usr1_handler();
     sim_board.start(sim);
     // Clients finished in the round in progress, for the dashboard's progress bar.
     std::atomic<bool> ticking{endpoint != nullptr};
@@ -397,7 +408,8 @@ int main(int argc, char** argv) {
         std::cerr << line << '\n';
     };
     g_sim.store(&sim);
-    while (!sim.done() && !g_stop) {
+    if (sparrow::cli::stop_requested()) sim.request_stop();
+    while (!sim.done() && !sparrow::cli::stop_requested()) {
       // The clients this round trains (availability may leave fewer than clients_per_round).
       sim_board.round_started(sim.completed_rounds() + 1,
                               static_cast<int>(sim.selection(sim.completed_rounds()).size()));
@@ -421,7 +433,7 @@ int main(int argc, char** argv) {
       std::cerr << "sparrow-sim: the dashboard stays at " << endpoint->url() << " for " << http_linger
                 << " s (Ctrl-C ends it)\n";
       const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(http_linger);
-      while (!g_stop && std::chrono::steady_clock::now() < until)
+      while (!sparrow::cli::stop_requested() && std::chrono::steady_clock::now() < until)
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     return 0;

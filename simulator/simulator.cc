@@ -23,6 +23,7 @@
 #include "aggregation/aggregator.h"
 #include "aggregation/robust.h"
 #include "aggregation/server_optimizer.h"
+#include "federation/client_pipeline.h"
 #include "federation/global_model.h"
 #include "client/batched_trainer.h"
 #include "client/trainer.h"
@@ -57,7 +58,6 @@ namespace {
 constexpr uint64_t kProfileTag = 0x70726f66;  // "prof"
 constexpr uint64_t kAvailTag = 0x6176616c;    // "aval"
 constexpr uint64_t kSampleTag = 0x73616d70;   // "samp"
-constexpr uint64_t kTrainTag = 0x7472616e;    // "tran"
 constexpr uint64_t kPartitionTag = 0x70617274;
 constexpr uint64_t kLocalDpTag = 0x6c647020;  // "ldp "
 constexpr uint64_t kAttackTag = 0x61747461;   // "atta"
@@ -940,7 +940,8 @@ struct Simulator::Impl {
         job.x = train_x.narrow(0, client_off[c], n);  // views: the data is client-major
         job.y = train_y.narrow(0, client_off[c], n);
         if (attacks(c) && attack.kind == AttackSpec::Kind::kLabelFlip) job.y = (classes - 1) - job.y;
-        job.seed = rng::derive(rng::derive(rng::derive(cfg.seed, kTrainTag), t), c);
+        // The seed sparrow-server gives client c's task in this round.
+        job.seed = federation::task_seed(cfg.seed, static_cast<uint64_t>(t) + 1, federation::sim_client_id(c));
         job.client_control = scaffold ? &r.state.control : nullptr;
         jobs.push_back(std::move(job));
       }
@@ -1013,15 +1014,16 @@ struct Simulator::Impl {
       bytes = wire::serialize(wire::Message{wire::kProtocolMajor, wire::kProtocolMinor,
                                             sa->party.at(c)->masked(std::move(x), {{"train_loss", tr.mean_loss}})});
     } else {
-      wire::ModelUpdate u;
-      u.round = static_cast<uint64_t>(t);
-      u.client_id = std::to_string(c);
-      u.num_samples = static_cast<uint64_t>(tr.num_samples);
-      u.metrics = {{"train_loss", tr.mean_loss}};
-      for (const auto& n : names) {
-        at::Tensor d = sent.at(n).to(at::kCPU, at::kFloat).contiguous();
-        u.tensors.push_back({n, compressor->encode(d, r.state.compressor[n], ctxs[n])});
-      }
+      // The client pipeline sparrow-client runs (federation/client_pipeline.h):
+      // the task's seed in each codec context, the round's client count.
+      const std::string id = federation::sim_client_id(c);
+      const uint64_t seed = federation::task_seed(cfg.seed, static_cast<uint64_t>(t) + 1, id);
+      std::map<std::string, compression::Context> cctx;
+      for (const auto& n : names)
+        cctx[n] = federation::client_context(ctxs.at(n), seed, static_cast<uint32_t>(ctxs.at(n).num_workers));
+      const wire::ModelUpdate u =
+          federation::make_update(static_cast<uint64_t>(t) + 1, id, tr.num_samples, names, sent, *compressor,
+                                  r.state.compressor, cctx, {}, {{"train_loss", tr.mean_loss}});
       bytes = wire::serialize(wire::Message{wire::kProtocolMajor, wire::kProtocolMinor, u});
     }
     r.state.rounds += 1;

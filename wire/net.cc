@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/error_text.h"
 
 namespace sparrow::net {
 namespace {
@@ -362,7 +363,7 @@ std::optional<wire::Message> receive(zmq::socket_t& socket, int timeout_ms, cons
 
 wire::Message error_message(wire::ErrorCode code, const std::string& text, std::optional<uint64_t> round) {
   wire::Message m;
-  m.body = wire::ErrorBody{code, text, round};
+  m.body = wire::ErrorBody{code, core::peer_text(text), round};
   return m;
 }
 

@@ -183,7 +183,8 @@ std::optional<RoutedFrame> receive_routed(zmq::socket_t& router);
 // wire::ProtocolError (the caller decides whether to answer with an Error).
 std::optional<wire::Message> receive(zmq::socket_t& socket, int timeout_ms, const wire::ParseLimits& limits = {});
 
-// A message carrying only an Error body.
+// A message carrying only an Error body. `text` goes out as core::peer_text
+// makes it (no " [COND failed at FILE:LINE]"): the caller logs the full text.
 wire::Message error_message(wire::ErrorCode code, const std::string& text, std::optional<uint64_t> round = {});
 
 }  // namespace sparrow::net

@@ -14,6 +14,7 @@
 #include <string_view>
 #include <unordered_set>
 
+#include "core/error_text.h"
 #include "sparrow_generated.h"
 
 namespace sparrow::wire {
@@ -234,7 +235,7 @@ flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const Ta
     secagg = fb::CreateSecAggSetup(b, a.index, a.clients, a.degree, a.threshold, a.graph_seed, a.clip, a.weight);
   }
   return fb::CreateTask(b, t.round, static_cast<fb::ModelEncoding>(t.model_encoding), t.base_round, weights, train,
-                        compression, t.seed, shared, control, t.deadline_ms, secagg)
+                        compression, t.seed, shared, control, t.deadline_ms, secagg, t.clients)
       .Union();
 }
 
@@ -557,6 +558,7 @@ Task task_of(const fb::Task& t, uint64_t max_elements, const Owner& owner) {
   out.shared = tensors_of(t.shared(), budget, owner);
   out.control = tensors_of(t.control(), budget, owner);
   out.deadline_ms = t.deadline_ms();
+  out.clients = t.clients();
   if (const fb::SecAggSetup* a = t.secagg()) {
     SecAggSetup g;
     g.index = a->index();
@@ -860,13 +862,13 @@ ErrorBody error_for(const std::exception& e, std::optional<uint64_t> round) {
   out.round = round;
   if (const auto* p = dynamic_cast<const ProtocolError*>(&e)) {
     out.code = p->code();
-    out.message = sanitize(p->what());
+    out.message = sanitize(core::peer_message(e));
   } else if (dynamic_cast<const FormatError*>(&e)) {
     out.code = ErrorCode::kMalformed;
-    out.message = sanitize(e.what());
+    out.message = sanitize(core::peer_message(e));
   } else if (dynamic_cast<const sparrow::Error*>(&e)) {
     out.code = ErrorCode::kRejected;
-    out.message = sanitize(e.what());
+    out.message = sanitize(core::peer_message(e));
   } else {
     out.code = ErrorCode::kInternal;
     out.message = "internal error";

@@ -138,6 +138,7 @@ struct Task {
   std::vector<NamedTensor> control;  // SCAFFOLD server control; names unique
   uint64_t deadline_ms = 0;
   std::optional<SecAggSetup> secagg;  // present: answer with SecAgg messages (1.1)
+  uint32_t clients = 0;               // clients selected for the round; 0 = not said (sparrow.fbs)
 };
 
 struct Ack {
@@ -262,8 +263,9 @@ inline Message parse(const std::string& bytes, const ParseLimits& limits = {}) {
 
 // The Error body to answer a failed message with: a ProtocolError keeps its
 // code and message; another FormatError is kMalformed, another sparrow::Error
-// kRejected (both with their message); anything else is kInternal with a
-// generic message (internal details are not sent to peers).
+// kRejected (both with their message, as core::peer_message makes it: no
+// " [COND failed at FILE:LINE]"); anything else is kInternal with a generic
+// message (internal details are not sent to peers; the caller logs them).
 ErrorBody error_for(const std::exception& e, std::optional<uint64_t> round = std::nullopt);
 
 // Bytes `e` adds to a serialized ModelUpdate when sent under `name`: its

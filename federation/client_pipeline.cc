@@ -1,0 +1,57 @@
+#include "federation/client_pipeline.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "core/rng.h"
+
+namespace sparrow::federation {
+
+namespace {
+constexpr uint64_t kTaskTag = 0x7461736b;  // "task": sparrow-server's task seeds since 1.0
+}  // namespace
+
+uint64_t task_seed(uint64_t seed, uint64_t r, const std::string& client_id) {
+  return rng::derive(rng::derive(rng::derive(seed, kTaskTag), r), rng::hash_name(client_id));
+}
+
+std::string sim_client_id(int64_t c) { return std::to_string(c); }
+
+compression::Context client_context(compression::Context round_ctx, uint64_t seed, uint32_t clients) {
+  round_ctx.seed = seed;
+  round_ctx.num_workers = static_cast<int>(std::max<uint32_t>(clients, 1));
+  return round_ctx;
+}
+
+wire::ModelUpdate make_update(uint64_t round, const std::string& client_id, int64_t num_samples,
+                              const std::vector<std::string>& names, const std::map<std::string, at::Tensor>& delta,
+                              const compression::Compressor& codec, std::map<std::string, compression::State>& states,
+                              const std::map<std::string, compression::Context>& contexts,
+                              const std::map<std::string, at::Tensor>& control_delta,
+                              std::vector<std::pair<std::string, double>> metrics) {
+  SPARROW_CHECK(num_samples > 0, "make_update: num_samples must be > 0");
+  wire::ModelUpdate u;
+  u.round = round;
+  u.client_id = client_id;
+  u.num_samples = static_cast<uint64_t>(num_samples);
+  u.metrics = std::move(metrics);
+  u.tensors.reserve(names.size());
+  for (const auto& name : names) {
+    const at::Tensor d = delta.at(name).to(at::kCPU, at::kFloat).contiguous();
+    u.tensors.push_back({name, codec.encode(d, states[name], contexts.at(name))});
+  }
+  if (!control_delta.empty()) {
+    const auto dense = compression::make_compressor("none");
+    for (const auto& name : names) {
+      auto it = control_delta.find(name);
+      if (it == control_delta.end()) continue;
+      compression::State scratch;
+      u.control_delta.push_back({name, dense->encode(it->second.to(at::kCPU, at::kFloat).contiguous(), scratch, {})});
+    }
+  }
+  return u;
+}
+
+}  // namespace sparrow::federation
