@@ -928,7 +928,11 @@ struct ClientSession::Impl {
           return;
         case wire::SecAggStage::kSharesIn: {
           fault_point("secagg-masked");
-          sa->party->receive_shares(m);
+          // A neighbour whose pair is bad counts as dropped: the Masked
+          // message names it and the server takes it out of the round.
+          for (const auto& [v, why] : sa->party->receive_shares(m))
+            spdlog::warn("round {}: secure aggregation: {}: client {} treated as dropped and reported to the server", r,
+                         why, v);
           masked_update();
           return;
         }

@@ -10,12 +10,15 @@
 namespace sparrow::federation {
 
 namespace {
-constexpr uint64_t kTaskTag = 0x7461736b;  // "task": sparrow-server's task seeds since 1.0
+constexpr uint64_t kTaskTag = 0x7461736b;       // "task": sparrow-server's task seeds since 1.0
+constexpr uint64_t kPartitionTag = 0x70617274;  // "part": the simulator's partition since 1.0
 }  // namespace
 
 uint64_t task_seed(uint64_t seed, uint64_t r, const std::string& client_id) {
   return rng::derive(rng::derive(rng::derive(seed, kTaskTag), r), rng::hash_name(client_id));
 }
+
+uint64_t partition_seed(uint64_t seed) { return rng::derive(seed, kPartitionTag); }
 
 std::string sim_client_id(int64_t c) { return std::to_string(c); }
 

@@ -23,6 +23,11 @@ namespace sparrow::federation {
 // randomness (shuffling, dropout) and its codec's random streams.
 uint64_t task_seed(uint64_t seed, uint64_t r, const std::string& client_id);
 
+// The partition seed of a simulated run with this `seed`: a deployed client
+// configured with `partition_seed` = this, the simulator's `partition`,
+// `clients` and `index = c` holds the simulator's shard of client c.
+uint64_t partition_seed(uint64_t seed);
+
 // The id the simulator gives client c (what a deployed client of the same
 // partition index is called in the parity tests): its decimal index.
 std::string sim_client_id(int64_t c);

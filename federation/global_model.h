@@ -40,6 +40,19 @@ struct GlobalConfig {
   std::string server_optimizer = "fedavg";
 };
 
+// The GlobalConfig of a program's config (server::ServerConfig,
+// simulator::SimConfig: both name these keys alike).
+template <typename Config>
+GlobalConfig global_config_of(const Config& c) {
+  GlobalConfig g;
+  g.seed = c.seed;
+  g.algorithm = c.algorithm;
+  g.compression = c.compression;
+  g.downlink = c.downlink;
+  g.server_optimizer = c.server_optimizer;
+  return g;
+}
+
 // What one global step did.
 struct StepResult {
   bool applied = false;  // false: the round is abandoned, nothing changed (error says why)

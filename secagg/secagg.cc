@@ -319,6 +319,7 @@ struct Client::Impl {
   Secret b{};                                  // self-mask seed
   // Shares held for each neighbour that sent its pair: b share, s share.
   std::map<uint32_t, std::pair<std::string, std::string>> held;
+  std::vector<uint32_t> rejected;  // neighbours whose pair was bad (sorted)
 
   Impl(const wire::SecAggSetup& s, uint64_t r, std::string id)
       : setup(s), round(r), client_id(std::move(id)), graph(s.clients, s.degree, s.graph_seed) {}
@@ -417,19 +418,39 @@ wire::SecAgg Client::shares(const wire::SecAgg& in) {
   return out;
 }
 
-void Client::receive_shares(const wire::SecAgg& in) {
+std::map<uint32_t, std::string> Client::receive_shares(const wire::SecAgg& in) {
   Impl& c = *impl_;
   check_stage(in, wire::SecAggStage::kSharesIn, c.round);
-  SPARROW_CHECK(c.shares_sent && !c.masked_sent && c.held.empty(), "secagg: unexpected SharesIn message");
+  SPARROW_CHECK(c.shares_sent && !c.masked_sent && c.held.empty() && c.rejected.empty(),
+                "secagg: unexpected SharesIn message");
+  for (const auto& sh : in.shares)
+    SPARROW_CHECK(c.peers.count(sh.peer),
+                  "secagg: shares from client " << sh.peer << ", not a neighbour that sent keys");
+  // A bad pair is its sender's fault (the server cannot read it): the sender
+  // is rejected, not this client's round.
   std::map<uint32_t, std::pair<std::string, std::string>> held;
+  std::map<uint32_t, std::string> bad;
+  auto reject = [&](uint32_t v, std::string why) {
+    held.erase(v);
+    bad.emplace(v, std::move(why));
+  };
   for (const auto& sh : in.shares) {
-    auto it = c.peers.find(sh.peer);
-    SPARROW_CHECK(it != c.peers.end(), "secagg: shares from client " << sh.peer << ", not a neighbour that sent keys");
-    SPARROW_CHECK(sh.kind == 0, "secagg: SharesIn carries encrypted pairs only");
-    SPARROW_CHECK(sh.data.size() == kNonceBytes + kPlainBytes + crypto_aead_chacha20poly1305_IETF_ABYTES,
-                  "secagg: encrypted pair from client " << sh.peer << " has the wrong length");
-    const Secret key =
-        derive_key(c.enc.sk, it->second.enc_key, "sparrow-secagg-share", c.round, sh.peer, c.setup.index);
+    if (bad.count(sh.peer)) continue;
+    if (held.count(sh.peer)) {
+      reject(sh.peer, "two pairs from client " + std::to_string(sh.peer));
+      continue;
+    }
+    if (sh.kind != 0 || sh.data.size() != kNonceBytes + kPlainBytes + crypto_aead_chacha20poly1305_IETF_ABYTES) {
+      reject(sh.peer, "the pair from client " + std::to_string(sh.peer) + " is malformed");
+      continue;
+    }
+    Secret key;
+    try {
+      key = derive_key(c.enc.sk, c.peers.at(sh.peer).enc_key, "sparrow-secagg-share", c.round, sh.peer, c.setup.index);
+    } catch (const Error&) {
+      reject(sh.peer, "key agreement with client " + std::to_string(sh.peer) + " failed");
+      continue;
+    }
     uint8_t ad[16];
     for (int k = 0; k < 8; ++k) ad[k] = static_cast<uint8_t>(c.round >> (8 * k));
     put32(ad + 8, sh.peer);
@@ -437,29 +458,31 @@ void Client::receive_shares(const wire::SecAgg& in) {
     uint8_t plain[kPlainBytes];
     unsigned long long plen = 0;
     const auto* ctp = u8(sh.data);
-    SPARROW_CHECK(
-        crypto_aead_chacha20poly1305_ietf_decrypt(plain, &plen, nullptr, ctp + kNonceBytes,
-                                                  sh.data.size() - kNonceBytes, ad, sizeof ad, ctp, key.data()) == 0 &&
-            plen == kPlainBytes,
-        "secagg: the pair from client " << sh.peer << " does not decrypt");
-    SPARROW_CHECK(get32(plain) == sh.peer && get32(plain + 4) == c.setup.index,
-                  "secagg: the pair from client " << sh.peer << " names other parties");
-    SPARROW_CHECK(held.emplace(sh.peer, std::make_pair(bytes(plain + 8, kShareBytes),
-                                                       bytes(plain + 8 + kShareBytes, kShareBytes)))
-                      .second,
-                  "secagg: two pairs from client " << sh.peer);
+    if (crypto_aead_chacha20poly1305_ietf_decrypt(plain, &plen, nullptr, ctp + kNonceBytes,
+                                                  sh.data.size() - kNonceBytes, ad, sizeof ad, ctp, key.data()) != 0 ||
+        plen != kPlainBytes) {
+      reject(sh.peer, "the pair from client " + std::to_string(sh.peer) + " does not decrypt");
+    } else if (get32(plain) != sh.peer || get32(plain + 4) != c.setup.index ||
+               plain[8] != c.x_of(sh.peer, c.setup.index) || plain[8 + kShareBytes] != c.x_of(sh.peer, c.setup.index)) {
+      reject(sh.peer, "the pair from client " + std::to_string(sh.peer) + " names other parties");
+    } else {
+      held.emplace(sh.peer, std::make_pair(bytes(plain + 8, kShareBytes), bytes(plain + 8 + kShareBytes, kShareBytes)));
+    }
     sodium_memzero(plain, sizeof plain);
   }
   c.held = std::move(held);
+  for (const auto& [v, why] : bad) c.rejected.push_back(v);
+  return bad;
 }
 
 wire::SecAgg Client::masked(std::vector<uint32_t> x, std::vector<std::pair<std::string, double>> metrics) {
   Impl& c = *impl_;
   SPARROW_CHECK(c.shares_sent && !c.masked_sent, "secagg: masked update out of order");
   add_prg(x.data(), x.size(), c.b, false);
-  // Pairwise masks with every neighbour whose shares arrived (the server
-  // forwards the shares of exactly the clients that sent theirs, so the
-  // relation is symmetric): + when this client's index is the smaller.
+  // Pairwise masks with every neighbour whose pair it holds: the server
+  // forwards the pairs of exactly the clients that sent theirs, and sums y_v
+  // only of clients no neighbour rejected, so among the survivors the
+  // relation is symmetric. + when this client's index is the smaller.
   for (const auto& [v, pair] : c.held) {
     const Secret s = derive_key(c.mask.sk, c.peers.at(v).mask_key, "sparrow-secagg-mask", c.round, c.setup.index, v);
     add_prg(x.data(), x.size(), s, /*subtract=*/c.setup.index > v);
@@ -468,6 +491,7 @@ wire::SecAgg Client::masked(std::vector<uint32_t> x, std::vector<std::pair<std::
   wire::SecAgg m = c.msg(wire::SecAggStage::kMasked);
   m.masked = std::move(x);
   m.metrics = std::move(metrics);
+  m.rejected = c.rejected;
   return m;
 }
 
@@ -511,6 +535,11 @@ struct Server::Impl {
   std::vector<uint32_t> sum;
   std::map<uint32_t, std::map<uint32_t, std::string>> b_shares, s_shares;  // owner -> holder -> share
   std::set<uint32_t> revealed;
+  std::set<uint32_t> out;                              // excluded (exclude())
+  std::map<uint32_t, std::vector<uint32_t>> pending;   // masked updates not yet in the sum
+  std::map<uint32_t, std::set<uint32_t>> rejected_by;  // sender of Masked -> neighbours it rejected
+  std::map<uint32_t, std::set<uint32_t>> reported;     // rejected client -> who rejected it
+  std::set<uint32_t> summed;                           // S: y_u in the sum
 
   Impl(const Params& p, uint64_t r, uint32_t clients, uint64_t seed, size_t len)
       : params(p),
@@ -527,16 +556,55 @@ struct Server::Impl {
       if (set.count(v)) out.push_back(v);
     return out;
   }
-  // Dropped clients whose pairwise masks are in the sum.
+  // Whether survivor w masked with (and holds the pair of) neighbour d.
+  bool holds(uint32_t w, uint32_t d) const {
+    auto it = rejected_by.find(w);
+    return it == rejected_by.end() || !it->second.count(d);
+  }
+  // The survivors that masked with dropped client d.
+  std::vector<uint32_t> maskers(uint32_t d) const {
+    std::vector<uint32_t> v;
+    for (uint32_t w : among(d, summed))
+      if (holds(w, d)) v.push_back(w);
+    return v;
+  }
+  // Dropped clients (U2 \ S) whose pairwise masks are in the sum.
   std::vector<uint32_t> dropped_needed() const {
-    std::vector<uint32_t> out;
+    std::vector<uint32_t> v;
     for (uint32_t u : u2)
-      if (!u3.count(u) && !among(u, u3).empty()) out.push_back(u);
-    return out;
+      if (!summed.count(u) && !maskers(u).empty()) v.push_back(u);
+    return v;
+  }
+  void add_to_sum(uint32_t u, const std::vector<uint32_t>& y) {
+    uint32_t* d = sum.data();
+    for (size_t i = 0; i < length; ++i) d[i] += y[i];  // mod 2^32
+    summed.insert(u);
+  }
+  // Sums or discards the pending updates whose fate is known: discarded when
+  // a neighbour rejected the sender or it was excluded, summed once every
+  // neighbour in U2 has answered (or at the close, `closing`).
+  void settle(bool closing) {
+    for (auto it = pending.begin(); it != pending.end();) {
+      const uint32_t u = it->first;
+      bool known = closing;
+      if (!known) {
+        known = true;
+        for (uint32_t v : among(u, u2)) known = known && (u3.count(v) || out.count(v));
+      }
+      if (reported.count(u) || out.count(u)) {
+        it = pending.erase(it);
+      } else if (known) {
+        add_to_sum(u, it->second);
+        it = pending.erase(it);
+      } else {
+        ++it;
+      }
+    }
   }
   void check_from(uint32_t from, const wire::SecAgg& m) const {
     SPARROW_CHECK(from >= 1 && from <= n, "secagg: client index " << from << " outside 1.." << n);
     SPARROW_CHECK(m.index == from, "secagg: message says index " << m.index << ", the sender is " << from);
+    SPARROW_CHECK(!out.count(from), "secagg: client " << from << " is excluded from round " << round);
   }
 };
 
@@ -556,6 +624,55 @@ const std::set<uint32_t>& Server::keyed() const { return impl_->u1; }
 const std::set<uint32_t>& Server::shared() const { return impl_->u2; }
 const std::set<uint32_t>& Server::masked() const { return impl_->u3; }
 const std::set<uint32_t>& Server::revealed() const { return impl_->revealed; }
+const std::set<uint32_t>& Server::survivors() const { return impl_->summed; }
+const std::map<uint32_t, std::set<uint32_t>>& Server::reported() const { return impl_->reported; }
+
+void Server::exclude(uint32_t from) {
+  Impl& s = *impl_;
+  if (from < 1 || from > s.n) return;
+  s.out.insert(from);
+  if (s.stage == Impl::kMasked) s.settle(false);
+}
+bool Server::excluded(uint32_t from) const { return impl_->out.count(from) > 0; }
+
+bool Server::open_for(wire::SecAggStage stage) const {
+  switch (impl_->stage) {
+    case Impl::kKeys:
+      return stage == wire::SecAggStage::kKeys;
+    case Impl::kShares:
+      return stage == wire::SecAggStage::kShares;
+    case Impl::kMasked:
+      return stage == wire::SecAggStage::kMasked;
+    case Impl::kReveal:
+      return stage == wire::SecAggStage::kReveal;
+    default:
+      return false;
+  }
+}
+
+bool Server::stage_complete() const {
+  const Impl& s = *impl_;
+  auto all = [&](const std::set<uint32_t>& from, const std::set<uint32_t>& answered) {
+    for (uint32_t u : from)
+      if (!answered.count(u) && !s.out.count(u)) return false;
+    return true;
+  };
+  switch (s.stage) {
+    case Impl::kKeys: {
+      for (uint32_t u = 1; u <= s.n; ++u)
+        if (!s.u1.count(u) && !s.out.count(u)) return false;
+      return true;
+    }
+    case Impl::kShares:
+      return all(s.u1, s.u2);
+    case Impl::kMasked:
+      return all(s.u2, s.u3);
+    case Impl::kReveal:
+      return all(s.summed, s.revealed);
+    default:
+      return true;
+  }
+}
 
 void Server::add_keys(uint32_t from, const wire::SecAgg& m) {
   Impl& s = *impl_;
@@ -642,24 +759,34 @@ void Server::add_masked(uint32_t from, const wire::SecAgg& m) {
   SPARROW_CHECK(!s.u3.count(from), "secagg: client " << from << " already sent its masked update");
   SPARROW_CHECK(m.masked.size() == s.length,
                 "secagg: masked update of " << m.masked.size() << " elements, the model has " << s.length);
-  uint32_t* d = s.sum.data();
-  const uint32_t* x = m.masked.data();
-  for (size_t i = 0; i < s.length; ++i) d[i] += x[i];  // mod 2^32
+  for (uint32_t v : m.rejected)
+    SPARROW_CHECK(s.graph.linked(from, v) && s.u2.count(v),
+                  "secagg: client " << from << " rejects client " << v << ", which sent it no pair");
   s.u3.insert(from);
+  if (!m.rejected.empty()) s.rejected_by[from].insert(m.rejected.begin(), m.rejected.end());
+  for (uint32_t v : m.rejected) s.reported[v].insert(from);
+  s.pending[from] = m.masked;
+  s.settle(false);
 }
 
 std::map<uint32_t, wire::SecAgg> Server::unmask_messages() {
   Impl& s = *impl_;
   SPARROW_CHECK(s.stage == Impl::kMasked, "secagg: the masked exchange is not open");
+  s.settle(true);
   s.stage = Impl::kReveal;
   std::map<uint32_t, wire::SecAgg> out;
-  for (uint32_t v : s.u3) {
+  for (uint32_t v : s.summed) {
     wire::SecAgg m;
     m.round = s.round;
     m.stage = wire::SecAggStage::kUnmask;
     m.index = v;
     m.survivors.push_back(v);
-    for (uint32_t u : s.among(v, s.u2)) (s.u3.count(u) ? m.survivors : m.dropped).push_back(u);
+    for (uint32_t u : s.among(v, s.u2)) {
+      if (s.summed.count(u))
+        m.survivors.push_back(u);  // holds u's pair: else u would be reported, not summed
+      else if (s.holds(v, u))
+        m.dropped.push_back(u);
+    }
     out.emplace(v, std::move(m));
   }
   return out;
@@ -670,13 +797,13 @@ void Server::add_reveal(uint32_t from, const wire::SecAgg& m) {
   check_stage(m, wire::SecAggStage::kReveal, s.round);
   s.check_from(from, m);
   SPARROW_CHECK(s.stage == Impl::kReveal, "secagg: reveals of round " << s.round << " are not accepted now");
-  SPARROW_CHECK(s.u3.count(from), "secagg: client " << from << " is not a survivor");
+  SPARROW_CHECK(s.summed.count(from), "secagg: client " << from << " is not a survivor");
   SPARROW_CHECK(!s.revealed.count(from), "secagg: client " << from << " already revealed");
   std::set<std::pair<uint32_t, uint8_t>> seen;
   for (const auto& sh : m.shares) {
-    SPARROW_CHECK(s.graph.linked(from, sh.peer) && s.u2.count(sh.peer),
+    SPARROW_CHECK(s.graph.linked(from, sh.peer) && s.u2.count(sh.peer) && s.holds(from, sh.peer),
                   "secagg: client " << from << " revealed a share of client " << sh.peer << ", not asked for");
-    SPARROW_CHECK(sh.kind == (s.u3.count(sh.peer) ? 1 : 2),
+    SPARROW_CHECK(sh.kind == (s.summed.count(sh.peer) ? 1 : 2),
                   "secagg: client " << from << " revealed the wrong kind of share of client " << sh.peer);
     SPARROW_CHECK(sh.data.size() == kShareBytes, "secagg: a revealed share must be " << kShareBytes << " bytes");
     SPARROW_CHECK(seen.insert({sh.peer, sh.kind}).second, "secagg: share of client " << sh.peer << " repeated");
@@ -687,8 +814,8 @@ void Server::add_reveal(uint32_t from, const wire::SecAgg& m) {
 
 bool Server::can_unmask() const {
   const Impl& s = *impl_;
-  if (s.stage != Impl::kReveal || s.u3.empty()) return false;
-  for (uint32_t u : s.u3) {
+  if (s.stage != Impl::kReveal || s.summed.empty()) return false;
+  for (uint32_t u : s.summed) {
     auto it = s.b_shares.find(u);
     if (it == s.b_shares.end() || it->second.size() < s.t) return false;
   }
@@ -702,12 +829,12 @@ bool Server::can_unmask() const {
 std::string Server::missing() const {
   const Impl& s = *impl_;
   std::ostringstream os;
-  if (s.u3.empty()) return "no masked update arrived";
+  if (s.summed.empty()) return "no masked update arrived";
   auto count = [&](const std::map<uint32_t, std::map<uint32_t, std::string>>& m, uint32_t u) -> size_t {
     auto it = m.find(u);
     return it == m.end() ? 0 : it->second.size();
   };
-  for (uint32_t u : s.u3)
+  for (uint32_t u : s.summed)
     if (count(s.b_shares, u) < s.t)
       os << (os.tellp() ? "; " : "") << "client " << u << ": " << count(s.b_shares, u) << " of " << s.t
          << " self-mask shares";
@@ -727,7 +854,7 @@ std::vector<uint32_t> Server::unmask() {
     for (const auto& [holder, sh] : m) v.push_back(sh);
     return v;
   };
-  for (uint32_t u : s.u3) {
+  for (uint32_t u : s.summed) {
     Secret b = shamir_combine(shares_of(s.b_shares.at(u)), s.t);
     add_prg(sum.data(), sum.size(), b, /*subtract=*/true);
     sodium_memzero(b.data(), b.size());
@@ -739,7 +866,7 @@ std::vector<uint32_t> Server::unmask() {
     SPARROW_CHECK(sodium_memcmp(pk, u8(s.keys.at(u).mask_key), sizeof pk) == 0,
                   "secagg: the mask key of dropped client " << u << " reconstructs wrong (a bad share)");
     const std::string sks = bytes(sk.data(), sk.size());
-    for (uint32_t v : s.among(u, s.u3)) {
+    for (uint32_t v : s.maskers(u)) {
       // v added +PRG(s_uv) when v < u, -PRG(s_uv) otherwise: take it out.
       const Secret m = derive_key(sks, s.keys.at(v).mask_key, "sparrow-secagg-mask", s.round, u, v);
       add_prg(sum.data(), sum.size(), m, /*subtract=*/v < u);

@@ -14,8 +14,10 @@
 //                sends each neighbour its pair encrypted (ChaCha20-Poly1305
 //                under an X25519 key); the server routes them (SharesIn).
 //   3. Masked:   every client sends y_u = x_u + PRG(b_u) + sum over neighbours
-//                v that sent shares of +-PRG(s_uv) mod 2^32, x_u its update
-//                quantised into the ring (PRG = ChaCha20).
+//                v whose pair it holds of +-PRG(s_uv) mod 2^32, x_u its update
+//                quantised into the ring (PRG = ChaCha20), and names the
+//                neighbours whose pair was bad (rejected): the server treats
+//                those as dropped (docs/security.md, "One bad participant").
 //   4. Unmask:   the server tells each survivor which neighbours sent y and
 //                which did not; the survivor reveals its share of b_u for the
 //                former and of the mask key for the latter (Reveal), never
@@ -124,9 +126,13 @@ class Client {
   // its neighbours in the round's graph, repeated or reflected keys, and fewer
   // than t neighbours (its own update could not be unmasked).
   wire::SecAgg shares(const wire::SecAgg& neighbours);
-  // Stage 2 -> 3: the encrypted pairs addressed to it (each must decrypt and
-  // name the right sender and addressee).
-  void receive_shares(const wire::SecAgg& shares_in);
+  // Stage 2 -> 3: the encrypted pairs addressed to it. A pair that is
+  // malformed, does not decrypt, names other parties or comes twice is not
+  // an error of this client: its sender is rejected (no shares held, no mask
+  // with it, named in the Masked message). Returns the rejected neighbours,
+  // each with why. Throws only for a message the server got wrong (stage,
+  // order, a pair from a client that sent no keys).
+  std::map<uint32_t, std::string> receive_shares(const wire::SecAgg& shares_in);
   // Stage 3: its quantised update (quantise()), masked. The ring vector is
   // the caller's; metrics travel in the clear.
   wire::SecAgg masked(std::vector<uint32_t> x, std::vector<std::pair<std::string, double>> metrics = {});
@@ -166,9 +172,15 @@ class Server {
   void add_shares(uint32_t from, const wire::SecAgg& m);
   // Closes stage 2: U2 = the senders of shares. One SharesIn per member.
   std::map<uint32_t, wire::SecAgg> shares_in_messages();
-  // Adds y_u to the running sum (O(length) memory, whatever n).
+  // Takes y_u; it joins the running sum once every neighbour in U2 has sent
+  // its own masked update without rejecting u (or at the close of the stage),
+  // so memory is O(length) plus the updates whose neighbours are still
+  // training. `m.rejected` must name neighbours in U2 only.
   void add_masked(uint32_t from, const wire::SecAgg& m);
-  // Closes stage 3: U3 = the senders of masked updates. One Unmask per member.
+  // Closes stage 3: the survivors S = the senders of masked updates that no
+  // neighbour rejected and that were not excluded; only their y_u are in the
+  // sum. One Unmask per member of S: its neighbours in S, and the dropped
+  // ones (U2 \ S) whose pair it holds.
   std::map<uint32_t, wire::SecAgg> unmask_messages();
   void add_reveal(uint32_t from, const wire::SecAgg& m);
   // Every self-mask of U3 and every mask key of U2 \ U3 needed has t shares.
@@ -177,10 +189,25 @@ class Server {
   // lacks shares or a reconstructed mask key does not match its public key.
   std::vector<uint32_t> unmask();
 
-  const std::set<uint32_t>& keyed() const;     // U1
-  const std::set<uint32_t>& shared() const;    // U2
-  const std::set<uint32_t>& masked() const;    // U3
-  const std::set<uint32_t>& revealed() const;  // members of U3 whose reveal arrived
+  // Takes `from` out of the round after it broke the protocol (a refused
+  // message in its open stage): later messages from it are refused, it no
+  // longer holds up stage_complete(), and a masked update of its that is not
+  // yet in the sum never will be. One already summed stays (it is a survivor).
+  void exclude(uint32_t from);
+  bool excluded(uint32_t from) const;
+  // Whether `stage` is the exchange open now: a message of another stage is
+  // late or early (a straggler, not a protocol breach).
+  bool open_for(wire::SecAggStage stage) const;
+  // Every client the open exchange waits for has answered or is excluded.
+  bool stage_complete() const;
+
+  const std::set<uint32_t>& keyed() const;      // U1
+  const std::set<uint32_t>& shared() const;     // U2
+  const std::set<uint32_t>& masked() const;     // U3: masked updates accepted (summed or not)
+  const std::set<uint32_t>& survivors() const;  // S, after unmask_messages()
+  const std::set<uint32_t>& revealed() const;   // members of S whose reveal arrived
+  // Clients rejected by neighbours in their Masked messages: client -> who.
+  const std::map<uint32_t, std::set<uint32_t>>& reported() const;
   // Reveals missing, for a log line: "client 4: 1 of 3 self-mask shares".
   std::string missing() const;
 

@@ -322,13 +322,7 @@ struct Server::Impl {
       if (cfg.eval_every > 0) eval_model = core::make_model(cfg.model, cfg.model_seed);
     }
     SPARROW_CHECK_T(ConfigError, !names.empty(), "model '" << cfg.model << "' has no parameters");
-    federation::GlobalConfig gc;
-    gc.seed = cfg.seed;
-    gc.algorithm = cfg.algorithm;
-    gc.compression = cfg.compression;
-    gc.downlink = cfg.downlink;
-    gc.server_optimizer = cfg.server_optimizer;
-    gm = std::make_unique<federation::GlobalModel>(gc, std::move(w0), names);
+    gm = std::make_unique<federation::GlobalModel>(federation::global_config_of(cfg), std::move(w0), names);
     for (const auto& nm : names) {
       shapes.emplace_back(nm, gm->weights().at(nm).sizes().vec());
       numel += gm->weights().at(nm).numel();
@@ -922,6 +916,10 @@ struct Server::Impl {
       return;
     }
     const uint32_t index = it->second.index;
+    // A message of the open exchange that the protocol refuses is a breach
+    // (an honest client never sends one): the client leaves the round and sits
+    // out the next selections. Out of turn is a straggler, refused alone.
+    const bool in_turn = sa->open_for(m.stage) && !sa->excluded(index);
     try {
       switch (m.stage) {
         case wire::SecAggStage::kKeys:
@@ -943,6 +941,10 @@ struct Server::Impl {
       ++round_rejected;
       row.rejects++;
       const std::string cid = s.client_id;
+      if (in_turn) {
+        sa->exclude(index);
+        secagg_offender(cid, row.public_key, m.round, wire::secagg_stage_name(m.stage), "broke the protocol");
+      }
       g.unlock();
       spdlog::warn("event=secagg_rejected client={} round={} stage={} error=\"{}\"", cid, m.round,
                    wire::secagg_stage_name(m.stage), core::printable(e.what()));
@@ -961,6 +963,16 @@ struct Server::Impl {
       reply(rid, msg(wire::Ack{m.round}));
     }
     cv.notify_all();
+  }
+
+  // Under mu: a client that broke the SecAgg+ protocol or whose pairs its
+  // neighbours rejected. It is out of the round already; it sits out the next
+  // selections (strike(), at once) and the log names it with its key.
+  void secagg_offender(const std::string& cid, const std::string& key, uint64_t r, const char* stage,
+                       const std::string& why) {
+    spdlog::warn("event=secagg_offender client={} key={} round={} stage={} reason=\"{}\"", core::printable(cid),
+                 key.empty() ? "-" : key, r, stage, core::printable(why));
+    strike(cid, key, /*at_once=*/true);
   }
 
   // Under mu: the protocol state of round r over the chosen clients, and each
@@ -1032,33 +1044,39 @@ struct Server::Impl {
     };
     auto progress = [&](const char* p) { board->update_progress([&](monitor::Progress& pr) { pr.phase = p; }); };
     progress("secagg keys");
-    if (!wait_phase(g, t0 + phase, [&] { return sa->keyed().size() == n; })) return Collected::kStopped;
+    if (!wait_phase(g, t0 + phase, [&] { return sa->stage_complete(); })) return Collected::kStopped;
     if (sa->keyed().size() < need) return fail("keys", sa->keyed().size(), n);
     send_secagg(sa->neighbour_messages());
     progress("secagg shares");
-    if (!wait_phase(g, Clock::now() + phase, [&] { return sa->shared().size() == sa->keyed().size(); }))
-      return Collected::kStopped;
+    if (!wait_phase(g, Clock::now() + phase, [&] { return sa->stage_complete(); })) return Collected::kStopped;
     if (sa->shared().size() < need) return fail("shares", sa->shared().size(), sa->keyed().size());
     send_secagg(sa->shares_in_messages());
     progress("training");
     auto deadline = t0 + period;
     for (;;) {
-      if (!wait_phase(g, deadline, [&] { return sa->masked().size() == sa->shared().size(); }))
-        return Collected::kStopped;
-      if (sa->masked().size() == sa->shared().size() || sa->masked().size() >= need) break;
+      if (!wait_phase(g, deadline, [&] { return sa->stage_complete(); })) return Collected::kStopped;
+      if (sa->stage_complete() || sa->masked().size() >= need) break;
       if (Clock::now() >= hard) return fail("masked", sa->masked().size(), sa->shared().size());
       deadline = std::min(deadline + period, hard);
       spdlog::warn("event=deadline_extended round={} updates={} need={}", r, sa->masked().size(), need);
     }
-    send_secagg(sa->unmask_messages());
+    std::map<uint32_t, wire::SecAgg> unmask = sa->unmask_messages();
+    for (const auto& [v, by] : sa->reported()) {
+      std::string who;
+      for (uint32_t u : by) who += (who.empty() ? "" : ",") + sa_client.at(u);
+      const std::string& cid = sa_client.at(v);
+      secagg_offender(cid, clients[cid].public_key, r, "shares",
+                      "its encrypted pairs were rejected by neighbours " + who);
+    }
+    if (sa->survivors().size() < need) return fail("masked", sa->survivors().size(), sa->shared().size());
+    send_secagg(std::move(unmask));
     progress("secagg unmask");
-    if (!wait_phase(g, Clock::now() + phase, [&] { return sa->revealed().size() == sa->masked().size(); }))
-      return Collected::kStopped;
+    if (!wait_phase(g, Clock::now() + phase, [&] { return sa->stage_complete(); })) return Collected::kStopped;
     if (!sa->can_unmask()) {
       spdlog::warn(
           "event=round_abandoned round={} secagg=1 stage=reveal revealed={} of={} msg=\"cannot unmask: {}; "
           "restarting the round with a fresh selection\"",
-          r, sa->revealed().size(), sa->masked().size(), sa->missing());
+          r, sa->revealed().size(), sa->survivors().size(), sa->missing());
       return Collected::kAbandon;
     }
     return Collected::kOk;
@@ -1072,7 +1090,7 @@ struct Server::Impl {
     std::vector<std::pair<double, std::vector<std::pair<std::string, double>>>> client_metrics;
     {
       std::lock_guard<std::mutex> g(mu);
-      for (uint32_t i : sa->masked()) {
+      for (uint32_t i : sa->survivors()) {
         const std::string& cid = sa_client.at(i);
         const double w = static_cast<double>(clients[cid].num_samples);
         wsum += sa_setup.at(cid).weight;
@@ -1102,9 +1120,9 @@ struct Server::Impl {
       }
     metrics["secagg.keys"] = static_cast<double>(sa->keyed().size());
     metrics["secagg.shares"] = static_cast<double>(sa->shared().size());
-    metrics["secagg.masked"] = static_cast<double>(sa->masked().size());
+    metrics["secagg.masked"] = static_cast<double>(sa->survivors().size());
     metrics["secagg.unmask_seconds"] = std::chrono::duration<double>(Clock::now() - t0).count();
-    return sa->masked().size();
+    return sa->survivors().size();
   }
 
   // ---- tasks ---------------------------------------------------------------------
@@ -1249,8 +1267,10 @@ struct Server::Impl {
   // Under mu: one more refused update of `cid`. holdout_after refusals in a
   // row hold it out of selection for holdout_rounds rounds, twice as long each
   // time after (at most 64x); an accepted update clears the count.
-  void strike(const std::string& cid, const std::string& key) {
+  // `at_once`: a protocol breach, held out now whatever holdout_after says.
+  void strike(const std::string& cid, const std::string& key, bool at_once = false) {
     Holdout& h = holdouts[cid];
+    if (at_once) h.strikes = std::max<int64_t>(h.strikes, cfg.holdout_after - 1);
     if (++h.strikes < cfg.holdout_after || cfg.holdout_rounds == 0) return;
     h.strikes = 0;
     const uint64_t rounds = static_cast<uint64_t>(cfg.holdout_rounds) << std::min<uint64_t>(h.holds, 6);
@@ -1478,7 +1498,9 @@ struct Server::Impl {
     std::map<std::string, double> metrics;
     if (sa && !abandon) {
       try {
-        fold_secagg(*round_ctx, metrics);
+        const size_t survivors = fold_secagg(*round_ctx, metrics);
+        std::lock_guard<std::mutex> g(mu);
+        round_accepted = static_cast<int64_t>(survivors);  // a rejected client's masked update is not in the sum
       } catch (const Error& e) {
         spdlog::error("event=round_abandoned round={} secagg=1 error=\"{}\"", r, e.what());
         abandon = true;

@@ -40,6 +40,7 @@
 #include "simulator/config.h"
 #include "simulator/report.h"
 #include "core/threads.h"
+#include "federation/client_pipeline.h"
 #include "simulator/simulator.h"
 #include "monitor/board.h"
 #include "monitor/http.h"
@@ -368,6 +369,10 @@ int main(int argc, char** argv) {
     Simulator sim(cfg, resume, cluster.get());
     std::cerr << "sparrow-sim: run folder " << cfg.out << (resume ? " (resumed)" : "") << "; training "
               << sim.training_mode() << '\n';
+    // What a deployed client needs to hold simulated client i's shard
+    // (sparrow-client: partition, clients, index = i, partition_seed).
+    std::cerr << "sparrow-sim: partition \"" << cfg.partition << "\" over " << cfg.clients
+              << " clients, partition_seed=" << sparrow::federation::partition_seed(cfg.seed) << '\n';
     install_rank0_usr1_handler();
     sim_board.start(sim);
     // Clients finished in the round in progress, for the dashboard's progress bar.

@@ -58,7 +58,6 @@ namespace {
 constexpr uint64_t kProfileTag = 0x70726f66;  // "prof"
 constexpr uint64_t kAvailTag = 0x6176616c;    // "aval"
 constexpr uint64_t kSampleTag = 0x73616d70;   // "samp"
-constexpr uint64_t kPartitionTag = 0x70617274;
 constexpr uint64_t kLocalDpTag = 0x6c647020;  // "ldp "
 constexpr uint64_t kAttackTag = 0x61747461;   // "atta"
 constexpr uint64_t kDpTag = 0x64702020;       // "dp  "
@@ -356,7 +355,7 @@ struct Simulator::Impl {
     }
     const std::vector<uint32_t> sum = r.server->unmask();
     double wsum = 0, samples = 0;
-    for (uint32_t i : r.server->masked()) {
+    for (uint32_t i : r.server->survivors()) {
       wsum += r.weight.at(ids[i - 1]);
       samples += static_cast<double>(client_idx[ids[i - 1]].numel());
     }
@@ -440,7 +439,7 @@ struct Simulator::Impl {
       core::ImageSplit tes = core::load_mnist_bytes(cfg.data_dir, "test");
       core::Dataset tr{trs.images, trs.labels}, te{tes.images, tes.labels};
       hold_validation(tr, te);
-      auto parts = core::partition(tr.y, cfg.clients, cfg.partition, rng::derive(cfg.seed, kPartitionTag));
+      auto parts = core::partition(tr.y, cfg.clients, cfg.partition, federation::partition_seed(cfg.seed));
       train_x = tr.x;
       train_y = tr.y;
       test_x = core::normalize_bytes(te.x, core::kFashionMnistMean, core::kFashionMnistStd);
@@ -495,7 +494,7 @@ struct Simulator::Impl {
                       "dataset: " << path << " has no test split (test/ or t10k files) and test_fraction = "
                                   << cfg.test_fraction << " of " << n << " samples holds out " << hold
                                   << ": need at least 1 test and 1 training sample");
-      te = core::hold_out(tr, hold, rng::derive(cfg.seed, kPartitionTag) ^ 0x7e57u);
+      te = core::hold_out(tr, hold, federation::partition_seed(cfg.seed) ^ 0x7e57u);
       test_from =
           std::to_string(hold) + " samples held out (test_fraction = " + std::to_string(cfg.test_fraction) + ")";
     }
@@ -503,7 +502,7 @@ struct Simulator::Impl {
     SPARROW_CHECK_T(
         ConfigError, tr.size() >= cfg.clients,
         "clients: " << cfg.clients << " clients but " << path << " has " << tr.size() << " training samples");
-    auto parts = core::partition(tr.y, cfg.clients, cfg.partition, rng::derive(cfg.seed, kPartitionTag));
+    auto parts = core::partition(tr.y, cfg.clients, cfg.partition, federation::partition_seed(cfg.seed));
     train_x = tr.x;
     train_y = tr.y;
     test_x = te->x;
@@ -522,7 +521,7 @@ struct Simulator::Impl {
     const auto hold = static_cast<int64_t>(std::llround(cfg.validation * static_cast<double>(tr.size())));
     SPARROW_CHECK_T(ConfigError, hold >= 1 && hold < tr.size(),
                     "validation: " << cfg.validation << " of " << tr.size() << " training samples holds out " << hold);
-    te = core::hold_out(tr, hold, rng::derive(cfg.seed, kPartitionTag) ^ 0x7a11du);
+    te = core::hold_out(tr, hold, federation::partition_seed(cfg.seed) ^ 0x7a11du);
     validation_note = "evaluating on " + std::to_string(hold) + " validation samples held out of the " +
                       std::to_string(tr.size() + hold) +
                       " training samples (validation = " + std::to_string(cfg.validation) +
@@ -616,13 +615,7 @@ struct Simulator::Impl {
         client::Weights w0 = client::get_weights(*wk.model);
         for (auto& [n, v] : w0) v = v.to(at::kCPU);
         names = wk.trainer->names();
-        federation::GlobalConfig gc;
-        gc.seed = cfg.seed;
-        gc.algorithm = cfg.algorithm;
-        gc.compression = cfg.compression;
-        gc.downlink = cfg.downlink;
-        gc.server_optimizer = cfg.server_optimizer;
-        gm = std::make_unique<federation::GlobalModel>(gc, std::move(w0), names);
+        gm = std::make_unique<federation::GlobalModel>(federation::global_config_of(cfg), std::move(w0), names);
         if (wk.batched)
           training = "batched clients: up to " + std::to_string(wk.batch) + " per pass on each of " +
                      std::to_string(cfg.workers) + (cfg.workers == 1 ? " worker" : " workers") + ", on " + cfg.device;

@@ -254,8 +254,9 @@ flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const Se
   const auto masked = vector_or_absent(b, m.masked, kValuesAlign);
   const auto metrics_list = build_metrics(b, m.metrics);
   const auto metrics = metrics_list.empty() ? 0 : b.CreateVector(metrics_list);
+  const auto rejected = vector_or_absent(b, m.rejected);
   return fb::CreateSecAgg(b, m.round, client_id, static_cast<fb::SecAggStage>(m.stage), m.index, peers_off, shares_off,
-                          survivors, dropped, masked, metrics)
+                          survivors, dropped, masked, metrics, rejected)
       .Union();
 }
 
@@ -337,7 +338,8 @@ size_t size_bound(const SplitGradient& g) {
   return 256 + g.session.size() + g.codec.size() + 8 * g.shape.size() + g.payload.size() + kValuesAlign;
 }
 size_t size_bound(const SecAgg& m) {
-  size_t n = 256 + m.client_id.size() + 4 * (m.survivors.size() + m.dropped.size() + m.masked.size()) + kValuesAlign;
+  size_t n = 256 + m.client_id.size() +
+             4 * (m.survivors.size() + m.dropped.size() + m.masked.size() + m.rejected.size()) + kValuesAlign;
   for (const SecAggPeer& p : m.peers) n += 64 + p.enc_key.size() + p.mask_key.size();
   for (const SecAggShare& sh : m.shares) n += 48 + sh.data.size();
   for (const auto& mt : m.metrics) n += 64 + mt.first.size();
@@ -627,6 +629,7 @@ SecAgg secagg_of(const fb::SecAgg& m, uint64_t max_elements) {
   }
   out.survivors = distinct_indices(m.survivors(), "survivors");
   out.dropped = distinct_indices(m.dropped(), "dropped");
+  out.rejected = distinct_indices(m.rejected(), "rejected");
   if (const auto* v = m.masked()) {
     if (v->size() > max_elements) fail(ErrorCode::kOversize, "SecAgg: masked vector over the element limit");
     out.masked.resize(v->size());

@@ -32,8 +32,9 @@ namespace sparrow::wire {
 // 1.3: masked sparse updates (IndexCoding Mask, the server's mask in Task.shared);
 // 1.4: low-rank factors (LowRank, LowRankFactor) in fp16, bf16 or int8;
 // 1.5: LowRankSparse (PowerSGD factors plus a Rice-coded sparse correction);
-// 1.6: masked updates that carry a seeded share of the mask (params {b, m, B, k}, key in seed).
-constexpr uint16_t kProtocolMajor = 1, kProtocolMinor = 6;
+// 1.6: masked updates that carry a seeded share of the mask (params {b, m, B, k}, key in seed);
+// 1.7: SecAgg.rejected (a Masked message names the neighbours whose pair was bad).
+constexpr uint16_t kProtocolMajor = 1, kProtocolMinor = 7;
 
 // parse() refuses larger buffers before looking at them (kOversize).
 constexpr size_t kDefaultMaxMessageBytes = size_t{1} << 30;
@@ -210,6 +211,7 @@ struct SecAgg {
   std::vector<uint32_t> survivors, dropped;
   std::vector<uint32_t> masked;
   std::vector<std::pair<std::string, double>> metrics;
+  std::vector<uint32_t> rejected;  // Masked: neighbours whose pair was bad (1.7)
 };
 
 const char* secagg_stage_name(SecAggStage s);

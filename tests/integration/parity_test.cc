@@ -7,7 +7,7 @@
 
 #include <cmath>
 
-#include "core/rng.h"
+#include "federation/client_pipeline.h"
 #include "simulator/simulator.h"
 
 using namespace sparrow::testing::integ;  // NOLINT(google-build-using-namespace)
@@ -18,9 +18,9 @@ const std::string kSimBin = kBin + "/sparrow-sim";
 constexpr uint64_t kSeed = 5;
 constexpr int kClients = 3;
 constexpr int kRounds = 2;
-// The simulator's partition seed (simulator.cc, kPartitionTag): the clients
-// are given it as `partition_seed`, so client i holds the simulator's shard i.
-const uint64_t kPartitionSeed = sparrow::rng::derive(kSeed, 0x70617274);
+// The clients are given the simulator's partition seed as `partition_seed`,
+// so client i holds the simulator's shard i.
+const uint64_t kPartitionSeed = sparrow::federation::partition_seed(kSeed);
 
 // Keys both programs share, as both spell them (server_toml() adds model = "mlp").
 const std::string kShared =

@@ -5,6 +5,8 @@
 #include <doctest/doctest.h>
 
 #include <cmath>
+#include <functional>
+#include <map>
 #include <memory>
 #include <set>
 
@@ -294,4 +296,142 @@ TEST_CASE("secagg: half the ring drops before its masked update") {
     }
     CHECK(max_diff(o.secure, o.plain) <= static_cast<float>(6 / ring_scale(6, 1.0)) + 1e-7f);
   }
+}
+
+namespace {
+
+// One round of n clients (len coordinates, weight 1/n) where `tamper` may
+// change the Shares message of a client before the server routes it, and
+// `exclude` names a client the server takes out after its Shares. Returns
+// the outcome with u3 = the survivors.
+Outcome run_tampered(uint32_t n, const Params& p, size_t len,
+                     const std::function<void(uint32_t, wire::SecAgg&)>& tamper,
+                     std::map<uint32_t, std::map<uint32_t, std::string>>* rejected = nullptr,
+                     uint32_t exclude_after_shares = 0, uint64_t seed = 11) {
+  Outcome o;
+  const uint64_t round = 2;
+  Server server(p, round, n, seed, len);
+  std::vector<std::unique_ptr<Client>> clients;
+  std::vector<std::vector<float>> x(n, std::vector<float>(len));
+  const double scale = ring_scale(n, p.clip);
+  for (uint32_t u = 1; u <= n; ++u) {
+    wire::SecAggSetup s{u, n, p.degree_for(n), p.effective_threshold(), seed, p.clip, 1.0 / n};
+    clients.push_back(std::make_unique<Client>(s, round, "c" + std::to_string(u)));
+    for (size_t i = 0; i < len; ++i) x[u - 1][i] = rng::uniform01(rng::derive(seed, u), i) - 0.5f;
+    server.add_keys(u, clients[u - 1]->keys());
+  }
+  try {
+    for (auto& [u, m] : server.neighbour_messages()) {
+      wire::SecAgg sh = clients[u - 1]->shares(m);
+      tamper(u, sh);
+      server.add_shares(u, sh);
+    }
+    auto in = server.shares_in_messages();
+    if (exclude_after_shares) server.exclude(exclude_after_shares);
+    for (auto& [u, m] : in) {
+      const auto bad = clients[u - 1]->receive_shares(m);
+      if (rejected && !bad.empty()) (*rejected)[u] = bad;
+      std::vector<uint32_t> q(len);
+      quantise(x[u - 1].data(), len, 1.0 / n, p.clip, scale, rng::derive(seed, 100 + u), q.data());
+      wire::SecAgg y = clients[u - 1]->masked(q);
+      if (u == exclude_after_shares) {
+        CHECK_THROWS_WITH_AS(server.add_masked(u, y), doctest::Contains("excluded"), Error);
+        continue;
+      }
+      server.add_masked(u, y);
+    }
+    CHECK(server.stage_complete());
+    for (auto& [u, m] : server.unmask_messages()) server.add_reveal(u, clients[u - 1]->reveal(m));
+    CHECK(server.stage_complete());
+    o.u3 = server.survivors();
+    std::vector<uint32_t> sum = server.unmask();
+    o.secure.resize(len);
+    dequantise(sum.data(), len, scale, o.secure.data());
+    o.plain.assign(len, 0.f);
+    for (uint32_t u : o.u3)
+      for (size_t i = 0; i < len; ++i) o.plain[i] += x[u - 1][i] / static_cast<float>(n);
+    o.completed = true;
+  } catch (const Error& e) {
+    o.error = e.what();
+  }
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("secagg: a client whose pairs do not decrypt is rejected and the others' round completes") {
+  const Params p = params(4, 3);
+  const uint32_t n = 7;  // a ring of degree 4: client 3 has 4 neighbours
+  SUBCASE("garbage pairs to every neighbour") {
+    std::map<uint32_t, std::map<uint32_t, std::string>> rejected;
+    Outcome o = run_tampered(
+        n, p, 200,
+        [](uint32_t u, wire::SecAgg& m) {
+          if (u == 3)
+            for (auto& sh : m.shares) sh.data[40] ^= 0x5a;
+        },
+        &rejected);
+    REQUIRE_MESSAGE(o.completed, o.error);
+    CHECK(o.u3.size() == n - 1);
+    CHECK_FALSE(o.u3.count(3));
+    CHECK(rejected.size() == 4);  // each neighbour of 3, and only 3
+    for (const auto& [u, bad] : rejected) {
+      CHECK(bad.size() == 1);
+      CHECK(bad.begin()->first == 3);
+      CHECK(bad.begin()->second.find("does not decrypt") != std::string::npos);
+    }
+    CHECK(max_diff(o.secure, o.plain) <= static_cast<float>(n / ring_scale(n, p.clip)) + 1e-7f);
+  }
+  SUBCASE("one garbage pair and three good ones: the holders reveal its mask key") {
+    Outcome o = run_tampered(n, p, 200, [](uint32_t u, wire::SecAgg& m) {
+      if (u == 3) m.shares[0].data.resize(10);
+    });
+    REQUIRE_MESSAGE(o.completed, o.error);
+    CHECK_FALSE(o.u3.count(3));
+    CHECK(o.u3.size() == n - 1);
+    CHECK(max_diff(o.secure, o.plain) <= static_cast<float>(n / ring_scale(n, p.clip)) + 1e-7f);
+  }
+  SUBCASE("good pairs to fewer than t neighbours: that round cannot unmask (it costs this round only)") {
+    // Two pairs swapped: two neighbours reject 3, two hold its pair and masked
+    // with it, and 2 shares of its mask key are too few for t = 3.
+    Outcome o = run_tampered(n, p, 64, [](uint32_t u, wire::SecAgg& m) {
+      if (u == 3) std::swap(m.shares[0].data, m.shares[1].data);
+    });
+    CHECK_FALSE(o.completed);
+    CHECK(o.error.find("dropped client 3: 2 of 3 mask-key shares") != std::string::npos);
+  }
+  SUBCASE("a client excluded after its shares is a dropout, its masked update refused") {
+    Outcome o = run_tampered(
+        n, p, 64, [](uint32_t, wire::SecAgg&) {}, nullptr, 5);
+    REQUIRE_MESSAGE(o.completed, o.error);
+    CHECK_FALSE(o.u3.count(5));
+    CHECK(o.u3.size() == n - 1);
+    CHECK(max_diff(o.secure, o.plain) <= static_cast<float>(n / ring_scale(n, p.clip)) + 1e-7f);
+  }
+}
+
+TEST_CASE("secagg: the server refuses a rejection of a client that sent no pair, and waits for no excluded client") {
+  const Params p = params(4, 3);
+  const uint32_t n = 5;
+  Server server(p, 1, n, 3, 8);
+  std::vector<std::unique_ptr<Client>> c;
+  for (uint32_t u = 1; u <= n; ++u) {
+    c.push_back(std::make_unique<Client>(wire::SecAggSetup{u, n, 4, 3, 3, 1.0, 0.2}, 1, "c"));
+    if (u != 5) server.add_keys(u, c.back()->keys());
+  }
+  CHECK(server.open_for(wire::SecAggStage::kKeys));
+  CHECK_FALSE(server.open_for(wire::SecAggStage::kShares));
+  CHECK_FALSE(server.stage_complete());
+  server.exclude(5);
+  CHECK(server.stage_complete());
+  CHECK(server.excluded(5));
+  for (auto& [u, m] : server.neighbour_messages()) server.add_shares(u, c[u - 1]->shares(m));
+  auto in = server.shares_in_messages();
+  c[0]->receive_shares(in.at(1));
+  wire::SecAgg y = c[0]->masked(std::vector<uint32_t>(8, 1));
+  y.rejected = {5};  // 5 sent no keys, hence no pair
+  CHECK_THROWS_WITH_AS(server.add_masked(1, y), doctest::Contains("sent it no pair"), Error);
+  y.rejected = {2};
+  server.add_masked(1, y);
+  CHECK(server.reported().at(2) == std::set<uint32_t>{1});
 }
