@@ -37,7 +37,7 @@ Encoded lowrank(const at::Tensor& p, const at::Tensor& q) {
   e.format = Format::kLowRank;
   e.shape = {p.size(0), q.size(0)};
   e.value_type = ValueType::kF32;
-  e.params = {p.size(0), q.size(0), p.size(1)};
+  e.params = {static_cast<uint32_t>(p.size(0)), static_cast<uint32_t>(q.size(0)), static_cast<uint32_t>(p.size(1))};
   const at::Tensor both = at::cat({p.contiguous().reshape(-1), q.contiguous().reshape(-1)});
   e.values.resize(static_cast<size_t>(both.numel()) * 4);
   std::memcpy(e.values.data(), both.data_ptr<float>(), e.values.size());

@@ -606,7 +606,8 @@ TEST_CASE("edge net: a restarted device keeps its BatchNorm statistics") {
   CHECK(again.completed_steps() == 2);
   const std::map<std::string, at::Tensor> restored = again.model_buffers();
   REQUIRE(restored.size() == trained.size());
-  for (const auto& [k, v] : trained) {
+  for (const auto& [key, v] : trained) {
+    const std::string k = key;  // (a structured binding cannot be captured before C++20: clang)
     INFO(k);
     CHECK(torch::equal(restored.at(k), v));
   }

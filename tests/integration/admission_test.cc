@@ -18,7 +18,7 @@ sparrow::compression::Encoded overflowing_lowrank(const at::Tensor& t) {
   e.shape = t.sizes().vec();
   e.value_type = sparrow::compression::ValueType::kF32;
   const int64_t rows = t.size(0), cols = t.numel() / t.size(0);
-  e.params = {rows, cols, 1};
+  e.params = {static_cast<uint32_t>(rows), static_cast<uint32_t>(cols), 1};
   const std::vector<float> v(static_cast<size_t>(rows + cols), 1e20f);
   e.values.resize(v.size() * 4);
   std::memcpy(e.values.data(), v.data(), e.values.size());
@@ -79,8 +79,10 @@ TEST_CASE("admission: an overflowing low-rank update under the default mean is r
   // The model moved only by the honest updates: every value finite.
   const std::string ck = db.checkpoint(3);
   REQUIRE_FALSE(ck.empty());
-  for (const auto& [name, t] : sparrow::compression::deserialize_weights(ck))
+  for (const auto& [key, t] : sparrow::compression::deserialize_weights(ck)) {
+    const std::string name = key;  // (a structured binding cannot be captured before C++20: clang)
     CHECK_MESSAGE(at::isfinite(t).all().item<bool>(), name);
+  }
   c2->signal(SIGTERM);
   c3->signal(SIGTERM);
 }

@@ -231,7 +231,8 @@ TEST_CASE("simulator: tcs share=mean divides each carried mask position by the w
   Simulator sum(c);
   sum.run();
   std::set<int64_t> ratios;  // per mille
-  for (const auto& [k, w1] : one.global()) {
+  for (const auto& [key, w1] : one.global()) {
+    const std::string k = key;  // (a structured binding cannot be captured before C++20: clang)
     CAPTURE(k);
     const at::Tensor dmean = mean.global().at(k) - w1, dsum = sum.global().at(k) - w1;
     REQUIRE(at::isfinite(dmean).all().item<bool>());
