@@ -58,6 +58,11 @@ struct Pending {
 
 namespace detail {
 void inject_add_failure_after(int tensors) { g_fail_after = tensors; }
+
+std::string norm_bound_text(double bound) {
+  return bound < std::numeric_limits<float>::max() ? "max_update_norm = " + std::to_string(bound)
+                                                   : std::string("float32's range (its product or decode overflows)");
+}
 }  // namespace detail
 
 StreamingAggregator::StreamingAggregator(TensorShapes shapes)
@@ -200,9 +205,7 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
   const double norm = std::sqrt(norm_sq);
   SPARROW_CHECK_T(FormatError, std::isfinite(norm), "update decodes to a value that is not finite");
   SPARROW_CHECK_T(FormatError, norm <= max_norm_,
-                  "update norm " << norm << " exceeds "
-                                 << (bounded ? "max_update_norm = " + std::to_string(max_norm_)
-                                             : std::string("float32's range (its product or decode overflows)")));
+                  "update norm " << norm << " exceeds " << detail::norm_bound_text(max_norm_));
 
   // ---- Phase 2a: fills and holds, which may still find a non-finite value:
   // one throws with its slot zero again, and the fills and holds before it are

@@ -142,6 +142,9 @@ class StreamingAggregator {
 };
 
 namespace detail {
+// What an update's norm exceeded, for add()'s refusal: "max_update_norm = B"
+// under a set bound, else float32's range.
+std::string norm_bound_text(double bound);
 // Test hook: make the next add() throw std::runtime_error after this many
 // tensors of its update have been added to the sum (exercises the rollback).
 // -1 (the default) disables it. Not thread-safe; tests only.

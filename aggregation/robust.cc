@@ -287,10 +287,7 @@ void Accumulator::add(const EncodedUpdate& update, double weight, const ContextM
   SPARROW_CHECK_T(FormatError, compression::all_finite(row), "update has a non-finite value");
   const double norm = l2(row);
   SPARROW_CHECK_T(FormatError, norm <= max_norm_,
-                  "update norm " << norm << " exceeds "
-                                 << (max_norm_ < std::numeric_limits<float>::max()
-                                         ? "max_update_norm = " + std::to_string(max_norm_)
-                                         : std::string("float32's range")));
+                  "update norm " << norm << " exceeds " << detail::norm_bound_text(max_norm_));
   const bool central = dp_.mode == DpSpec::Mode::kCentral;
   SPARROW_CHECK(!central || clip_ > 0, "Accumulator: central DP needs reset(clip) with the round's clip first");
   const double bound = central ? clip_ : (robust_.method == RobustSpec::Method::kNormClip ? robust_.clip : 0);
