@@ -6,7 +6,6 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
-#include <numeric>
 
 #include "aggregation/dp_accountant.h"
 #include "compression/compressor.h"
@@ -20,8 +19,6 @@ namespace {
 
 constexpr uint64_t kCentralNoiseTag = 0x64702d6e6f697365ull;  // "dp-noise"
 constexpr uint64_t kCountNoiseTag = 0x64702d636f756e74ull;    // "dp-count"
-// Columns sorted at once by median / trimmed mean / bulyan (bounds their scratch).
-constexpr int64_t kColumnBlock = int64_t{1} << 16;
 
 double l2(const at::Tensor& flat) { return std::sqrt(flat.to(at::kDouble).square().sum().item<double>()); }
 
@@ -34,129 +31,30 @@ void add_noise(at::Tensor& t, double stddev, uint64_t key, uint64_t offset) {
     p[i] += static_cast<float>(stddev * rng::normal(key, offset + static_cast<uint64_t>(i)));
 }
 
-// Coordinate-wise order statistics over the rows of X [n, d], column block by
-// column block: fn(sorted block [n, w]) -> [w].
-template <class Fn>
-at::Tensor by_columns(const at::Tensor& X, Fn fn) {
-  const int64_t d = X.size(1);
-  at::Tensor out = at::empty({d}, X.options());
-  for (int64_t c = 0; c < d; c += kColumnBlock) {
-    const int64_t w = std::min(kColumnBlock, d - c);
-    out.narrow(0, c, w).copy_(fn(X.narrow(1, c, w)));
-  }
-  return out;
-}
-
-at::Tensor median_rows(const at::Tensor& X) {
-  const int64_t n = X.size(0);
-  return by_columns(X, [n](const at::Tensor& blk) {
-    at::Tensor s = std::get<0>(blk.sort(0));
-    if (n % 2 == 1) return s[n / 2].clone();
-    return ((s[n / 2 - 1] + s[n / 2]) * 0.5).contiguous();
-  });
-}
-
-// Pairwise squared distances of the rows (double, exact differences rather
-// than the Gram-matrix shortcut, which cancels badly for nearby updates).
-std::vector<std::vector<double>> pairwise_sq(const std::vector<at::Tensor>& rows, const std::vector<int64_t>& ids) {
-  const size_t n = ids.size();
-  std::vector<std::vector<double>> d(n, std::vector<double>(n, 0.0));
-  for (size_t i = 0; i < n; ++i)
-    for (size_t j = i + 1; j < n; ++j) {
-      const double v = (rows[static_cast<size_t>(ids[i])] - rows[static_cast<size_t>(ids[j])])
-                           .to(at::kDouble)
-                           .square()
-                           .sum()
-                           .item<double>();
-      d[i][j] = d[j][i] = v;
-    }
-  return d;
-}
-
-// Krum scores of the candidates `ids`: Σ of the n − f − 2 smallest squared
-// distances to the other candidates (at least 1 neighbour while there is one).
-std::vector<double> krum_scores(const std::vector<std::vector<double>>& d, const std::vector<size_t>& cand, int64_t f) {
-  const int64_t n = static_cast<int64_t>(cand.size());
-  const int64_t k = std::max<int64_t>(std::min<int64_t>(n - f - 2, n - 1), n > 1 ? 1 : 0);
-  std::vector<double> scores;
-  for (size_t i : cand) {
-    std::vector<double> others;
-    for (size_t j : cand)
-      if (j != i) others.push_back(d[i][j]);
-    std::sort(others.begin(), others.end());
-    scores.push_back(std::accumulate(others.begin(), others.begin() + k, 0.0));
-  }
-  return scores;
-}
-
 [[noreturn]] void bad(const std::string& key, const std::string& msg) { throw ConfigError(key + ": " + msg); }
 
 }  // namespace
 
 // ---- specs ------------------------------------------------------------------
 
+RobustSpec::RobustSpec() {
+  Spec s = Spec::parse("mean");
+  rule = aggregator_factory("mean")(s);
+}
+
 RobustSpec RobustSpec::parse(const std::string& text) {
   Spec s = Spec::parse(text);
   RobustSpec r;
   r.text = text;
-  const std::string& m = s.method();
-  if (m == "mean") {
-    r.method = Method::kMean;
-  } else if (m == "median") {
-    r.method = Method::kMedian;
-  } else if (m == "trimmed_mean") {
-    r.method = Method::kTrimmedMean;
-    r.beta = s.get_double("beta", 0.1);
-    if (!(r.beta >= 0 && r.beta < 0.5)) bad("aggregator", "trimmed_mean: beta must be in [0, 0.5)");
-  } else if (m == "krum" || m == "multikrum" || m == "bulyan") {
-    r.method = m == "krum" ? Method::kKrum : m == "multikrum" ? Method::kMultiKrum : Method::kBulyan;
-    r.f = s.get_int("f", 1);
-    if (r.f < 0) bad("aggregator", m + ": f must be >= 0");
-    if (m == "multikrum") {
-      r.m = s.get_int("m", 0);
-      if (r.m < 0) bad("aggregator", "multikrum: m must be >= 0 (0 = n - f)");
-    }
-  } else if (m == "normclip") {
-    r.method = Method::kNormClip;
-    r.clip = s.get_double("c", 0);
-    r.quantile = s.get_double("q", 0);
-    if ((r.clip > 0) == (r.quantile > 0) || r.clip < 0 || r.quantile < 0)
-      bad("aggregator", "normclip needs exactly one of c=C (> 0, a fixed norm) or q=Q (in (0, 1], a quantile)");
-    if (r.quantile > 1) bad("aggregator", "normclip: q must be in (0, 1]");
-  } else {
-    bad("aggregator", "unknown method '" + m +
-                          "' (mean, median, trimmed_mean:beta=, krum:f=, multikrum:f=,m=, bulyan:f=, "
-                          "normclip:c= or normclip:q=)");
-  }
+  r.method = s.method();
   try {
+    r.rule = aggregator_factory(s.method())(s);
+    SPARROW_CHECK(r.rule, "aggregator '" << s.method() << "': its factory returned no rule");
     s.check_all_consumed();
   } catch (const ConfigError& e) {
     bad("aggregator", e.what());
   }
   return r;
-}
-
-bool RobustSpec::buffers() const {
-  switch (method) {
-    case Method::kMean:
-      return false;
-    case Method::kNormClip:
-      return quantile > 0;
-    default:
-      return true;
-  }
-}
-
-int64_t RobustSpec::min_updates() const {
-  switch (method) {
-    case Method::kKrum:
-    case Method::kMultiKrum:
-      return 2 * f + 3;
-    case Method::kBulyan:
-      return 4 * f + 3;
-    default:
-      return 1;
-  }
 }
 
 DpSpec DpSpec::parse(const std::string& text) {
@@ -196,10 +94,10 @@ DpSpec DpSpec::parse(const std::string& text) {
 
 void check_combination(const RobustSpec& r, const DpSpec& d, const std::string& compression,
                        const std::string& algorithm) {
-  if (d.mode == DpSpec::Mode::kCentral && r.method != RobustSpec::Method::kMean)
+  if (d.mode == DpSpec::Mode::kCentral && !r.is_mean())
     bad("dp",
         "central DP calibrates its noise to the clipped sum: use it with aggregator = \"mean\" (got '" + r.text + "')");
-  const bool plain = r.method == RobustSpec::Method::kMean && d.mode != DpSpec::Mode::kCentral;
+  const bool plain = r.is_mean() && d.mode != DpSpec::Mode::kCentral;
   if (!plain && Spec::parse(compression).method() == "acp")
     bad("aggregator",
         "acp compression sums factors across clients; robust aggregation and central DP need each "
@@ -240,9 +138,7 @@ Accumulator::Accumulator(TensorShapes shapes, RobustSpec robust, DpSpec dp)
   if (!plain()) scratch_ = std::make_unique<StreamingAggregator>(shapes_);
 }
 
-bool Accumulator::plain() const {
-  return robust_.method == RobustSpec::Method::kMean && dp_.mode != DpSpec::Mode::kCentral;
-}
+bool Accumulator::plain() const { return robust_.is_mean() && dp_.mode != DpSpec::Mode::kCentral; }
 
 void Accumulator::reset(double clip) {
   clip_ = clip;
@@ -290,7 +186,7 @@ void Accumulator::add(const EncodedUpdate& update, double weight, const ContextM
                   "update norm " << norm << " exceeds " << detail::norm_bound_text(max_norm_));
   const bool central = dp_.mode == DpSpec::Mode::kCentral;
   SPARROW_CHECK(!central || clip_ > 0, "Accumulator: central DP needs reset(clip) with the round's clip first");
-  const double bound = central ? clip_ : (robust_.method == RobustSpec::Method::kNormClip ? robust_.clip : 0);
+  const double bound = central ? clip_ : robust_.clip();
   if (bound > 0) {
     if (norm <= bound) within_clip_ += 1;
     if (norm > bound) {
@@ -362,7 +258,7 @@ std::map<std::string, at::Tensor> Aggregator::finish(const Accumulator& all, uin
   st.updates = all.count();
   st.kept = all.count();
   st.clipped = all.clipped_;
-  st.clip = all.clip_ > 0 ? all.clip_ : (robust_.method == RobustSpec::Method::kNormClip ? robust_.clip : 0);
+  st.clip = all.clip_ > 0 ? all.clip_ : robust_.clip();
   st.median_norm = std::numeric_limits<double>::quiet_NaN();
   if (!all.norms_.empty()) {
     std::vector<double> v = all.norms_;
@@ -375,9 +271,7 @@ std::map<std::string, at::Tensor> Aggregator::finish(const Accumulator& all, uin
     return all.sum_.mean();
   }
 
-  const int64_t n = all.count();
   at::Tensor flat;
-  using M = RobustSpec::Method;
   if (dp_.mode == DpSpec::Mode::kCentral) {
     SPARROW_CHECK(all.clip_ == clip_,
                   "aggregate: the round's updates were clipped at " << all.clip_ << ", not at " << clip_);
@@ -398,95 +292,15 @@ std::map<std::string, at::Tensor> Aggregator::finish(const Accumulator& all, uin
       const double frac = noisy / static_cast<double>(expected_);
       clip_ = all.clip_ * std::exp(-dp_.clip_lr * (frac - dp_.quantile));
     }
-  } else if (robust_.method == M::kNormClip && robust_.quantile <= 0) {
+  } else if (!robust_.buffers()) {
+    // A rule that streams is the weighted mean of its (clipped) rows (AggregationRule::buffers).
     flat = all.flat_sum_ / all.total_weight();
   } else {
-    const std::vector<at::Tensor>& rows = all.rows_;
-    at::Tensor X = at::stack(rows);  // [n, d]
-    switch (robust_.method) {
-      case M::kMedian:
-        flat = median_rows(X);
-        break;
-      case M::kTrimmedMean: {
-        const int64_t k = static_cast<int64_t>(std::floor(robust_.beta * static_cast<double>(n)));
-        st.kept = n - 2 * k;
-        flat = by_columns(
-            X, [n, k](const at::Tensor& blk) { return std::get<0>(blk.sort(0)).narrow(0, k, n - 2 * k).mean(0); });
-        break;
-      }
-      case M::kNormClip: {
-        // Clip to the q-quantile of the round's norms (nearest rank), weighted mean.
-        std::vector<double> v = all.norms_;
-        std::sort(v.begin(), v.end());
-        const size_t idx = static_cast<size_t>(std::ceil(robust_.quantile * static_cast<double>(n))) - 1;
-        const double c = v[std::min(idx, v.size() - 1)];
-        st.clip = c;
-        st.clipped = 0;
-        flat = at::zeros({X.size(1)}, X.options());
-        for (int64_t i = 0; i < n; ++i) {
-          const double nm = all.norms_[static_cast<size_t>(i)];
-          const double s = nm > c && nm > 0 ? c / nm : 1.0;
-          if (s < 1) st.clipped += 1;
-          flat.add_(X[i], s * all.weights_[static_cast<size_t>(i)]);
-        }
-        flat.div_(all.total_weight());
-        break;
-      }
-      case M::kKrum:
-      case M::kMultiKrum:
-      case M::kBulyan: {
-        // f lowered to what n allows (a round that lost updates to stragglers).
-        const int64_t per = robust_.method == M::kBulyan ? 4 : 2;
-        const int64_t f = std::max<int64_t>(0, std::min(robust_.f, (n - 3) / per));
-        st.f_used = f;
-        std::vector<int64_t> ids(static_cast<size_t>(n));
-        std::iota(ids.begin(), ids.end(), 0);
-        const auto d = pairwise_sq(rows, ids);
-        std::vector<size_t> cand(static_cast<size_t>(n));
-        std::iota(cand.begin(), cand.end(), 0);
-        if (robust_.method == M::kBulyan) {
-          const int64_t theta = n - 2 * f;
-          std::vector<int64_t> chosen;
-          while (static_cast<int64_t>(chosen.size()) < theta) {
-            const std::vector<double> sc = krum_scores(d, cand, f);
-            const size_t best = static_cast<size_t>(std::min_element(sc.begin(), sc.end()) - sc.begin());
-            chosen.push_back(static_cast<int64_t>(cand[best]));
-            cand.erase(cand.begin() + static_cast<std::ptrdiff_t>(best));
-          }
-          const int64_t beta = std::max<int64_t>(1, theta - 2 * f);
-          at::Tensor S = X.index_select(0, at::tensor(chosen, at::kLong));
-          st.kept = theta;
-          flat = by_columns(S, [beta](const at::Tensor& blk) {
-            at::Tensor med = median_rows(blk.contiguous());
-            at::Tensor idx = std::get<1>((blk - med).abs().topk(beta, 0, /*largest=*/false));
-            return blk.gather(0, idx).mean(0);
-          });
-        } else {
-          const std::vector<double> sc = krum_scores(d, cand, f);
-          std::vector<size_t> order(static_cast<size_t>(n));
-          std::iota(order.begin(), order.end(), 0);
-          std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return sc[a] < sc[b]; });
-          if (robust_.method == M::kKrum) {
-            st.kept = 1;
-            flat = X[static_cast<int64_t>(order[0])].clone();
-          } else {
-            const int64_t m = robust_.m > 0 ? std::min(robust_.m, n) : n - f;
-            st.kept = m;
-            flat = at::zeros({X.size(1)}, X.options());
-            double w = 0;
-            for (int64_t i = 0; i < m; ++i) {
-              const size_t j = order[static_cast<size_t>(i)];
-              flat.add_(X[static_cast<int64_t>(j)], all.weights_[j]);
-              w += all.weights_[j];
-            }
-            flat.div_(w);
-          }
-        }
-        break;
-      }
-      default:
-        SPARROW_CHECK(false, "aggregate: unhandled method");
-    }
+    flat = robust_.rule->combine(RoundRows{all.rows_, all.weights_, all.norms_, all.total_weight()}, st);
+    SPARROW_CHECK(flat.defined() && flat.scalar_type() == at::kFloat && flat.numel() == all.numel_,
+                  "aggregator '" << robust_.method << "' returned " << (flat.defined() ? flat.numel() : 0)
+                                 << " values for a model of " << all.numel_);
+    flat = flat.reshape({-1});
   }
   std::map<std::string, at::Tensor> out;
   int64_t off = 0;

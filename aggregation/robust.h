@@ -4,7 +4,7 @@
 //
 // Two spec strings configure it (core/spec.h; unknown keys are a ConfigError):
 //
-//   aggregator =
+//   aggregator =   (the built-in rules of aggregation/rules.cc; more can be registered, rules.h)
 //     mean                         sample-weighted mean, streamed (O(model) memory; the default)
 //     median                       coordinate-wise median (mean of the two middle values for even n)
 //     trimmed_mean[:beta=0.1]      per coordinate, drop the floor(beta·n) largest and smallest, average the rest
@@ -29,11 +29,11 @@
 //     local:clip=C,noise=Z[,delta=1e-5]
 //         Each client clips its own update to C and adds N(0, (Z·C)²) before encoding (local_dp()).
 //
-// Mean + no DP is the plain streaming path (compressed updates folded in without a dense copy). Every
-// other combination decodes each update once into a dense float32 row; the buffering aggregators
-// (median, trimmed_mean, krum, multikrum, bulyan, normclip:q) keep n rows of the model's size for the
-// round: memory n × numel × 4 bytes (plus one column block of sorting scratch), which the programs
-// bound with max_buffer_mb. Central DP and normclip:c stream into one dense sum (O(model)).
+// Mean (AggregationRule::is_mean) + no DP is the plain streaming path (compressed updates folded in without a dense
+// copy). Every other combination decodes each update once into a dense float32 row; the buffering aggregators (median,
+// trimmed_mean, krum, multikrum, bulyan, normclip:q) keep n rows of the model's size for the round: memory n × numel ×
+// 4 bytes (plus one column block of sorting scratch), which the programs bound with max_buffer_mb. Central DP and
+// normclip:c stream into one dense sum (O(model)).
 //
 // Not combinable (ConfigError from check_combination): central DP with anything but mean (the noise is
 // calibrated to the sum's sensitivity); ACP uplink compression with anything but plain mean (ACP sums
@@ -49,23 +49,29 @@
 #include <vector>
 
 #include "aggregation/aggregator.h"
+#include "aggregation/rules.h"
 
 namespace sparrow::aggregation {
 
+// The parsed `aggregator` spec: the registered rule it names (rules.h).
+// Default-constructed: "mean".
 struct RobustSpec {
-  enum class Method { kMean, kMedian, kTrimmedMean, kKrum, kMultiKrum, kBulyan, kNormClip };
-  Method method = Method::kMean;
-  std::string text = "mean";
-  double beta = 0.1;                                 // trimmed_mean
-  int64_t f = 1;                                     // krum, multikrum, bulyan
-  int64_t m = 0;                                     // multikrum (0 = n − f)
-  double clip = 0;                                   // normclip:c
-  double quantile = 0;                               // normclip:q
-  static RobustSpec parse(const std::string& spec);  // ConfigError
+  RobustSpec();
+  std::string method = "mean";                  // the registered name
+  std::string text = "mean";                    // the spec as written
+  std::shared_ptr<const AggregationRule> rule;  // never null
+  // Looks the method up in the aggregator registry and builds the rule;
+  // ConfigError ("aggregator: ...") for an unknown method (listing the known
+  // ones), an unknown key or a bad value.
+  static RobustSpec parse(const std::string& spec);
+  // The plain sample-weighted mean (AggregationRule::is_mean).
+  bool is_mean() const { return rule->is_mean(); }
   // Keeps every update of the round.
-  bool buffers() const;
+  bool buffers() const { return rule->buffers(); }
   // Fewest updates for which the parameters are valid (1 for mean, median, trimmed mean, normclip).
-  int64_t min_updates() const;
+  int64_t min_updates() const { return rule->min_updates(); }
+  // The fixed per-update norm bound (normclip:c); 0: none.
+  double clip() const { return rule->clip(); }
 };
 
 struct DpSpec {
@@ -138,16 +144,6 @@ class Accumulator {
   int64_t clipped_ = 0;
   int64_t count_ = 0;
   double weight_ = 0;
-};
-
-// What one round's aggregation did, for metrics and logs.
-struct AggregateStats {
-  int64_t updates = 0;     // updates aggregated
-  int64_t kept = 0;        // updates that entered the result (krum family: selected; trimmed: per coordinate)
-  int64_t f_used = 0;      // krum/multikrum/bulyan: f after lowering to what n allows
-  int64_t clipped = 0;     // updates scaled down by a norm bound
-  double clip = 0;         // the norm bound used this round (0 = none)
-  double median_norm = 0;  // median L2 norm of the round's updates (dense paths; NaN on the plain path)
 };
 
 // The round-level aggregator: turns a round's merged Accumulator into the

@@ -5,12 +5,16 @@
 
 #include <cmath>
 #include <cstring>
+#include <set>
+#include <utility>
 
+#include "aggregation/rules.h"
 #include "compression/compressor.h"
 #include "compression/encoded.h"
 #include "compression/lowrank.h"
 #include "compression/state.h"
 #include "core/error.h"
+#include "core/registry.h"
 #include "core/spec.h"
 
 namespace sparrow::aggregation {
@@ -47,65 +51,254 @@ void check_tensor(const at::Tensor& t, const std::string& name, const char* what
                 "server optimizer: " << what << " '" << name << "' must be a float32 CPU tensor");
 }
 
-}  // namespace
-
-ServerOptimizer::ServerOptimizer(const std::string& spec_text) : kind_(Kind::kFedAvg), spec_(spec_text) {
-  Spec spec = Spec::parse(spec_text);
-  method_ = spec.method();
-  if (method_ == "fedavg") {
-    kind_ = Kind::kFedAvg;
-    lr_ = positive(spec, "lr", 1.0);
-  } else if (method_ == "fedavgm") {
-    kind_ = Kind::kFedAvgM;
-    lr_ = positive(spec, "lr", 1.0);
-    momentum_ = in_unit(spec, "momentum", 0.9);
-  } else if (method_ == "fedadam" || method_ == "fedyogi") {
-    kind_ = method_ == "fedadam" ? Kind::kFedAdam : Kind::kFedYogi;
-    lr_ = positive(spec, "lr", 0.01);
-    beta1_ = in_unit(spec, "beta1", 0.9);
-    beta2_ = in_unit(spec, "beta2", 0.99);
-    tau_ = positive(spec, "tau", 1e-3);
-  } else if (method_ == "fedadagrad") {
-    kind_ = Kind::kFedAdagrad;
-    lr_ = positive(spec, "lr", 0.01);
-    beta1_ = in_unit(spec, "beta1", 0.0);
-    tau_ = positive(spec, "tau", 1e-3);
-  } else if (method_ == "fedtopk") {
-    kind_ = Kind::kFedTopK;
-    lr_ = positive(spec, "lr", 1.0);
-    momentum_ = in_unit(spec, "momentum", 0.0);
-    ratio_ = spec.get_double("ratio", 0.01);
-    SPARROW_CHECK_T(ConfigError, ratio_ > 0.0 && ratio_ <= 1.0, "fedtopk: ratio must be in (0, 1], got " << ratio_);
-  } else if (method_ == "fedlowrank") {
-    kind_ = Kind::kFedLowRank;
-    lr_ = positive(spec, "lr", 1.0);
-    momentum_ = in_unit(spec, "momentum", 0.0);
-    rank_ = spec.get_int("rank", 4);
-    SPARROW_CHECK_T(ConfigError, rank_ >= 1 && rank_ <= 1024, "fedlowrank: rank must be in [1, 1024], got " << rank_);
-  } else {
-    throw ConfigError("unknown server optimizer '" + method_ +
-                      "' (known: fedavg, fedavgm, fedadam, fedyogi, fedadagrad, fedtopk, fedlowrank)");
-  }
-  spec.check_all_consumed();
+core::Registry<OptimizerFactory>& registry() {
+  static core::Registry<OptimizerFactory> r("server optimizer");
+  return r;
 }
 
-at::Tensor& ServerOptimizer::compensate(const std::string& name, const at::Tensor& w, const at::Tensor& d, float lr) {
-  at::Tensor& m = m_[name];
-  at::Tensor& e = v_[name];
+// ---- the built-in methods -----------------------------------------------------
+
+class FedAvg final : public OptimizerMethod {
+ public:
+  explicit FedAvg(double lr) : lr_(lr) {}
+  void step(const std::string&, at::Tensor& w, const at::Tensor& d, Slots&) const override {
+    w.add_(d, static_cast<float>(lr_));
+  }
+
+ private:
+  double lr_;
+};
+
+class FedAvgM final : public OptimizerMethod {
+ public:
+  FedAvgM(double lr, double momentum) : lr_(lr), momentum_(momentum) {}
+  std::vector<std::string> moments() const override { return {"m"}; }
+  void step(const std::string&, at::Tensor& w, const at::Tensor& d, Slots& s) const override {
+    at::Tensor& m = s["m"];
+    if (!m.defined()) m = at::zeros(w.sizes(), w.options().requires_grad(false));
+    m.mul_(static_cast<float>(momentum_)).add_(d);
+    w.add_(m, static_cast<float>(lr_));
+  }
+
+ private:
+  double lr_, momentum_;
+};
+
+// fedadam, fedyogi, fedadagrad: Reddi et al.'s Algorithm 2 (header).
+class Adaptive final : public OptimizerMethod {
+ public:
+  enum class Kind { kAdam, kYogi, kAdagrad };
+  Adaptive(Kind kind, double lr, double beta1, double beta2, double tau)
+      : kind_(kind), lr_(lr), beta1_(beta1), beta2_(beta2), tau_(tau) {}
+  std::vector<std::string> moments() const override { return {"m", "v"}; }
+  void step(const std::string&, at::Tensor& w, const at::Tensor& d, Slots& s) const override {
+    const float b1 = static_cast<float>(beta1_), b2 = static_cast<float>(beta2_);
+    const float tau = static_cast<float>(tau_);
+    at::Tensor& m = s["m"];
+    at::Tensor& v = s["v"];
+    const auto opts = at::TensorOptions().dtype(at::kFloat);
+    if (!m.defined()) m = at::zeros(w.sizes(), opts);
+    if (!v.defined()) v = at::full(w.sizes(), tau * tau, opts);
+    m.mul_(b1).add_(d, 1.0f - b1);
+    const at::Tensor d2 = d * d;
+    if (kind_ == Kind::kAdam) {
+      v.mul_(b2).add_(d2, 1.0f - b2);
+    } else if (kind_ == Kind::kYogi) {
+      v.sub_(d2 * at::sign(v - d2), 1.0f - b2);
+    } else {
+      v.add_(d2);
+    }
+    w.addcdiv_(m, v.sqrt().add_(tau), static_cast<float>(lr_));
+  }
+
+ private:
+  Kind kind_;
+  double lr_, beta1_, beta2_, tau_;
+};
+
+// fedtopk / fedlowrank: server-side error feedback. Slot "m" is the momentum,
+// "v" the error e; m = momentum·m + d;  e += lr·m (both created as zeros on
+// the first step); returns e.
+at::Tensor& compensate(Slots& s, const at::Tensor& w, const at::Tensor& d, double momentum, double lr) {
+  at::Tensor& m = s["m"];
+  at::Tensor& e = s["v"];
   const auto opts = at::TensorOptions().dtype(at::kFloat);
   if (!m.defined()) m = at::zeros(w.sizes(), opts);
   if (!e.defined()) e = at::zeros(w.sizes(), opts);
-  m.mul_(static_cast<float>(momentum_)).add_(d);
-  e.add_(m, lr);
+  m.mul_(static_cast<float>(momentum)).add_(d);
+  e.add_(m, static_cast<float>(lr));
   return e;
+}
+
+class FedTopK final : public OptimizerMethod {
+ public:
+  FedTopK(double lr, double momentum, double ratio) : lr_(lr), momentum_(momentum), ratio_(ratio) {}
+  std::vector<std::string> moments() const override { return {"m", "v"}; }
+  bool needs_contiguous() const override { return true; }
+  void step(const std::string&, at::Tensor& w, const at::Tensor& d, Slots& s) const override {
+    at::Tensor& e = compensate(s, w, d, momentum_, lr_);
+    at::Tensor& m = s["m"];
+    const int64_t n = e.numel();
+    if (n == 0) return;
+    const int64_t k = std::min<int64_t>(n, std::max<int64_t>(1, static_cast<int64_t>(std::ceil(ratio_ * n))));
+    const at::Tensor idx = std::get<1>(at::topk(e.reshape(-1).abs(), k));  // once a round: ATen's is fine
+    const at::Tensor sent = e.reshape(-1).index_select(0, idx);
+    at::Tensor wf = w.view(-1);
+    wf.index_add_(0, idx, sent);
+    e.view(-1).index_fill_(0, idx, 0.0f);
+    if (momentum_ > 0.0) m.view(-1).index_fill_(0, idx, 0.0f);
+  }
+
+ private:
+  double lr_, momentum_, ratio_;
+};
+
+class FedLowRank final : public OptimizerMethod {
+ public:
+  FedLowRank(double lr, double momentum, int64_t rank) : lr_(lr), momentum_(momentum), rank_(rank) {}
+  std::vector<std::string> moments() const override { return {"m", "v"}; }
+  std::vector<std::string> extra_slots() const override { return {"q"}; }  // the warm-start factor Q {cols, r}
+  bool needs_contiguous() const override { return true; }
+  void step(const std::string& name, at::Tensor& w, const at::Tensor& d, Slots& s) const override {
+    at::Tensor& e = compensate(s, w, d, momentum_, lr_);
+    const std::vector<int64_t> shape = w.sizes().vec();
+    if (!compression::lowrank_compressible(shape, rank_)) {
+      w.add_(e);
+      e.zero_();
+      return;
+    }
+    const compression::LowRankDims dims = compression::lowrank_dims(shape, rank_);
+    at::Tensor& q = s["q"];
+    if (!q.defined()) {
+      compression::Context ctx;
+      ctx.name = name;
+      q = compression::acp_initial_shared(ctx, dims, 0);  // seeded, orthonormal {cols, r}
+    }
+    const at::Tensor mat = e.view({dims.rows, dims.cols});
+    at::Tensor p = at::mm(mat, q);
+    compression::orthonormalize_columns(p);
+    q = at::mm(mat.t(), p);
+    const at::Tensor approx = at::mm(p, q.t());
+    w.view({dims.rows, dims.cols}).add_(approx);
+    mat.sub_(approx);
+  }
+  void check_slots(const std::string& name, const Slots& s) const override {
+    auto it = s.find("q");
+    if (it == s.end()) return;
+    const at::Tensor& t = it->second;
+    SPARROW_CHECK_T(FormatError, t.dim() == 2 && t.scalar_type() == at::kFloat,
+                    "server optimizer state: factor of '" << name << "' does not match");
+    const compression::LowRankDims d = compression::lowrank_dims(s.at("m").sizes().vec(), rank_);
+    SPARROW_CHECK_T(FormatError, t.size(0) == d.cols && t.size(1) == d.rank,
+                    "server optimizer state: factor of '" << name << "' is " << t.sizes() << ", rank " << rank_
+                                                          << " needs {" << d.cols << ", " << d.rank << "}");
+  }
+
+ private:
+  double lr_, momentum_;
+  int64_t rank_;
+};
+
+// fedadam and fedyogi read the same keys.
+OptimizerFactory adaptive(Adaptive::Kind kind) {
+  return [kind](Spec& s) {
+    const double lr = positive(s, "lr", 0.01);
+    const double beta1 = in_unit(s, "beta1", 0.9);
+    const double beta2 = in_unit(s, "beta2", 0.99);
+    return std::make_shared<Adaptive>(kind, lr, beta1, beta2, positive(s, "tau", 1e-3));
+  };
+}
+
+template <class C>
+std::string joined(const C& v) {
+  std::string out;
+  for (const auto& x : v) out += (out.empty() ? "" : ", ") + x;
+  return out;
+}
+
+}  // namespace
+
+void detail::register_optimizers() {
+  auto& r = registry();
+  r.add(
+      "fedavg", [](Spec& s) { return std::make_shared<FedAvg>(positive(s, "lr", 1.0)); }, "[lr=1] x += lr·Δ");
+  r.add(
+      "fedavgm",
+      [](Spec& s) {
+        const double lr = positive(s, "lr", 1.0);
+        return std::make_shared<FedAvgM>(lr, in_unit(s, "momentum", 0.9));
+      },
+      "[lr=1,momentum=0.9] server momentum: m = momentum·m + Δ; x += lr·m");
+  r.add("fedadam", adaptive(Adaptive::Kind::kAdam),
+        "[lr=0.01,beta1=0.9,beta2=0.99,tau=1e-3] FedAdam (Reddi et al., ICLR 2021)");
+  r.add("fedyogi", adaptive(Adaptive::Kind::kYogi),
+        "[lr=0.01,beta1=0.9,beta2=0.99,tau=1e-3] FedYogi (Reddi et al., ICLR 2021)");
+  r.add(
+      "fedadagrad",
+      [](Spec& s) {
+        const double lr = positive(s, "lr", 0.01);
+        const double beta1 = in_unit(s, "beta1", 0.0);
+        return std::make_shared<Adaptive>(Adaptive::Kind::kAdagrad, lr, beta1, 0.0, positive(s, "tau", 1e-3));
+      },
+      "[lr=0.01,tau=1e-3,beta1=0] FedAdagrad (Reddi et al., ICLR 2021)");
+  r.add(
+      "fedtopk",
+      [](Spec& s) {
+        const double lr = positive(s, "lr", 1.0);
+        const double momentum = in_unit(s, "momentum", 0.0);
+        const double ratio = s.get_double("ratio", 0.01);
+        SPARROW_CHECK_T(ConfigError, ratio > 0.0 && ratio <= 1.0, "fedtopk: ratio must be in (0, 1], got " << ratio);
+        return std::make_shared<FedTopK>(lr, momentum, ratio);
+      },
+      "[ratio=0.01,lr=1,momentum=0] top-k server step with server-side error feedback");
+  r.add(
+      "fedlowrank",
+      [](Spec& s) {
+        const double lr = positive(s, "lr", 1.0);
+        const double momentum = in_unit(s, "momentum", 0.0);
+        const int64_t rank = s.get_int("rank", 4);
+        SPARROW_CHECK_T(ConfigError, rank >= 1 && rank <= 1024, "fedlowrank: rank must be in [1, 1024], got " << rank);
+        return std::make_shared<FedLowRank>(lr, momentum, rank);
+      },
+      "[rank=4,lr=1,momentum=0] rank-R server step (PowerSGD) with server-side error feedback");
+}
+
+void register_server_optimizer(const std::string& name, OptimizerFactory factory, const std::string& description) {
+  register_builtins();  // first, so that a user's name clashing with a built-in fails here
+  SPARROW_CHECK(factory, "register_server_optimizer: '" << name << "' has no factory");
+  registry().add(name, std::move(factory), description);
+}
+
+std::vector<std::string> server_optimizer_names() {
+  register_builtins();
+  return registry().names();
+}
+
+bool known_server_optimizer(const std::string& name) {
+  register_builtins();
+  return registry().contains(name);
+}
+
+std::string server_optimizer_description(const std::string& name) {
+  register_builtins();
+  return registry().description(name);
+}
+
+ServerOptimizer::ServerOptimizer(const std::string& spec_text) : spec_(spec_text) {
+  register_builtins();
+  Spec spec = Spec::parse(spec_text);
+  method_ = spec.method();
+  impl_ = registry().get(method_)(spec);
+  SPARROW_CHECK(impl_, "server optimizer '" << method_ << "': its factory returned no method");
+  spec.check_all_consumed();
 }
 
 void ServerOptimizer::step(std::map<std::string, at::Tensor>& weights, const std::map<std::string, at::Tensor>& delta) {
   // Everything is checked before anything changes.
   SPARROW_CHECK(weights.size() == delta.size(),
                 "server optimizer: weights have " << weights.size() << " tensors, delta " << delta.size());
-  const bool stateful = kind_ != Kind::kFedAvg;
-  const bool have_state = stateful && (!m_.empty() || !v_.empty());
+  const std::vector<std::string> moments = impl_->moments();
+  const bool have_state = !moments.empty() && !state_.empty();
   for (const auto& [name, w] : weights) {
     auto it = delta.find(name);
     SPARROW_CHECK(it != delta.end(), "server optimizer: delta lacks tensor '" << name << "'");
@@ -114,96 +307,31 @@ void ServerOptimizer::step(std::map<std::string, at::Tensor>& weights, const std
     SPARROW_CHECK(w.sizes().equals(it->second.sizes()),
                   "server optimizer: '" << name << "' weight " << w.sizes() << " vs delta " << it->second.sizes());
     SPARROW_CHECK(compression::all_finite(it->second), "server optimizer: delta of '" << name << "' is not finite");
-    SPARROW_CHECK((kind_ != Kind::kFedTopK && kind_ != Kind::kFedLowRank) || w.is_contiguous(),
+    SPARROW_CHECK(!impl_->needs_contiguous() || w.is_contiguous(),
                   "server optimizer: " << method_ << " needs contiguous weights ('" << name << "' is not)");
     if (have_state) {
-      const auto& ref = kind_ == Kind::kFedAvgM ? m_ : v_;
-      auto sit = ref.find(name);
+      auto sit = state_.find(name);
+      bool match = sit != state_.end();
+      for (const std::string& slot : moments) {
+        if (!match) break;
+        auto t = sit->second.find(slot);
+        match = t != sit->second.end() && t->second.sizes().equals(w.sizes());
+      }
       SPARROW_CHECK(
-          sit != ref.end() && sit->second.sizes().equals(w.sizes()),
-          "server optimizer: '" << name << "' does not match the optimizer state (tensor set or shape changed)");
+          match, "server optimizer: '" << name << "' does not match the optimizer state (tensor set or shape changed)");
     }
   }
-  if (have_state) {
-    const auto& ref = kind_ == Kind::kFedAvgM ? m_ : v_;
-    SPARROW_CHECK(ref.size() == weights.size(), "server optimizer: tensor set differs from the optimizer state");
-  }
+  if (have_state)
+    SPARROW_CHECK(state_.size() == weights.size(), "server optimizer: tensor set differs from the optimizer state");
 
   at::NoGradGuard no_grad;
-  const float lr = static_cast<float>(lr_);
   for (auto& [name, w] : weights) {
     const at::Tensor d = delta.at(name).contiguous();
-    switch (kind_) {
-      case Kind::kFedAvg:
-        w.add_(d, lr);
-        break;
-      case Kind::kFedAvgM: {
-        at::Tensor& m = m_[name];
-        if (!m.defined()) m = at::zeros(w.sizes(), w.options().requires_grad(false));
-        m.mul_(static_cast<float>(momentum_)).add_(d);
-        w.add_(m, lr);
-        break;
-      }
-      case Kind::kFedAdam:
-      case Kind::kFedYogi:
-      case Kind::kFedAdagrad: {
-        const float b1 = static_cast<float>(beta1_), b2 = static_cast<float>(beta2_);
-        const float tau = static_cast<float>(tau_);
-        at::Tensor& m = m_[name];
-        at::Tensor& v = v_[name];
-        const auto opts = at::TensorOptions().dtype(at::kFloat);
-        if (!m.defined()) m = at::zeros(w.sizes(), opts);
-        if (!v.defined()) v = at::full(w.sizes(), tau * tau, opts);
-        m.mul_(b1).add_(d, 1.0f - b1);
-        const at::Tensor d2 = d * d;
-        if (kind_ == Kind::kFedAdam) {
-          v.mul_(b2).add_(d2, 1.0f - b2);
-        } else if (kind_ == Kind::kFedYogi) {
-          v.sub_(d2 * at::sign(v - d2), 1.0f - b2);
-        } else {
-          v.add_(d2);
-        }
-        w.addcdiv_(m, v.sqrt().add_(tau), lr);
-        break;
-      }
-      case Kind::kFedTopK: {
-        at::Tensor& e = compensate(name, w, d, lr);
-        at::Tensor& m = m_[name];
-        const int64_t n = e.numel();
-        if (n == 0) break;
-        const int64_t k = std::min<int64_t>(n, std::max<int64_t>(1, static_cast<int64_t>(std::ceil(ratio_ * n))));
-        const at::Tensor idx = std::get<1>(at::topk(e.reshape(-1).abs(), k));  // once a round: ATen's is fine
-        const at::Tensor sent = e.reshape(-1).index_select(0, idx);
-        at::Tensor wf = w.view(-1);
-        wf.index_add_(0, idx, sent);
-        e.view(-1).index_fill_(0, idx, 0.0f);
-        if (momentum_ > 0.0) m.view(-1).index_fill_(0, idx, 0.0f);
-        break;
-      }
-      case Kind::kFedLowRank: {
-        at::Tensor& e = compensate(name, w, d, lr);
-        const std::vector<int64_t> shape = w.sizes().vec();
-        if (!compression::lowrank_compressible(shape, rank_)) {
-          w.add_(e);
-          e.zero_();
-          break;
-        }
-        const compression::LowRankDims dims = compression::lowrank_dims(shape, rank_);
-        at::Tensor& q = q_[name];
-        if (!q.defined()) {
-          compression::Context ctx;
-          ctx.name = name;
-          q = compression::acp_initial_shared(ctx, dims, 0);  // seeded, orthonormal {cols, r}
-        }
-        const at::Tensor mat = e.view({dims.rows, dims.cols});
-        at::Tensor p = at::mm(mat, q);
-        compression::orthonormalize_columns(p);
-        q = at::mm(mat.t(), p);
-        const at::Tensor approx = at::mm(p, q.t());
-        w.view({dims.rows, dims.cols}).add_(approx);
-        mat.sub_(approx);
-        break;
-      }
+    if (moments.empty() && impl_->extra_slots().empty()) {
+      Slots none;
+      impl_->step(name, w, d, none);
+    } else {
+      impl_->step(name, w, d, state_[name]);
     }
   }
   ++steps_;
@@ -212,9 +340,8 @@ void ServerOptimizer::step(std::map<std::string, at::Tensor>& weights, const std
 std::string ServerOptimizer::serialize_state() const {
   compression::State st;
   st.step = steps_;
-  for (const auto& [name, t] : m_) st.tensors["m/" + name] = t;
-  for (const auto& [name, t] : v_) st.tensors["v/" + name] = t;
-  for (const auto& [name, t] : q_) st.tensors["q/" + name] = t;
+  for (const auto& [name, slots] : state_)
+    for (const auto& [slot, t] : slots) st.tensors[slot + "/" + name] = t;
   std::string out(kMagic, 4);
   put_u32(out, kVersion);
   put_u32(out, static_cast<uint32_t>(method_.size()));
@@ -234,61 +361,46 @@ void ServerOptimizer::deserialize_state(const std::string& bytes) {
   SPARROW_CHECK_T(FormatError, method == method_,
                   "server optimizer state was saved by '" << method << "', this optimizer is '" << method_ << "'");
   const compression::State st = compression::State::deserialize(bytes.substr(12 + len));
-  std::map<std::string, at::Tensor> m, v, q;
+  const std::vector<std::string> moments = impl_->moments();
+  std::set<std::string> kept(moments.begin(), moments.end());
+  for (const std::string& x : impl_->extra_slots()) kept.insert(x);
+  std::map<std::string, Slots> state;
   for (const auto& [key, t] : st.tensors) {
-    if (key.rfind("m/", 0) == 0) {
-      m[key.substr(2)] = t;
-    } else if (key.rfind("v/", 0) == 0) {
-      v[key.substr(2)] = t;
-    } else if (key.rfind("q/", 0) == 0 && kind_ == Kind::kFedLowRank) {
-      q[key.substr(2)] = t;
-    } else {
-      throw FormatError("server optimizer state: unexpected slot '" + key + "'");
-    }
+    const size_t slash = key.find('/');
+    const std::string slot = key.substr(0, slash);
+    SPARROW_CHECK_T(FormatError, slash != std::string::npos && slash + 1 < key.size() && kept.count(slot),
+                    "server optimizer state: unexpected slot '" << key << "' (" << method_ << " keeps "
+                                                                << (kept.empty() ? "none" : joined(kept)) << ")");
+    state[key.substr(slash + 1)][slot] = t;
   }
-  const bool want_m = kind_ != Kind::kFedAvg;
-  const bool want_v = kind_ == Kind::kFedAdam || kind_ == Kind::kFedYogi || kind_ == Kind::kFedAdagrad ||
-                      kind_ == Kind::kFedTopK || kind_ == Kind::kFedLowRank;
-  SPARROW_CHECK_T(FormatError, want_m || m.empty(), "server optimizer state: " << method_ << " keeps no m");
-  SPARROW_CHECK_T(FormatError, want_v || v.empty(), "server optimizer state: " << method_ << " keeps no v");
-  if (want_v) {
-    SPARROW_CHECK_T(FormatError, m.size() == v.size(), "server optimizer state: m and v cover different tensors");
-    for (const auto& [name, t] : m) {
-      auto it = v.find(name);
-      SPARROW_CHECK_T(FormatError, it != v.end() && it->second.sizes().equals(t.sizes()),
-                      "server optimizer state: m and v of '" << name << "' do not match");
+  for (const auto& [name, slots] : state) {
+    const at::Tensor* first = nullptr;
+    for (const std::string& m : moments) {
+      auto it = slots.find(m);
+      SPARROW_CHECK_T(FormatError, it != slots.end() && (!first || it->second.sizes().equals(first->sizes())),
+                      "server optimizer state: " << joined(moments) << " of '" << name << "' do not match");
+      first = &it->second;
     }
-  }
-  for (const auto& [name, t] : q) {
-    auto it = m.find(name);
-    SPARROW_CHECK_T(FormatError, it != m.end() && t.dim() == 2 && t.scalar_type() == at::kFloat,
-                    "server optimizer state: factor of '" << name << "' does not match");
-    const compression::LowRankDims d = compression::lowrank_dims(it->second.sizes().vec(), rank_);
-    SPARROW_CHECK_T(FormatError, t.size(0) == d.cols && t.size(1) == d.rank,
-                    "server optimizer state: factor of '" << name << "' is " << t.sizes() << ", rank " << rank_
-                                                          << " needs {" << d.cols << ", " << d.rank << "}");
+    impl_->check_slots(name, slots);
   }
   steps_ = st.step;
-  m_ = std::move(m);
-  v_ = std::move(v);
-  q_ = std::move(q);
+  state_ = std::move(state);
 }
 
 void ServerOptimizer::reset_state() {
   steps_ = 0;
-  m_.clear();
-  v_.clear();
-  q_.clear();
+  state_.clear();
 }
 
-at::Tensor ServerOptimizer::first_moment(const std::string& name) const {
-  auto it = m_.find(name);
-  return it == m_.end() ? at::Tensor() : it->second;
+at::Tensor ServerOptimizer::slot(const std::string& name, const std::string& slot) const {
+  auto it = state_.find(name);
+  if (it == state_.end()) return at::Tensor();
+  auto t = it->second.find(slot);
+  return t == it->second.end() ? at::Tensor() : t->second;
 }
 
-at::Tensor ServerOptimizer::second_moment(const std::string& name) const {
-  auto it = v_.find(name);
-  return it == v_.end() ? at::Tensor() : it->second;
-}
+at::Tensor ServerOptimizer::first_moment(const std::string& name) const { return slot(name, "m"); }
+
+at::Tensor ServerOptimizer::second_moment(const std::string& name) const { return slot(name, "v"); }
 
 }  // namespace sparrow::aggregation

@@ -35,21 +35,80 @@
 //     step, starting from ACP's seeded factor); any other tensor: x += e;  e = 0.
 //     The upper bound of what a rank-R model step can reach (docs/results.md).
 //
-// State (m, v per tensor and the step count) is created on the first step()
-// from the shapes of `weights` and is serialisable for checkpoints.
+// Each method is registered under its name (the registry of core/registry.h);
+// the built-ins above register through aggregation::register_builtins(), and a
+// program or a test adds its own with register_server_optimizer() without
+// editing the library (docs/aggregation.md, "Adding a server optimiser").
+//
+// State (the method's slots per tensor, e.g. m and v, and the step count) is
+// created on the first step() from the shapes of `weights` and is
+// serialisable for checkpoints.
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <memory>
 #include <string>
+#include <vector>
+
+namespace sparrow {
+class Spec;
+}
 
 namespace sparrow::aggregation {
 
+// One tensor's optimiser state: slot name ("m", "v", ...) -> tensor. A slot is
+// undefined (absent) until the method first writes it.
+using Slots = std::map<std::string, at::Tensor>;
+
+// One server optimiser method, built from its spec by its registered factory.
+// Immutable and stateless: what it keeps between rounds lives in the
+// ServerOptimizer's Slots, which serialise with it, so checkpoints and resumes
+// work for every registered method alike.
+class OptimizerMethod {
+ public:
+  virtual ~OptimizerMethod() = default;
+  // The slots it keeps with each weight's shape, all created by the first
+  // step() for every tensor ({"m"} for fedavgm, {"m", "v"} for fedadam). The
+  // ServerOptimizer checks that every later step's tensors match them.
+  virtual std::vector<std::string> moments() const { return {}; }
+  // Any other slots (fedlowrank's factor "q"); restored ones are checked by check_slots.
+  virtual std::vector<std::string> extra_slots() const { return {}; }
+  // step() writes through flat views of w, so weights must be contiguous.
+  virtual bool needs_contiguous() const { return false; }
+  // w += this method's step for the mean update d of tensor `name` (both
+  // float32 on the CPU, equal shapes, d contiguous and finite). Runs after every
+  // tensor was checked, so it must not throw.
+  virtual void step(const std::string& name, at::Tensor& w, const at::Tensor& d, Slots& slots) const = 0;
+  // A restored tensor's slots, its moments already checked to cover it with one
+  // shape: FormatError when an extra slot does not fit.
+  virtual void check_slots(const std::string& /*name*/, const Slots& /*slots*/) const {}
+};
+
+// Builds a method from its spec: reads the keys it knows (the ServerOptimizer
+// rejects keys left unread) and throws ConfigError for a bad value.
+using OptimizerFactory = std::function<std::shared_ptr<const OptimizerMethod>(Spec& spec)>;
+
+// Registers `name` (server_optimizer = "name:key=value"). sparrow::Error when
+// the name is taken (the built-ins are registered first). Thread-safe.
+void register_server_optimizer(const std::string& name, OptimizerFactory factory, const std::string& description);
+// Registered server optimiser names, sorted (built-ins included).
+std::vector<std::string> server_optimizer_names();
+// Whether `name` (a method, without keys) is a registered server optimiser.
+bool known_server_optimizer(const std::string& name);
+// The one-line description `name` was registered with; ConfigError if unknown.
+std::string server_optimizer_description(const std::string& name);
+// Registers the built-in aggregators and server optimisers (also declared in
+// aggregation/rules.h). Idempotent; every lookup calls it.
+void register_builtins();
+
 class ServerOptimizer {
  public:
-  // Throws ConfigError on an unknown method, unknown key or out-of-range value
-  // (lr > 0; momentum, beta1, beta2 in [0, 1); tau > 0).
+  // Throws ConfigError on an unknown method (listing the known ones), an
+  // unknown key or an out-of-range value (lr > 0; momentum, beta1, beta2 in
+  // [0, 1); tau > 0).
   explicit ServerOptimizer(const std::string& spec);
 
   const std::string& method() const { return method_; }
@@ -64,12 +123,13 @@ class ServerOptimizer {
   void step(std::map<std::string, at::Tensor>& weights, const std::map<std::string, at::Tensor>& delta);
 
   // Self-describing bytes: magic "SPSO", version, the method, then a
-  // compression::State (step count; "m/<name>", "v/<name>" slots).
+  // compression::State (step count; one "<slot>/<name>" tensor per slot, e.g.
+  // "m/fc.weight").
   std::string serialize_state() const;
-  // Replaces the state. Throws FormatError on malformed bytes or a state saved
-  // by a different method.
+  // Replaces the state. Throws FormatError on malformed bytes, a slot the
+  // method does not keep, or a state saved by a different method.
   void deserialize_state(const std::string& bytes);
-  // Forgets m, v and the step count.
+  // Forgets the slots and the step count.
   void reset_state();
 
   // The optimiser's m / v of a tensor (undefined before the first step or for
@@ -78,24 +138,12 @@ class ServerOptimizer {
   at::Tensor second_moment(const std::string& name) const;
 
  private:
-  enum class Kind { kFedAvg, kFedAvgM, kFedAdam, kFedYogi, kFedAdagrad, kFedTopK, kFedLowRank };
-  // fedtopk / fedlowrank: m = momentum·m + d;  e += lr·m (both created as
-  // zeros on the first step); returns e.
-  at::Tensor& compensate(const std::string& name, const at::Tensor& w, const at::Tensor& d, float lr);
-  Kind kind_;
+  at::Tensor slot(const std::string& name, const std::string& slot) const;
+  std::shared_ptr<const OptimizerMethod> impl_;  // never null
   std::string method_;
   std::string spec_;
-  double lr_ = 1.0;
-  double momentum_ = 0.0;
-  double beta1_ = 0.0;
-  double beta2_ = 0.0;
-  double tau_ = 0.0;
-  double ratio_ = 0.0;
-  int64_t rank_ = 0;
   uint64_t steps_ = 0;
-  std::map<std::string, at::Tensor> m_;
-  std::map<std::string, at::Tensor> v_;
-  std::map<std::string, at::Tensor> q_;  // fedlowrank: the warm-start factor Q ({cols, r}) per compressed tensor
+  std::map<std::string, Slots> state_;  // tensor name -> its slots
 };
 
 }  // namespace sparrow::aggregation

@@ -2,7 +2,9 @@
 // ClientSession: the deployed client's side of the session protocol
 // (docs/protocol.md, docs/client.md; the contract is the server's too).
 //
-// One ClientSession owns one DEALER socket (CURVE unless insecure), a
+// One ClientSession owns one transport::Connection to the server
+// (transport/transport.h: ZeroMQ for tcp:// and ipc://, CURVE unless
+// insecure; the in-process hub for mem://, a server in the same process), a
 // LocalTrainer replica of the model, the client's training data and its local
 // state database (state/store.h, key 0). run() is a single-threaded loop:
 //   connect -> Hello -> Welcome -> { Heartbeat while idle | Task -> train ->
@@ -13,10 +15,10 @@
 // a Delta against B_h can be applied after a restart.
 //
 // Reconnect: when the server is silent for 3 * heartbeat_ms (it answers every
-// Heartbeat), or says Bye with any reason but "run finished", the socket is
+// Heartbeat), or says Bye with any reason but "run finished", the connection is
 // closed and reopened after an exponential backoff (capped, jittered), then
 // Hello again. An Error whose message starts with "unknown client" is answered
-// with a Hello on the same socket.
+// with a Hello on the same connection.
 //
 // Threads: run() is called by one thread; stop() and counters() may be called
 // from any thread, stop() also from a signal handler (it only stores an atomic).
@@ -55,7 +57,7 @@ struct DataConfig {
 };
 
 struct SessionConfig {
-  std::string server = "tcp://127.0.0.1:7070";  // the server's ROUTER endpoint
+  std::string server = "tcp://127.0.0.1:7070";  // the server's endpoint (tcp://, ipc://, mem://)
   std::string server_key;                       // server public key file (.key or .key_secret)
   std::string key;                              // own key pair file (.key_secret)
   bool insecure = false;                        // plain TCP (no CURVE); logs a warning
@@ -117,7 +119,7 @@ class ClientSession {
     uint64_t tasks_refused = 0;     // Tasks answered with an Error or a re-Hello
     uint64_t updates_acked = 0;     // Ack for an update this session sent
     uint64_t updates_rejected = 0;  // Error naming the round of an update this session sent
-    uint64_t reconnects = 0;        // sockets reopened (silence, Bye, failed send)
+    uint64_t reconnects = 0;        // connections reopened (silence, Bye, failed send)
     uint64_t heartbeats = 0;        // Heartbeats sent
     uint64_t errors_received = 0;   // any Error from the server
   };

@@ -56,7 +56,9 @@ inline int parse(CLI::App& app, int argc, char** argv) {
 // .preinit_array, which the loader runs before the libraries' static
 // initialisers (LibTorch's take about 0.3 s, during which a signal would
 // otherwise kill the process, or be ignored when the shell started it in the
-// background with SIGINT ignored). The first signal sets stop_requested() and
+// background with SIGINT ignored). Before that, while the loader maps the
+// libraries, the launcher (core/launcher.cc) keeps both signals blocked, so
+// one sent then waits for these handlers. The first signal sets stop_requested() and
 // calls the function given to on_stop(); the program stops at its next safe
 // point, saves what it has and exits kInterrupted. A second signal exits
 // kInterrupted at once (the last saved state stands).
@@ -86,7 +88,17 @@ inline void install_stop_handlers() {
   sigaction(SIGINT, &sa, nullptr);
   sigaction(SIGTERM, &sa, nullptr);
 }
-inline void install_stop_handlers_at_load(int, char**, char**) { install_stop_handlers(); }
+// At load: the handlers, then SIGINT and SIGTERM unblocked. The launcher
+// (core/launcher.cc) execs the program with both blocked, so a signal sent
+// while the loader mapped the libraries is pending and is delivered here.
+inline void install_stop_handlers_at_load(int, char**, char**) {
+  install_stop_handlers();
+  sigset_t stop;
+  sigemptyset(&stop);
+  sigaddset(&stop, SIGINT);
+  sigaddset(&stop, SIGTERM);
+  sigprocmask(SIG_UNBLOCK, &stop, nullptr);
+}
 
 // Whether a signal asked the program to stop.
 inline bool stop_requested() { return stop_detail::requested.load(); }

@@ -6,11 +6,13 @@
 #include <algorithm>
 #include <fstream>
 #include <mutex>
+#include <optional>
 #include <set>
 
 #include "core/error.h"
 #include "core/error_text.h"
 #include "core/linear_cpu.h"
+#include "core/registry.h"
 #include "core/winograd_cpu.h"
 #include "core/spec.h"
 #include "core/threads.h"
@@ -533,20 +535,36 @@ std::shared_ptr<Model> load_torchscript(const std::string& path) {
   return std::make_shared<ScriptedModel>(std::move(module), path);
 }
 
-// A built-in model name parsed as a spec; returns the resnet channel count too.
-Spec parse_builtin(const std::string& name, int64_t* in_channels) {
-  Spec s = Spec::parse(name);
-  const std::string& m = s.method();
-  SPARROW_CHECK_T(ConfigError, m == "mlp" || m == "cnn" || m == "resnet",
-                  "unknown model '" << name << "' (known: mlp, cnn, resnet, torchscript:FILE)");
-  *in_channels = 1;
-  if (m == "resnet") {
-    *in_channels = s.get_int("in_channels", 1);
-    SPARROW_CHECK_T(ConfigError, *in_channels == 1 || *in_channels == 3,
-                    "model '" << name << "': in_channels must be 1 or 3");
-  }
-  s.check_all_consumed();
-  return s;
+struct ModelEntry {
+  ModelFactory make;
+  ModelShapeFn input_shape;  // empty: not known
+};
+
+// "model": the message reads "unknown model 'x' (known: ...)".
+Registry<ModelEntry>& registry() {
+  static Registry<ModelEntry> r("model");
+  return r;
+}
+
+std::vector<int64_t> image28(Spec&) { return {1, 28, 28}; }
+
+// resnet's in_channels key, checked.
+int64_t resnet_channels(Spec& s) {
+  const int64_t in = s.get_int("in_channels", 1);
+  SPARROW_CHECK_T(ConfigError, in == 1 || in == 3, "model '" << s.text() << "': in_channels must be 1 or 3");
+  return in;
+}
+
+bool is_torchscript(const std::string& name) { return name.rfind(kTorchScriptPrefix, 0) == 0; }
+
+// The entry of a built-in or registered name; the unknown-name error also
+// lists the TorchScript form, which is not a registry entry (its FILE is not
+// a key=value spec).
+ModelEntry entry_of(const Spec& s) {
+  register_builtin_models();
+  std::optional<ModelEntry> e = registry().find(s.method());
+  if (!e) throw registry().unknown(s.text(), "torchscript:FILE");
+  return std::move(*e);
 }
 
 }  // namespace
@@ -608,28 +626,80 @@ void linear_clients_backward(const at::Tensor& dz, const at::Tensor& ht, at::Ten
   }
 }
 
-std::shared_ptr<Model> make_model(const std::string& name, uint64_t seed) {
-  if (name.rfind(kTorchScriptPrefix, 0) == 0)
-    return load_torchscript(name.substr(std::string(kTorchScriptPrefix).size()));
-  int64_t in_channels = 1;
-  const Spec s = parse_builtin(name, &in_channels);
-  static std::mutex init_mutex;  // manual_seed + construction must not interleave
-  std::lock_guard<std::mutex> lock(init_mutex);
-  torch::manual_seed(seed);
-  if (s.method() == "mlp") return std::make_shared<Mlp>();
-  if (s.method() == "cnn") return std::make_shared<Cnn>();
-  return std::make_shared<ResNet8>(in_channels);
+void register_builtin_models() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    auto& r = registry();
+    r.add("mlp", {[](Spec&, const ModelArgs&) { return std::make_shared<Mlp>(); }, image28},
+          "784-200-200-10 with ReLU (McMahan et al. 2017's 2NN)");
+    r.add("cnn", {[](Spec&, const ModelArgs&) { return std::make_shared<Cnn>(); }, image28},
+          "the FedAvg CNN for 1x28x28 (two 5x5 convolutions, fc 512, fc 10)");
+    r.add("resnet",
+          {[](Spec& s, const ModelArgs&) { return std::make_shared<ResNet8>(resnet_channels(s)); },
+           [](Spec& s) {
+             const int64_t in = resnet_channels(s);
+             return in == 3 ? std::vector<int64_t>{3, 32, 32} : std::vector<int64_t>{1, 28, 28};
+           }},
+          "[in_channels=1|3] ResNet-8 with BatchNorm (16/32/64 channels)");
+  });
 }
 
-std::vector<std::string> model_names() { return {"mlp", "cnn", "resnet"}; }
+void register_model(const std::string& name, ModelFactory make, const std::string& description,
+                    ModelShapeFn input_shape) {
+  register_builtin_models();  // first, so that a name clashing with a built-in fails here
+  SPARROW_CHECK(make, "register_model: '" << name << "' has no factory");
+  SPARROW_CHECK(name + ":" != kTorchScriptPrefix, "register_model: 'torchscript' is reserved for TorchScript files");
+  registry().add(name, ModelEntry{std::move(make), std::move(input_shape)}, description);
+}
+
+std::shared_ptr<Model> make_model(const std::string& name, uint64_t seed) {
+  ModelArgs args;
+  args.seed = seed;
+  return make_model(name, args);
+}
+
+std::shared_ptr<Model> make_model(const std::string& name, const ModelArgs& args) {
+  if (is_torchscript(name)) return load_torchscript(name.substr(std::string(kTorchScriptPrefix).size()));
+  Spec s = Spec::parse(name);
+  const ModelEntry e = entry_of(s);
+  std::shared_ptr<Model> model;
+  {
+    // manual_seed + construction must not interleave; recursive, so that a
+    // factory may build another registered model.
+    static std::recursive_mutex init_mutex;
+    std::lock_guard<std::recursive_mutex> lock(init_mutex);
+    torch::manual_seed(args.seed);
+    model = e.make(s, args);
+  }
+  SPARROW_CHECK(model, "model '" << s.method() << "': its factory returned no model");
+  s.check_all_consumed();
+  return model;
+}
+
+std::vector<std::string> model_names() {
+  register_builtin_models();
+  return registry().names();
+}
+
+bool known_model(const std::string& name) {
+  register_builtin_models();
+  return registry().contains(name);
+}
+
+std::string model_description(const std::string& name) {
+  register_builtin_models();
+  return registry().description(name);
+}
 
 std::vector<int64_t> model_input_shape(const std::string& name) {
-  SPARROW_CHECK_T(ConfigError, name.rfind(kTorchScriptPrefix, 0) != 0,
+  SPARROW_CHECK_T(ConfigError, !is_torchscript(name),
                   "model '" << name << "': the input shape of a TorchScript model is not known");
-  int64_t in_channels = 1;
-  parse_builtin(name, &in_channels);
-  if (in_channels == 3) return {3, 32, 32};
-  return {1, 28, 28};
+  Spec s = Spec::parse(name);
+  const ModelEntry e = entry_of(s);
+  SPARROW_CHECK_T(ConfigError, e.input_shape, "model '" << name << "': its input shape is not known");
+  std::vector<int64_t> shape = e.input_shape(s);
+  s.check_all_consumed();
+  return shape;
 }
 
 }  // namespace sparrow::core

@@ -6,9 +6,14 @@
 #include <torch/nn/module.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
+
+namespace sparrow {
+class Spec;
+}
 
 namespace sparrow::core {
 
@@ -95,11 +100,42 @@ void linear_clients_backward(const at::Tensor& dz, const at::Tensor& ht, at::Ten
 // layer and step (batched MLP step 4.5 ms vs 3.0 ms, K = 10, B = 32).
 at::Tensor linear_clients(const at::Tensor& h, const at::Tensor& weight, const at::Tensor& bias);
 
-// Builds a model from its name. Built-ins are initialised deterministically from
-// `seed` (LibTorch's default initialisers under torch::manual_seed(seed); calls
-// are serialised by a lock so concurrent make_model calls cannot interleave their
-// draws, but other code drawing from LibTorch's global generator at the same
-// time would):
+// What a model factory gets besides its spec's keys.
+struct ModelArgs {
+  // LibTorch's global generator is seeded with it (torch::manual_seed) just
+  // before the factory runs, under make_model's lock.
+  uint64_t seed = 0;
+  // The run's data, for models whose size follows it (the simulator's
+  // "logreg"): features per sample (0: unknown) and classes.
+  int64_t input_dim = 0;
+  int64_t classes = 10;
+};
+
+// Builds a model from its spec ("resnet:in_channels=3" -> spec.method()
+// "resnet"): reads the keys it knows (make_model rejects keys left unread) and
+// throws ConfigError for a bad value. Runs under make_model's lock with the
+// generator seeded, so initialisation is deterministic per seed.
+using ModelFactory = std::function<std::shared_ptr<Model>(Spec& spec, const ModelArgs& args)>;
+// The per-sample input shape a model is made for (without the batch
+// dimension), from its spec's keys; model_input_shape uses it.
+using ModelShapeFn = std::function<std::vector<int64_t>(Spec& spec)>;
+
+// Registers `name` (model = "name:key=value" in configs), with an optional
+// input shape (empty: unknown, as for TorchScript models). sparrow::Error when
+// the name is taken (the built-ins are registered first) or is "torchscript".
+// Thread-safe; register before the model is first made.
+void register_model(const std::string& name, ModelFactory make, const std::string& description,
+                    ModelShapeFn input_shape = {});
+// Registers the built-in models (mlp, cnn, resnet). Idempotent and
+// thread-safe; every lookup calls it.
+void register_builtin_models();
+
+// Builds a model from its name: a registered model (the built-ins below, or
+// one added with register_model) or "torchscript:FILE". Registered models are
+// initialised deterministically from `seed` (LibTorch's default initialisers
+// under torch::manual_seed(seed); calls are serialised by a lock so concurrent
+// make_model calls cannot interleave their draws, but other code drawing from
+// LibTorch's global generator at the same time would):
 //   "mlp"     784-200-200-10 with ReLU (McMahan et al. 2017's 2NN); 199,210 parameters.
 //   "cnn"     the FedAvg CNN for 1x28x28 (McMahan et al. 2017; FedML's CNN_DropOut
 //             without dropout): conv5x5(32, pad 2) - ReLU - maxpool2 - conv5x5(64,
@@ -129,16 +165,23 @@ at::Tensor linear_clients(const at::Tensor& h, const at::Tensor& weight, const a
 // module, in registration order, applied one after another. That matches forward
 // only when forward is exactly that composition (e.g. an nn.Sequential);
 // edge::check_stages() tests it on a sample input.
-// ConfigError for an unknown name or key, or a missing or unreadable TorchScript
-// file (the message names the path).
+// ConfigError for an unknown name (the message lists the known ones) or key,
+// or a missing or unreadable TorchScript file (the message names the path).
 std::shared_ptr<Model> make_model(const std::string& name, uint64_t seed);
+// The same with the run's data shape for models that need it (ModelArgs).
+std::shared_ptr<Model> make_model(const std::string& name, const ModelArgs& args);
 
-// The built-in model names accepted by make_model (not "torchscript:FILE").
+// The registered model names, sorted (built-ins included; not "torchscript:FILE").
 std::vector<std::string> model_names();
+// Whether `name` (a method, without keys) is a registered model.
+bool known_model(const std::string& name);
+// The one-line description `name` was registered with; ConfigError if unknown.
+std::string model_description(const std::string& name);
 
-// The per-sample input shape (without the batch dimension) a built-in model is
-// made for, e.g. {1, 28, 28}; {3, 32, 32} for "resnet:in_channels=3".
-// ConfigError for an unknown name and for TorchScript models (shape unknown).
+// The per-sample input shape (without the batch dimension) a registered model
+// is made for, e.g. {1, 28, 28}; {3, 32, 32} for "resnet:in_channels=3".
+// ConfigError for an unknown name, for TorchScript models and for registered
+// models without a known shape.
 std::vector<int64_t> model_input_shape(const std::string& name);
 
 }  // namespace sparrow::core

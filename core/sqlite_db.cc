@@ -6,9 +6,12 @@
 #include <unistd.h>
 #include <zlib.h>
 
+#include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include "core/error.h"
 
@@ -165,14 +168,42 @@ void check_before_open(const std::string& path, const std::string& what) {
                       std::to_string(w.intact_bytes) + " " + quoted(wal) + "; nothing was written");
 }
 
-Db::Db(const std::string& path, const OpenOptions& o) : path_(path), what_(o.what) {
+namespace {
+constexpr int kBusyTimeoutMs = 5000;
+}  // namespace
+
+Db::Db(const std::string& path, const OpenOptions& o) : path_(path), options_(o) {
   try {
-    open(o);
+    open();
+  } catch (...) {
+    close();
+    // A file this open created and could not finish (a full disk while the
+    // schema was written, a quick_check of nothing...) is removed: left
+    // behind, the next start would refuse it as an empty or foreign file.
+    if (created_) {
+      for (const char* suffix : {"", "-wal", "-shm", "-journal"}) ::unlink((path_ + suffix).c_str());
+    }
+    throw;
+  }
+}
+
+Db::Db(const Db& first, Again) : path_(first.path_), options_(first.options_) {
+  options_.exclusive = false;  // the first connection holds the lock
+  options_.migrate = nullptr;
+  found_version_ = first.found_version_;
+  try {
+    const int flags = (options_.read_only ? SQLITE_OPEN_READONLY : SQLITE_OPEN_READWRITE) |
+                      (options_.one_thread_at_a_time ? SQLITE_OPEN_NOMUTEX : 0);
+    const int rc = sqlite3_open_v2(path_.c_str(), &db_, flags, nullptr);
+    if (rc != SQLITE_OK) fail("open", rc);
+    set_pragmas();
   } catch (...) {
     close();
     throw;
   }
 }
+
+std::unique_ptr<Db> Db::another_connection() const { return std::unique_ptr<Db>(new Db(*this, Again{})); }
 
 void Db::close() {
   if (db_) sqlite3_close_v2(db_);
@@ -181,81 +212,176 @@ void Db::close() {
   lock_fd_ = -1;
 }
 
-void Db::open(const OpenOptions& o) {
+// Error codes in full, the busy timeout, and (read-write) synchronous.
+void Db::set_pragmas() {
+  sqlite3_extended_result_codes(db_, 1);
+  sqlite3_busy_timeout(db_, kBusyTimeoutMs);
+  if (!options_.read_only) exec(options_.fsync ? "PRAGMA synchronous=FULL" : "PRAGMA synchronous=NORMAL");
+}
+
+void Db::open() {
+  namespace fs = std::filesystem;
+  const OpenOptions& o = options_;
   const std::string& path = path_;
-  check_before_open(path, what_);
-  const int rc = sqlite3_open_v2(path.c_str(), &db_, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE, nullptr);
+  const std::string& what = o.what;
+  const std::string holder = o.owner.empty() ? std::string("process") : o.owner;
+  std::error_code ec;
+  const bool existed = fs::exists(path, ec);
+  if (o.read_only) {
+    SPARROW_CHECK_T(ConfigError, !fs::is_directory(path, ec),
+                    what << " " << quoted(path) << " is a folder, not a file");
+    SPARROW_CHECK_T(ConfigError, existed, what << " " << quoted(path) << " does not exist");
+    // The -wal check only when no exclusive Db holds the file: a running
+    // writer checked it at its start and may be rewriting the log now.
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    const bool idle = fd >= 0 && ::flock(fd, LOCK_SH | LOCK_NB) == 0;
+    if (fd >= 0) ::close(fd);
+    if (idle) check_before_open(path, what);
+  } else {
+    check_before_open(path, what);
+    if (!existed) {
+      // Created here (O_EXCL: known to be this open's own file), so that a
+      // failed open can remove it. SQLite's permissions.
+      const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+      SPARROW_CHECK_T(ConfigError, fd >= 0 || errno == EEXIST,
+                      what << " " << quoted(path) << " cannot be created: " << std::strerror(errno));
+      if (fd >= 0) {
+        ::close(fd);
+        created_ = true;
+      }
+    }
+  }
+  const int flags = (o.read_only ? SQLITE_OPEN_READONLY : SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE) |
+                    (o.one_thread_at_a_time ? SQLITE_OPEN_NOMUTEX : 0);
+  const int rc = sqlite3_open_v2(path.c_str(), &db_, flags, nullptr);
   if (rc != SQLITE_OK) fail("open", rc);
-  if (o.exclusive) {
+  if (o.exclusive && !o.read_only) {
     // One writer process per file, held until close. flock() locks are apart
-    // from the fcntl() locks SQLite uses, so `sqlite3 FILE ".backup ..."` still
-    // reads the file while it is held.
+    // from the fcntl() locks SQLite uses, so `sqlite3 FILE ".backup ..."` and
+    // read-only opens still read the file while it is held.
     lock_fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-    SPARROW_CHECK_T(Error, lock_fd_ >= 0, what_ << " '" << path << "': cannot open it to lock it");
+    SPARROW_CHECK_T(Error, lock_fd_ >= 0, what << " " << quoted(path) << ": cannot open it to lock it");
     SPARROW_CHECK_T(ConfigError, ::flock(lock_fd_, LOCK_EX | LOCK_NB) == 0,
-                    what_ << " '" << path << "' is in use by another process (locked)");
+                    what << " " << quoted(path) << " is in use by another " << holder << " (locked); stop that "
+                         << holder << " or use another path");
   }
   sqlite3_extended_result_codes(db_, 1);
-  sqlite3_busy_timeout(db_, o.exclusive ? 0 : 5000);
+  sqlite3_busy_timeout(db_, kBusyTimeoutMs);
   {
     Stmt v(*this, "PRAGMA user_version");  // reads the header: a file that is not SQLite fails here
     v.step();
     found_version_ = static_cast<int>(v.i64(0));
   }
   SPARROW_CHECK_T(FormatError, found_version_ <= o.schema_version,
-                  what_ << " '" << path << "': schema version " << found_version_ << " is newer than this build ("
-                        << o.schema_version << "); use a newer sparrow");
-  {
+                  what << " " << quoted(path) << ": schema version " << found_version_ << " is newer than this build ("
+                       << o.schema_version << "); use a newer sparrow");
+  if (!o.read_only) {
+    // The whole file's structure (pages, b-trees, indexes), before anything
+    // is read from it or written to it.
     Stmt q(*this, "PRAGMA quick_check");
     const std::string result = q.step() ? q.blob(0) : std::string("no result");
     SPARROW_CHECK_T(
         FormatError, result == "ok",
-        what_ << " '" << path << "' is damaged (SQLite quick_check: " << result << "); restore it from a backup");
+        what << " " << quoted(path) << " is damaged (SQLite quick_check: " << result << "); restore it from a backup");
   }
-  if (!o.tables.empty()) {
-    std::string names;
-    for (const auto& t : o.tables) names += (names.empty() ? "'" : ", '") + t + "'";
+  int64_t tables = 0;
+  {
+    std::string names = "''";
+    for (const auto& t : o.tables) names += ", " + quoted(t);
     Stmt t(*this,
            "SELECT (SELECT COUNT(*) FROM sqlite_master WHERE type = 'table'), (SELECT COUNT(*) FROM "
            "sqlite_master WHERE type = 'table' AND name IN (" +
                names + "))");
     t.step();
-    SPARROW_CHECK_T(ConfigError, t.i64(0) == 0 || t.i64(1) > 0,
-                    what_ << " '" << path << "' is an SQLite database of something else (" << t.i64(0)
-                          << " tables, none of this store's): use another path");
+    tables = t.i64(0);
+    const std::string kind = o.owner.empty() ? "a " + what : "a " + o.owner + " database";
+    if (!o.tables.empty())
+      SPARROW_CHECK_T(ConfigError, tables == 0 || t.i64(1) > 0,
+                      what << " " << quoted(path) << " is an SQLite database of something else (" << tables
+                           << " tables, none of " << kind << "): nothing was written to it; use another path");
+    // An existing file is written to only when it is this store's: an
+    // SQLite file without tables is someone's too (or a store that lost them).
+    SPARROW_CHECK_T(ConfigError, !(o.existing_needs_tables || o.read_only) || !existed || tables > 0,
+                    what << " " << quoted(path) << " exists but is not " << kind << " (no tables)"
+                         << (o.read_only ? "; check the path"
+                                         : "; nothing was written to it: use another path, or remove the file to "
+                                           "start afresh"));
   }
+  if (o.read_only) return;
+  // Only a new database takes a page size (and only before WAL is switched on).
+  if (o.page_size > 0 && tables == 0 && found_version_ == 0) exec("PRAGMA page_size=" + std::to_string(o.page_size));
   exec("PRAGMA journal_mode=WAL");
   exec(o.fsync ? "PRAGMA synchronous=FULL" : "PRAGMA synchronous=NORMAL");
+  if (o.migrate && found_version_ < o.schema_version) {
+    Transaction t(*this);
+    o.migrate(*this, found_version_);
+    exec("PRAGMA user_version=" + std::to_string(o.schema_version));
+    t.commit();
+  }
 }
 
 Db::~Db() { close(); }
 
-void Db::fail(const std::string& what, int rc) const {
+void Db::fail(const std::string& doing, int rc) const {
+  const std::string& what = options_.what;
   const std::string detail = db_ ? sqlite3_errmsg(db_) : sqlite3_errstr(rc);
-  if ((rc & 0xff) == SQLITE_NOTADB || (rc & 0xff) == SQLITE_CORRUPT)
-    throw FormatError(what_ + " '" + path_ + "': " + what + ": " + detail);
-  if ((rc & 0xff) == SQLITE_BUSY || (rc & 0xff) == SQLITE_LOCKED)
-    throw ConfigError(what_ + " '" + path_ + "' is in use by another process (" + what + ": " + detail + ")");
-  if ((rc & 0xff) == SQLITE_FULL)
-    throw Error(what_ + " '" + path_ + "': " + what + ": the disk is full (nothing was written)");
-  throw Error(what_ + " '" + path_ + "': " + what + ": " + detail + " (sqlite code " + std::to_string(rc) + ")");
+  const std::string file = what + " " + quoted(path_);
+  switch (rc & 0xff) {
+    case SQLITE_NOTADB:
+    case SQLITE_CORRUPT:
+      throw FormatError(file + ": " + doing + ": " + detail + "; the file is damaged: restore it from a backup");
+    case SQLITE_BUSY:
+    case SQLITE_LOCKED:
+      throw ConfigError(file + " is in use by another " + (options_.owner.empty() ? "process" : options_.owner) + " (" +
+                        doing + ": " + detail + "); stop it or use another path");
+    case SQLITE_FULL:
+      throw Error(file + ": " + doing +
+                  ": the disk is full; nothing of this transaction was written. Free some space (or move the file "
+                  "to a larger disk) and try again");
+    case SQLITE_READONLY:
+      throw Error(file + ": " + doing + ": " + detail + " (is the file or its folder read-only?)");
+    default:
+      throw Error(file + ": " + doing + ": " + detail + " (sqlite code " + std::to_string(rc) + ")");
+  }
 }
 
 void Db::exec(const std::string& sql) {
   char* err = nullptr;
   const int rc = sqlite3_exec(db_, sql.c_str(), nullptr, nullptr, &err);
   if (err) sqlite3_free(err);
-  if (rc != SQLITE_OK) fail("'" + sql + "'", rc);
+  if (rc != SQLITE_OK) fail(quoted(sql), rc);
 }
 
-Stmt::Stmt(Db& db, const std::string& sql) : db_(db) {
-  const int rc = sqlite3_prepare_v2(db.handle(), sql.c_str(), -1, &st_, nullptr);
-  if (rc != SQLITE_OK) db.fail("prepare '" + sql + "'", rc);
+bool Db::has_column(const std::string& table, const std::string& column) {
+  Stmt s(*this, "SELECT COUNT(*) FROM pragma_table_info(?) WHERE name = ?");
+  s.bind_text(1, table).bind_text(2, column);
+  s.step();
+  return s.i64(0) > 0;
+}
+
+void Db::begin() { exec("BEGIN IMMEDIATE"); }
+void Db::commit() { exec("COMMIT"); }
+void Db::rollback() noexcept {
+  if (in_transaction()) sqlite3_exec(db_, "ROLLBACK", nullptr, nullptr, nullptr);
+}
+bool Db::in_transaction() const { return db_ && sqlite3_get_autocommit(db_) == 0; }
+
+Stmt::Stmt(Db& db, const std::string& sql, bool reused) : db_(db) {
+  const int rc =
+      sqlite3_prepare_v3(db.handle(), sql.c_str(), -1, reused ? SQLITE_PREPARE_PERSISTENT : 0, &st_, nullptr);
+  if (rc != SQLITE_OK) db.fail("prepare " + quoted(sql), rc);
 }
 Stmt::~Stmt() { sqlite3_finalize(st_); }
 
 Stmt& Stmt::bind(int i, int64_t v) {
   sqlite3_bind_int64(st_, i, v);
+  return *this;
+}
+Stmt& Stmt::bind_real(int i, double v) {
+  if (std::isnan(v))
+    sqlite3_bind_null(st_, i);
+  else
+    sqlite3_bind_double(st_, i, v);
   return *this;
 }
 Stmt& Stmt::bind_text(int i, const std::string& v) {
@@ -269,17 +395,26 @@ Stmt& Stmt::bind_blob(int i, const std::string& v) {
     sqlite3_bind_blob64(st_, i, v.data(), v.size(), SQLITE_STATIC);
   return *this;
 }
-bool Stmt::step() {
+bool Stmt::step(const char* doing) {
   const int rc = sqlite3_step(st_);
   if (rc == SQLITE_ROW) return true;
   if (rc == SQLITE_DONE) return false;
-  db_.fail("step", rc);
+  try {
+    db_.fail(doing ? doing : "step", rc);  // reads the message before reset() could change it
+  } catch (...) {
+    sqlite3_reset(st_);
+    throw;
+  }
 }
 void Stmt::reset() {
   sqlite3_reset(st_);
   sqlite3_clear_bindings(st_);
 }
 int64_t Stmt::i64(int c) const { return sqlite3_column_int64(st_, c); }
+double Stmt::real(int c) const {
+  return sqlite3_column_type(st_, c) == SQLITE_NULL ? std::numeric_limits<double>::quiet_NaN()
+                                                    : sqlite3_column_double(st_, c);
+}
 bool Stmt::is_null(int c) const { return sqlite3_column_type(st_, c) == SQLITE_NULL; }
 std::string Stmt::blob(int c) const {
   const void* p = sqlite3_column_blob(st_, c);
@@ -287,12 +422,12 @@ std::string Stmt::blob(int c) const {
   return p ? std::string(static_cast<const char*>(p), static_cast<size_t>(n)) : std::string();
 }
 
-Transaction::Transaction(Db& db) : db_(db) { db_.exec("BEGIN IMMEDIATE"); }
+Transaction::Transaction(Db& db) : db_(db) { db_.begin(); }
 Transaction::~Transaction() {
-  if (!done_) sqlite3_exec(db_.handle(), "ROLLBACK", nullptr, nullptr, nullptr);
+  if (!done_) db_.rollback();
 }
 void Transaction::commit() {
-  db_.exec("COMMIT");
+  db_.commit();
   done_ = true;
 }
 
@@ -306,6 +441,10 @@ int64_t checksum(const std::vector<const std::string*>& pieces, int64_t seed) {
     add(s->data(), s->size());
   }
   return static_cast<int64_t>(crc);
+}
+
+int64_t crc32_of(const void* data, size_t n) {
+  return static_cast<int64_t>(crc32_z(crc32_z(0L, Z_NULL, 0), static_cast<const Bytef*>(data), n));
 }
 
 }  // namespace sparrow::sqlite

@@ -306,6 +306,80 @@ Secret shamir_combine(const std::vector<std::string>& shares, uint32_t t) {
   return out;
 }
 
+namespace {
+// The value at x of the polynomial through the shares `idx` (their x distinct),
+// byte b of the secret.
+uint8_t interpolate_at(const std::vector<std::string>& shares, const std::vector<size_t>& idx, uint8_t x, size_t b) {
+  const Gf& g = gf();
+  uint8_t y = 0;
+  for (size_t i : idx) {
+    const uint8_t xi = static_cast<uint8_t>(shares[i][0]);
+    if (xi == x) return static_cast<uint8_t>(shares[i][1 + b]);
+    uint8_t l = 1;  // Lagrange basis: prod (x - x_j) / (x_i - x_j); minus is xor
+    for (size_t j : idx)
+      if (j != i) {
+        const uint8_t xj = static_cast<uint8_t>(shares[j][0]);
+        l = g.mul(l, g.div(static_cast<uint8_t>(x ^ xj), static_cast<uint8_t>(xi ^ xj)));
+      }
+    y ^= g.mul(l, static_cast<uint8_t>(shares[i][1 + b]));
+  }
+  return y;
+}
+
+// Whether share k lies on the polynomial through `idx`: all 32 bytes, or only the
+// first when `first_byte_only`.
+bool on_polynomial(const std::vector<std::string>& shares, const std::vector<size_t>& idx, size_t k,
+                   bool first_byte_only) {
+  const uint8_t x = static_cast<uint8_t>(shares[k][0]);
+  const size_t bytes = first_byte_only ? 1 : 32;
+  for (size_t b = 0; b < bytes; ++b)
+    if (interpolate_at(shares, idx, x, b) != static_cast<uint8_t>(shares[k][1 + b])) return false;
+  return true;
+}
+}  // namespace
+
+std::optional<Secret> shamir_combine_robust(const std::vector<std::string>& shares, uint32_t t,
+                                            std::vector<size_t>* wrong) {
+  const size_t m = shares.size();
+  SPARROW_CHECK(t >= 1 && m >= t, "secagg: " << m << " shares, " << t << " needed");
+  std::set<uint8_t> xs;
+  for (const auto& sh : shares) {
+    SPARROW_CHECK(sh.size() == kShareBytes, "secagg: a share must be " << kShareBytes << " bytes");
+    SPARROW_CHECK(sh[0] != 0, "secagg: share with x = 0");
+    SPARROW_CHECK(xs.insert(static_cast<uint8_t>(sh[0])).second, "secagg: two shares with x = " << int(sh[0]));
+  }
+  const size_t need = (m + t + 1) / 2;  // ceil((m + t) / 2)
+  // Tries the polynomial through `idx`: the shares off it, or nullopt when fewer than `need` lie on it.
+  auto attempt = [&](const std::vector<size_t>& idx) -> std::optional<std::vector<size_t>> {
+    size_t agree = 0;
+    for (size_t k = 0; k < m; ++k) agree += on_polynomial(shares, idx, k, /*first_byte_only=*/true) ? 1 : 0;
+    if (agree < need) return std::nullopt;
+    std::vector<size_t> off;
+    for (size_t k = 0; k < m; ++k)
+      if (!on_polynomial(shares, idx, k, false)) off.push_back(k);
+    if (m - off.size() < need) return std::nullopt;
+    return off;
+  };
+  std::vector<size_t> idx(t);
+  for (uint32_t i = 0; i < t; ++i) idx[i] = i;
+  uint64_t tried = 0;
+  for (;;) {
+    if (auto off = attempt(idx)) {
+      std::vector<std::string> good;
+      for (size_t i : idx) good.push_back(shares[i]);
+      if (wrong) *wrong = *off;
+      return shamir_combine(good, t);
+    }
+    if (++tried >= kMaxSubsets) return std::nullopt;
+    // The next t-subset of 0..m-1 in lexicographic order.
+    size_t i = t;
+    while (i > 0 && idx[i - 1] == m - t + i - 1) --i;
+    if (i == 0) return std::nullopt;
+    ++idx[i - 1];
+    for (size_t j = i; j < t; ++j) idx[j] = idx[j - 1] + 1;
+  }
+}
+
 // ---- Client ------------------------------------------------------------------------
 
 struct Client::Impl {
@@ -540,6 +614,10 @@ struct Server::Impl {
   std::map<uint32_t, std::set<uint32_t>> rejected_by;  // sender of Masked -> neighbours it rejected
   std::map<uint32_t, std::set<uint32_t>> reported;     // rejected client -> who rejected it
   std::set<uint32_t> summed;                           // S: y_u in the sum
+  bool reconstructed = false;                          // reconstruct() ran
+  std::map<uint32_t, Secret> b_secret, s_secret;       // reconstruct(): self-mask seeds of S, mask keys of U2 \ S
+  std::map<uint32_t, std::set<uint32_t>> wrong;        // holder -> clients whose share it revealed wrong
+  std::string failure;                                 // why reconstruct() failed
 
   Impl(const Params& p, uint64_t r, uint32_t clients, uint64_t seed, size_t len)
       : params(p),
@@ -548,6 +626,10 @@ struct Server::Impl {
         t(p.effective_threshold()),
         graph(clients, p.degree_for(clients), seed),
         length(len) {}
+  ~Impl() {
+    for (auto* m : {&b_secret, &s_secret})
+      for (auto& kv : *m) sodium_memzero(kv.second.data(), kv.second.size());
+  }
 
   // The neighbours of u in `set`.
   std::vector<uint32_t> among(uint32_t u, const std::set<uint32_t>& set) const {
@@ -845,32 +927,72 @@ std::string Server::missing() const {
   return os.str();
 }
 
+bool Server::reconstruct() {
+  Impl& s = *impl_;
+  SPARROW_CHECK(can_unmask(), "secagg: cannot unmask round " << s.round << ": " << missing());
+  if (s.reconstructed) return s.failure.empty();
+  std::ostringstream fail;
+  // The secret of `owner` from its holders' shares; records wrong holders.
+  auto solve = [&](uint32_t owner, const std::map<uint32_t, std::string>& by_holder,
+                   const char* what) -> std::optional<Secret> {
+    std::vector<uint32_t> holders;
+    std::vector<std::string> shares;
+    for (const auto& [holder, sh] : by_holder) {
+      holders.push_back(holder);
+      shares.push_back(sh);
+    }
+    std::vector<size_t> off;
+    std::optional<Secret> secret = shamir_combine_robust(shares, s.t, &off);
+    for (size_t k : off) s.wrong[holders[k]].insert(owner);
+    if (!secret)
+      fail << (fail.tellp() ? "; " : "") << "the " << shares.size() << " " << what << " shares of client " << owner
+           << " disagree beyond correction (" << s.t << " needed; a wrong one is outvoted only with at least "
+           << s.t + 2 << ")";
+    return secret;
+  };
+  for (uint32_t u : s.summed)
+    if (auto b = solve(u, s.b_shares.at(u), "self-mask")) s.b_secret[u] = *b;
+  for (uint32_t u : s.dropped_needed()) {
+    std::optional<Secret> sk = solve(u, s.s_shares.at(u), "mask-key");
+    if (!sk) continue;
+    uint8_t pk[crypto_scalarmult_BYTES];
+    crypto_scalarmult_base(pk, sk->data());
+    if (sodium_memcmp(pk, u8(s.keys.at(u).mask_key), sizeof pk) != 0) {
+      // The shares agree with each other but not with the public key: too
+      // many of them are wrong to tell which (or exactly t were revealed).
+      fail << (fail.tellp() ? "; " : "") << "the mask key of dropped client " << u
+           << " reconstructs wrong (a wrong share among " << s.s_shares.at(u).size() << ")";
+      continue;
+    }
+    s.s_secret[u] = *sk;
+  }
+  s.reconstructed = true;
+  s.failure = fail.str();
+  return s.failure.empty();
+}
+
+const std::map<uint32_t, std::set<uint32_t>>& Server::wrong_shares() const { return impl_->wrong; }
+std::string Server::failure() const { return impl_->failure; }
+
 std::vector<uint32_t> Server::unmask() {
   Impl& s = *impl_;
   SPARROW_CHECK(can_unmask(), "secagg: cannot unmask round " << s.round << ": " << missing());
+  SPARROW_CHECK(reconstruct(), "secagg: cannot unmask round " << s.round << ": " << s.failure);
   std::vector<uint32_t> sum = s.sum;
-  auto shares_of = [&](const std::map<uint32_t, std::string>& m) {
-    std::vector<std::string> v;
-    for (const auto& [holder, sh] : m) v.push_back(sh);
-    return v;
-  };
   for (uint32_t u : s.summed) {
-    Secret b = shamir_combine(shares_of(s.b_shares.at(u)), s.t);
+    Secret& b = s.b_secret.at(u);
     add_prg(sum.data(), sum.size(), b, /*subtract=*/true);
     sodium_memzero(b.data(), b.size());
   }
   for (uint32_t u : s.dropped_needed()) {
-    const Secret sk = shamir_combine(shares_of(s.s_shares.at(u)), s.t);
-    uint8_t pk[crypto_scalarmult_BYTES];
-    crypto_scalarmult_base(pk, sk.data());
-    SPARROW_CHECK(sodium_memcmp(pk, u8(s.keys.at(u).mask_key), sizeof pk) == 0,
-                  "secagg: the mask key of dropped client " << u << " reconstructs wrong (a bad share)");
+    Secret& sk = s.s_secret.at(u);
     const std::string sks = bytes(sk.data(), sk.size());
     for (uint32_t v : s.maskers(u)) {
       // v added +PRG(s_uv) when v < u, -PRG(s_uv) otherwise: take it out.
       const Secret m = derive_key(sks, s.keys.at(v).mask_key, "sparrow-secagg-mask", s.round, u, v);
       add_prg(sum.data(), sum.size(), m, /*subtract=*/v < u);
     }
+    sodium_memzero(sk.data(), sk.size());
   }
   s.stage = Impl::kDone;
   s.sum.clear();

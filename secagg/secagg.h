@@ -33,6 +33,7 @@
 #include <array>
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -109,6 +110,19 @@ void add_prg(uint32_t* v, size_t n, const Secret& seed, bool subtract);
 std::vector<std::string> shamir_split(const Secret& secret, uint32_t t, const std::vector<uint8_t>& xs);
 // The secret from t or more shares of distinct x (uses the first t).
 Secret shamir_combine(const std::vector<std::string>& shares, uint32_t t);
+// The secret from m >= t shares of distinct x of which some may be wrong
+// (well-formed but off the dealer's polynomial: a lying holder). Unique
+// decoding: a polynomial of degree < t that agrees with at least
+// ceil((m + t) / 2) of the shares is the only one that can, so it is the
+// dealer's whenever at most (m - t) / 2 shares are wrong. `wrong` (if given)
+// gets the indices of the shares off it. nullopt when no polynomial agrees
+// with that many: more wrong shares than the redundancy corrects. So m = t
+// detects nothing, m = t + 1 detects one wrong share, m = t + 2 corrects one.
+// Cost: one interpolation when all shares agree; otherwise a search over
+// t-subsets (filtered on one byte), at most kMaxSubsets of them.
+constexpr uint64_t kMaxSubsets = 200000;
+std::optional<Secret> shamir_combine_robust(const std::vector<std::string>& shares, uint32_t t,
+                                            std::vector<size_t>* wrong = nullptr);
 
 // ---- the parties --------------------------------------------------------------------
 
@@ -185,8 +199,19 @@ class Server {
   void add_reveal(uint32_t from, const wire::SecAgg& m);
   // Every self-mask of U3 and every mask key of U2 \ U3 needed has t shares.
   bool can_unmask() const;
-  // The unmasked sum of U3's quantised updates; sparrow::Error when a secret
-  // lacks shares or a reconstructed mask key does not match its public key.
+  // Reconstructs every secret unmask() needs from the reveals with
+  // shamir_combine_robust, so a survivor that revealed a wrong share (well
+  // formed, but not the one it was dealt) is found and outvoted instead of
+  // corrupting the sum; a mask key is also checked against its public key.
+  // False when some secret cannot be reconstructed with confidence (too few
+  // holders to outvote the wrong shares): failure() says which. Holders of
+  // wrong shares are in wrong_shares() either way. Needs can_unmask().
+  bool reconstruct();
+  // Holder -> the clients whose share it revealed wrong (after reconstruct()).
+  const std::map<uint32_t, std::set<uint32_t>>& wrong_shares() const;
+  std::string failure() const;
+  // The unmasked sum of U3's quantised updates (calls reconstruct() if not
+  // done); sparrow::Error when a secret lacks shares or cannot be reconstructed.
   std::vector<uint32_t> unmask();
 
   // Takes `from` out of the round after it broke the protocol (a refused

@@ -1,53 +1,33 @@
 #include "server/config.h"
 
+#include <spdlog/spdlog.h>
+
 #include <cstdio>
-#include <set>
 
 #include "aggregation/robust.h"
-#include "wire/net.h"
-#include "wire/wire.h"
-#include "aggregation/server_optimizer.h"
-#include "compression/compressor.h"
 #include "core/error.h"
 #include "core/flat_config.h"
 #include "core/peer_text.h"
 #include "core/rng.h"
-#include "secagg/secagg.h"
-#include "core/spec.h"
 #include "monitor/http.h"
+#include "secagg/secagg.h"
+#include "wire/net.h"
 
 namespace sparrow::server {
 namespace {
 
-// One table of keys drives reading, overriding, writing and the run identity.
+// One table of keys drives reading, overriding, writing and the run identity:
+// the deployment keys here, the shared ones from federation::bind.
 void bind_all(core::FlatConfig& f, ServerConfig& c) {
   f.bind("listen", &c.listen);
   f.bind("key", &c.server_key);  // this server's own .key_secret (as `key` in the client and edge configs)
   f.bind("allow", &c.allow);
   f.bind("max_message_mb", &c.max_message_mb);
   f.bind("heartbeat_ms", &c.heartbeat_ms);
-  f.bind("model", &c.model);
-  f.bind("model_seed", &c.model_seed);
-  f.bind("seed", &c.seed);
-  f.bind("algorithm", &c.algorithm);
-  f.bind("mu", &c.mu);
-  f.bind("local_epochs", &c.local_epochs);
-  f.bind("batch_size", &c.batch_size);
-  f.bind("lr", &c.lr);
-  f.bind("momentum", &c.momentum);
-  f.bind("weight_decay", &c.weight_decay);
-  f.bind("compression", &c.compression);
-  f.bind("downlink", &c.downlink);
-  f.bind("server_optimizer", &c.server_optimizer);
-  f.bind("aggregator", &c.aggregator);
-  f.bind("dp", &c.dp);
-  f.bind("secagg", &c.secagg);
-  f.bind("max_buffer_mb", &c.max_buffer_mb);
+  federation::bind(f, c);
   f.bind("max_update_norm", &c.max_update_norm);
   f.bind("holdout_after", &c.holdout_after);
   f.bind("holdout_rounds", &c.holdout_rounds);
-  f.bind("rounds", &c.rounds);
-  f.bind("clients_per_round", &c.clients_per_round);
   f.bind("min_clients", &c.min_clients);
   f.bind("quorum", &c.quorum);
   f.bind("round_deadline_s", &c.round_deadline_s);
@@ -55,8 +35,6 @@ void bind_all(core::FlatConfig& f, ServerConfig& c) {
   f.bind("workers", &c.workers);
   f.bind("db", &c.db);
   f.bind("keep_checkpoints", &c.keep_checkpoints);
-  f.bind("eval_every", &c.eval_every);
-  f.bind("data_dir", &c.data_dir);
   f.bind("eval_data", &c.eval_data);
   f.bind("eval_batch", &c.eval_batch);
   f.bind("http", &c.http);
@@ -68,27 +46,50 @@ void bind_all(core::FlatConfig& f, ServerConfig& c) {
   f.bind("upstream_state_db", &c.upstream_state_db);
 }
 
-// The keys part of the run identity (identity_text), written in bind order.
-const std::set<std::string> kIdentityKeys = {
-    "model",      "model_seed", "seed",         "algorithm",   "mu",       "local_epochs",     "batch_size",
-    "lr",         "momentum",   "weight_decay", "compression", "downlink", "server_optimizer", "clients_per_round",
-    "aggregator", "dp",         "secagg"};
+// The keys of the run identity (identity_text), in the order the text writes
+// them: a database's stored hash is of this text, so the order never changes
+// and a new key goes last.
+const std::vector<std::string> kIdentityKeys = {"model",
+                                                "model_seed",
+                                                "seed",
+                                                "algorithm",
+                                                "mu",
+                                                "local_epochs",
+                                                "batch_size",
+                                                "lr",
+                                                "momentum",
+                                                "weight_decay",
+                                                "compression",
+                                                "downlink",
+                                                "server_optimizer",
+                                                "aggregator",
+                                                "dp",
+                                                "secagg",
+                                                "clients_per_round",
+                                                "clients"};  // (*)
 
 // Identity keys added after runs existed: part of the identity only when set,
 // so databases of earlier versions keep their hash.
 bool default_identity(const std::string& key, const std::string& value) {
   return (key == "aggregator" && value == "\"mean\"") || (key == "dp" && value == "\"none\"") ||
-         (key == "secagg" && value == "\"none\"");
+         (key == "secagg" && value == "\"none\"") || (key == "clients" && value == "0");
 }
 
-// "key = value" lines of `c`, every key or the identity keys only.
+// "key = value" lines of `c`: every key in bind order, or the identity keys.
 std::string toml_lines(const ServerConfig& c, bool identity_only) {
   core::FlatConfig f("");
   bind_all(f, const_cast<ServerConfig&>(c));  // read only
   std::string out;
-  for (const std::string& key : f.keys())
-    if (!identity_only || (kIdentityKeys.count(key) && !default_identity(key, f.toml_value(key))))
-      out += key + " = " + f.toml_value(key) + "\n";
+  if (!identity_only) {
+    for (const std::string& key : f.keys()) out += key + " = " + f.toml_value(key) + "\n";
+    return out;
+  }
+  for (const std::string& key : kIdentityKeys) {
+    // The model the run starts from (0 = seed was written as the seed before
+    // model_seed could follow it).
+    const std::string value = key == "model_seed" ? std::to_string(c.effective_model_seed()) : f.toml_value(key);
+    if (!default_identity(key, value)) out += key + " = " + value + "\n";
+  }
   return out;
 }
 
@@ -99,11 +100,9 @@ std::string toml_lines(const ServerConfig& c, bool identity_only) {
 }  // namespace
 
 void validate(const ServerConfig& c) {
-  {
-    core::FlatConfig f("");
-    bind_all(f, const_cast<ServerConfig&>(c));  // read only
-    f.check_finite();
-  }
+  core::FlatConfig f("");
+  bind_all(f, const_cast<ServerConfig&>(c));  // read only
+  federation::validate(c, f);                 // the shared keys, every double's finiteness
   if (c.listen.empty()) bad("listen", "must not be empty");
   try {
     net::check_endpoint("listen", c.listen, /*for_bind=*/true);
@@ -121,83 +120,29 @@ void validate(const ServerConfig& c) {
       bad("http", "is not a loopback address: set http_token to a file holding the dashboard's bearer token");
   }
   // The ranges of docs/server.md's key table: outside them a run cannot work
-  // (a frame too small for any model, a heartbeat ZeroMQ refuses, a step that
-  // overflows). NaN fails every comparison below.
+  // (a frame too small for any model, a heartbeat ZeroMQ refuses). NaN fails
+  // every comparison below.
   if (!(c.max_message_mb >= 1 && c.max_message_mb <= 2047)) bad("max_message_mb", "must be in [1, 2047]");
   // ZeroMQ keeps the heartbeat TTL (3 x heartbeat_ms) in deciseconds below 2^16.
   if (c.heartbeat_ms < 10 || c.heartbeat_ms > 600000) bad("heartbeat_ms", "must be in [10, 600000]");
-  if (c.model.empty()) bad("model", "must not be empty");
-  if (c.algorithm != "fedavg" && c.algorithm != "fedprox" && c.algorithm != "scaffold")
-    bad("algorithm", "must be fedavg, fedprox or scaffold (got '" + c.algorithm + "')");
-  if (!(c.mu >= 0 && c.mu <= 1000)) bad("mu", "must be in [0, 1000]");
-  if (c.local_epochs < 1 || c.local_epochs > 1000) bad("local_epochs", "must be in [1, 1000]");
-  if (c.batch_size < 1 || c.batch_size > 1000000) bad("batch_size", "must be in [1, 1000000]");
-  if (!(c.lr > 0 && c.lr <= 10)) bad("lr", "must be in (0, 10]");
-  if (!(c.momentum >= 0 && c.momentum < 1)) bad("momentum", "must be in [0, 1)");
-  if (!(c.weight_decay >= 0 && c.weight_decay <= 1)) bad("weight_decay", "must be in [0, 1]");
-  compression::register_builtins();
-  try {
-    compression::make_compressor(c.compression);
-  } catch (const ConfigError& e) {
-    bad("compression", std::string("is not a valid compressor spec: ") + e.what());
-  }
-  if (c.downlink != "none") {
-    std::string method;
-    try {
-      method = Spec::parse(c.downlink).method();
-      compression::make_compressor(c.downlink);
-    } catch (const ConfigError& e) {
-      bad("downlink", std::string("is not a valid compressor spec: ") + e.what());
-    }
-    if (method == "acp") bad("downlink", "cannot be acp (it needs a shared factor); use powersgd, topk, dgc, ...");
-    if (method == "tcs")
-      bad("downlink", "cannot be tcs (it sends values on the server's mask); use stc, topk, dgc, ...");
-  }
-  try {
-    aggregation::ServerOptimizer opt(c.server_optimizer);
-  } catch (const ConfigError& e) {
-    bad("server_optimizer", e.what());
-  }
-  aggregation::RobustSpec robust;
-  aggregation::DpSpec dp;
-  try {
-    robust = aggregation::RobustSpec::parse(c.aggregator);
-  } catch (const ConfigError& e) {
-    bad("aggregator", e.what());
-  }
-  try {
-    dp = aggregation::DpSpec::parse(c.dp);
-    aggregation::check_combination(robust, dp, c.compression, c.algorithm);
-    aggregation::Aggregator check(c.aggregator, c.dp, c.clients_per_round, 0);
-  } catch (const ConfigError& e) {
-    bad("dp", e.what());
-  }
-  if (dp.mode == aggregation::DpSpec::Mode::kLocal)
+  // What a deployment refuses that a simulation takes.
+  if (aggregation::DpSpec::parse(c.dp).mode == aggregation::DpSpec::Mode::kLocal)
     bad("dp", "local DP is each client's own setting (sparrow-client's `dp` key); the server takes none or central");
-  try {
-    const secagg::Params sa = secagg::Params::parse(c.secagg);
-    if (sa.enabled) {
-      secagg::check_compatible(c.compression, c.aggregator, c.dp, c.algorithm);
-      if (static_cast<uint32_t>(c.effective_min_clients()) < sa.min_clients())
-        throw ConfigError("threshold " + std::to_string(sa.effective_threshold()) + " needs rounds of at least " +
-                          std::to_string(sa.min_clients()) + " clients: raise clients_per_round/min_clients (now " +
-                          std::to_string(c.effective_min_clients()) + ") or lower the threshold");
-    }
-  } catch (const ConfigError& e) {
-    bad("secagg", e.what());
-  }
-  if (!(c.max_buffer_mb > 0 && c.max_buffer_mb <= 1048576)) bad("max_buffer_mb", "must be in (0, 1048576]");
+  const secagg::Params sa = secagg::Params::parse(c.secagg);
+  if (sa.enabled && static_cast<uint32_t>(c.effective_min_clients()) < sa.min_clients())
+    bad("secagg", "threshold " + std::to_string(sa.effective_threshold()) + " needs rounds of at least " +
+                      std::to_string(sa.min_clients()) + " clients: raise min_clients (now " +
+                      std::to_string(c.effective_min_clients()) + ") or lower the threshold");
   if (!(c.max_update_norm >= 0 && c.max_update_norm <= 1e18))
     bad("max_update_norm", "must be in [0, 1e18] (0 = no bound)");
   if (c.holdout_after < 1 || c.holdout_after > 1000) bad("holdout_after", "must be in 1..1000");
   if (c.holdout_rounds < 0 || c.holdout_rounds > 10000) bad("holdout_rounds", "must be in 0..10000 (0 = never)");
-  if (c.rounds < 1 || c.rounds > 100000000) bad("rounds", "must be in [1, 100000000]");
-  if (c.clients_per_round < 1 || c.clients_per_round > 1000000) bad("clients_per_round", "must be in [1, 1000000]");
   if (c.min_clients < 0 || c.min_clients > c.clients_per_round)
     bad("min_clients", "must be in [0, clients_per_round] (0 = clients_per_round)");
   if (c.quorum < 1 || c.quorum > c.effective_min_clients())
     bad("quorum", "must be in [1, min_clients = " + std::to_string(c.effective_min_clients()) + "]");
-  if (robust.min_updates() > c.quorum)
+  if (const aggregation::RobustSpec robust = aggregation::RobustSpec::parse(c.aggregator);
+      robust.min_updates() > c.quorum)
     bad("aggregator", "'" + c.aggregator + "' needs at least " + std::to_string(robust.min_updates()) +
                           " updates per round: raise quorum (now " + std::to_string(c.quorum) + ") or lower f");
   // Below 0.1 s no client can train and answer: every round would be abandoned.
@@ -207,10 +152,10 @@ void validate(const ServerConfig& c) {
     bad("max_round_wait_s", "must be in [0, 2419200] seconds (0 = 4 x round_deadline_s)");
   if (c.max_round_wait_s > 0 && c.max_round_wait_s < c.round_deadline_s)
     bad("max_round_wait_s", "must be >= round_deadline_s");
-  if (c.workers < 1 || c.workers > 256) bad("workers", "must be in [1, 256]");
+  // [1, 1024] as sparrow-sim's workers, so a simulation's value runs here.
+  if (c.workers < 1 || c.workers > 1024) bad("workers", "must be in [1, 1024]");
   if (c.db.empty()) bad("db", "must not be empty");
   if (c.keep_checkpoints < 1 || c.keep_checkpoints > 1000000) bad("keep_checkpoints", "must be in [1, 1000000]");
-  if (c.eval_every < 0 || c.eval_every > 100000000) bad("eval_every", "must be in [0, 100000000] (0 = off)");
   if (c.eval_batch < 1 || c.eval_batch > 1000000) bad("eval_batch", "must be in [1, 1000000]");
   if (c.gateway()) {
     try {
@@ -248,17 +193,25 @@ ServerConfig parse_server_config(const std::string& toml_text, const std::vector
   // names were made the same in every program keep working).
   std::string old_name;
   f.bind("server_key", &old_name);
+  // A simulation's own keys: accepted, reported, unused.
+  const federation::OtherProgramKeys sim_keys(f, federation::OtherProgramKeys::Program::kServer);
   f.read(toml_text, overrides);
   if (!old_name.empty()) {
     f.check("server_key", c.server_key.empty() || c.server_key == old_name,
             "is the old name of `key`, which is also set: keep only `key`");
     c.server_key = old_name;
   }
+  sim_keys.collect(f, c);
+  federation::validate(c, f);  // the shared keys, with where each value came from
   return c;
 }
 
 ServerConfig load_server_config(const std::string& path, const std::vector<std::string>& overrides) {
-  return parse_server_config(core::read_config_file(path), overrides, path);
+  ServerConfig c = parse_server_config(core::read_config_file(path), overrides, path);
+  for (const std::string& key : c.no_effect)
+    spdlog::info("event=config_no_effect key={} msg=\"{}\"", key,
+                 federation::OtherProgramKeys::note(key, federation::OtherProgramKeys::Program::kServer));
+  return c;
 }
 
 std::string identity_text(const ServerConfig& c) { return toml_lines(c, true); }

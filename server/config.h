@@ -2,15 +2,20 @@
 // sparrow-server configuration: a TOML file (toml++) read strictly. Every key
 // must be known (an unknown key is a ConfigError naming it); values are
 // type-checked and range-checked; `--set key=value` overrides apply on top.
-// docs/server.md has the table of keys.
+// The keys shared with sparrow-sim are federation::RunConfig's
+// (docs/configuration.md); the simulation-only keys are accepted, listed in
+// `no_effect` and logged by load_server_config. docs/server.md has the
+// deployment keys.
 
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "federation/run_config.h"
+
 namespace sparrow::server {
 
-struct ServerConfig {
+struct ServerConfig : federation::RunConfig {
   // Network and security.
   std::string listen = "tcp://*:7070";  // ZeroMQ endpoint the ROUTER binds
   std::string server_key;               // NAME.key_secret of the server (CURVE); required unless insecure
@@ -19,24 +24,10 @@ struct ServerConfig {
   double max_message_mb = 256;          // largest frame accepted (MiB)
   int heartbeat_ms = 1000;              // clients heartbeat this often; gone after 3x silence
 
-  // Model and training.
-  std::string model = "mlp";         // model spec for core::make_model
-  uint64_t model_seed = 1;           // the initial model is make_model(model, model_seed)
-  uint64_t seed = 1;                 // run seed: selection ties, task seeds, ACP initial factors
-  std::string algorithm = "fedavg";  // fedavg | fedprox | scaffold
-  double mu = 0;                     // FedProx proximal weight
-  int local_epochs = 1;
-  int batch_size = 32;
-  double lr = 0.01;
-  double momentum = 0;
-  double weight_decay = 0;
-  std::string compression = "none";  // uplink compressor spec (clients encode with it)
-  std::string downlink = "none";     // "none" or a compressor spec for the broadcast model delta
-  std::string server_optimizer = "fedavg";
-  std::string aggregator = "mean";  // robust aggregator spec (aggregation/robust.h)
-  std::string dp = "none";          // differential privacy: none | central:clip=,noise= | local:clip=,noise=
-  std::string secagg =
-      "none";  // secure aggregation: none | secagg+:degree=,threshold=,clip=,timeout= (docs/security.md)
+  // The keys shared with sparrow-sim (model, training, codecs, rounds,
+  // clients, evaluation) are federation::RunConfig's: one declaration, one
+  // default, one validation (docs/configuration.md).
+
   // Admission: an update whose decoded L2 norm exceeds this is refused before
   // its Ack (docs/server.md, "Admission"); [0, 1e18], 0 = no bound (an
   // update that is not finite, or whose low-rank product overflows, is still refused).
@@ -45,27 +36,26 @@ struct ServerConfig {
   // holdout_rounds rounds the first time, doubling each time after (at most 64x).
   int64_t holdout_after = 2;
   int64_t holdout_rounds = 4;
-  double max_buffer_mb = 2048;  // bound on a buffering aggregator's memory (clients_per_round × model)
 
   // Rounds.
-  int rounds = 10;
-  int clients_per_round = 2;
   int min_clients = 0;           // live clients needed to start a round; 0 = clients_per_round
   int quorum = 1;                // updates needed to close a round at its deadline
   double round_deadline_s = 60;  // seconds a round waits for its updates
   double max_round_wait_s = 0;   // a round without quorum after this long is restarted; 0 = 4 x deadline
-  int workers = 2;               // decode/aggregate pool threads
+  // Decode/aggregate pool threads. sparrow-sim's `workers` (its training
+  // threads) is the same key with its own meaning and default: a simulation
+  // file's value is a valid one here.
+  int workers = 2;
 
   // Persistence.
   std::string db = "sparrow-server.db";
   int keep_checkpoints = 2;  // checkpoint rows kept (the newest ones); >= 1
 
-  // Optional server-side evaluation (forward passes on the Fashion-MNIST test split).
-  int eval_every = 0;  // 0 = off (no dataset needed)
-  std::string data_dir = "/usr/share/datasets/fashion-mnist";
-  // Evaluate on the user's data instead: a folder in the format sparrow-client
-  // reads (x.npy + y.npy or MNIST-format IDX). Its test split (a test/
-  // subfolder or t10k files) when it has one, else every sample in it.
+  // Optional server-side evaluation (RunConfig's eval_every > 0): forward
+  // passes on the Fashion-MNIST test split in data_dir, or on eval_data: a
+  // folder in the format sparrow-client reads (x.npy + y.npy or MNIST-format
+  // IDX); its test split (a test/ subfolder or t10k files) when it has one,
+  // else every sample in it.
   std::string eval_data;
   int eval_batch = 1000;
 
@@ -93,20 +83,25 @@ struct ServerConfig {
 
 // Parses TOML text (source names it in errors) and applies "key=value"
 // overrides: ConfigError naming the key (and file:line or --set) for an unknown
-// key or a value of the wrong type. Ranges are checked by validate(), which the
-// Server constructor calls (after the CLI has set `insecure`).
+// key, a value of the wrong type or a shared key's bad value
+// (federation::validate). The deployment keys' ranges are checked by
+// validate(), which the Server constructor calls (after the CLI has set
+// `insecure`). Simulation-only keys the text sets are listed in `no_effect`.
 ServerConfig parse_server_config(const std::string& toml_text, const std::vector<std::string>& overrides = {},
                                  const std::string& source = "<string>");
-// Reads and parses a file; ConfigError when unreadable.
+// Reads and parses a file; ConfigError when unreadable. Logs one line per
+// key in `no_effect` (event=config_no_effect key=K).
 ServerConfig load_server_config(const std::string& path, const std::vector<std::string>& overrides = {});
-// Checks ranges and spec strings (compressors, server optimiser) and that
+// Checks the shared keys (federation::validate), the deployment keys' ranges,
+// what only a deployment refuses (local DP, a gateway's limits) and that
 // server_key/allow are set unless insecure. ConfigError naming the key.
 void validate(const ServerConfig& c);
 
 // The keys that define a run's identity (the model, the training settings,
 // the algorithm): a database holding a run with another identity is refused
 // on start. rounds, deadlines, network, keys, workers and evaluation may change
-// across restarts.
+// across restarts. model_seed is written as effective_model_seed(); keys added
+// after runs existed only when set (so older databases keep their hash).
 std::string identity_text(const ServerConfig& c);
 // FNV-1a 64 of identity_text, as 16 hex digits.
 std::string config_hash(const ServerConfig& c);

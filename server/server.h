@@ -1,13 +1,14 @@
 #pragma once
 // sparrow-server: the federated-learning aggregator as a service.
 //
-// A Server owns one ZeroMQ ROUTER socket (CurveZMQ unless config.insecure),
-// runs the round state machine of docs/protocol.md / docs/server.md and keeps
+// A Server owns one transport::Listener on cfg.listen (transport/transport.h:
+// ZeroMQ for tcp://, ipc:// and inproc://, CurveZMQ unless config.insecure;
+// the in-process hub for mem://), runs the round state machine of docs/protocol.md / docs/server.md and keeps
 // everything in SQLite (server/store.h) so that a restart with the same config
 // resumes after the last completed round with the same global model bytes.
 //
 // Threads (docs/server.md, "Threading"):
-//   - I/O thread: the only thread that touches the ROUTER. Receives frames,
+//   - I/O thread: the only thread that touches the listener. Receives frames,
 //     parses small ones itself (Hello, Heartbeat, Bye), hands ModelUpdates and
 //     large frames to the worker pool, and sends whatever the other threads
 //     queued in the outbox. It never blocks on aggregation or SQLite.
@@ -20,7 +21,7 @@
 //
 // Usage:
 //   ServerConfig cfg = load_server_config("server.toml");
-//   Server server(cfg);            // opens the db (resumes), binds the socket
+//   Server server(cfg);            // opens the db (resumes), binds the listener
 //   std::string ep = server.endpoint();   // e.g. "tcp://127.0.0.1:41234"
 //   server.run();                  // blocks until cfg.rounds are done or stop()
 
@@ -53,7 +54,7 @@ struct Counters {
   uint64_t bytes_in = 0;   // payload bytes of frames received
   uint64_t bytes_out = 0;  // payload bytes of frames sent
   uint64_t messages_in = 0, messages_out = 0;
-  uint64_t send_failures = 0;      // frames the ROUTER could not queue (peer gone or its queue full)
+  uint64_t send_failures = 0;      // frames the listener could not queue (peer gone or its queue full)
   uint64_t rounds_completed = 0;   // completed rounds of this run, including those before a restart
   uint64_t rounds_abandoned = 0;   // rounds restarted for lack of quorum (or a non-finite aggregate)
   uint64_t clients_connected = 0;  // live sessions now
@@ -77,7 +78,7 @@ class Server {
   // present cfg.model and the digest of these names and shapes. Evaluation
   // (eval_every > 0) still needs cfg.model to be buildable.
   Server(ServerConfig cfg, Weights initial_weights);
-  // Closes the socket and the database. A run() on another thread must have
+  // Closes the listener and the database. A run() on another thread must have
   // returned first (call stop() and join that thread).
   ~Server();
   Server(const Server&) = delete;
@@ -126,7 +127,7 @@ class Server {
   // stores to a lock-free atomic flag), so a SIGINT/SIGTERM handler may call it.
   void stop() noexcept;
 
-  // The bound endpoint with the port resolved (ZMQ_LAST_ENDPOINT), e.g.
+  // The bound endpoint with the port resolved (the listener's), e.g.
   // "tcp://127.0.0.1:41234" for listen = "tcp://127.0.0.1:*".
   const std::string& endpoint() const;
   // The run id clients see in Welcome.

@@ -74,15 +74,19 @@ struct Checkpoint {
 
 class ServerStore {
  public:
-  // Opens or creates the database. FormatError when the file is not an SQLite
-  // database, its -wal file is damaged (sqlite::check_before_open) or it fails
-  // SQLite's quick_check (a damaged page, index or b-tree); ConfigError when it
-  // is a folder, exists with 0 bytes (a lost database is not a new run), or is
-  // another program's database or an SQLite file without tables; nothing is
-  // written to a refused file. Error for other SQLite failures.
+  // Opens or creates the database (core/sqlite_db.h), migrating an older
+  // schema in one transaction, and holds it (flock) until closed. FormatError
+  // when the file is not an SQLite database, its -wal file is damaged, it fails
+  // SQLite's quick_check (a damaged page, index or b-tree) or has a newer
+  // schema; ConfigError when it is a folder, exists with 0 bytes (a lost
+  // database is not a new run), is another program's database or an SQLite
+  // file without tables, or another sparrow-server holds it; nothing is
+  // written to a refused file. Error for other SQLite failures (a full disk:
+  // "the disk is full"). A new file whose open fails is removed again.
   static std::unique_ptr<ServerStore> open(const std::string& path);
-  // Read-only open (status): FormatError / Error as above (the -wal check only
-  // when no server holds the file); ConfigError when missing or a folder.
+  // Read-only open (status): the refusals above except quick_check (the -wal
+  // check only when no server holds the file); ConfigError when missing or a
+  // folder; FormatError without a runs table.
   static std::unique_ptr<ServerStore> open_readonly(const std::string& path);
   ~ServerStore();
   ServerStore(const ServerStore&) = delete;
@@ -92,8 +96,9 @@ class ServerStore {
   void create_run(const RunRow& run);
 
   // Round row + metrics + checkpoint + client rows, one transaction. Deletes
-  // checkpoints older than the newest `keep` (>= 1). On failure rolls back and
-  // throws sparrow::Error: nothing of the round is in the database.
+  // checkpoints older than the newest `keep` (>= 1). On failure (a full disk
+  // included) rolls back and throws sparrow::Error: nothing of the round is in
+  // the database, and the store stays usable.
   void commit_round(const RoundRow& round, const std::map<std::string, double>& metrics, const Checkpoint& ckpt,
                     const std::vector<ClientRow>& clients, int keep);
   // Client rows outside a round (shutdown; new clients' key bindings).

@@ -8,51 +8,31 @@
 #include <sstream>
 #include <tuple>
 
-#include "secagg/secagg.h"
-#include "aggregation/robust.h"
-#include "simulator/attack.h"
+#include <spdlog/spdlog.h>
+
 #include "core/error.h"
 #include "core/flat_config.h"
 #include "core/spec.h"
+#include "simulator/attack.h"
 
 namespace sparrow::simulator {
 namespace {
 
 // One table of keys drives reading, overriding, writing and comparing, so a new
-// field is one line here (plus its validation). "profiles.x" lives in the
-// [profiles] table.
+// field is one line here (plus its validation). The shared keys come first
+// (federation::bind); "profiles.x" lives in the [profiles] table.
 void bind_fields(core::FlatConfig& f, SimConfig& c) {
-  f.bind("seed", &c.seed);
+  federation::bind(f, c);
   f.bind("dataset", &c.dataset);
   f.bind("test_fraction", &c.test_fraction);
   f.bind("validation", &c.validation);
-  f.bind("data_dir", &c.data_dir);
   f.bind("partition", &c.partition);
-  f.bind("clients", &c.clients);
-  f.bind("clients_per_round", &c.clients_per_round);
-  f.bind("rounds", &c.rounds);
-  f.bind("model", &c.model);
-  f.bind("algorithm", &c.algorithm);
-  f.bind("mu", &c.mu);
-  f.bind("local_epochs", &c.local_epochs);
-  f.bind("batch_size", &c.batch_size);
-  f.bind("lr", &c.lr);
-  f.bind("momentum", &c.momentum);
-  f.bind("weight_decay", &c.weight_decay);
-  f.bind("compression", &c.compression);
-  f.bind("downlink", &c.downlink);
-  f.bind("server_optimizer", &c.server_optimizer);
-  f.bind("aggregator", &c.aggregator);
-  f.bind("dp", &c.dp);
-  f.bind("secagg", &c.secagg);
-  f.bind("max_buffer_mb", &c.max_buffer_mb);
   f.bind("adversaries", &c.adversaries);
   f.bind("attack", &c.attack);
   f.bind("workers", &c.workers);
   f.bind("client_batch", &c.client_batch);
   f.bind("threads", &c.threads);
   f.bind("device", &c.device);
-  f.bind("eval_every", &c.eval_every);
   f.bind("checkpoint_every", &c.checkpoint_every);
   f.bind("out", &c.out);
   f.bind("deadline_s", &c.deadline_s);
@@ -114,42 +94,8 @@ void fold_alpha(const core::FlatConfig& f, SimConfig& c, const std::string& meth
   c.partition = spec;
 }
 
-// aggregator, dp, attack and their combinations (aggregation/robust.h).
-void check_robust(const core::FlatConfig& f, const SimConfig& c) {
-  aggregation::RobustSpec r;
-  aggregation::DpSpec d;
-  try {
-    r = aggregation::RobustSpec::parse(c.aggregator);
-  } catch (const ConfigError& e) {
-    f.fail("aggregator", e.what());
-  }
-  try {
-    d = aggregation::DpSpec::parse(c.dp);
-  } catch (const ConfigError& e) {
-    f.fail("dp", e.what());
-  }
-  try {
-    aggregation::check_combination(r, d, c.compression, c.algorithm);
-    aggregation::Aggregator check(c.aggregator, c.dp, c.clients_per_round, 0);
-  } catch (const ConfigError& e) {
-    f.fail("dp", e.what());
-  }
-  f.check("aggregator", r.min_updates() <= c.clients_per_round,
-          "'" + c.aggregator + "' needs at least " + std::to_string(r.min_updates()) +
-              " updates per round; clients_per_round is " + std::to_string(c.clients_per_round) + " (lower f)");
-  try {
-    const secagg::Params sa = secagg::Params::parse(c.secagg);
-    if (sa.enabled) {
-      secagg::check_compatible(c.compression, c.aggregator, c.dp, c.algorithm);
-      f.check("secagg", static_cast<uint32_t>(c.clients_per_round) >= sa.min_clients(),
-              "threshold " + std::to_string(sa.effective_threshold()) + " needs rounds of at least " +
-                  std::to_string(sa.min_clients()) + " clients (clients_per_round is " +
-                  std::to_string(c.clients_per_round) + ")");
-    }
-  } catch (const ConfigError& e) {
-    f.fail("secagg", e.what());
-  }
-  f.check("max_buffer_mb", c.max_buffer_mb > 0 && c.max_buffer_mb <= 1048576, "must be in (0, 1048576]");
+// The attack model (simulator/attack.h).
+void check_attack(const core::FlatConfig& f, const SimConfig& c) {
   f.check("adversaries", c.adversaries >= 0 && c.adversaries < 1, "must be in [0, 1)");
   try {
     AttackSpec::parse(c.attack);
@@ -160,7 +106,8 @@ void check_robust(const core::FlatConfig& f, const SimConfig& c) {
 
 // Cross-key validation, after the file and the overrides.
 void finish(const core::FlatConfig& f, SimConfig& c, std::optional<double> alpha) {
-  f.check_finite();
+  federation::validate(c, f);  // the shared keys (and every double's finiteness), as sparrow-server
+  f.check("clients", c.clients >= 1, "must be in [1, 10000000] (a simulation needs a population)");
   if (c.dataset.rfind("folder:", 0) == 0)  // a path, not a spec
     f.check("dataset", c.dataset.size() > 7, "'folder:PATH' needs a path");
   else
@@ -172,34 +119,13 @@ void finish(const core::FlatConfig& f, SimConfig& c, std::optional<double> alpha
   const std::string pmethod = spec_method(f, "partition", c.partition, {"iid", "dirichlet", "shards", "quantity"});
   if (alpha) fold_alpha(f, c, pmethod, *alpha);
   // The ranges of docs/simulator.md's key table (NaN fails every comparison).
-  f.check("clients", c.clients >= 1 && c.clients <= 10000000, "must be in [1, 10000000]");
-  f.check("clients_per_round", c.clients_per_round >= 1 && c.clients_per_round <= c.clients,
-          "must be in [1, clients = " + std::to_string(c.clients) + "]");
-  f.check("rounds", c.rounds >= 1 && c.rounds <= 100000000, "must be in [1, 100000000]");
-  f.check("model", !c.model.empty(), "must not be empty");
-  f.check("algorithm", c.algorithm == "fedavg" || c.algorithm == "fedprox" || c.algorithm == "scaffold",
-          "must be fedavg, fedprox or scaffold");
-  f.check("mu", c.mu >= 0 && c.mu <= 1000, "must be in [0, 1000]");
-  f.check("local_epochs", c.local_epochs >= 1 && c.local_epochs <= 1000, "must be in [1, 1000]");
-  f.check("batch_size", c.batch_size >= 1 && c.batch_size <= 1000000, "must be in [1, 1000000]");
-  f.check("lr", c.lr > 0 && c.lr <= 10, "must be in (0, 10]");
-  f.check("momentum", c.momentum >= 0 && c.momentum < 1, "must be in [0, 1)");
-  f.check("weight_decay", c.weight_decay >= 0 && c.weight_decay <= 1, "must be in [0, 1]");
-  spec_method(f, "compression", c.compression, {});
-  spec_method(f, "downlink", c.downlink, {});
-  f.check("downlink", c.downlink.rfind("acp", 0) != 0,
-          "acp needs a shared factor per round and cannot compress the broadcast");
-  f.check("downlink", c.downlink.rfind("tcs", 0) != 0,
-          "tcs sends values on the server's mask and cannot compress the broadcast; use stc, topk, dgc, ...");
-  spec_method(f, "server_optimizer", c.server_optimizer, {});
-  check_robust(f, c);
+  check_attack(f, c);
   f.check("workers", c.workers >= 1 && c.workers <= 1024, "must be in [1, 1024]");
   f.check("client_batch", c.client_batch >= 0 && c.client_batch <= 100000,
           "must be in [0, 100000] (0 = choose automatically, 1 = one client at a time)");
   f.check("threads", c.threads >= 0 && c.threads <= 1024, "must be in [0, 1024] (0 = cores / workers)");
   f.check("device", c.device == "cpu" || c.device == "cuda" || c.device.rfind("cuda:", 0) == 0,
           "must be \"cpu\", \"cuda\" or \"cuda:N\"");
-  f.check("eval_every", c.eval_every >= 1 && c.eval_every <= 100000000, "must be in [1, 100000000]");
   f.check("checkpoint_every", c.checkpoint_every >= 1 && c.checkpoint_every <= 100000000,
           "must be in [1, 100000000] (1 = every round)");
   f.check("out", !c.out.empty(), "must not be empty");
@@ -219,9 +145,12 @@ SimConfig parse(const std::string& source, const std::string& text, const std::v
   double alpha = 0;
   core::FlatConfig f(source);
   bind_fields(f, c);
-  f.bind(kAlpha, &alpha);  // last, so the known-keys list ends with it
+  f.bind(kAlpha, &alpha);
+  // A deployment's own keys: accepted, reported, unused.
+  const federation::OtherProgramKeys deployment_keys(f, federation::OtherProgramKeys::Program::kSimulator);
   f.read(text, overrides);
   if (!f.has("out") && !default_out.empty()) c.out = default_out;
+  deployment_keys.collect(f, c);
   finish(f, c, f.has(kAlpha) ? std::optional<double>(alpha) : std::nullopt);
   return c;
 }
@@ -246,7 +175,11 @@ SimConfig parse_config_string(const std::string& toml_text, const std::vector<st
 }
 
 SimConfig load_config(const std::string& path, const std::vector<std::string>& overrides) {
-  return parse(path, core::read_config_file(path), overrides, "runs/" + std::filesystem::path(path).stem().string());
+  SimConfig c =
+      parse(path, core::read_config_file(path), overrides, "runs/" + std::filesystem::path(path).stem().string());
+  for (const std::string& key : c.no_effect)
+    spdlog::info("{}", federation::OtherProgramKeys::note(key, federation::OtherProgramKeys::Program::kSimulator));
+  return c;
 }
 
 std::string to_toml(const SimConfig& c) {

@@ -17,15 +17,21 @@
 //    applied. It is an error unless the partition method takes an alpha
 //    (dirichlet, quantity). So the effective config has one source of truth,
 //    `partition`, and to_toml never writes `alpha`.
-//  - Spec-string keys (dataset, partition, compression, server_optimizer) are
-//    checked for spec syntax and, where this library knows the set, the method;
-//    their keys are checked by the component that builds from them.
+//  - The keys shared with sparrow-server are bound and validated by
+//    federation/run_config.h (the same defaults and error text in both); the
+//    deployment-only keys (listen, key, allow, quorum, ...) are accepted,
+//    listed in `no_effect` and logged by load_config, never used.
+//  - Spec-string keys (dataset, partition) are checked for spec syntax and
+//    the method; the shared ones (compression, server_optimizer, aggregator,
+//    dp, secagg) are built once by federation::validate.
 //  - Validation happens after all values are in, so `--set clients=5
 //    --set clients_per_round=5` works whatever the file said.
 
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "federation/run_config.h"
 
 namespace sparrow::simulator {
 
@@ -39,38 +45,27 @@ struct DeviceProfiles {
   double availability = 1;    // probability in (0, 1]
 };
 
-struct SimConfig {
-  uint64_t seed = 0;
+// The shared keys (seed, model, training, codecs, rounds, clients,
+// eval_every, data_dir) are federation::RunConfig's, with the defaults of
+// docs/configuration.md; these are the simulation's own.
+struct SimConfig : federation::RunConfig {
+  // A simulation needs a population: 100 clients unless `clients` says
+  // otherwise (the service's default, 0, means the clients that connect).
+  SimConfig() { clients = 100; }
+
   std::string dataset = "fashion-mnist";  // or "synthetic:alpha=1,beta=1", or "folder:PATH" (the user's data)
   double test_fraction = 0.2;             // folder:PATH without a test split: the share of samples held out to test on
   double validation = 0;  // share of the training samples held out to evaluate on instead of the test set, [0, 0.5)
-  std::string data_dir = "/usr/share/datasets/fashion-mnist";
-  std::string partition = "dirichlet:alpha=0.5";  // iid | dirichlet:alpha= | shards | quantity:alpha=
-  int clients = 100;
-  int clients_per_round = 10;  // 1..clients
-  int rounds = 10;             // >= 1
-  std::string model = "mlp";
-  std::string algorithm = "fedavg";         // fedavg | fedprox | scaffold
-  double mu = 0;                            // FedProx proximal weight, >= 0
-  int local_epochs = 1;                     // >= 1
-  int batch_size = 32;                      // >= 1
-  double lr = 0.05;                         // > 0
-  double momentum = 0;                      // [0, 1)
-  double weight_decay = 0;                  // >= 0
-  std::string compression = "none";         // compressor spec string
-  std::string downlink = "none";            // compressor spec for the broadcast model delta (as sparrow-server's)
-  std::string server_optimizer = "fedavg";  // server optimiser spec string
-  std::string aggregator = "mean";          // robust aggregator spec (aggregation/robust.h)
-  std::string dp = "none";                  // differential privacy spec: none | central:... | local:...
-  std::string secagg = "none";       // secure aggregation: none | secagg+:degree=,threshold=,clip= (docs/security.md)
-  double max_buffer_mb = 2048;       // memory bound for buffering aggregators (clients_per_round rows)
+  // iid | dirichlet:alpha= | shards | quantity:alpha=; iid as sparrow-client's
+  // default, so a deployed client given `clients` and `index` holds the shard
+  // the simulation gave client `index`.
+  std::string partition = "iid";
   double adversaries = 0;            // fraction of the population that attacks, [0, 1)
   std::string attack = "sign_flip";  // sign_flip[:scale=] | scale[:factor=] | gaussian[:std=] | label_flip | alie[:z=]
-  int workers = 1;                   // >= 1
+  int workers = 1;                   // training threads, >= 1 (the server's `workers`: its decode pool)
   int client_batch = 0;              // clients trained in one pass; 0 = automatic, 1 = sequential
   int threads = 0;                   // ATen + BLAS threads per worker; 0 = cores / workers
   std::string device = "cpu";        // "cpu", "cuda" or "cuda:N"
-  int eval_every = 1;                // evaluate every N rounds, >= 1
   int checkpoint_every = 10;         // checkpoint (client states + run state) every N rounds, >= 1
   std::string out = "runs/default";  // load_config: "runs/<file stem>" unless set
   double deadline_s = 0;             // round deadline in seconds, 0 = none

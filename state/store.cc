@@ -1,19 +1,15 @@
 #include "state/store.h"
 
-#include <sqlite3.h>
-#include <zlib.h>
-
 #include <algorithm>
 #include <condition_variable>
+#include <ctime>
 #include <deque>
 #include <exception>
-#include <filesystem>
-#include <map>
-#include <thread>
-#include <ctime>
 #include <iostream>
 #include <list>
+#include <map>
 #include <mutex>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -25,207 +21,79 @@
 namespace sparrow::state {
 namespace {
 
-// PRAGMA user_version of a database this build writes. Bump it (and migrate in
-// open()) when the table changes; an older build then refuses the file.
+// PRAGMA user_version of a database this build writes. Bump it (and migrate
+// below) when the table changes; an older build then refuses the file.
 // 2: table meta(key, value) for set_meta(). 3: a CRC-32 column in both
 // (NULL for rows written before it, which are read unverified).
 constexpr int kSchemaVersion = 3;
 
-int64_t crc_of(const void* p, size_t n) {
-  return static_cast<int64_t>(crc32_z(crc32_z(0L, Z_NULL, 0), static_cast<const Bytef*>(p), n));
+// Creates the tables of a new file; version 1 gains `meta`, versions 1 and 2
+// the crc columns. In the transaction that writes user_version.
+void migrate(sqlite::Db& db, int /*from_version*/) {
+  db.exec(
+      "CREATE TABLE IF NOT EXISTS client_state("
+      "client_id INTEGER PRIMARY KEY, blob BLOB NOT NULL, updated INTEGER, crc INTEGER)");
+  db.exec("CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value BLOB NOT NULL, crc INTEGER)");
+  for (const char* table : {"client_state", "meta"}) {
+    if (!db.has_column(table, "crc")) db.exec(std::string("ALTER TABLE ") + table + " ADD COLUMN crc INTEGER");
+  }
 }
 
-[[noreturn]] void throw_sqlite(sqlite3* db, const std::string& path, const std::string& what, int rc) {
-  const std::string msg = "client state store '" + path + "': " + what + ": " +
-                          (db ? sqlite3_errmsg(db) : sqlite3_errstr(rc)) + " (sqlite code " + std::to_string(rc) + ")";
-  if ((rc & 0xff) == SQLITE_NOTADB) {
-    throw FormatError("client state store '" + path + "': not an SQLite database (" +
-                      (db ? sqlite3_errmsg(db) : sqlite3_errstr(rc)) + ")");
-  }
-  if ((rc & 0xff) == SQLITE_CORRUPT) throw FormatError(msg);
-  throw Error(msg);
+sqlite::OpenOptions open_options() {
+  sqlite::OpenOptions o;
+  o.what = "client state store";
+  o.tables = {"client_state", "meta"};
+  o.schema_version = kSchemaVersion;
+  o.fsync = false;                 // NORMAL: a commit survives a process crash (docs/state.md, Durability)
+  o.existing_needs_tables = true;  // an existing file is written to only when it is a state store
+  // Client states are blobs of hundreds of KB to MB (DGC keeps u and v per
+  // parameter): 64 KiB pages cut the overflow-page chains of each blob 16x.
+  o.page_size = 65536;
+  o.one_thread_at_a_time = true;  // each Conn is used by one thread at a time
+  o.migrate = migrate;
+  return o;
 }
-
-// A prepared statement, reset after each use so it can be reused.
-class Statement {
- public:
-  Statement() = default;
-  Statement(sqlite3* db, const std::string& path, const char* sql) : db_(db), path_(path) {
-    const int rc = sqlite3_prepare_v3(db, sql, -1, SQLITE_PREPARE_PERSISTENT, &stmt_, nullptr);
-    if (rc != SQLITE_OK) throw_sqlite(db, path, std::string("prepare '") + sql + "'", rc);
-  }
-  ~Statement() { sqlite3_finalize(stmt_); }
-  Statement(const Statement&) = delete;
-  Statement& operator=(Statement&& o) noexcept {
-    std::swap(stmt_, o.stmt_);
-    std::swap(db_, o.db_);
-    std::swap(path_, o.path_);
-    return *this;
-  }
-  sqlite3_stmt* get() const { return stmt_; }
-  // Steps once; returns true for a row, false when done. Throws on error.
-  bool step(const char* what) {
-    const int rc = sqlite3_step(stmt_);
-    if (rc == SQLITE_ROW) return true;
-    if (rc == SQLITE_DONE) return false;
-    sqlite3_reset(stmt_);
-    throw_sqlite(db_, path_, what, rc);
-  }
-  void reset() {
-    sqlite3_reset(stmt_);
-    sqlite3_clear_bindings(stmt_);
-  }
-
- private:
-  sqlite3_stmt* stmt_ = nullptr;
-  sqlite3* db_ = nullptr;
-  std::string path_;
-};
-
-// Resets a statement on scope exit (also when an exception leaves the scope).
-struct ResetGuard {
-  Statement& s;
-  ~ResetGuard() { s.reset(); }
-};
 
 // One SQLite connection with its prepared statements. The caller threads use
-// one (under the store's mutex), the background thread its own: a connection
-// opened NOMUTEX must not be used by two threads at once.
+// one (under the store's mutex), the background thread its own
+// (Db::another_connection): neither is used by two threads at once.
 struct Conn {
-  std::string path;
-  sqlite3* db = nullptr;
-  Statement select, upsert, meta_select, meta_upsert, begin, commit, rollback;
+  std::unique_ptr<sqlite::Db> db;  // declared first: the statements go before it
+  std::unique_ptr<sqlite::Stmt> select, upsert, meta_select, meta_upsert;
 
-  ~Conn() {
-    select = Statement();
-    upsert = Statement();
-    meta_select = Statement();
-    meta_upsert = Statement();
-    begin = Statement();
-    commit = Statement();
-    rollback = Statement();
-    if (db) sqlite3_close_v2(db);
-  }
-
-  void exec(const char* sql) {
-    char* err = nullptr;
-    const int rc = sqlite3_exec(db, sql, nullptr, nullptr, &err);
-    if (err) sqlite3_free(err);
-    if (rc != SQLITE_OK) throw_sqlite(db, path, std::string("'") + sql + "'", rc);
-  }
-
-  int user_version() {
-    Statement s(db, path, "PRAGMA user_version");
-    SPARROW_CHECK(s.step("read user_version"), "client state store '" << path << "': no user_version");
-    return sqlite3_column_int(s.get(), 0);
-  }
-
-  // Opens the file; `create` also checks, creates and migrates the schema.
-  void open(const std::string& p, bool create) {
-    path = p;
-    // Before SQLite touches the file: a folder, 0 bytes (states lost), not
-    // SQLite (SQLite would write over a short file), a damaged -wal file.
-    const bool existed = create && std::filesystem::exists(path);
-    if (create) sqlite::check_before_open(path, "client state store");
-    int rc =
-        sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_NOMUTEX, nullptr);
-    if (rc != SQLITE_OK) throw_sqlite(db, path, "open", rc);
-    sqlite3_extended_result_codes(db, 1);
-    sqlite3_busy_timeout(db, 5000);
-    if (create) {
-      // The first statement reads the header: a file that is not SQLite fails here.
-      const int version = user_version();
-      SPARROW_CHECK_T(FormatError, version <= kSchemaVersion,
-                      "client state store '" << path << "': schema version " << version
-                                             << " is newer than this build supports (" << kSchemaVersion
-                                             << "); use a newer sparrow");
-      // Client states are blobs of hundreds of KB to MB (DGC keeps u and v per
-      // parameter): 64 KiB pages cut the overflow-page chains of each blob 16x.
-      // Only takes effect on a new database (before WAL is switched on).
-      {
-        Statement q(db, path, "PRAGMA quick_check");
-        const std::string result = q.step("quick_check")
-                                       ? std::string(reinterpret_cast<const char*>(sqlite3_column_text(q.get(), 0)))
-                                       : std::string("no result");
-        SPARROW_CHECK_T(FormatError, result == "ok",
-                        "client state store '" << path << "' is damaged (SQLite quick_check: " << result
-                                               << "); restore it from a backup");
-        Statement t(db, path,
-                    "SELECT (SELECT COUNT(*) FROM sqlite_master WHERE type = 'table'), (SELECT COUNT(*) FROM "
-                    "sqlite_master WHERE type = 'table' AND name IN ('client_state', 'meta'))");
-        t.step("list tables");
-        SPARROW_CHECK_T(
-            ConfigError, sqlite3_column_int64(t.get(), 0) == 0 || sqlite3_column_int64(t.get(), 1) > 0,
-            "client state store '" << path << "' is an SQLite database of something else: use another path");
-        // An existing file is written to only when it is a state store.
-        SPARROW_CHECK_T(ConfigError, !existed || version > 0 || sqlite3_column_int64(t.get(), 1) > 0,
-                        "client state store '" << path
-                                               << "' exists but is not a sparrow state store; nothing was written to "
-                                                  "it: use another path, or remove the file to start afresh");
-      }
-      if (version == 0) exec("PRAGMA page_size=65536");
-      exec("PRAGMA journal_mode=WAL");
-      if (version < kSchemaVersion) {
-        exec("BEGIN IMMEDIATE");
-        try {
-          exec(
-              "CREATE TABLE IF NOT EXISTS client_state("
-              "client_id INTEGER PRIMARY KEY, blob BLOB NOT NULL, updated INTEGER, crc INTEGER)");
-          exec("CREATE TABLE IF NOT EXISTS meta(key TEXT PRIMARY KEY, value BLOB NOT NULL, crc INTEGER)");
-          for (const char* table : {"client_state", "meta"}) {  // version 1 and 2 tables lack crc
-            Statement cols(
-                db, path,
-                (std::string("SELECT COUNT(*) FROM pragma_table_info('") + table + "') WHERE name = 'crc'").c_str());
-            cols.step("read columns");
-            if (sqlite3_column_int64(cols.get(), 0) == 0)
-              exec((std::string("ALTER TABLE ") + table + " ADD COLUMN crc INTEGER").c_str());
-          }
-          exec(("PRAGMA user_version=" + std::to_string(kSchemaVersion)).c_str());
-          exec("COMMIT");
-        } catch (...) {
-          sqlite3_exec(db, "ROLLBACK", nullptr, nullptr, nullptr);
-          throw;
-        }
-      }
-    }
-    exec("PRAGMA synchronous=NORMAL");
-    select = Statement(db, path, "SELECT blob, crc FROM client_state WHERE client_id = ?1");
-    upsert = Statement(db, path,
-                       "INSERT OR REPLACE INTO client_state(client_id, blob, updated, crc) VALUES(?1, ?2, ?3, ?4)");
-    meta_select = Statement(db, path, "SELECT value, crc FROM meta WHERE key = ?1");
-    meta_upsert = Statement(db, path, "INSERT OR REPLACE INTO meta(key, value, crc) VALUES(?1, ?2, ?3)");
-    begin = Statement(db, path, "BEGIN IMMEDIATE");
-    commit = Statement(db, path, "COMMIT");
-    rollback = Statement(db, path, "ROLLBACK");
+  void open(std::unique_ptr<sqlite::Db> d) {
+    db = std::move(d);
+    select = std::make_unique<sqlite::Stmt>(*db, "SELECT blob, crc FROM client_state WHERE client_id = ?1", true);
+    upsert = std::make_unique<sqlite::Stmt>(
+        *db, "INSERT OR REPLACE INTO client_state(client_id, blob, updated, crc) VALUES(?1, ?2, ?3, ?4)", true);
+    meta_select = std::make_unique<sqlite::Stmt>(*db, "SELECT value, crc FROM meta WHERE key = ?1", true);
+    meta_upsert =
+        std::make_unique<sqlite::Stmt>(*db, "INSERT OR REPLACE INTO meta(key, value, crc) VALUES(?1, ?2, ?3)", true);
   }
 
   // The row's bytes, or nullopt.
   std::optional<std::string> read(int64_t client) {
-    ResetGuard g{select};
-    sqlite3_bind_int64(select.get(), 1, client);
-    if (!select.step("read client state")) return std::nullopt;
-    return checked_blob(select, "the state of client " + std::to_string(client));
+    sqlite::ResetOnExit g(*select);
+    select->bind(1, client);
+    if (!select->step("read client state")) return std::nullopt;
+    return checked_blob(*select, "the state of client " + std::to_string(client));
   }
 
   // Column 0's bytes of the current row, verified against column 1's CRC-32
   // (NULL: written before checksums). `what` names the value in the error.
-  std::string checked_blob(Statement& st, const std::string& what) {
-    const void* p = sqlite3_column_blob(st.get(), 0);
-    const int n = sqlite3_column_bytes(st.get(), 0);
-    std::string out(static_cast<const char*>(p), static_cast<size_t>(n));
-    SPARROW_CHECK_T(FormatError,
-                    sqlite3_column_type(st.get(), 1) == SQLITE_NULL ||
-                        sqlite3_column_int64(st.get(), 1) == crc_of(out.data(), out.size()),
-                    "client state store '" << path << "': " << what
+  std::string checked_blob(const sqlite::Stmt& st, const std::string& what) {
+    std::string out = st.blob(0);
+    SPARROW_CHECK_T(FormatError, st.is_null(1) || st.i64(1) == sqlite::crc32_of(out),
+                    "client state store '" << db->path() << "': " << what
                                            << " fails its checksum: the file is damaged; restore it from a backup");
     return out;
   }
 
   std::optional<std::string> read_meta(const std::string& key) {
-    ResetGuard g{meta_select};
-    sqlite3_bind_text(meta_select.get(), 1, key.data(), static_cast<int>(key.size()), SQLITE_STATIC);
-    if (!meta_select.step("read meta")) return std::nullopt;
-    return checked_blob(meta_select, "'" + key + "'");
+    sqlite::ResetOnExit g(*meta_select);
+    meta_select->bind_text(1, key);
+    if (!meta_select->step("read meta")) return std::nullopt;
+    return checked_blob(*meta_select, "'" + key + "'");
   }
 };
 
@@ -245,39 +113,28 @@ struct Batch {
   std::deque<int64_t> todo;
 };
 
-void begin_tx(Conn& c) {
-  ResetGuard g{c.begin};
-  c.begin.step("begin write-back");
-}
+void begin_tx(Conn& c) { c.db->begin(); }
 
 void write_row(Conn& c, int64_t id, const ClientState& state) {
   const std::string blob = state.serialize();
-  ResetGuard g{c.upsert};
-  sqlite3_bind_int64(c.upsert.get(), 1, id);
-  sqlite3_bind_blob64(c.upsert.get(), 2, blob.data(), blob.size(), SQLITE_STATIC);
-  sqlite3_bind_int64(c.upsert.get(), 3, static_cast<int64_t>(std::time(nullptr)));
-  sqlite3_bind_int64(c.upsert.get(), 4, crc_of(blob.data(), blob.size()));
-  c.upsert.step("write client state");
+  sqlite::ResetOnExit g(*c.upsert);
+  c.upsert->bind(1, id)
+      .bind_blob(2, blob)
+      .bind(3, static_cast<int64_t>(std::time(nullptr)))
+      .bind(4, sqlite::crc32_of(blob));
+  c.upsert->step("write client state");
 }
 
 void write_meta_and_commit(Conn& c, const std::map<std::string, std::string>& meta) {
   for (const auto& [key, value] : meta) {
-    ResetGuard g{c.meta_upsert};
-    sqlite3_bind_text(c.meta_upsert.get(), 1, key.data(), static_cast<int>(key.size()), SQLITE_STATIC);
-    sqlite3_bind_blob64(c.meta_upsert.get(), 2, value.data(), value.size(), SQLITE_STATIC);
-    sqlite3_bind_int64(c.meta_upsert.get(), 3, crc_of(value.data(), value.size()));
-    c.meta_upsert.step("write meta");
+    sqlite::ResetOnExit g(*c.meta_upsert);
+    c.meta_upsert->bind_text(1, key).bind_blob(2, value).bind(3, sqlite::crc32_of(value));
+    c.meta_upsert->step("write meta");
   }
-  ResetGuard g{c.commit};
-  c.commit.step("commit write-back");
+  c.db->commit();
 }
 
-void rollback_if_open(Conn& c) {
-  if (sqlite3_get_autocommit(c.db) == 0) {
-    ResetGuard g{c.rollback};
-    sqlite3_step(c.rollback.get());
-  }
-}
+void rollback_if_open(Conn& c) { c.db->rollback(); }
 
 // Writes a batch in one transaction; on failure rolls back and throws.
 void write_batch(Conn& c, const Batch& b) {
@@ -643,9 +500,9 @@ std::unique_ptr<ClientStateStore> ClientStateStore::open(const std::string& path
   auto impl = std::make_unique<Impl>();
   impl->path = path;
   impl->options = options;
-  impl->fg.open(path, /*create=*/true);
+  impl->fg.open(std::make_unique<sqlite::Db>(path, open_options()));
   if (options.background) {
-    impl->bg.open(path, /*create=*/false);
+    impl->bg.open(impl->fg.db->another_connection());
     Impl* m = impl.get();
     impl->thread = std::thread([m] { m->run(); });
   }

@@ -63,12 +63,14 @@ class ClientStateStore {
     uint64_t prefetched = 0;    // clients loaded into the cache by prefetch()
   };
 
-  // Creates or opens the database at `path` (WAL journal, synchronous=NORMAL).
-  // Throws ConfigError for bad options, a folder, a 0-byte file or an existing
-  // file that is not a state store; FormatError when the file is not an SQLite
-  // database, its -wal file is damaged (sqlite::check_before_open), or it has a
-  // newer schema than this build (nothing is written to a refused file); Error
-  // for other SQLite failures (permissions, locked).
+  // Creates or opens the database at `path` (WAL journal, synchronous=NORMAL)
+  // through core/sqlite_db.h, migrating an older schema. Throws ConfigError for
+  // bad options, a folder, a 0-byte file, an existing file that is not a state
+  // store (another program's tables, or none) or one held past the busy
+  // timeout; FormatError when the file is not an SQLite database, its -wal file
+  // is damaged, it fails quick_check, or it has a newer schema than this build
+  // (nothing is written to a refused file); Error for other SQLite failures (a
+  // full disk, permissions). A new file whose open fails is removed again.
   static std::unique_ptr<ClientStateStore> open(const std::string& path, Options options);
   static std::unique_ptr<ClientStateStore> open(const std::string& path) { return open(path, Options{}); }
 

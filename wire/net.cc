@@ -160,7 +160,7 @@ void check_endpoint(const std::string& key, const std::string& endpoint, bool fo
   const auto sep = endpoint.find("://");
   if (sep == std::string::npos) bad("expected tcp://HOST:PORT (or ipc://PATH, inproc://NAME)");
   const std::string transport = endpoint.substr(0, sep), rest = endpoint.substr(sep + 3);
-  if (transport == "ipc" || transport == "inproc") {
+  if (transport == "ipc" || transport == "inproc" || transport == "mem") {
     if (rest.empty()) bad("empty " + transport + " address");
     return;
   }
@@ -365,94 +365,6 @@ wire::Message error_message(wire::ErrorCode code, const std::string& text, std::
   wire::Message m;
   m.body = wire::ErrorBody{code, core::peer_text(text), round};
   return m;
-}
-
-namespace {
-std::atomic<uint64_t> g_monitor_id{0};
-}  // namespace
-
-HandshakeMonitor::HandshakeMonitor(zmq::context_t& ctx, zmq::socket_t& socket)
-    : watched_(&socket), pair_(ctx, zmq::socket_type::pair) {
-  const std::string ep = "inproc://sparrow-monitor-" + std::to_string(g_monitor_id.fetch_add(1));
-  const int events = ZMQ_EVENT_CONNECTED | ZMQ_EVENT_ACCEPTED | ZMQ_EVENT_DISCONNECTED | ZMQ_EVENT_HANDSHAKE_SUCCEEDED |
-                     ZMQ_EVENT_HANDSHAKE_FAILED_NO_DETAIL | ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL |
-                     ZMQ_EVENT_HANDSHAKE_FAILED_AUTH;
-  if (zmq_socket_monitor(socket.handle(), ep.c_str(), events) != 0) throw zmq::error_t();
-  pair_.set(zmq::sockopt::linger, 0);
-  pair_.connect(ep);
-}
-
-HandshakeMonitor::~HandshakeMonitor() {
-  // Stop monitoring before the PAIR goes (the watched socket may still live).
-  try {
-    if (watched_ && watched_->handle()) zmq_socket_monitor(watched_->handle(), nullptr, 0);
-  } catch (...) {
-  }
-}
-
-std::vector<HandshakeMonitor::Event> HandshakeMonitor::drain() {
-  std::vector<Event> out;
-  for (;;) {
-    zmq::message_t head;
-    if (!pair_.recv(head, zmq::recv_flags::dontwait)) break;
-    zmq::message_t addr;
-    if (head.more()) (void)pair_.recv(addr, zmq::recv_flags::dontwait);
-    if (head.size() < 6) continue;
-    uint16_t id;
-    uint32_t value;
-    std::memcpy(&id, head.data(), 2);
-    std::memcpy(&value, static_cast<const char*>(head.data()) + 2, 4);
-    Event e;
-    e.value = value;
-    e.address = addr.to_string();
-    switch (id) {
-      case ZMQ_EVENT_CONNECTED:
-      case ZMQ_EVENT_ACCEPTED:
-        e.kind = Kind::kConnected;
-        break;
-      case ZMQ_EVENT_DISCONNECTED:
-        e.kind = Kind::kDisconnected;
-        break;
-      case ZMQ_EVENT_HANDSHAKE_SUCCEEDED:
-        e.kind = Kind::kSucceeded;
-        break;
-      case ZMQ_EVENT_HANDSHAKE_FAILED_AUTH:
-        e.kind = Kind::kRefused;
-        break;
-      case ZMQ_EVENT_HANDSHAKE_FAILED_PROTOCOL:
-        e.kind = value == ZMQ_PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH ? Kind::kMismatch : Kind::kFailed;
-        break;
-      default:
-        e.kind = Kind::kFailed;
-    }
-    out.push_back(std::move(e));
-  }
-  return out;
-}
-
-std::string HandshakeMonitor::client_cause(const Event& e, bool curve) {
-  switch (e.kind) {
-    case Kind::kRefused:
-      return "the server refused this client's key (ZAP status " + std::to_string(e.value) +
-             "): its public key is not on the server's allow-list, or `key` names another key pair";
-    case Kind::kMismatch:
-      return curve ? "the server speaks plain TCP and this client CURVE: set insecure = true to match it (or run "
-                     "the server without --insecure)"
-                   : "the server requires CurveZMQ and this client speaks plain TCP (insecure = true): set "
-                     "`server_key` and `key` instead";
-    case Kind::kFailed:
-    case Kind::kDisconnected:
-      return curve ? "the CURVE handshake fails: `server_key` is probably not this server's public key "
-                     "(or the server refused the key)"
-                   // A server that requires CURVE closes a plain client's
-                   // connection; on a loaded machine the client often sees
-                   // only that, never the mechanism mismatch (reproduced with
-                   // the cores busy): name the likely cause here too.
-                   : "the handshake with the server fails: the server probably requires CurveZMQ (set `server_key` "
-                     "and `key` instead of insecure = true), or it is not a Sparrow server";
-    default:
-      return "the handshake with the server fails";
-  }
 }
 
 }  // namespace sparrow::net

@@ -12,6 +12,8 @@
 //   sent each frame (peer_key()).
 // - Socket set-up for CURVE server and client, and message send/receive helpers
 //   that move one wire::Message per frame.
+// The server and the client session reach ZeroMQ through transport/ (which
+// uses these); sparrow-edge uses them directly.
 //
 // docs/protocol.md, "Security", describes the handshake for other languages.
 
@@ -67,11 +69,13 @@ std::string load_public_key(const std::string& path);
 // (a CURVE server behind it could never be reached).
 std::set<std::string> load_allow_list(const std::string& path);
 
-// Checks a ZeroMQ endpoint before bind/connect, so that a typo is a clear
+// Checks an endpoint before bind/connect, so that a typo is a clear
 // ConfigError naming `key` rather than libzmq's "Invalid argument" or a silent
 // wrap-around: "tcp://HOST:PORT" with PORT in 0..65535 ('*' or 0 only when
 // `for_bind`: an ephemeral port), "ipc://PATH" or "inproc://NAME" with a
-// non-empty rest.
+// non-empty rest; also "mem://NAME", the in-process transport of the server
+// and the client session (transport/inproc.h), which ZeroMQ programs such as
+// sparrow-edge cannot bind.
 void check_endpoint(const std::string& key, const std::string& endpoint, bool for_bind);
 
 // The ZAP authenticator for one context. Construct it before binding a CURVE
@@ -120,41 +124,6 @@ void set_limits(zmq::socket_t& socket, uint64_t max_message_bytes, int heartbeat
 // The Z85 CURVE public key of the peer that sent `frame` (its User-Id property
 // as the ZapHandler set it); empty on a plain-TCP connection.
 std::string peer_key(const zmq::message_t& frame);
-
-// Handshake outcomes of one socket's connections, read from libzmq's socket
-// monitor (an inproc PAIR): what a peer cannot see from messages alone, e.g.
-// that the other side refused its CURVE key or speaks plain TCP. Not
-// thread-safe: the thread that owns the socket polls it.
-class HandshakeMonitor {
- public:
-  enum class Kind {
-    kConnected,     // a TCP connection (client side) or accepted one (server side)
-    kSucceeded,     // the ZMTP/CURVE handshake completed
-    kRefused,       // the peer's ZAP handler refused the key (code in `value`, e.g. 400)
-    kMismatch,      // one side speaks CURVE, the other plain TCP
-    kFailed,        // any other handshake failure (e.g. a CURVE box that does not open)
-    kDisconnected,  // the connection closed
-  };
-  struct Event {
-    Kind kind;
-    uint32_t value = 0;   // ZAP status or libzmq protocol error code
-    std::string address;  // the endpoint or peer address libzmq reports
-  };
-
-  HandshakeMonitor(zmq::context_t& ctx, zmq::socket_t& socket);
-  ~HandshakeMonitor();
-  HandshakeMonitor(const HandshakeMonitor&) = delete;
-  HandshakeMonitor& operator=(const HandshakeMonitor&) = delete;
-
-  // The events queued so far, without waiting.
-  std::vector<Event> drain();
-  // A sentence naming the likely cause of a failed handshake, for a client.
-  static std::string client_cause(const Event& e, bool curve);
-
- private:
-  zmq::socket_t* watched_;
-  zmq::socket_t pair_;
-};
 
 // One wire::Message as one frame. send_to() prefixes the ROUTER routing id.
 // Both return false when the message could not be queued (ZMQ_DONTWAIT and the

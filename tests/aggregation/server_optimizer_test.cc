@@ -2,7 +2,9 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
+#include <memory>
 #include <map>
 #include <string>
 #include <vector>
@@ -10,6 +12,7 @@
 #include "aggregation/server_optimizer.h"
 #include "compression/state.h"
 #include "core/error.h"
+#include "core/spec.h"
 
 using sparrow::aggregation::ServerOptimizer;
 
@@ -322,4 +325,109 @@ TEST_CASE("server optimizer: bad steps are errors and change nothing") {
   opt.reset_state();
   CHECK(opt.steps() == 0);
   CHECK_FALSE(opt.second_moment("a").defined());
+}
+
+namespace {
+
+// A server optimiser registered from outside the library: an exponential
+// moving average of the updates, m = (1 − beta)·m + beta·Δ;  x += lr·m.
+class Ema final : public sparrow::aggregation::OptimizerMethod {
+ public:
+  Ema(double lr, double beta) : lr_(lr), beta_(beta) {}
+  std::vector<std::string> moments() const override { return {"m"}; }
+  void step(const std::string&, at::Tensor& w, const at::Tensor& d, sparrow::aggregation::Slots& s) const override {
+    at::Tensor& m = s["m"];
+    if (!m.defined()) m = at::zeros(w.sizes());
+    m.mul_(static_cast<float>(1 - beta_)).add_(d, static_cast<float>(beta_));
+    w.add_(m, static_cast<float>(lr_));
+  }
+
+ private:
+  double lr_, beta_;
+};
+
+void register_ema() {
+  static const bool done = [] {
+    sparrow::aggregation::register_server_optimizer(
+        "fedema",
+        [](sparrow::Spec& s) {
+          const double beta = s.get_double("beta", 0.5);
+          SPARROW_CHECK_T(sparrow::ConfigError, beta > 0 && beta <= 1, "fedema: beta must be in (0, 1]");
+          return std::make_shared<Ema>(s.get_double("lr", 1.0), beta);
+        },
+        "[lr=1,beta=0.5] moving average of the updates (a test optimiser)");
+    return true;
+  }();
+  (void)done;
+}
+
+}  // namespace
+
+TEST_CASE("server optimizer: the built-ins are registered, an unknown name lists them") {
+  const std::vector<std::string> names = sparrow::aggregation::server_optimizer_names();
+  for (const char* n : {"fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedtopk", "fedlowrank"}) {
+    CAPTURE(n);
+    CHECK(std::find(names.begin(), names.end(), n) != names.end());
+    CHECK(sparrow::aggregation::known_server_optimizer(n));
+    CHECK_FALSE(sparrow::aggregation::server_optimizer_description(n).empty());
+  }
+  CHECK_FALSE(sparrow::aggregation::known_server_optimizer("sgd"));
+  std::string msg;
+  try {
+    ServerOptimizer{"sgd"};
+  } catch (const sparrow::ConfigError& e) {
+    msg = e.what();
+  }
+  CHECK(msg.find("unknown server optimizer 'sgd' (known: ") == 0);
+  for (const std::string& n : names) CHECK(msg.find(n) != std::string::npos);
+}
+
+TEST_CASE("server optimizer: one registered from outside steps, checkpoints and refuses bad state") {
+  register_ema();
+  CHECK(sparrow::aggregation::known_server_optimizer("fedema"));
+  CHECK_THROWS_AS(ServerOptimizer{"fedema:beta=0"}, sparrow::ConfigError);
+  CHECK_THROWS_AS(ServerOptimizer{"fedema:momentum=0.9"}, sparrow::ConfigError);  // unread key
+  CHECK_THROWS_AS(sparrow::aggregation::register_server_optimizer(
+                      "fedavg", [](sparrow::Spec&) { return std::make_shared<Ema>(1, 1); }, ""),
+                  sparrow::Error);
+
+  ServerOptimizer opt("fedema:lr=2,beta=0.5");
+  CHECK(opt.method() == "fedema");
+  Weights w = random_weights(1);
+  const Weights w0 = clone(w);
+  const Weights d1 = random_weights(2, 0.1), d2 = random_weights(3, 0.1);
+  opt.step(w, d1);
+  opt.step(w, d2);
+  for (const auto& kv : w0) {
+    const std::string& name = kv.first;
+    const at::Tensor& t = kv.second;
+    CAPTURE(name);
+    const at::Tensor m1 = 0.5 * d1.at(name);
+    const at::Tensor m2 = 0.5 * m1 + 0.5 * d2.at(name);
+    CHECK(at::allclose(w.at(name), t + 2 * m1 + 2 * m2, 1e-5, 1e-6));
+    CHECK(at::allclose(opt.first_moment(name), m2, 1e-5, 1e-6));
+    CHECK_FALSE(opt.second_moment(name).defined());
+  }
+
+  // Its slots go into the checkpoint and come back.
+  ServerOptimizer resumed("fedema:lr=2,beta=0.5");
+  resumed.deserialize_state(opt.serialize_state());
+  CHECK(resumed.steps() == 2);
+  Weights wr = clone(w);
+  const Weights d3 = random_weights(4, 0.1);
+  opt.step(w, d3);
+  resumed.step(wr, d3);
+  for (const auto& [name, t] : w) CHECK(at::equal(t, wr.at(name)));
+
+  // A slot it does not keep, and a tensor set that changed, are refused.
+  sparrow::compression::State st;
+  st.tensors["v/a"] = at::zeros({5, 7});
+  std::string bytes = resumed.serialize_state();
+  bytes = bytes.substr(0, 12 + std::string("fedema").size()) + st.serialize();
+  CHECK_THROWS_AS(resumed.deserialize_state(bytes), sparrow::FormatError);
+  Weights other = clone(w);
+  other["b"] = at::zeros({12});
+  Weights other_d = random_weights(5, 0.1);
+  other_d["b"] = at::zeros({12});
+  CHECK_THROWS_AS(resumed.step(other, other_d), sparrow::Error);
 }

@@ -3,11 +3,14 @@
 #include <torch/script.h>
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <cstdio>
+#include <functional>
 #include <fstream>
 
 #include "core/error.h"
 #include "core/models.h"
+#include "core/spec.h"
 #include "core/threads.h"
 
 using sparrow::ConfigError;
@@ -56,6 +59,50 @@ def forward(self, x):
   net.save(path);
 }
 
+// The built-in models (model_names() also lists any a test registered).
+const std::vector<std::string> kBuiltins = {"cnn", "mlp", "resnet"};
+
+// A model registered from outside the library: one Linear layer sized from the
+// data (ModelArgs) with a `bias` key, as the simulator's "logreg" is.
+class Toy final : public sparrow::core::Model {
+ public:
+  Toy(int64_t in, int64_t out, bool bias) {
+    fc_ = register_module("fc", torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias)));
+  }
+  at::Tensor forward(const at::Tensor& x) override { return fc_->forward(x.reshape({x.size(0), -1})); }
+
+ private:
+  torch::nn::Linear fc_{nullptr};
+};
+
+void register_toy() {
+  static const bool done = [] {
+    sparrow::core::register_model(
+        "toy",
+        [](sparrow::Spec& s, const sparrow::core::ModelArgs& a) {
+          const bool bias = s.get_bool("bias", true);
+          SPARROW_CHECK_T(ConfigError, a.input_dim > 0, "model 'toy' needs the data's feature count");
+          return std::make_shared<Toy>(a.input_dim, a.classes, bias);
+        },
+        "[bias=1] one linear layer sized from the data (a test model)",
+        [](sparrow::Spec& s) {
+          s.get_bool("bias", true);
+          return std::vector<int64_t>{6};
+        });
+    return true;
+  }();
+  (void)done;
+}
+
+std::string message_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return "";
+}
+
 }  // namespace
 
 TEST_CASE("models: parameter counts") {
@@ -76,7 +123,7 @@ TEST_CASE("models: parameter counts") {
 }
 
 TEST_CASE("models: forward shapes and input shapes") {
-  for (const std::string& name : sparrow::core::model_names()) {
+  for (const std::string& name : kBuiltins) {
     CAPTURE(name);
     auto m = make_model(name, 1);
     std::vector<int64_t> shape = sparrow::core::model_input_shape(name);
@@ -93,7 +140,7 @@ TEST_CASE("models: forward shapes and input shapes") {
 }
 
 TEST_CASE("models: deterministic init per seed and stable names") {
-  for (const std::string& name : sparrow::core::model_names()) {
+  for (const std::string& name : kBuiltins) {
     CAPTURE(name);
     auto a = make_model(name, 5), b = make_model(name, 5), c = make_model(name, 6);
     CHECK(same_params(*a, *b));
@@ -118,6 +165,50 @@ TEST_CASE("models: unknown names and keys") {
   }
   CHECK_THROWS_AS(sparrow::core::model_input_shape("vgg99"), ConfigError);
   CHECK_THROWS_AS(sparrow::core::model_input_shape("torchscript:x.pt"), ConfigError);
+  CHECK_THROWS_AS(sparrow::core::model_input_shape("resnet:in_channels=2"), ConfigError);
+  CHECK_THROWS_AS(sparrow::core::model_input_shape("mlp:x=1"), ConfigError);
+  CHECK(message_of([] { make_model("vgg99", 0); }) ==
+        "unknown model 'vgg99' (known: cnn, mlp, resnet, torchscript:FILE)");
+}
+
+TEST_CASE("models: the built-ins are registered with descriptions") {
+  const std::vector<std::string> names = sparrow::core::model_names();
+  for (const std::string& n : kBuiltins) {
+    CAPTURE(n);
+    CHECK(std::find(names.begin(), names.end(), n) != names.end());
+    CHECK(sparrow::core::known_model(n));
+    CHECK_FALSE(sparrow::core::model_description(n).empty());
+  }
+  CHECK_FALSE(sparrow::core::known_model("torchscript"));
+  CHECK_FALSE(sparrow::core::known_model("resnet:in_channels=3"));  // a name, not a spec
+}
+
+TEST_CASE("models: a model registered from outside is made like a built-in") {
+  register_toy();
+  CHECK(sparrow::core::known_model("toy"));
+  sparrow::core::ModelArgs args;
+  args.seed = 3;
+  args.input_dim = 6;
+  args.classes = 4;
+  auto a = make_model("toy", args), b = make_model("toy", args);
+  CHECK(names(*a) == std::vector<std::string>({"fc.weight", "fc.bias"}));
+  CHECK(a->forward(torch::ones({2, 6})).sizes() == at::IntArrayRef({2, 4}));
+  CHECK(same_params(*a, *b));  // seeded under make_model's lock, like the built-ins
+  args.seed = 4;
+  CHECK_FALSE(same_params(*a, *make_model("toy", args)));
+  CHECK(names(*make_model("toy:bias=0", args)) == std::vector<std::string>({"fc.weight"}));
+  CHECK(sparrow::core::model_input_shape("toy:bias=0") == std::vector<int64_t>({6}));
+  // Its keys are strict, its own checks apply, and it is listed.
+  CHECK_THROWS_AS(make_model("toy:width=3", args), ConfigError);
+  CHECK_THROWS_AS(make_model("toy", 0), ConfigError);  // no input_dim
+  CHECK(message_of([] { make_model("vgg99", 0); }).find("toy") != std::string::npos);
+  const std::vector<std::string> names = sparrow::core::model_names();
+  CHECK(std::find(names.begin(), names.end(), "toy") != names.end());
+  // A name is registered once; built-in names and "torchscript" are taken.
+  const auto any = [](sparrow::Spec&, const sparrow::core::ModelArgs&) { return std::make_shared<Toy>(1, 1, true); };
+  CHECK_THROWS_AS(sparrow::core::register_model("toy", any, ""), sparrow::Error);
+  CHECK_THROWS_AS(sparrow::core::register_model("mlp", any, ""), sparrow::Error);
+  CHECK_THROWS_AS(sparrow::core::register_model("torchscript", any, ""), sparrow::Error);
 }
 
 TEST_CASE("models: torchscript round trip shares parameters") {

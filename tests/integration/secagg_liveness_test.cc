@@ -20,10 +20,15 @@ using sparrow::wire::SecAggStage;
 
 // What the attacker breaks: "keys" (an unusable public key), "shares" (every
 // encrypted pair garbage), "masked" (a masked update of the wrong length),
-// "reveal" (shares of the wrong kind).
+// "reveal" (shares of the wrong kind), "wrong_shares" (well-formed shares
+// with wrong values, at t = 2 so that each secret's 4 holders outvote one),
+// "false_reports" (it names two honest neighbours as senders of bad pairs:
+// they sit out round 1, the attacker is the one held out).
 struct Attack {
   std::string stage;
   std::string server_reason;  // in the server's event=secagg_offender line
+  int threshold = 3;
+  int quorum = 4;
 };
 
 size_t model_numel() {
@@ -38,17 +43,20 @@ TEST_CASE("secagg liveness: a malicious client at any stage costs one round and 
   const std::vector<Attack> attacks = {{"keys", "broke the protocol"},
                                        {"shares", "its encrypted pairs were rejected by neighbours"},
                                        {"masked", "broke the protocol"},
-                                       {"reveal", "broke the protocol"}};
+                                       {"reveal", "broke the protocol"},
+                                       {"wrong_shares", "it revealed a wrong share of client", 2},
+                                       {"false_reports", "it alone rejected the pairs of neighbours", 2, 3}};
   for (const Attack& attack : attacks) {
     CAPTURE(attack.stage);
     const std::string dir = fresh_dir("secagg_liveness_" + attack.stage);
     keygen(dir, 5);
     // 5 clients, complete graph (degree 4), t = 3: the 4 honest ones meet the
     // threshold alone. Round 2 has the 4 honest clients only.
-    server_toml(dir,
-                "rounds = 2\nclients_per_round = 5\nmin_clients = 5\nquorum = 4\nround_deadline_s = 20\n"
-                "max_round_wait_s = 40\nheartbeat_ms = 1000\nholdout_after = 2\nholdout_rounds = 4\n"
-                "secagg = \"secagg+:degree=4,threshold=3,timeout=5\"\n");
+    server_toml(dir, "rounds = 2\nclients_per_round = 5\nmin_clients = 5\nquorum = " + std::to_string(attack.quorum) +
+                         "\nround_deadline_s = 20\n"
+                         "max_round_wait_s = 40\nheartbeat_ms = 1000\nholdout_after = 2\nholdout_rounds = 4\n"
+                         "secagg = \"secagg+:degree=4,threshold=" +
+                         std::to_string(attack.threshold) + ",timeout=5\"\n");
     auto server = start_server(dir, dir + "/server.log");
     const std::string ep = server_endpoint(*server);
     INFO(log_tail(*server));
@@ -91,7 +99,10 @@ TEST_CASE("secagg liveness: a malicious client at any stage costs one round and 
             for (auto& sh : out.shares) sh.data[30] ^= 0x42;  // no longer authenticates
           attacker.send(secagg_msg(out));
         } else if (sm->stage == SecAggStage::kSharesIn) {
-          party.receive_shares(*sm);
+          SecAgg in = *sm;
+          if (attack.stage == "false_reports")  // two good pairs made bad: it rejects their senders, masks without them
+            for (size_t i = 0; i < 2 && i < in.shares.size(); ++i) in.shares[i].data[30] ^= 0x42;
+          party.receive_shares(in);
           SecAgg out = party.masked(std::vector<uint32_t>(model_numel(), 0));
           if (attack.stage == "masked") out.masked.resize(out.masked.size() - 1);
           attacker.send(secagg_msg(out));
@@ -99,6 +110,8 @@ TEST_CASE("secagg liveness: a malicious client at any stage costs one round and 
           SecAgg out = party.reveal(*sm);
           if (attack.stage == "reveal")
             for (auto& sh : out.shares) sh.kind = sh.kind == 1 ? 2 : 1;
+          if (attack.stage == "wrong_shares")
+            for (auto& sh : out.shares) sh.data[7] = static_cast<char>(sh.data[7] ^ 0x24);  // well formed, wrong
           attacker.send(secagg_msg(out));
         }
       } catch (const sparrow::Error& e) {
@@ -116,7 +129,8 @@ TEST_CASE("secagg liveness: a malicious client at any stage costs one round and 
     CHECK(rounds[0].selected == 5);
     // After the reveal its masked update is in the sum (it is unmasked with the
     // honest clients' shares); at any earlier stage only the 4 honest ones.
-    CHECK(rounds[0].updates == (attack.stage == "reveal" ? 5 : 4));
+    const bool revealed = attack.stage == "reveal" || attack.stage == "wrong_shares";
+    CHECK(rounds[0].updates == (attack.stage == "false_reports" ? 3 : revealed ? 5 : 4));
     CHECK(rounds[1].selected == 4);
     CHECK(rounds[1].updates == 4);
     CHECK_FALSE(selected_again);
@@ -129,9 +143,24 @@ TEST_CASE("secagg liveness: a malicious client at any stage costs one round and 
     }();
     CHECK(key != "-");
     CHECK(slog.find("event=secagg_offender client=attacker key=" + key) != std::string::npos);
-    CHECK(slog.find("stage=" + attack.stage + " reason=\"" + attack.server_reason) != std::string::npos);
+    const std::string stage = attack.stage == "wrong_shares"    ? "reveal"
+                              : attack.stage == "false_reports" ? "masked"
+                                                                : attack.stage;
+    CHECK(slog.find("stage=" + stage + " reason=\"" + attack.server_reason) != std::string::npos);
     CHECK(slog.find("event=client_held_out client=attacker key=" + key) != std::string::npos);
-    if (attack.stage != "shares") CHECK(errors >= 1);  // the refused message got an Error
+    if (attack.stage == "false_reports")
+      CHECK(slog.find("event=secagg_lone_report") == std::string::npos);  // two lone reports: the reporter is named
+    if (attack.stage != "shares" && attack.stage != "wrong_shares" && attack.stage != "false_reports")
+      CHECK(errors >= 1);  // the refused message got an Error (wrong share values are only found by the vote)
+    // The aggregate was unmasked right: with a wrong self-mask seed it would be
+    // ChaCha20 noise of the ring's full range, far above any honest step.
+    const std::string ck = db.checkpoint(2);
+    REQUIRE_FALSE(ck.empty());
+    for (const auto& [key, t] : sparrow::compression::deserialize_weights(ck)) {
+      const std::string name = key;  // (a structured binding cannot be captured before C++20: clang)
+      const double moved = (t - w0.at(name)).abs().max().item<double>();
+      CHECK_MESSAGE(moved < 1.0, name << " moved by " << moved);
+    }
     // The honest clients saw the bad pairs and said so; none stopped.
     const std::string index = std::to_string(task.secagg->index);
     for (auto& c : honest) {

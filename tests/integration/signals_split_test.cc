@@ -2,8 +2,10 @@
 //   - one split device with a valid key sends huge and NaN activations: its
 //     steps are refused and an honest device completes its run;
 //   - one key opens sessions under three device ids: refused after the first;
-//   - SIGINT and SIGTERM at 0.1, 0.5 and 2 s after start, for every program:
-//     exit 130, no hang, and the run goes on where one had started;
+//   - SIGINT and SIGTERM at 0.05, 0.1, 0.5 and 2 s after start, for every
+//     program: exit 130, no hang, and the run goes on where one had started
+//     (0.05 s is while the dynamic loader maps LibTorch: the launcher keeps
+//     the signal pending for the program's handlers);
 //   - out-of-range values and wrong paths for every program: exit 2, the key
 //     named, nothing written.
 #include "tests/integration/fixtures.h"
@@ -37,15 +39,6 @@ std::set<std::string> files_under(const std::string& dir) {
   for (auto it = fs::recursive_directory_iterator(dir, ec); it != fs::recursive_directory_iterator(); ++it)
     out.insert(fs::relative(it->path(), dir).string());
   return out;
-}
-
-// Whether `pid` has a handler for `sig` now (/proc/PID/status SigCgt).
-bool catches(pid_t pid, int sig) {
-  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind("SigCgt:", 0) == 0) return (std::stoull(line.substr(7), nullptr, 16) >> (sig - 1)) & 1;
-  return false;
 }
 
 // A split cloud config (CURVE with DIR/keys when `curve`) and its process.
@@ -223,24 +216,23 @@ struct SignalRow {
   int sig;
   std::chrono::milliseconds at;
 };
-const std::vector<SignalRow> kSignalRows = {{SIGINT, 100ms},  {SIGINT, 500ms},  {SIGINT, 2000ms},
-                                            {SIGTERM, 100ms}, {SIGTERM, 500ms}, {SIGTERM, 2000ms}};
+const std::vector<SignalRow> kSignalRows = {{SIGINT, 50ms},  {SIGINT, 100ms},  {SIGINT, 500ms},  {SIGINT, 2000ms},
+                                            {SIGTERM, 50ms}, {SIGTERM, 100ms}, {SIGTERM, 500ms}, {SIGTERM, 2000ms}};
 
 std::string row_name(const SignalRow& r) {
   return std::string(r.sig == SIGINT ? "int" : "term") + std::to_string(r.at.count());
 }
 
 // Starts `argv_of(row dir)` once per row, all at once, signals each at its time
-// and checks that each exits 130 within 30 s. A signal while the dynamic loader
-// still maps LibTorch's libraries (before any code of the program runs, the
-// first ~0.1-0.3 s on a busy machine) gets the kernel's default action: then
-// 128 + the signal is accepted, and nothing may have been written. Returns the
-// row folders.
+// and checks that each exits 130 within 30 s, and says what goes on. From the
+// first instant: the launcher (core/launcher.cc) blocks both signals before
+// the program's dynamic loader maps LibTorch's libraries (0.2-0.3 s), so a
+// signal then is pending until the program's handlers take it (before this,
+// the 0.05 and 0.1 s rows were killed by the signal). Returns the row folders.
 std::vector<std::string> signal_table(const std::string& dir,
                                       const std::function<std::vector<std::string>(const std::string&)>& argv_of) {
   std::vector<std::string> dirs;
   std::vector<std::unique_ptr<Process>> procs;
-  std::vector<bool> caught(kSignalRows.size(), false);
   for (const SignalRow& r : kSignalRows) {
     dirs.push_back(dir + "/" + row_name(r));
     fs::create_directories(dirs.back());
@@ -254,7 +246,6 @@ std::vector<std::string> signal_table(const std::string& dir,
   std::sort(order.begin(), order.end(), [](size_t a, size_t b) { return kSignalRows[a].at < kSignalRows[b].at; });
   for (size_t i : order) {
     std::this_thread::sleep_until(t0 + kSignalRows[i].at);
-    caught[i] = catches(procs[i]->pid(), kSignalRows[i].sig);
     procs[i]->signal(kSignalRows[i].sig);
   }
   for (size_t i = 0; i < dirs.size(); ++i) {
@@ -265,13 +256,8 @@ std::vector<std::string> signal_table(const std::string& dir,
     // A stop names the command that goes on, or says that nothing was written.
     const bool said =
         log.find("continue with:") != std::string::npos || log.find("nothing was written") != std::string::npos;
-    if (caught[i]) {
-      CHECK_MESSAGE(*rc == 130, log_tail(*procs[i]));
-      CHECK_MESSAGE(said, log_tail(*procs[i]));
-    } else {  // killed in the loader (SIGINT: 130 too), or caught just after the look
-      CHECK_MESSAGE((*rc == 130 || *rc == 128 + kSignalRows[i].sig), log_tail(*procs[i]));
-      if (!said) CHECK(files_under(dirs[i]) == std::set<std::string>{"run.log", "run.toml"});
-    }
+    CHECK_MESSAGE(*rc == 130, log_tail(*procs[i]));
+    CHECK_MESSAGE(said, log_tail(*procs[i]));
   }
   return dirs;
 }
@@ -316,6 +302,10 @@ TEST_CASE("signals: sparrow-server exits 130 on SIGINT/SIGTERM at any moment, an
   // The 2 s rows had opened their database: the same command starts on it.
   for (size_t i = 0; i < dirs.size(); ++i) {
     if (kSignalRows[i].at < 2000ms) continue;
+    const std::string log = slurp(dirs[i] + "/run.log");
+    if (log.find("nothing was written") != std::string::npos ||
+        log.find("stopped before the server started") != std::string::npos)
+      continue;  // still loading (eight servers starting at once on a busy machine)
     CHECK(fs::exists(dirs[i] + "/server.db"));
     Process again({kServerBin, "--config", dirs[i] + "/run.toml"}, dirs[i] + "/again.log");
     REQUIRE_MESSAGE(again.wait_for_log("event=listening", 30s), again.log());

@@ -37,6 +37,7 @@ struct Outcome {
   bool completed = false;
   std::string error;
   std::vector<std::vector<uint32_t>> masked_inputs, quantised;  // per client (index - 1), when sent
+  std::map<uint32_t, std::set<uint32_t>> wrong;                 // Server::wrong_shares() after the reveals
 };
 
 Outcome run_round(uint32_t n, const Params& p, size_t len, const std::map<uint32_t, int>& drop_at, uint64_t seed = 7) {
@@ -307,7 +308,8 @@ namespace {
 Outcome run_tampered(uint32_t n, const Params& p, size_t len,
                      const std::function<void(uint32_t, wire::SecAgg&)>& tamper,
                      std::map<uint32_t, std::map<uint32_t, std::string>>* rejected = nullptr,
-                     uint32_t exclude_after_shares = 0, uint64_t seed = 11) {
+                     uint32_t exclude_after_shares = 0, uint64_t seed = 11,
+                     const std::function<void(uint32_t, wire::SecAgg&)>& tamper_reveal = {}) {
   Outcome o;
   const uint64_t round = 2;
   Server server(p, round, n, seed, len);
@@ -341,9 +343,16 @@ Outcome run_tampered(uint32_t n, const Params& p, size_t len,
       server.add_masked(u, y);
     }
     CHECK(server.stage_complete());
-    for (auto& [u, m] : server.unmask_messages()) server.add_reveal(u, clients[u - 1]->reveal(m));
+    for (auto& [u, m] : server.unmask_messages()) {
+      wire::SecAgg rv = clients[u - 1]->reveal(m);
+      if (tamper_reveal) tamper_reveal(u, rv);
+      server.add_reveal(u, rv);
+    }
     CHECK(server.stage_complete());
     o.u3 = server.survivors();
+    const bool ok = server.reconstruct();
+    o.wrong = server.wrong_shares();
+    if (!ok) CHECK_FALSE(server.failure().empty());
     std::vector<uint32_t> sum = server.unmask();
     o.secure.resize(len);
     dequantise(sum.data(), len, scale, o.secure.data());
@@ -434,4 +443,72 @@ TEST_CASE("secagg: the server refuses a rejection of a client that sent no pair,
   y.rejected = {2};
   server.add_masked(1, y);
   CHECK(server.reported().at(2) == std::set<uint32_t>{1});
+}
+
+TEST_CASE("secagg: Shamir with wrong shares: outvoted when the redundancy allows, never a wrong secret") {
+  Secret s{};
+  for (size_t i = 0; i < s.size(); ++i) s[i] = static_cast<uint8_t>(7 * i + 1);
+  auto corrupt = [](std::string& sh) { sh[1 + 9] = static_cast<char>(sh[1 + 9] ^ 0x21); };
+  SUBCASE("all shares right: the secret, nobody named") {
+    const auto sh = shamir_split(s, 3, {1, 2, 3, 4, 5});
+    std::vector<size_t> wrong{99};
+    CHECK(shamir_combine_robust(sh, 3, &wrong) == s);
+    CHECK(wrong.empty());
+  }
+  SUBCASE("t + 2 shares, one wrong: corrected and the wrong one named") {
+    for (size_t bad = 0; bad < 5; ++bad) {
+      auto sh = shamir_split(s, 3, {1, 2, 3, 4, 5});
+      corrupt(sh[bad]);
+      std::vector<size_t> wrong;
+      CHECK(shamir_combine_robust(sh, 3, &wrong) == s);
+      CHECK(wrong == std::vector<size_t>{bad});
+    }
+  }
+  SUBCASE("t + 1 shares, one wrong: detected, no secret") {
+    auto sh = shamir_split(s, 3, {1, 2, 3, 4});
+    corrupt(sh[1]);
+    CHECK_FALSE(shamir_combine_robust(sh, 3).has_value());
+  }
+  SUBCASE("16 shares, t = 9, three wrong: corrected (a search over t-subsets)") {
+    std::vector<uint8_t> xs;
+    for (uint8_t x = 1; x <= 16; ++x) xs.push_back(x);
+    auto sh = shamir_split(s, 9, xs);
+    for (size_t bad : {0, 4, 11}) corrupt(sh[bad]);
+    std::vector<size_t> wrong;
+    CHECK(shamir_combine_robust(sh, 9, &wrong) == s);
+    CHECK(wrong == std::vector<size_t>{0, 4, 11});
+  }
+  SUBCASE("more wrong shares than it corrects: no secret rather than a wrong one") {
+    auto sh = shamir_split(s, 3, {1, 2, 3, 4, 5});
+    corrupt(sh[0]);
+    sh[3][1 + 2] = static_cast<char>(sh[3][1 + 2] ^ 0x40);
+    CHECK_FALSE(shamir_combine_robust(sh, 3).has_value());
+  }
+}
+
+TEST_CASE("secagg: a survivor revealing wrong shares is outvoted and named, or the round fails without a wrong sum") {
+  // Client 2 flips a byte of every share it reveals (well formed, so add_reveal takes it).
+  auto liar = [](uint32_t u, wire::SecAgg& m) {
+    if (u == 2)
+      for (auto& sh : m.shares) sh.data[5] = static_cast<char>(sh.data[5] ^ 0x11);
+  };
+  const uint32_t n = 7;
+  SUBCASE("six holders per secret, t = 3: the sum is right and client 2 is named for each of its neighbours") {
+    const Params p = params(6, 3);
+    Outcome o = run_tampered(
+        n, p, 200, [](uint32_t, wire::SecAgg&) {}, nullptr, 0, 11, liar);
+    REQUIRE_MESSAGE(o.completed, o.error);
+    CHECK(o.u3.size() == n);
+    CHECK(max_diff(o.secure, o.plain) <= static_cast<float>(n / ring_scale(n, p.clip)) + 1e-7f);
+    REQUIRE(o.wrong.size() == 1);
+    CHECK(o.wrong.begin()->first == 2);
+    CHECK(o.wrong.begin()->second == std::set<uint32_t>{1, 3, 4, 5, 6, 7});
+  }
+  SUBCASE("four holders per secret, t = 3: the wrong share is detected and the round fails cleanly") {
+    const Params p = params(4, 3);
+    Outcome o = run_tampered(
+        n, p, 64, [](uint32_t, wire::SecAgg&) {}, nullptr, 0, 11, liar);
+    CHECK_FALSE(o.completed);
+    CHECK(o.error.find("disagree beyond correction") != std::string::npos);
+  }
 }

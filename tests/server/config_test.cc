@@ -1,6 +1,7 @@
 #include "tests/sparrow_test.h"
 
 #include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "server/config.h"
@@ -49,10 +50,13 @@ TEST_CASE("server config rejects wrong types and bad values") {
   CHECK(what_of([] { parse_server_config("rounds = \"ten\"\n"); }).find("rounds") != std::string::npos);
   CHECK(what_of([] { parse_server_config("lr = \"x\"\n"); }).find("lr") != std::string::npos);
   CHECK(what_of([] { parse_server_config("rounds = ", {}); }).find("TOML") != std::string::npos);
+  // Shared keys are checked when the text is read, deployment keys by validate().
   auto bad = [](const std::string& toml) {
-    ServerConfig c = parse_server_config(toml);
-    c.insecure = true;
-    return what_of([&] { validate(c); });
+    return what_of([&] {
+      ServerConfig c = parse_server_config(toml);
+      c.insecure = true;
+      validate(c);
+    });
   };
   CHECK(bad("rounds = 0\n").find("rounds") != std::string::npos);
   CHECK(bad("clients_per_round = 2\nquorum = 3\n").find("quorum") != std::string::npos);
@@ -101,10 +105,13 @@ TEST_CASE("server config identity ignores operational keys") {
 }
 
 TEST_CASE("server config checks aggregator and dp, and they are part of the identity when set") {
+  // Shared keys are checked when the text is read, deployment keys by validate().
   auto bad = [](const std::string& toml) {
-    ServerConfig c = parse_server_config(toml);
-    c.insecure = true;
-    return what_of([&] { validate(c); });
+    return what_of([&] {
+      ServerConfig c = parse_server_config(toml);
+      c.insecure = true;
+      validate(c);
+    });
   };
   CHECK(bad("aggregator = \"krum:f=1\"\nclients_per_round = 5\nquorum = 4\n").find("quorum") != std::string::npos);
   CHECK(bad("aggregator = \"krum:f=1\"\nclients_per_round = 5\nquorum = 5\n").empty());
@@ -159,4 +166,47 @@ TEST_CASE("server config: a gateway refuses what only the root can apply, and ne
             "\"g.key_secret\"\n",
             false)
             .empty());
+}
+
+TEST_CASE("server config: an earlier run's identity is unchanged where its keys were set") {
+  // A database created before the one configuration model stored this text
+  // for a config that set nothing: it resumes under a config that sets the
+  // values whose defaults changed (lr, clients_per_round; docs/configuration.md).
+  const ServerConfig old = parse_server_config("lr = 0.01\nclients_per_round = 2\n");
+  CHECK(identity_text(old) ==
+        "model = \"mlp\"\nmodel_seed = 1\nseed = 1\nalgorithm = \"fedavg\"\nmu = 0.0\nlocal_epochs = 1\n"
+        "batch_size = 32\nlr = 0.01\nmomentum = 0.0\nweight_decay = 0.0\ncompression = \"none\"\n"
+        "downlink = \"none\"\nserver_optimizer = \"fedavg\"\nclients_per_round = 2\n");
+  // The new defaults are another identity: such a database refuses them.
+  CHECK(config_hash(parse_server_config("")) != config_hash(old));
+  // model_seed follows seed unless set; the identity holds the seed used.
+  CHECK(config_hash(parse_server_config("seed = 4\n")) ==
+        config_hash(parse_server_config("seed = 4\nmodel_seed = 4\n")));
+  CHECK(config_hash(parse_server_config("seed = 4\n")) !=
+        config_hash(parse_server_config("seed = 4\nmodel_seed = 1\n")));
+  // The population is part of the identity when set (SCAFFOLD divides by it).
+  CHECK(identity_text(parse_server_config("")).find("clients =") == std::string::npos);
+  CHECK(config_hash(parse_server_config("")) != config_hash(parse_server_config("clients = 50\n")));
+}
+
+TEST_CASE("server config: a simulation's keys are accepted and listed, not used") {
+  const ServerConfig c = parse_server_config(
+      "partition = \"dirichlet:alpha=0.1\"\nclients = 40\ncheckpoint_every = 5\ndevice = \"cuda\"\n"
+      "[profiles]\nuplink_mbps = 2\n");
+  CHECK(c.clients == 40);  // the population means something here
+  CHECK(c.no_effect == std::vector<std::string>{"partition", "device", "checkpoint_every", "profiles.uplink_mbps"});
+  ServerConfig v = c;
+  v.insecure = true;
+  CHECK_NOTHROW(validate(v));
+  // Not written back: the effective config holds what the service uses.
+  CHECK(to_toml(c).find("partition") == std::string::npos);
+  CHECK(to_toml(c).find("clients = 40") != std::string::npos);
+  CHECK(what_of([] { parse_server_config("clients = 4\nclients_per_round = 5\n"); }).find("clients_per_round") !=
+        std::string::npos);
+  // Local DP is each client's setting: a simulation may set it, a server refuses it.
+  CHECK(what_of([] {
+          ServerConfig d = parse_server_config("dp = \"local:clip=1,noise=1\"\n");
+          d.insecure = true;
+          validate(d);
+        }).find("sparrow-client") != std::string::npos);
 }

@@ -4,10 +4,14 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 
 #include "core/error.h"
+#include "core/sqlite_db.h"
 #include "server/server.h"
 #include "server/store.h"
+#include "tests/core/full_disk_vfs.h"
 
 using namespace sparrow;
 using namespace sparrow::server;
@@ -246,4 +250,112 @@ TEST_CASE("server store: an empty file or another program's database is not a ne
   raw_sql(foreign, "CREATE TABLE invoices(id INTEGER PRIMARY KEY, total REAL); INSERT INTO invoices VALUES(1, 9.5);");
   CHECK_THROWS_WITH_AS(ServerStore::open(foreign), doctest::Contains("something else"), ConfigError);
   CHECK(fs::exists(empty));
+}
+
+namespace {
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+void write_bytes(const std::string& path, const std::string& bytes) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+}
+}  // namespace
+
+TEST_CASE("server store: a full disk fails the round's commit whole, and the store goes on once there is space") {
+  const std::string path = fresh_db("full");
+  sparrow::testing::FullDisk disk;  // before the store: it opens through it
+  auto s = ServerStore::open(path);
+  s->create_run({"run-f", "h", "", 1});
+  commit(*s, 1, std::string(3000, 'a'), 2);
+  disk.full(true);
+  RoundRow two;
+  two.round = 2;
+  ClientRow c;
+  c.client_id = "alice";
+  std::string msg;
+  try {
+    s->commit_round(two, {{"m", 1.0}}, ck(2, std::string(50000, 'b')), {c}, 2);
+  } catch (const Error& e) {
+    msg = e.what();
+  }
+  CHECK(disk.refused() > 0);
+  CHECK(msg.find("server database '" + path + "'") != std::string::npos);
+  CHECK(msg.find("the disk is full; nothing of this transaction was written") != std::string::npos);
+  disk.full(false);
+  CHECK(s->completed_rounds() == 1);  // nothing of round 2: no row, metric, checkpoint or client
+  CHECK(s->metrics(2).empty());
+  CHECK(s->clients().empty());
+  CHECK(s->latest_checkpoint()->round == 1);
+  s->commit_round(two, {{"m", 1.0}}, ck(2, "w2"), {c}, 2);  // the same store, once there is space
+  s.reset();
+  auto again = ServerStore::open(path);
+  CHECK(again->completed_rounds() == 2);
+  CHECK(again->latest_checkpoint()->weights == "w2");
+
+  SUBCASE("a new database on a full disk: a clear error, and no file left to refuse at the next start") {
+    const std::string fresh = fresh_db("full_new");
+    disk.full(true);
+    CHECK_THROWS_WITH_AS(ServerStore::open(fresh), doctest::Contains("the disk is full"), Error);
+    disk.full(false);
+    CHECK_FALSE(fs::exists(fresh));
+    CHECK_NOTHROW(ServerStore::open(fresh));
+  }
+}
+
+TEST_CASE("server store: one server per database, a newer schema, and status beside a running server") {
+  const std::string path = fresh_db("lock");
+  auto s = ServerStore::open(path);
+  s->create_run({"run-l", "h", "", 1});
+  commit(*s, 1, "w1", 2);
+  CHECK_THROWS_WITH_AS(ServerStore::open(path), doctest::Contains("is in use by another sparrow-server (locked)"),
+                       ConfigError);
+  auto status = ServerStore::open_readonly(path);  // reads while the server holds it
+  CHECK(status->completed_rounds() == 1);
+  CHECK(status->run()->run_id == "run-l");
+  status.reset();
+  s.reset();
+  CHECK_NOTHROW(ServerStore::open(path));  // the lock goes with the store
+  raw_sql(path, "PRAGMA user_version=99");
+  CHECK_THROWS_WITH_AS(ServerStore::open(path), doctest::Contains("schema version 99 is newer than this build"),
+                       FormatError);
+  CHECK_THROWS_WITH_AS(ServerStore::open_readonly(path), doctest::Contains("use a newer sparrow"), FormatError);
+}
+
+TEST_CASE("server store: status refuses what is not a server database") {
+  const std::string bare = fresh_db("ro_bare"), v1 = fresh_db("ro_v1"), junk = fresh_db("ro_junk");
+  raw_sql(bare, "CREATE TABLE t(x); DROP TABLE t");
+  CHECK_THROWS_WITH_AS(ServerStore::open_readonly(bare), doctest::Contains("is not a sparrow-server database"),
+                       ConfigError);
+  raw_sql(v1, "CREATE TABLE checkpoints(round INTEGER PRIMARY KEY, weights BLOB NOT NULL)");
+  CHECK_THROWS_WITH_AS(ServerStore::open_readonly(v1), doctest::Contains("has no runs table"), FormatError);
+  write_bytes(junk, std::string(200, 'j'));
+  CHECK_THROWS_WITH_AS(ServerStore::open_readonly(junk), doctest::Contains("is not an SQLite database"), FormatError);
+  CHECK_THROWS_WITH_AS(ServerStore::open_readonly("."), doctest::Contains("is a folder"), ConfigError);
+}
+
+TEST_CASE("server store: a damaged -wal file is refused by open and status, and left as it was") {
+  const std::string path = fresh_db("wal"), copy = fresh_db("wal_copy");
+  {
+    auto s = ServerStore::open(path);
+    s->create_run({"run-w", "h", "", 1});
+    for (int r = 1; r <= 6; ++r) commit(*s, r, std::string(3000, static_cast<char>('a' + r)), 10);
+    // As kill -9 leaves them: the database and its log while the server runs.
+    fs::copy_file(path, copy, fs::copy_options::overwrite_existing);
+    fs::copy_file(path + "-wal", copy + "-wal", fs::copy_options::overwrite_existing);
+  }
+  {
+    auto intact = ServerStore::open_readonly(copy);
+    CHECK(intact->completed_rounds() == 6);
+  }
+  const auto scan = sparrow::sqlite::scan_wal(copy + "-wal");
+  REQUIRE(scan.frames >= 6);
+  std::string wal = read_bytes(copy + "-wal");
+  wal[32 + static_cast<size_t>((scan.frames / 2) * (24 + scan.page_size)) + 24 + 10] ^= 0x01;
+  write_bytes(copy + "-wal", wal);
+  const std::string db_before = read_bytes(copy);
+  CHECK_THROWS_WITH_AS(ServerStore::open(copy), doctest::Contains("-wal' is damaged"), FormatError);
+  CHECK_THROWS_WITH_AS(ServerStore::open_readonly(copy), doctest::Contains("-wal' is damaged"), FormatError);
+  CHECK(read_bytes(copy + "-wal") == wal);
+  CHECK(read_bytes(copy) == db_before);
 }

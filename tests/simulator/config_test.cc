@@ -4,6 +4,7 @@
 #include <fstream>
 #include <string>
 #include <unistd.h>
+#include <vector>
 
 #include "core/error.h"
 #include "simulator/config.h"
@@ -70,10 +71,13 @@ availability = 0.8
 TEST_CASE("config defaults") {
   const SimConfig c = parse_config_string("");
   CHECK(c == SimConfig{});
-  CHECK(c.seed == 0);
+  CHECK(c.seed == 1);  // the shared defaults (docs/configuration.md), as sparrow-server's
+  CHECK(c.model_seed == 0);
+  CHECK(c.effective_model_seed() == 1);
+  CHECK(c.eval_every == 0);
   CHECK(c.dataset == "fashion-mnist");
   CHECK(c.data_dir == "/usr/share/datasets/fashion-mnist");
-  CHECK(c.partition == "dirichlet:alpha=0.5");
+  CHECK(c.partition == "iid");
   CHECK(c.clients == 100);
   CHECK(c.clients_per_round == 10);
   CHECK(c.rounds == 10);
@@ -143,13 +147,15 @@ TEST_CASE("config --set overrides are typed by key") {
 }
 
 TEST_CASE("config alpha is folded into the partition spec") {
-  CHECK(parse_config_string("alpha = 0.1").partition == "dirichlet:alpha=0.1");
+  CHECK(parse_config_string("partition = \"dirichlet\"\nalpha = 0.1").partition == "dirichlet:alpha=0.1");
   CHECK(parse_config_string("partition = \"quantity:alpha=2\"", {"alpha=0.3"}).partition == "quantity:alpha=0.3");
   CHECK(parse_config_string("alpha = 1\npartition = \"dirichlet\"").partition == "dirichlet:alpha=1");
   const std::string e = error_of([] { parse_config_string("alpha = 0.1\npartition = \"iid\""); });
   CHECK(contains(e, "'alpha'"));
   CHECK(contains(e, "<string>:1"));
-  CHECK(contains(error_of([] { parse_config_string("alpha = 0"); }), "'alpha'"));
+  CHECK(contains(error_of([] { parse_config_string("partition = \"dirichlet:alpha=1\"\nalpha = 0"); }), "'alpha'"));
+  // The default partition is iid: alpha alone says so.
+  CHECK(contains(error_of([] { parse_config_string("alpha = 0.1"); }), "partition is 'iid'"));
 }
 
 TEST_CASE("config unknown keys are errors") {
@@ -238,4 +244,22 @@ TEST_CASE("config checkpoint_every defaults to 10 and must be at least 1") {
   CHECK(contains(error_of([] { parse_config_string("", {"checkpoint_every=0"}); }), "checkpoint_every"));
   SimConfig c = parse_config_string("", {"checkpoint_every=4"});
   CHECK(parse_config_string(to_toml(c)) == c);
+}
+
+TEST_CASE("config: deployment keys are accepted and listed, the run unchanged") {
+  const SimConfig c =
+      parse_config_string("listen = \"tcp://*:7070\"\nkey = \"s.key_secret\"\nquorum = 2\nround_deadline_s = 5\n");
+  CHECK(c == SimConfig{});
+  CHECK(c.no_effect == std::vector<std::string>{"listen", "key", "quorum", "round_deadline_s"});
+  CHECK(contains(to_toml(c), "quorum") == false);  // the saved config holds what the simulation uses
+  SUBCASE("the model seed follows seed unless set") {
+    CHECK(parse_config_string("seed = 5").effective_model_seed() == 5);
+    CHECK(parse_config_string("seed = 5\nmodel_seed = 2").effective_model_seed() == 2);
+    const SimConfig d = parse_config_string("model_seed = 2");
+    CHECK(parse_config_string(to_toml(d)) == d);
+  }
+  SUBCASE("eval_every = 0: only the last round is evaluated") {
+    CHECK(parse_config_string("eval_every = 0").eval_every == 0);
+    CHECK(contains(error_of([] { parse_config_string("eval_every = -1"); }), "'eval_every'"));
+  }
 }

@@ -15,8 +15,10 @@
 #include <vector>
 
 #include "core/error.h"
+#include "core/sqlite_db.h"
 #include "state/client_state.h"
 #include "state/store.h"
+#include "tests/core/full_disk_vfs.h"
 
 using sparrow::state::ClientState;
 using sparrow::state::ClientStateStore;
@@ -643,4 +645,127 @@ TEST_CASE("store rollback_to_mark forgets the puts after the mark, written or no
   check_equal(*reader->get(2), small_state(2));
   CHECK_FALSE(reader->get(3).has_value());
   CHECK(reader->get_meta("round") == std::optional<std::string>("2"));
+}
+
+TEST_CASE(
+    "store on a full disk: a clear error, nothing half-written, the states kept and written once there is space") {
+  sparrow::testing::FullDisk disk;  // before the stores: they open through it
+  ClientStateStore::Options ropt;
+  ropt.cache_bytes = 0;  // a second store as a read-only observer of the file
+  SUBCASE("write-back on the caller's thread") {
+    TempDb db("full_fg");
+    auto store = ClientStateStore::open(db.path(), {});
+    store->put(1, small_state(1));
+    store->flush();
+    disk.full(true);
+    store->put(2, small_state(2));
+    store->put(1, small_state(11));
+    store->set_meta("round", "2");
+    std::string msg;
+    try {
+      store->flush();
+    } catch (const sparrow::Error& e) {
+      msg = e.what();
+    }
+    CHECK(disk.refused() > 0);
+    CHECK(msg.find("client state store '" + db.path() + "'") != std::string::npos);
+    CHECK(msg.find("the disk is full; nothing of this transaction was written") != std::string::npos);
+    check_small(store->get(2), 2);  // still readable
+    check_equal(*store->get(1), small_state(11));
+    disk.full(false);
+    {
+      auto observer = ClientStateStore::open(db.path(), ropt);
+      check_small(observer->get(1), 1);  // the file holds the last flush, nothing of the failed one
+      CHECK_FALSE(observer->get(2).has_value());
+      CHECK_FALSE(observer->get_meta("round").has_value());
+    }
+    store->flush();  // retried
+    store.reset();
+    auto reader = ClientStateStore::open(db.path(), ropt);
+    check_small(reader->get(2), 2);
+    check_equal(*reader->get(1), small_state(11));
+    CHECK(reader->get_meta("round") == std::optional<std::string>("2"));
+  }
+  SUBCASE("checkpoint mode (the simulator's): the flush fails whole and is retried whole") {
+    TempDb db("full_bg");
+    ClientStateStore::Options opt;
+    opt.background = true;
+    opt.explicit_flush = true;
+    {
+      auto store = ClientStateStore::open(db.path(), opt);
+      store->put(1, small_state(1));
+      store->set_meta("round", "1");
+      store->flush();
+      store->put(2, small_state(2));
+      store->put(3, small_state(3));
+      store->set_meta("round", "2");
+      disk.full(true);
+      CHECK_THROWS_WITH_AS(store->flush(), doctest::Contains("the disk is full"), sparrow::Error);
+      {
+        // The writer retries at once (and fails again while the disk is full):
+        // the file holds the last checkpoint whole, nothing of this one.
+        auto observer = ClientStateStore::open(db.path(), ropt);
+        CHECK(observer->get_meta("round") == std::optional<std::string>("1"));
+        CHECK_FALSE(observer->get(2).has_value());
+        check_small(store->get(3), 3);  // still readable
+      }
+      disk.full(false);
+      // A retry that failed meanwhile is reported once; the flush after it writes.
+      bool written = false;
+      for (int attempt = 0; attempt < 2 && !written; ++attempt) {
+        try {
+          store->flush();
+          written = true;
+        } catch (const sparrow::Error& e) {
+          CHECK(std::string(e.what()).find("the disk is full") != std::string::npos);
+        }
+      }
+      CHECK(written);
+    }
+    auto reader = ClientStateStore::open(db.path(), ropt);
+    CHECK(reader->get_meta("round") == std::optional<std::string>("2"));
+    check_small(reader->get(2), 2);
+    check_small(reader->get(3), 3);
+  }
+  SUBCASE("a new store on a full disk leaves no file to refuse at the next start") {
+    TempDb db("full_new");
+    disk.full(true);
+    CHECK_THROWS_WITH_AS(ClientStateStore::open(db.path(), {}), doctest::Contains("the disk is full"), sparrow::Error);
+    disk.full(false);
+    CHECK_FALSE(std::ifstream(db.path()).good());
+    { ClientStateStore::open(db.path(), {})->put(1, small_state(1)); }
+    check_small(ClientStateStore::open(db.path(), ropt)->get(1), 1);
+  }
+}
+
+TEST_CASE("store refuses an SQLite file without tables and a damaged -wal file, leaving them as they were") {
+  SUBCASE("no tables") {
+    TempDb db("notables");
+    raw_sql(db.path(), "CREATE TABLE t(x); DROP TABLE t");
+    const std::string before = read_file(db.path());
+    CHECK_THROWS_WITH_AS(ClientStateStore::open(db.path(), {}),
+                         doctest::Contains("exists but is not a client state store (no tables)"), sparrow::ConfigError);
+    CHECK(read_file(db.path()) == before);
+  }
+  SUBCASE("a flipped byte in the -wal file after a crash") {
+    TempDb db("walsrc"), copy("walcopy");
+    {
+      auto store = ClientStateStore::open(db.path(), {});
+      for (int64_t c = 0; c < 8; ++c) {
+        store->put(c, small_state(c));
+        store->flush();  // one commit each
+      }
+      // As a crash leaves them: the database and its log while the store is open.
+      write_file(copy.path(), read_file(db.path()));
+      write_file(copy.path() + "-wal", read_file(db.path() + "-wal"));
+    }
+    const auto scan = sparrow::sqlite::scan_wal(copy.path() + "-wal");
+    REQUIRE(scan.commits >= 8);
+    std::string wal = read_file(copy.path() + "-wal");
+    wal[32 + static_cast<size_t>(24 + scan.page_size) + 24 + 7] ^= 0x01;  // frame 2's page
+    write_file(copy.path() + "-wal", wal);
+    CHECK_THROWS_WITH_AS(ClientStateStore::open(copy.path(), {}), doctest::Contains("-wal' is damaged"),
+                         sparrow::FormatError);
+    CHECK(read_file(copy.path() + "-wal") == wal);
+  }
 }

@@ -1,0 +1,145 @@
+// Server::Impl's updates, on the worker threads: a ModelUpdate admitted into
+// the open round (or refused as stale, its weight capped at the samples the
+// client declared), folded into the worker's own partial all-or-nothing, and
+// answered with an Ack or an Error (a refused update is a strike).
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+
+#include "compression/compressor.h"
+#include "compression/encoded.h"
+#include "core/error.h"
+#include "core/peer_text.h"
+#include "server/impl.h"
+#include "wire/net.h"
+
+namespace sparrow::server {
+
+void Server::Impl::handle_update(size_t w, const std::string& rid, wire::ModelUpdate u, size_t frame_bytes) {
+  std::shared_ptr<const RoundContext> rc;
+  {
+    std::unique_lock<std::mutex> g(mu);
+    auto it = sessions.find(rid);
+    if (it == sessions.end()) {
+      n.unknown++;
+      g.unlock();
+      reply_error(rid, ErrorCode::kRejected, "unknown client: send Hello", u.round);
+      return;
+    }
+    Session& s = it->second;
+    s.last_seen = Clock::now();
+    if (u.client_id != s.client_id) {
+      g.unlock();
+      reply_error(rid, ErrorCode::kRejected, "client_id '" + u.client_id + "' is not this connection's", u.round);
+      return;
+    }
+    std::string why;
+    auto sel = selected.find(s.client_id);
+    if (!round_open || u.round != round)
+      why = "stale update: round " + std::to_string(u.round) + ", server is in round " + std::to_string(round) +
+            (round_open ? "" : " (closed)");
+    else if (sel == selected.end())
+      why = "not selected for round " + std::to_string(round);
+    else if (sel->second != Status::kWaiting)
+      why = "update for round " + std::to_string(round) + " already received";
+    else if (sa)
+      why = "round " + std::to_string(round) + " uses secure aggregation: send SecAgg messages, not a ModelUpdate";
+    if (!why.empty()) {
+      n.stale++;
+      round_stale++;
+      clients[s.client_id].rejects++;
+      dirty_clients.insert(s.client_id);
+      g.unlock();
+      spdlog::info("event=update_stale client={} round={} reason=\"{}\"", u.client_id, u.round, why);
+      reply(rid, net::error_message(ErrorCode::kRejected, why, u.round));
+      return;
+    }
+    sel->second = Status::kInFlight;
+    ++in_flight;
+    rc = round_ctx;
+    // An update weighs at most the samples the client said it holds (at
+    // Hello, or a gateway's latest Heartbeat): a claim above that is capped.
+    if (u.num_samples > s.num_samples) {
+      if (const auto k = mismatch_log.admit("samples:" + s.client_id))
+        spdlog::warn("event=samples_capped client={} key={} round={} claimed={} capped_to={} since_last_warning={}",
+                     core::printable(s.client_id), s.key, u.round, u.num_samples, s.num_samples, *k);
+      u.num_samples = s.num_samples;
+    }
+  }
+  std::string error;
+  ErrorCode code = ErrorCode::kRejected;
+  try {
+    fold(partials[w], u, *rc);
+  } catch (const compression::NonFiniteError& e) {  // the value scan wire::parse deferred
+    error = e.what();
+    code = ErrorCode::kMalformed;
+  } catch (const std::bad_alloc&) {
+    error = "out of memory";
+  } catch (const std::exception& e) {  // sparrow::Error, and anything LibTorch throws on odd input
+    error = e.what();
+  }
+  {
+    std::lock_guard<std::mutex> g(mu);
+    auto sel = selected.find(u.client_id);
+    ClientRow& row = clients[u.client_id];
+    if (error.empty()) {
+      holdouts[u.client_id].strikes = 0;
+      if (sel != selected.end()) sel->second = Status::kDone;
+      ++round_accepted;
+      row.updates++;
+      row.bytes_up += frame_bytes;
+      n.accepted++;
+      board->update_progress([&](monitor::Progress& p) { p.received = round_accepted; });
+    } else {
+      if (sel != selected.end()) sel->second = Status::kWaiting;  // it may send a good one
+      ++round_rejected;
+      row.rejects++;
+      strike(u.client_id, row.public_key);
+    }
+    dirty_clients.insert(u.client_id);
+    --in_flight;
+  }
+  // The reply is queued before the round thread is woken (it may close the round).
+  if (error.empty()) {
+    reply(rid, msg(wire::Ack{u.round}));
+    spdlog::debug("event=update_accepted client={} round={}", u.client_id, u.round);
+  } else {
+    spdlog::warn("event=update_rejected client={} round={} error=\"{}\"", u.client_id, u.round, core::printable(error));
+    reply_error(rid, code, "update rejected: " + error, u.round);
+  }
+  cv.notify_all();
+}
+
+void Server::Impl::fold(Partial& p, wire::ModelUpdate& u, const RoundContext& rc) {
+  SPARROW_CHECK_T(FormatError, u.num_samples > 0, "num_samples must be > 0");
+  // SCAFFOLD control deltas: decoded and checked before anything is added.
+  Weights cdelta;
+  if (cfg.algorithm == "scaffold") {
+    for (auto& nt : u.control_delta) {
+      auto sh = gm->weights().find(nt.name);
+      SPARROW_CHECK_T(FormatError, sh != gm->weights().end(), "control_delta: unknown tensor '" << nt.name << "'");
+      at::Tensor d = compression::decode(nt.tensor);
+      SPARROW_CHECK_T(FormatError, d.sizes() == sh->second.sizes(), "control_delta: shape of '" << nt.name << "'");
+      SPARROW_CHECK_T(FormatError, compression::all_finite(d), "control_delta: '" << nt.name << "' is not finite");
+      cdelta[nt.name] = d;
+    }
+  }
+  aggregation::EncodedUpdate eu;
+  eu.reserve(u.tensors.size());
+  for (auto& nt : u.tensors) eu.emplace_back(std::move(nt.name), std::move(nt.tensor));
+  const double weight = static_cast<double>(u.num_samples);
+  p.agg->add(eu, weight, rc.contexts);
+  for (auto& [k, d] : cdelta) {
+    auto it = p.control_sum.find(k);
+    if (it == p.control_sum.end())
+      p.control_sum[k] = d.clone();
+    else
+      it->second.add_(d);
+  }
+  for (const auto& [k, v] : u.metrics) {
+    p.metric_sum[k] += weight * v;
+    p.metric_weight[k] += weight;  // per metric: not every client reports every metric
+  }
+}
+
+}  // namespace sparrow::server

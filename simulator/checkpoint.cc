@@ -1,0 +1,129 @@
+// Checkpoints and resume: the run state after a completed round (global
+// model, server optimiser, SCAFFOLD's c, ACP's factors, the aggregator's
+// state, the broadcast model) committed as meta of client_state.db together
+// with the client states of the rounds since the last one, in one
+// transaction; a resume loads it, after checking that the config is the one
+// it was taken under, and the history up to it (run_folder.cc).
+#include <optional>
+
+#include "core/error.h"
+#include "simulator/impl.h"
+
+namespace sparrow::simulator {
+namespace {
+
+using compression::deserialize_weights;
+using compression::serialize_weights;
+
+// The round of the checkpoint in a run's client-state store (nullopt: none
+// written); `what` opens the message of a value that is not a round.
+std::optional<int> checkpoint_round(state::ClientStateStore& store, const char* what) {
+  const std::optional<std::string> saved = store.get_meta("checkpoint.round");
+  if (!saved) return std::nullopt;
+  try {
+    return std::stoi(*saved);
+  } catch (const std::exception&) {
+    throw FormatError(std::string(what) + ": bad checkpoint round '" + *saved + "' in " + store.path());
+  }
+}
+
+}  // namespace
+
+void Simulator::Impl::checkpoint(int completed, bool wait) {
+  store->set_meta("checkpoint.round", std::to_string(completed));
+  // The whole effective config, so that a resume can refuse an edited
+  // config.toml (check_resume_config); committed with the checkpoint.
+  store->set_meta("checkpoint.config", to_toml(cfg));
+  store->set_meta("checkpoint.global", serialize_weights(gm->weights()));
+  store->set_meta("checkpoint.server_opt", gm->optimizer().serialize_state());
+  store->set_meta("checkpoint.scaffold", gm->control().empty() ? std::string() : serialize_weights(gm->control()));
+  store->set_meta("checkpoint.acp", gm->shared().empty() ? std::string() : serialize_weights(gm->shared()));
+  store->set_meta("checkpoint.aggregator", aggregator->serialize_state());
+  if (gm->has_downlink()) {
+    store->set_meta("checkpoint.broadcast", serialize_weights(gm->broadcast()));
+    store->set_meta("checkpoint.downlink_bytes", std::to_string(down_bytes));
+  }
+  if (wait)
+    store->flush();
+  else
+    store->flush_async();
+}
+
+void Simulator::Impl::load_weights(const std::string& bytes, client::Weights& into, const char* what) {
+  client::Weights g = deserialize_weights(bytes);
+  SPARROW_CHECK_T(FormatError, g.size() == into.size(), "resume: " << what << " does not match the model");
+  for (auto& [k, v] : into) {
+    SPARROW_CHECK_T(FormatError, g.count(k) && g.at(k).sizes() == v.sizes(),
+                    "resume: " << what << " does not match the model at '" << k << "'");
+    v.copy_(g.at(k));
+  }
+}
+
+void Simulator::Impl::copy_safe_keys(const SimConfig& from, SimConfig& to) {
+  to.rounds = from.rounds;
+  to.out = from.out;
+  to.checkpoint_every = from.checkpoint_every;  // only changes when state is written
+  to.threads = from.threads;                    // only changes the speed
+}
+
+void Simulator::Impl::refuse_differences(const SimConfig& recorded, const SimConfig& now, const std::string& where) {
+  std::string keys;
+  for (const std::string& d : config_differences(recorded, now)) keys += (keys.empty() ? "" : ", ") + d;
+  if (keys.empty()) keys = "(a key to_toml does not write)";
+  throw ConfigError("resume: the config differs from " + where + " in " + keys +
+                    "; a resumed run may change only rounds, checkpoint_every and threads");
+}
+
+void Simulator::Impl::check_resume_config() {
+  const std::optional<std::string> text = store->get_meta("checkpoint.config");
+  if (!text) return;
+  SimConfig recorded;
+  try {
+    recorded = parse_config_string(*text);
+  } catch (const std::exception& e) {
+    throw FormatError("resume: the config recorded in " + store->path() + " does not parse (" + e.what() +
+                      "); restore the run folder from a backup or start the run again with --force");
+  }
+  copy_safe_keys(cfg, recorded);
+  if (!(recorded == cfg))
+    refuse_differences(recorded, cfg,
+                       "the one its checkpoint was taken under (" + store->path() + "; config.toml was edited?)");
+}
+
+void Simulator::Impl::load_checkpoint() {
+  const std::optional<int> saved = checkpoint_round(*store, "resume");
+  SPARROW_CHECK_T(ConfigError, saved.has_value(),
+                  "resume: no checkpoint in " << store->path() << " (none written yet, or a run folder of an older "
+                                              << "sparrow)");
+  auto blob = [&](const char* key) {
+    std::optional<std::string> v = store->get_meta(std::string("checkpoint.") + key);
+    SPARROW_CHECK_T(FormatError, v.has_value(), "resume: checkpoint in " << store->path() << " lacks '" << key << "'");
+    return *v;
+  };
+  round = *saved;
+  load_weights(blob("global"), gm->weights(), "checkpoint");
+  const std::string so = blob("server_opt");
+  if (!so.empty()) gm->optimizer().deserialize_state(so);
+  gm->control() = deserialize_weights(blob("scaffold"));
+  gm->shared() = deserialize_weights(blob("acp"));
+  if (std::optional<std::string> a = store->get_meta("checkpoint.aggregator")) aggregator->deserialize_state(*a);
+  if (gm->has_downlink()) {
+    load_weights(blob("broadcast"), gm->broadcast(), "checkpoint's broadcast model");
+    down_bytes = std::stoull(blob("downlink_bytes"));
+  }
+  SPARROW_CHECK_T(ConfigError, round <= cfg.rounds,
+                  "resume: the run already has " << round << " rounds, more than rounds = " << cfg.rounds);
+  for (int r0 = 0; r0 < round; ++r0) count_participations(select_clients(r0));
+  load_history(round);
+}
+std::pair<std::map<std::string, at::Tensor>, int> load_run_model(const std::string& run_dir) {
+  const fs::path cs = fs::path(run_dir) / "client_state.db";
+  SPARROW_CHECK_T(ConfigError, fs::exists(cs), "export: " << run_dir << " holds no run (no client_state.db)");
+  auto store = state::ClientStateStore::open(cs.string());
+  const std::optional<int> round = checkpoint_round(*store, "export");
+  const std::optional<std::string> global = store->get_meta("checkpoint.global");
+  SPARROW_CHECK_T(ConfigError, round && global, "export: " << run_dir << " has no checkpoint yet");
+  return {deserialize_weights(*global), *round};
+}
+
+}  // namespace sparrow::simulator

@@ -1,0 +1,151 @@
+// The parity matrix (parity_cases.h) through the in-process transport: the
+// Server library and 3 ClientSessions in threads of this process over
+// mem://, with keys, against the Simulator library's run of the same config.
+// parity_test.cc proves the simulator equal to the service on loopback; this
+// proves the service over mem:// equal to the simulator, so the round
+// engine's tests can run many clients in one process without sockets.
+#include "tests/integration/fixtures.h"
+#include "tests/integration/parity_cases.h"
+
+#include <atomic>
+#include <exception>
+#include <thread>
+
+#include <ATen/Parallel.h>
+
+#include "client/data_folder.h"
+#include "client/session.h"
+#include "server/config.h"
+#include "server/server.h"
+#include "simulator/config.h"
+#include "simulator/simulator.h"
+
+using namespace sparrow::testing::integ;   // NOLINT(google-build-using-namespace)
+using namespace sparrow::testing::parity;  // NOLINT(google-build-using-namespace)
+namespace net = sparrow::net;
+
+namespace {
+
+Weights copy(const Weights& w) {
+  Weights out;
+  for (const auto& [n, t] : w) out[n] = t.clone();
+  return out;
+}
+
+Weights run_simulator(const std::string& dir, const std::string& keys) {
+  sparrow::simulator::Simulator sim(
+      sparrow::simulator::parse_config_string(kShared + keys + kSimKeys + "out = \"" + dir + "/sim\"\n"));
+  sim.run();
+  return copy(sim.global());
+}
+
+// The service in this process: the server on the calling thread, each client
+// on its own; the final global model.
+Weights run_service(const std::string& dir, const std::string& name, const std::string& keys, int rounds) {
+  net::write_keypair(dir + "/keys", "server", net::generate_keypair());
+  net::write_client_keys(dir + "/keys", kClients);
+  const std::string ep = "mem://parity_" + name + "_" + std::to_string(::getpid());
+  sparrow::server::Server server(sparrow::server::parse_server_config(
+      "listen = \"" + ep + "\"\nkey = \"" + dir + "/keys/server.key_secret\"\nallow = \"" + dir +
+      "/keys/allow.txt\"\ndb = \"" + dir + "/server.db\"\nmodel = \"mlp\"\n" + kShared + keys + kServerKeys));
+  REQUIRE(server.endpoint() == ep);
+
+  std::vector<std::unique_ptr<sparrow::client::ClientSession>> sessions;
+  for (int i = 0; i < kClients; ++i) {
+    sparrow::client::SessionConfig c = sparrow::client::parse_session_config(
+        "server = \"" + ep + "\"\nserver_key = \"" + dir + "/keys/server.key\"\nkey = \"" + dir + "/keys/client" +
+        std::to_string(i + 1) + ".key_secret\"\n" + client_keys(i) + "state_db = \"" + dir + "/client" +
+        std::to_string(i) + ".db\"\n");
+    c.update_delay_ms = update_delay_ms(i);
+    sparrow::core::Dataset data = sparrow::client::load_client_data(c.data, c.model);
+    sessions.push_back(std::make_unique<sparrow::client::ClientSession>(c, std::move(data)));
+  }
+  std::vector<std::thread> threads;
+  std::vector<std::exception_ptr> failed(kClients);
+  std::atomic<int> finished{0}, done{0};
+  for (int i = 0; i < kClients; ++i)
+    threads.emplace_back([&, i] {
+      try {
+        if (sessions[i]->run()) ++finished;
+      } catch (...) {
+        failed[i] = std::current_exception();
+      }
+      ++done;
+    });
+  std::exception_ptr server_failed;
+  try {
+    server.run();
+  } catch (...) {
+    server_failed = std::current_exception();
+  }
+  // The clients leave on the server's Bye "run finished"; any still running
+  // after a while is stopped (and the test fails below).
+  const auto until = std::chrono::steady_clock::now() + 20s;
+  while (done.load() < kClients && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(10ms);
+  for (auto& s : sessions) s->stop();
+  for (auto& t : threads) t.join();
+  if (server_failed) std::rethrow_exception(server_failed);
+  for (auto& f : failed)
+    if (f) std::rethrow_exception(f);
+  CHECK(finished.load() == kClients);
+  REQUIRE(server.completed_rounds() == rounds);
+  const sparrow::server::Counters n = server.counters();
+  CHECK(n.updates_accepted == static_cast<uint64_t>(kClients * rounds));
+  return server.global_weights();
+}
+
+struct Result {
+  Weights sim, service;
+};
+
+Result run_both(const std::string& name, const std::string& case_keys, int rounds = kRounds) {
+  at::set_num_threads(1);  // as each client process on loopback (fresh_dir sets OMP_NUM_THREADS for children)
+  const std::string dir = fresh_dir("parity_inproc_" + name);
+  const std::string keys = case_keys + "rounds = " + std::to_string(rounds) + "\n";
+  Result out;
+  out.sim = run_simulator(dir, keys);
+  out.service = run_service(dir, name, keys, rounds);
+  return out;
+}
+
+bool same_bytes(const Weights& a, const Weights& b) {
+  return sparrow::compression::serialize_weights(a) == sparrow::compression::serialize_weights(b);
+}
+
+void check_same(const std::string& name, const std::string& keys) {
+  const Result r = run_both(name, keys);
+  const double gap = relative_gap(r.sim, r.service);
+  MESSAGE(name << " over mem://: relative gap " << gap
+               << std::string(same_bytes(r.sim, r.service) ? " (the same bytes)" : ""));
+  CHECK(gap <= kMaxGap);
+}
+
+}  // namespace
+
+TEST_CASE("the in-process service ends with the simulator's model: fedavg dense") { check_same("fedavg", kFedAvg); }
+
+TEST_CASE("the in-process service ends with the simulator's model: dgc") { check_same("dgc", kDgc); }
+
+TEST_CASE("the in-process service ends with the simulator's model: tcs share=mean") { check_same("tcs", kTcs); }
+
+TEST_CASE("the in-process service ends with the simulator's model: scaffold") { check_same("scaffold", kScaffold); }
+
+TEST_CASE("the in-process service ends with the simulator's model: acp rank 2") { check_same("acp", kAcp); }
+
+TEST_CASE("the in-process service ends with the simulator's model: powersgd with a compressed downlink") {
+  check_same("powersgd_down", kPowerSgdDown);
+}
+
+TEST_CASE("the in-process service ends with the simulator's model: multikrum") { check_same("multikrum", kMultiKrum); }
+
+TEST_CASE("the in-process service ends with the simulator's model: central dp") {
+  check_same("central_dp", kCentralDp);
+}
+
+// One round: see kSecAggMaxDiff.
+TEST_CASE("the in-process service ends with the simulator's model: secagg+ (to the rounding of one round)") {
+  const Result one = run_both("secagg", kSecAgg, 1);
+  const double worst = max_difference(one.sim, one.service);
+  MESSAGE("secagg over mem://: max |sim - service| after one round " << worst);
+  CHECK(worst < kSecAggMaxDiff);
+}
