@@ -11,6 +11,7 @@
 #include "core/flat_config.h"
 #include "core/spec.h"
 #include "secagg/secagg.h"
+#include "federation/sampler.h"
 
 namespace sparrow::federation {
 namespace {
@@ -130,6 +131,7 @@ void bind(core::FlatConfig& f, RunConfig& c) {
   f.bind("rounds", &c.rounds);
   f.bind("clients", &c.clients);
   f.bind("clients_per_round", &c.clients_per_round);
+  f.bind("sampler", &c.sampler);
   f.bind("eval_every", &c.eval_every);
   f.bind("data_dir", &c.data_dir);
 }
@@ -163,6 +165,11 @@ void validate(const RunConfig& c, const core::FlatConfig& f) {
           "must be in [0, 100000000] (0 = no periodic evaluation)");
   f.check("max_buffer_mb", c.max_buffer_mb > 0 && c.max_buffer_mb <= 1048576, "must be in (0, 1048576]");
 
+  f.check("sampler", c.sampler == "auto" || known_sampler(c.sampler), [&] {
+    std::string known;
+    for (const auto& n : sampler_names()) known += ", " + n;
+    return "is not a selection rule (known: auto" + known + ")";
+  }());
   // Spec strings: each built once, as the run builds it.
   compression::register_builtins();
   try {

@@ -56,6 +56,10 @@ struct RunConfig {
   // Rounds and population.
   int rounds = 10;
   int clients_per_round = 10;
+  // Who takes part (federation/sampler.h): "uniform", "least_recent", a
+  // registered rule, or "auto" = the program's own (uniform in the
+  // simulator, least_recent in the service).
+  std::string sampler = "auto";
   // The population: the simulator's number of clients; the service's divisor
   // of SCAFFOLD's control update. 0 = not fixed (the service counts the
   // clients it has seen; the simulator refuses it).
@@ -72,6 +76,8 @@ struct RunConfig {
   std::vector<std::string> no_effect;
 
   uint64_t effective_model_seed() const { return model_seed != 0 ? model_seed : seed; }
+  // The selection rule's name, "auto" resolved to `own` (the program's rule).
+  std::string effective_sampler(const std::string& own) const { return sampler == "auto" ? own : sampler; }
   // What SCAFFOLD's c += Σ Δc_i / population divides by, given the clients a
   // driver has seen: the larger of `clients` and those seen, at least 1 (a
   // deployment where more clients connect than declared averages over them).

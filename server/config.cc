@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cstdio>
 
 #include "aggregation/robust.h"
@@ -66,13 +67,15 @@ const std::vector<std::string> kIdentityKeys = {"model",
                                                 "dp",
                                                 "secagg",
                                                 "clients_per_round",
-                                                "clients"};  // (*)
+                                                "clients",
+                                                "sampler"};  // (*)
 
 // Identity keys added after runs existed: part of the identity only when set,
 // so databases of earlier versions keep their hash.
 bool default_identity(const std::string& key, const std::string& value) {
   return (key == "aggregator" && value == "\"mean\"") || (key == "dp" && value == "\"none\"") ||
-         (key == "secagg" && value == "\"none\"") || (key == "clients" && value == "0");
+         (key == "secagg" && value == "\"none\"") || (key == "clients" && value == "0") ||
+         (key == "sampler" && value == "\"auto\"");
 }
 
 // "key = value" lines of `c`: every key in bind order, or the identity keys.
@@ -137,10 +140,14 @@ void validate(const ServerConfig& c) {
     bad("max_update_norm", "must be in [0, 1e18] (0 = no bound)");
   if (c.holdout_after < 1 || c.holdout_after > 1000) bad("holdout_after", "must be in 1..1000");
   if (c.holdout_rounds < 0 || c.holdout_rounds > 10000) bad("holdout_rounds", "must be in 0..10000 (0 = never)");
-  if (c.min_clients < 0 || c.min_clients > c.clients_per_round)
-    bad("min_clients", "must be in [0, clients_per_round] (0 = clients_per_round)");
-  if (c.quorum < 1 || c.quorum > c.effective_min_clients())
-    bad("quorum", "must be in [1, min_clients = " + std::to_string(c.effective_min_clients()) + "]");
+  // More live clients than a round selects is a pool to sample from (Flower's
+  // min_available_clients >= min_fit_clients); fewer starts smaller rounds.
+  if (c.min_clients < 0 || c.min_clients > 1000000)
+    bad("min_clients", "must be in [0, 1000000] (0 = clients_per_round)");
+  const int most = std::min(c.clients_per_round, c.effective_min_clients());
+  if (c.quorum < 1 || c.quorum > most)
+    bad("quorum", "must be in [1, " + std::to_string(most) +
+                      "] (no more than the clients a round may select: min(clients_per_round, min_clients))");
   if (const aggregation::RobustSpec robust = aggregation::RobustSpec::parse(c.aggregator);
       robust.min_updates() > c.quorum)
     bad("aggregator", "'" + c.aggregator + "' needs at least " + std::to_string(robust.min_updates()) +

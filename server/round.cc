@@ -16,12 +16,11 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "federation/client_pipeline.h"
+#include "federation/sampler.h"
 #include "server/impl.h"
 
 namespace sparrow::server {
 namespace {
-
-constexpr uint64_t kSelectTag = 0x73656c65;  // "sele"
 
 std::string join(const std::vector<std::string>& v) {
   std::string s;
@@ -32,14 +31,10 @@ std::string join(const std::vector<std::string>& v) {
 }  // namespace
 
 std::vector<std::string> select_clients(std::vector<Candidate> candidates, size_t k, uint64_t key) {
-  std::vector<std::pair<std::pair<int64_t, uint64_t>, std::string>> order;
-  order.reserve(candidates.size());
-  for (auto& c : candidates)
-    order.push_back({{c.last_selected, rng::at(key, rng::hash_name(c.client_id))}, std::move(c.client_id)});
-  std::sort(order.begin(), order.end());
-  std::vector<std::string> out;
-  for (size_t i = 0; i < order.size() && i < k; ++i) out.push_back(order[i].second);
-  return out;
+  std::vector<federation::Candidate> c;
+  c.reserve(candidates.size());
+  for (auto& x : candidates) c.push_back({std::move(x.client_id), x.last_selected});
+  return federation::least_recent_by_key(key, std::move(c), k);
 }
 
 std::shared_ptr<RoundContext> Server::Impl::make_round_context(uint64_t r, int num_selected) {
@@ -182,8 +177,11 @@ std::vector<std::string> Server::Impl::choose_clients(uint64_t r) {
     if (h != holdouts.end() && h->second.until >= r) continue;  // held out (strike())
     cand.push_back({cid, clients[cid].last_selected});
   }
-  return select_clients(std::move(cand), static_cast<size_t>(cfg.clients_per_round),
-                        rng::derive(rng::derive(cfg.seed, kSelectTag), r));
+  std::vector<federation::Candidate> cands;
+  cands.reserve(cand.size());
+  for (auto& c : cand) cands.push_back({std::move(c.client_id), c.last_selected});
+  return federation::sampler(cfg.effective_sampler("least_recent"))(cfg.seed, r, std::move(cands),
+                                                                    static_cast<size_t>(cfg.clients_per_round));
 }
 
 Server::Impl::OpenedRound Server::Impl::open_round(uint64_t r) {

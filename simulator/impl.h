@@ -209,9 +209,13 @@ struct Simulator::Impl {
   // Round t (0-based): selection, training, the global step, evaluation, the
   // metrics row and (when due) a checkpoint.
   RoundMetrics step();
-  // The clients of round t (0-based), ascending: the available ones drawn
-  // from the seed, then a sample of clients_per_round.
+  // The clients of round t (0-based), ascending: the `sampler` rule
+  // (federation/sampler.h) over the clients reachable in t. The uniform rule
+  // needs no history; another rule (least_recent) sees each client's last
+  // selection, replayed from round 0 and cached (selection_history).
   std::vector<int64_t> select_clients(int t) const;
+  mutable std::vector<std::vector<int64_t>> selection_history;  // rounds 0.. of a history-dependent rule
+  mutable std::vector<int64_t> last_selected;                   // per client: 1-based round, 0 = never
   // Privacy spent after `rounds` rounds (NaN without DP). Central: the
   // sampled Gaussian mechanism with q = clients_per_round / available
   // clients. Local: the most-selected client's participations, no

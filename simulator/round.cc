@@ -12,26 +12,52 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "core/threads.h"
+#include "federation/sampler.h"
 #include "simulator/impl.h"
 
 namespace sparrow::simulator {
 namespace {
 // Stream tags: every random decision has its own counter-based stream.
-constexpr uint64_t kAvailTag = 0x6176616c;   // "aval"
-constexpr uint64_t kSampleTag = 0x73616d70;  // "samp"
+constexpr uint64_t kAvailTag = 0x6176616c;  // "aval"
 }  // namespace
 
 std::vector<int64_t> Simulator::Impl::select_clients(int t) const {
-  const uint64_t akey = rng::derive(rng::derive(cfg.seed, kAvailTag), static_cast<uint64_t>(t));
-  std::vector<int64_t> avail;
-  for (int c = 0; c < cfg.clients; ++c)
-    if (availability >= 1 || rng::uniform01(akey, static_cast<uint64_t>(c)) < availability) avail.push_back(c);
-  rng::Stream s(rng::derive(rng::derive(cfg.seed, kSampleTag), static_cast<uint64_t>(t)));
-  const size_t k = std::min<size_t>(avail.size(), static_cast<size_t>(cfg.clients_per_round));
-  for (size_t i = 0; i < k; ++i) std::swap(avail[i], avail[i + s.below(avail.size() - i)]);
-  avail.resize(k);
-  std::sort(avail.begin(), avail.end());
-  return avail;
+  // The clients reachable in round t.
+  auto reachable = [&](int r) {
+    const uint64_t akey = rng::derive(rng::derive(cfg.seed, kAvailTag), static_cast<uint64_t>(r));
+    std::vector<int64_t> avail;
+    for (int c = 0; c < cfg.clients; ++c)
+      if (availability >= 1 || rng::uniform01(akey, static_cast<uint64_t>(c)) < availability) avail.push_back(c);
+    return avail;
+  };
+  const size_t k = static_cast<size_t>(cfg.clients_per_round);
+  const std::string rule = cfg.effective_sampler("uniform");
+  if (rule == "uniform") {  // no history, no strings: positions into the ascending ids
+    const std::vector<int64_t> avail = reachable(t);
+    std::vector<int64_t> out;
+    for (size_t p : federation::uniform_positions(cfg.seed, static_cast<uint64_t>(t) + 1, avail.size(), k))
+      out.push_back(avail[p]);
+    return out;
+  }
+  const federation::SamplerFn fn = federation::sampler(rule);
+  if (last_selected.empty()) last_selected.assign(static_cast<size_t>(cfg.clients), 0);
+  while (static_cast<int>(selection_history.size()) <= t) {
+    const int r = static_cast<int>(selection_history.size());
+    std::vector<federation::Candidate> cands;
+    for (int64_t c : reachable(r)) cands.push_back({std::to_string(c), last_selected[static_cast<size_t>(c)]});
+    std::vector<int64_t> ids;
+    for (const std::string& id : fn(cfg.seed, static_cast<uint64_t>(r) + 1, std::move(cands), k)) {
+      const bool digits = !id.empty() && id.size() < 12 &&
+                          std::all_of(id.begin(), id.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
+      const int64_t c = digits ? std::stoll(id) : -1;
+      SPARROW_CHECK(c >= 0 && c < cfg.clients, "sampler '" << rule << "' chose '" << id << "', not a candidate");
+      ids.push_back(c);
+      last_selected[static_cast<size_t>(c)] = r + 1;
+    }
+    std::sort(ids.begin(), ids.end());
+    selection_history.push_back(std::move(ids));
+  }
+  return selection_history[static_cast<size_t>(t)];
 }
 
 double Simulator::Impl::epsilon_after(int rounds) const {

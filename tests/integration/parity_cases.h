@@ -26,14 +26,14 @@ inline const uint64_t kPartitionSeed = sparrow::federation::partition_seed(kSeed
 
 // Keys both programs share, as both spell them.
 inline const std::string kShared =
-    "seed = 5\nclients_per_round = 3\nlocal_epochs = 1\nbatch_size = 32\nlr = 0.05\nmomentum = 0.0\n"
+    "seed = 5\nlocal_epochs = 1\nbatch_size = 32\nlr = 0.05\nmomentum = 0.0\n"
     "workers = 1\n";
 // The simulator's own keys (its run folder, `out`, comes with each run).
 inline const std::string kSimKeys =
     "model = \"mlp\"\ndataset = \"fashion-mnist\"\npartition = \"iid\"\nclients = 3\nclient_batch = 1\n"
     "eval_every = 100\n";
 // The server's own keys, besides its endpoint, keys, database and model = "mlp".
-inline const std::string kServerKeys = "model_seed = 5\nmin_clients = 3\nquorum = 3\nround_deadline_s = 60\n";
+inline const std::string kServerKeys = "model_seed = 5\nmin_clients = 3\nround_deadline_s = 60\n";
 // Client i's keys, besides its endpoint, keys and state database.
 inline std::string client_keys(int i) {
   return "client_id = \"" + std::to_string(i) +
@@ -45,6 +45,13 @@ inline std::string client_keys(int i) {
 // after training before it sends.
 inline int update_delay_ms(int i) { return 400 * i; }
 
+// A case's keys with every client in every round unless the case sets its
+// own round size (quorum is the server's; the simulator reports it as having
+// no effect).
+inline std::string with_round_size(const std::string& keys) {
+  return keys.find("clients_per_round") != std::string::npos ? keys : keys + "clients_per_round = 3\nquorum = 3\n";
+}
+
 // The cases: each one's keys on top of kShared.
 inline const std::string kFedAvg;
 inline const std::string kDgc = "compression = \"dgc:ratio=0.01\"\n";
@@ -54,6 +61,9 @@ inline const std::string kAcp = "compression = \"acp:rank=2\"\n";
 inline const std::string kPowerSgdDown = "compression = \"powersgd:rank=2\"\ndownlink = \"topk:ratio=0.1\"\n";
 inline const std::string kMultiKrum = "aggregator = \"multikrum:f=0,m=2\"\n";
 inline const std::string kCentralDp = "dp = \"central:clip=1,noise=0.5\"\n";
+// 2 of the 3 clients a round, chosen by the simulator's rule: with every
+// client live the service selects what the simulator selects.
+inline const std::string kSampled = "clients_per_round = 2\nquorum = 2\nsampler = \"uniform\"\n";
 // SecAgg+ is compared after one round (see kSecAggMaxDiff).
 inline const std::string kSecAgg = "secagg = \"secagg+:degree=2,threshold=2\"\n";
 

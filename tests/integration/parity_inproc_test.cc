@@ -7,6 +7,7 @@
 #include "tests/integration/fixtures.h"
 #include "tests/integration/parity_cases.h"
 
+#include <algorithm>
 #include <atomic>
 #include <exception>
 #include <thread>
@@ -15,6 +16,7 @@
 
 #include "client/data_folder.h"
 #include "client/session.h"
+#include "federation/sampler.h"
 #include "server/config.h"
 #include "server/server.h"
 #include "simulator/config.h"
@@ -33,8 +35,8 @@ Weights copy(const Weights& w) {
 }
 
 Weights run_simulator(const std::string& dir, const std::string& keys) {
-  sparrow::simulator::Simulator sim(
-      sparrow::simulator::parse_config_string(kShared + keys + kSimKeys + "out = \"" + dir + "/sim\"\n"));
+  sparrow::simulator::Simulator sim(sparrow::simulator::parse_config_string(kShared + with_round_size(keys) + kSimKeys +
+                                                                            "out = \"" + dir + "/sim\"\n"));
   sim.run();
   return copy(sim.global());
 }
@@ -47,7 +49,8 @@ Weights run_service(const std::string& dir, const std::string& name, const std::
   const std::string ep = "mem://parity_" + name + "_" + std::to_string(::getpid());
   sparrow::server::Server server(sparrow::server::parse_server_config(
       "listen = \"" + ep + "\"\nkey = \"" + dir + "/keys/server.key_secret\"\nallow = \"" + dir +
-      "/keys/allow.txt\"\ndb = \"" + dir + "/server.db\"\nmodel = \"mlp\"\n" + kShared + keys + kServerKeys));
+      "/keys/allow.txt\"\ndb = \"" + dir + "/server.db\"\nmodel = \"mlp\"\n" + kShared + with_round_size(keys) +
+      kServerKeys));
   REQUIRE(server.endpoint() == ep);
 
   std::vector<std::unique_ptr<sparrow::client::ClientSession>> sessions;
@@ -90,7 +93,7 @@ Weights run_service(const std::string& dir, const std::string& name, const std::
   CHECK(finished.load() == kClients);
   REQUIRE(server.completed_rounds() == rounds);
   const sparrow::server::Counters n = server.counters();
-  CHECK(n.updates_accepted == static_cast<uint64_t>(kClients * rounds));
+  CHECK(n.updates_accepted == static_cast<uint64_t>(server.config().clients_per_round * rounds));
   return server.global_weights();
 }
 
@@ -140,6 +143,24 @@ TEST_CASE("the in-process service ends with the simulator's model: multikrum") {
 
 TEST_CASE("the in-process service ends with the simulator's model: central dp") {
   check_same("central_dp", kCentralDp);
+}
+
+TEST_CASE("the in-process service ends with the simulator's model: 2 of 3 clients a round, the simulator's sampler") {
+  // The case can tell the rules apart: the service's own rule (least_recent)
+  // selects other clients in these rounds than the simulator's.
+  std::map<std::string, int64_t> last = {{"0", 0}, {"1", 0}, {"2", 0}};
+  bool differ = false;
+  for (uint64_t r = 1; r <= static_cast<uint64_t>(kRounds); ++r) {
+    std::vector<sparrow::federation::Candidate> c;
+    for (const auto& [id, l] : last) c.push_back({id, l});
+    auto own = sparrow::federation::sampler("least_recent")(kSeed, r, c, 2);
+    auto sim = sparrow::federation::sampler("uniform")(kSeed, r, c, 2);
+    std::sort(own.begin(), own.end());
+    differ |= own != sim;
+    for (const auto& id : sim) last[id] = static_cast<int64_t>(r);
+  }
+  CHECK(differ);
+  check_same("sampled", kSampled);
 }
 
 // One round: see kSecAggMaxDiff.

@@ -25,13 +25,13 @@ Result run_both(const std::string& name, const std::string& extra_keys, int roun
   const std::string dir = fresh_dir("parity_" + name);
   const std::string extra = extra_keys + "rounds = " + std::to_string(rounds) + "\n";
   // (a) the simulator: one client at a time (sparrow-client's trainer).
-  write_file(dir + "/sim.toml", kShared + extra + kSimKeys + "out = \"" + dir + "/sim\"\n");
+  write_file(dir + "/sim.toml", kShared + with_round_size(extra) + kSimKeys + "out = \"" + dir + "/sim\"\n");
   REQUIRE(run_tool({kSimBin, "--config", dir + "/sim.toml"}, dir + "/sim.log") == 0);
   Result out;
   out.sim = sparrow::simulator::load_run_model(dir + "/sim").first;
   // (b) the service: the same keys plus the deployment's.
   keygen(dir, kClients);
-  server_toml(dir, kShared + extra + kServerKeys);
+  server_toml(dir, kShared + with_round_size(extra) + kServerKeys);
   auto server = start_server(dir, dir + "/server.log");
   const std::string ep = server_endpoint(*server);
   std::vector<std::unique_ptr<Process>> clients;
@@ -79,6 +79,10 @@ TEST_CASE("simulator and service end with the same model: powersgd with a compre
 TEST_CASE("simulator and service end with the same model: multikrum") { check_same("multikrum", kMultiKrum); }
 
 TEST_CASE("simulator and service end with the same model: central dp") { check_same("central_dp", kCentralDp); }
+
+TEST_CASE("simulator and service end with the same model: 2 of 3 clients a round, the simulator's sampler") {
+  check_same("sampled", kSampled);
+}
 
 // One round: see kSecAggMaxDiff.
 TEST_CASE("simulator and service end with the same model: secagg+ (to the rounding of one round)") {

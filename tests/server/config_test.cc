@@ -60,6 +60,10 @@ TEST_CASE("server config rejects wrong types and bad values") {
   };
   CHECK(bad("rounds = 0\n").find("rounds") != std::string::npos);
   CHECK(bad("clients_per_round = 2\nquorum = 3\n").find("quorum") != std::string::npos);
+  // A pool larger than a round: fine, but the quorum is bounded by the round.
+  CHECK(bad("clients_per_round = 2\nmin_clients = 3\nquorum = 2\n").empty());
+  CHECK(bad("clients_per_round = 2\nmin_clients = 3\nquorum = 3\n").find("quorum") != std::string::npos);
+  CHECK(bad("sampler = \"roulette\"\n").find("sampler") != std::string::npos);
   CHECK(bad("compression = \"dgc:nonsense=1\"\n").find("compression") != std::string::npos);
   CHECK(bad("downlink = \"acp:rank=2\"\n").find("downlink") != std::string::npos);
   CHECK(bad("downlink = \"tcs:ratio=0.01\"\n").find("downlink") != std::string::npos);
