@@ -76,7 +76,7 @@ TEST_CASE("sampler: least_recent gives every live client its turn") {
     for (const auto& [id, l] : last) now.push_back({id, l});
     for (const auto& id : sampler("least_recent")(9, r, now, 2)) last[id] = static_cast<int64_t>(r);
   }
-  for (const auto& [id, l] : last) CHECK_MESSAGE(l >= 3, id);
+  for (const auto& kv : last) CHECK_MESSAGE(kv.second >= 3, kv.first);
 }
 
 TEST_CASE("sampler: rules by name, a user's own rule, unknown names listed") {
