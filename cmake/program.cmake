@@ -9,5 +9,11 @@ function(sparrow_launcher program)
   add_executable(${program}-launcher ${PROJECT_SOURCE_DIR}/core/launcher.cc)
   set_target_properties(${program}-launcher PROPERTIES OUTPUT_NAME ${program})
   target_compile_definitions(${program}-launcher PRIVATE SPARROW_PROGRAM="${program}")
+  # Never instrumented: a sanitizer's runtime start-up in the launcher (tens
+  # of ms) would be a window before the signals are blocked.
+  if(CMAKE_CXX_FLAGS MATCHES "-fsanitize" OR SPARROW_FUZZ)
+    target_compile_options(${program}-launcher PRIVATE -fno-sanitize=all)
+    target_link_options(${program}-launcher PRIVATE -fno-sanitize=all)
+  endif()
   add_dependencies(${program} ${program}-launcher)
 endfunction()
