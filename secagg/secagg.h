@@ -31,6 +31,7 @@
 // whose message names the check (a peer's bad message changes nothing).
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -105,8 +106,9 @@ void dequantise(const uint32_t* sum, size_t n, double scale, float* out);
 using Secret = std::array<uint8_t, 32>;
 // v[i] += sign * the i-th 32-bit word of ChaCha20(key = seed, nonce = 0).
 void add_prg(uint32_t* v, size_t n, const Secret& seed, bool subtract);
-// Shamir t-of-m over GF(2^8), byte-wise: one share per x in xs (distinct,
-// non-zero); a share is 33 bytes, x then y.
+// Shamir t-of-m over GF(2^8), byte-wise (secagg/shamir.cc): one share per x
+// in xs (distinct, non-zero); a share is kShareBytes, x then y.
+constexpr size_t kShareBytes = 33;
 std::vector<std::string> shamir_split(const Secret& secret, uint32_t t, const std::vector<uint8_t>& xs);
 // The secret from t or more shares of distinct x (uses the first t).
 Secret shamir_combine(const std::vector<std::string>& shares, uint32_t t);
