@@ -163,11 +163,12 @@ void ServerStore::put_clients(const std::vector<ClientRow>& clients) {
 }
 
 void ServerStore::write_clients(const std::vector<ClientRow>& clients) {
+  // One statement prepared for all the rows (a checkpoint writes every client).
+  sqlite::Stmt s(
+      impl_->db,
+      "INSERT OR REPLACE INTO clients(client_id, public_key, first_seen, last_seen, last_selected, selected, "
+      "updates, rejects, num_samples, software, bytes_up, bytes_down) VALUES(?,?,?,?,?,?,?,?,?,?,?,?)");
   for (const ClientRow& c : clients) {
-    sqlite::Stmt s(
-        impl_->db,
-        "INSERT OR REPLACE INTO clients(client_id, public_key, first_seen, last_seen, last_selected, selected, "
-        "updates, rejects, num_samples, software, bytes_up, bytes_down) VALUES(?,?,?,?,?,?,?,?,?,?,?,?)");
     s.bind_text(1, c.client_id)
         .bind_text(2, c.public_key)
         .bind(3, c.first_seen)
@@ -181,6 +182,7 @@ void ServerStore::write_clients(const std::vector<ClientRow>& clients) {
         .bind(11, static_cast<int64_t>(c.bytes_up))
         .bind(12, static_cast<int64_t>(c.bytes_down));
     s.step();
+    s.reset();
   }
 }
 
