@@ -67,7 +67,10 @@ TEST_CASE("bad state: a flipped byte in the server's -wal file after kill -9 is 
   {
     auto server = start_server(dir, dir + "/server1.log");
     auto client = start_client(dir, 1, server_endpoint(*server), 100, 0);
-    REQUIRE_MESSAGE(server->wait_for_log("event=round_completed round=4", 120s), log_tail(*server));
+    // Killed early: SQLite checkpoints its log once it passes 1,000 pages
+    // (about five rounds of this model) and restarts it at the next commit,
+    // after which the log holds too few current frames to damage one in the middle.
+    REQUIRE_MESSAGE(server->wait_for_log("event=round_completed round=2", 120s), log_tail(*server));
     server->signal(SIGKILL);
     REQUIRE(server->wait(10s) == 128 + SIGKILL);
     client->signal(SIGKILL);
@@ -76,7 +79,7 @@ TEST_CASE("bad state: a flipped byte in the server's -wal file after kill -9 is 
   const std::string db = dir + "/server.db", wal = db + "-wal";
   REQUIRE(fs::exists(wal));
   const int64_t intact = rounds_sqlite_sees(db, dir + "/scratch");
-  REQUIRE(intact >= 4);
+  REQUIRE(intact >= 2);
   // One byte in the page of a frame in the middle of the log's current frames.
   std::string bytes = read_file(wal);
   const size_t page = be32(bytes, 8), frame = 24 + page;
