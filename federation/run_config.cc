@@ -128,6 +128,7 @@ void bind(core::FlatConfig& f, RunConfig& c) {
   f.bind("dp", &c.dp);
   f.bind("secagg", &c.secagg);
   f.bind("max_buffer_mb", &c.max_buffer_mb);
+  f.bind("fold_buffer_mb", &c.fold_buffer_mb);
   f.bind("rounds", &c.rounds);
   f.bind("clients", &c.clients);
   f.bind("clients_per_round", &c.clients_per_round);
@@ -164,6 +165,8 @@ void validate(const RunConfig& c, const core::FlatConfig& f) {
   f.check("eval_every", c.eval_every >= 0 && c.eval_every <= 100000000,
           "must be in [0, 100000000] (0 = no periodic evaluation)");
   f.check("max_buffer_mb", c.max_buffer_mb > 0 && c.max_buffer_mb <= 1048576, "must be in (0, 1048576]");
+  f.check("fold_buffer_mb", c.fold_buffer_mb >= 0 && c.fold_buffer_mb <= 1048576,
+          "must be in [0, 1048576] (0 = sum in arrival order)");
 
   f.check("sampler", c.sampler == "auto" || known_sampler(c.sampler), [&] {
     std::string known;

@@ -52,6 +52,9 @@ struct RunConfig {
   std::string dp = "none";                  // none | central:clip=,noise= | local:clip=,noise=
   std::string secagg = "none";              // none | secagg+:degree=,threshold=,clip=,timeout=
   double max_buffer_mb = 2048;              // bound on a buffering aggregator's memory (clients_per_round x model)
+  // Early updates held so that a round is summed in client-id order
+  // (federation/ordered_fold.h); past it, arrival order. 0 = arrival order.
+  double fold_buffer_mb = 512;
 
   // Rounds and population.
   int rounds = 10;

@@ -50,6 +50,7 @@
 #include "core/models.h"
 #include "core/refusal_log.h"
 #include "federation/global_model.h"
+#include "federation/ordered_fold.h"
 #include "monitor/board.h"
 #include "monitor/http.h"
 #include "secagg/secagg.h"
@@ -264,6 +265,10 @@ struct Server::Impl {
   std::deque<Job> jobs;
   bool jobs_stop = false;
   std::vector<Partial> partials;
+  // The round's updates summed in client-id order whatever their arrival
+  // (fold_buffer_mb > 0, the default; federation/ordered_fold.h, as
+  // sparrow-sim folds); null: each worker's partial, in arrival order.
+  std::unique_ptr<federation::OrderedFold> ordered;
   std::vector<std::thread> workers;
   std::thread io;
   std::atomic<bool> io_stop{false};
@@ -333,10 +338,10 @@ struct Server::Impl {
   // ---- updates (updates.cc, worker threads) ---------------------------------------
 
   // Admits an update into the open round (or refuses it as stale), folds it
-  // into worker w's partial and answers Ack or Error.
+  // (into the ordered fold, or worker w's partial) and answers Ack or Error.
   void handle_update(size_t w, const std::string& rid, wire::ModelUpdate u, size_t frame_bytes);
-  // Verifies and adds one update to a worker's partial; all-or-nothing.
-  void fold(Partial& p, wire::ModelUpdate& u, const RoundContext& rc);
+  // Verifies and adds one update from worker w; all-or-nothing.
+  void fold(size_t w, wire::ModelUpdate& u, const RoundContext& rc);
 
   // ---- the round (round.cc, round thread) -----------------------------------------
 

@@ -202,6 +202,11 @@ Server::Impl::OpenedRound Server::Impl::open_round(uint64_t r) {
   {
     std::unique_lock<std::mutex> g(mu);
     for (auto& p : partials) p.reset(aggregator->clip());
+    if (ordered) {  // the canonical order: the simulator's, whatever order the updates come in
+      std::vector<std::string> order = chosen;
+      std::sort(order.begin(), order.end(), federation::id_less);
+      ordered->open(std::move(order), rc->contexts, aggregator->clip());
+    }
     round = r;
     selected.clear();
     round_accepted = round_rejected = round_stale = 0;
@@ -286,6 +291,21 @@ Server::Impl::Collected Server::Impl::collect_and_close(const OpenedRound& o) {
 }
 
 void Server::Impl::merge_partials(aggregation::Accumulator& agg, Merged& m) {
+  if (ordered) {
+    ordered->close();
+    for (const auto& cid : ordered->late_failures())  // acknowledged, then not foldable: memory
+      spdlog::error("event=update_lost client={} round={} msg=\"an accepted update could not be summed\"", cid, round);
+    if (ordered->relaxed())
+      spdlog::warn(
+          "event=fold_order_relaxed round={} held_bytes={} msg=\"early updates passed fold_buffer_mb = {}: the rest of "
+          "the round was summed in arrival order\"",
+          round, ordered->held_peak(), cfg.fold_buffer_mb);
+    agg.merge(ordered->sum());
+    m.control_sum = std::move(ordered->control_sum());
+    m.metric_sum = ordered->metric_sum();
+    m.metric_weight = ordered->metric_weight();
+    ordered->sum().reset(aggregator->clip());  // frees what it holds before the checkpoint
+  }
   for (auto& p : partials) {
     agg.merge(*p.agg);
     for (const auto& [k, v] : p.control_sum) {

@@ -85,6 +85,11 @@ void Server::Impl::init(Weights initial) {
     if (cfg.max_update_norm > 0) p.agg->set_max_update_norm(cfg.max_update_norm);
     p.agg->reset(aggregator->clip());
   }
+  if (cfg.fold_buffer_mb > 0) {
+    ordered = std::make_unique<federation::OrderedFold>(*aggregator, shapes, partials.size(),
+                                                        static_cast<int64_t>(cfg.fold_buffer_mb * 1024 * 1024));
+    if (cfg.max_update_norm > 0) ordered->set_max_update_norm(cfg.max_update_norm);
+  }
 
   // The socket first: a server that cannot listen (port taken, bad
   // endpoint) leaves the database as it was, not with a new run in it.

@@ -69,7 +69,7 @@ void Server::Impl::handle_update(size_t w, const std::string& rid, wire::ModelUp
   std::string error;
   ErrorCode code = ErrorCode::kRejected;
   try {
-    fold(partials[w], u, *rc);
+    fold(w, u, *rc);
   } catch (const compression::NonFiniteError& e) {  // the value scan wire::parse deferred
     error = e.what();
     code = ErrorCode::kMalformed;
@@ -110,7 +110,7 @@ void Server::Impl::handle_update(size_t w, const std::string& rid, wire::ModelUp
   cv.notify_all();
 }
 
-void Server::Impl::fold(Partial& p, wire::ModelUpdate& u, const RoundContext& rc) {
+void Server::Impl::fold(size_t w, wire::ModelUpdate& u, const RoundContext& rc) {
   SPARROW_CHECK_T(FormatError, u.num_samples > 0, "num_samples must be > 0");
   // SCAFFOLD control deltas: decoded and checked before anything is added.
   Weights cdelta;
@@ -124,10 +124,21 @@ void Server::Impl::fold(Partial& p, wire::ModelUpdate& u, const RoundContext& rc
       cdelta[nt.name] = d;
     }
   }
+  const double weight = static_cast<double>(u.num_samples);
+  if (ordered) {  // summed in client-id order (an early one is checked now, held until its turn)
+    federation::Arrival a;
+    a.update.reserve(u.tensors.size());
+    for (auto& nt : u.tensors) a.update.emplace_back(std::move(nt.name), std::move(nt.tensor));
+    a.weight = weight;
+    a.control_delta = std::move(cdelta);
+    for (const auto& [k, v] : u.metrics) a.metrics[k] += v;
+    ordered->add(w, u.client_id, std::move(a));
+    return;
+  }
+  Partial& p = partials[w];
   aggregation::EncodedUpdate eu;
   eu.reserve(u.tensors.size());
   for (auto& nt : u.tensors) eu.emplace_back(std::move(nt.name), std::move(nt.tensor));
-  const double weight = static_cast<double>(u.num_samples);
   p.agg->add(eu, weight, rc.contexts);
   for (auto& [k, d] : cdelta) {
     auto it = p.control_sum.find(k);

@@ -88,9 +88,11 @@ void Simulator::Impl::build_workers() {
         model_bytes += static_cast<uint64_t>(t.numel()) * 4;
       }
     }
-    wk.agg = std::make_unique<aggregation::Accumulator>(aggregator->make_accumulator(shapes));
+    wk.slot = static_cast<size_t>(w);
     workers.push_back(std::move(wk));
   }
+  fold_ = std::make_unique<federation::OrderedFold>(*aggregator, shapes, workers.size(),
+                                                    static_cast<int64_t>(cfg.fold_buffer_mb * 1024 * 1024));
   if (aggregator->robust().buffers()) {
     const double need = static_cast<double>(model_bytes) * cfg.clients_per_round / (1024.0 * 1024.0);
     SPARROW_CHECK_T(ConfigError, need <= cfg.max_buffer_mb,
@@ -118,8 +120,6 @@ void Simulator::Impl::send_alie(int t, int n_sel) {
 
 void Simulator::Impl::run_worker(int w, int t, const std::vector<int64_t>& ids, std::vector<ClientResult*> out) {
   Worker& wk = workers[w];
-  wk.agg->reset(aggregator->clip());
-  wk.control_sum.clear();
   wk.deferred.clear();
   aggregation::ContextMap ctxs = round_ctxs;  // per-client edits stay local
   const bool scaffold = cfg.algorithm == "scaffold";
@@ -234,33 +234,30 @@ void Simulator::Impl::finish_client(Worker& wk, int t, ClientResult& r, const cl
     }
     return;
   }
-  if (!r.kept) return;
+  if (!r.kept) {
+    fold_->skip(federation::sim_client_id(c));  // the clients after it need not wait
+    return;
+  }
   if (sa) {
     const wire::SecAgg y = std::get<wire::SecAgg>(wire::parse(bytes).body);
     std::lock_guard<std::mutex> g(sa->mu);
     sa->server->add_masked(sa->index.at(c), y);
     return;
   }
-  fold(wk, bytes, tr.control_delta, ctxs);
+  fold(wk.slot, c, bytes, tr.control_delta);
 }
 
-void Simulator::Impl::fold(Worker& wk, const std::string& bytes, const client::Weights& control_delta,
-                           aggregation::ContextMap& ctxs) {
+void Simulator::Impl::fold(size_t slot, int64_t c, const std::string& bytes, const client::Weights& control_delta) {
   wire::Message back = wire::parse(bytes);
   auto& pu = std::get<wire::ModelUpdate>(back.body);
-  aggregation::EncodedUpdate eu;
-  for (auto& nt : pu.tensors) eu.emplace_back(std::move(nt.name), std::move(nt.tensor));
-  wk.agg->add(eu, static_cast<double>(pu.num_samples), ctxs);
-  if (cfg.algorithm == "scaffold") {
-    for (const auto& [n, dc] : control_delta) {
-      at::Tensor d = dc.to(at::kCPU, at::kFloat);
-      auto it = wk.control_sum.find(n);
-      if (it == wk.control_sum.end())
-        wk.control_sum[n] = d.clone();
-      else
-        it->second.add_(d);
-    }
-  }
+  federation::Arrival a;
+  a.update.reserve(pu.tensors.size());
+  for (auto& nt : pu.tensors) a.update.emplace_back(std::move(nt.name), std::move(nt.tensor));
+  a.weight = static_cast<double>(pu.num_samples);
+  if (cfg.algorithm == "scaffold")
+    for (const auto& [n, dc] : control_delta) a.control_delta[n] = dc.to(at::kCPU, at::kFloat);
+  // Its own updates: an early one is held unchecked (a failure shows when folded).
+  fold_->add(slot, federation::sim_client_id(c), std::move(a), /*check=*/false);
 }
 
 void Simulator::Impl::run_local(int t, const std::vector<std::vector<int64_t>>& wids,

@@ -37,6 +37,7 @@
 #include "core/models.h"
 #include "core/sqlite_db.h"
 #include "federation/global_model.h"
+#include "federation/ordered_fold.h"
 #include "secagg/secagg.h"
 #include "simulator/attack.h"
 #include "simulator/cluster.h"
@@ -90,9 +91,8 @@ struct Worker {
   std::unique_ptr<client::LocalTrainer> trainer;
   std::unique_ptr<client::BatchedTrainer> batched;  // null when clients train one at a time
   size_t batch = 1;                                 // clients per pass (cap)
-  std::unique_ptr<aggregation::Accumulator> agg;
-  client::Weights control_sum;     // SCAFFOLD: Σ Δc_i of kept clients
-  std::vector<Deferred> deferred;  // ALIE adversaries of this round
+  size_t slot = 0;                                  // its slot in the round's OrderedFold
+  std::vector<Deferred> deferred;                   // ALIE adversaries of this round
 };
 
 struct Simulator::Impl {
@@ -153,8 +153,11 @@ struct Simulator::Impl {
   std::unique_ptr<federation::GlobalModel> gm;
   aggregation::ContextMap round_ctxs;                   // the codec contexts of the round in progress (gm->contexts)
   std::unique_ptr<aggregation::Aggregator> aggregator;  // robust aggregation, central DP
-  aggregation::DpSpec dp;                               // local DP acts in finish_client
-  std::vector<char> adversary;                          // per client: attacks when selected
+  // The round's updates, folded in client-id order whatever worker or rank
+  // finishes first (the code sparrow-server folds with).
+  std::unique_ptr<federation::OrderedFold> fold_;
+  aggregation::DpSpec dp;       // local DP acts in finish_client
+  std::vector<char> adversary;  // per client: attacks when selected
   AttackSpec attack;
   int64_t classes = 10;
 
@@ -187,9 +190,9 @@ struct Simulator::Impl {
   // into the worker's aggregate unless the straggler model drops it.
   void finish_client(Worker& wk, int t, ClientResult& r, const client::TrainResult& tr, aggregation::ContextMap& ctxs,
                      const client::Weights* replaced = nullptr);
-  // One client's update as a server parses it, and its SCAFFOLD Δc, into the
-  // worker's partial aggregate.
-  void fold(Worker& wk, const std::string& bytes, const client::Weights& control_delta, aggregation::ContextMap& ctxs);
+  // Client c's update as a server parses it, and its SCAFFOLD Δc, into the
+  // round's OrderedFold (from worker slot `slot`).
+  void fold(size_t slot, int64_t c, const std::string& bytes, const client::Weights& control_delta);
   // This process's workers on their slots' clients (slots 0..workers-1), on
   // threads when there are several.
   void run_local(int t, const std::vector<std::vector<int64_t>>& wids,

@@ -20,6 +20,7 @@
 
 #include "core/bytes.h"
 #include "core/error.h"
+#include "federation/client_pipeline.h"
 #include "simulator/impl.h"
 
 namespace sparrow::simulator {
@@ -114,13 +115,12 @@ void Simulator::Impl::receive_round(const std::vector<std::vector<int64_t>>& wid
 }
 
 void Simulator::Impl::fold_ranked(std::vector<ClientResult>& results) {
-  Worker& wk = workers[0];
-  wk.agg->reset(aggregator->clip());
-  wk.control_sum.clear();
-  aggregation::ContextMap ctxs = round_ctxs;  // per-client edits stay local
-  for (ClientResult& r : results) {           // ids ascend
+  for (ClientResult& r : results) {  // ids ascend
     store->put(r.client, std::move(r.state));
-    if (r.kept) fold(wk, r.update, r.control_delta, ctxs);
+    if (r.kept)
+      fold(0, r.client, r.update, r.control_delta);
+    else
+      fold_->skip(federation::sim_client_id(r.client));
     r.update.clear();
     r.control_delta.clear();
   }

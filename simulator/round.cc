@@ -12,6 +12,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "core/threads.h"
+#include "federation/client_pipeline.h"
 #include "federation/sampler.h"
 #include "simulator/impl.h"
 
@@ -120,6 +121,11 @@ RoundMetrics Simulator::Impl::step() {
   }
   const int n_sel = static_cast<int>(ids.size());
   round_ctxs = gm->contexts(static_cast<uint64_t>(t) + 1, n_sel);  // rounds are 1-based in the engine
+  {
+    std::vector<std::string> order;  // ids ascend: the canonical order
+    for (int64_t c : ids) order.push_back(federation::sim_client_id(c));
+    fold_->open(std::move(order), round_ctxs, aggregator->clip());
+  }
   if (sa_params.enabled) begin_secagg(t, ids);
   const auto s0 = Clock::now();
   if (distributed()) send_round(t, n_sel, wids);
@@ -156,19 +162,18 @@ RoundMetrics Simulator::Impl::step() {
   for (size_t j = 0; j < ids.size(); ++j)
     cost.observe(worker_of[j], static_cast<double>(results[j].samples), results[j].train_s);
 
+  fold_->close();
+  SPARROW_CHECK(fold_->late_failures().empty(),
+                "round " << t + 1 << ": client " << fold_->late_failures().front() << "'s update could not be folded");
+  if (fold_->relaxed() && cfg.fold_buffer_mb > 0)
+    spdlog::warn(
+        "event=fold_order_relaxed round={} msg=\"early updates passed fold_buffer_mb = {}: the rest of the "
+        "round was summed in arrival order\"",
+        t + 1, cfg.fold_buffer_mb);
   aggregation::Accumulator agg = aggregator->make_accumulator(shapes);
   agg.reset(aggregator->clip());
-  client::Weights control_sum;
-  for (auto& wk : workers) {
-    agg.merge(*wk.agg);
-    for (const auto& [n, v] : wk.control_sum) {
-      auto it = control_sum.find(n);
-      if (it == control_sum.end())
-        control_sum[n] = v.clone();
-      else
-        it->second.add_(v);
-    }
-  }
+  agg.merge(fold_->sum());
+  client::Weights control_sum = std::move(fold_->control_sum());
   if (sa) {
     end_secagg(t, agg, ids);
     for (auto& r : results) r.bytes_up += sa->up[r.client];

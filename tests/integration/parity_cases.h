@@ -27,7 +27,7 @@ inline const uint64_t kPartitionSeed = sparrow::federation::partition_seed(kSeed
 // Keys both programs share, as both spell them.
 inline const std::string kShared =
     "seed = 5\nlocal_epochs = 1\nbatch_size = 32\nlr = 0.05\nmomentum = 0.0\n"
-    "workers = 1\n";
+    "workers = 2\n";
 // The simulator's own keys (its run folder, `out`, comes with each run).
 inline const std::string kSimKeys =
     "model = \"mlp\"\ndataset = \"fashion-mnist\"\npartition = \"iid\"\nclients = 3\nclient_batch = 1\n"
@@ -40,10 +40,11 @@ inline std::string client_keys(int i) {
          "\"\nmodel = \"mlp\"\ndata = \"fashion-mnist\"\npartition = \"iid\"\nclients = 3\nindex = " +
          std::to_string(i) + "\npartition_seed = " + std::to_string(kPartitionSeed) + "\n";
 }
-// Updates arrive in client-id order (0 first), the order the simulator folds
-// them in: the same float sums, so the same bits. Client i waits this long
+// Updates arrive in the reverse of client-id order (2 first), and the
+// simulator's two workers finish in their own order: both sum a round in id
+// order (federation::OrderedFold), so the bits agree. Client i waits this long
 // after training before it sends.
-inline int update_delay_ms(int i) { return 400 * i; }
+inline int update_delay_ms(int i) { return 400 * (kClients - 1 - i); }
 
 // A case's keys with every client in every round unless the case sets its
 // own round size (quorum is the server's; the simulator reports it as having

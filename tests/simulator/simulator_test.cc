@@ -451,7 +451,9 @@ TEST_CASE("simulator bad config throws ConfigError") {
   CHECK_THROWS_AS(parse_config_string("clients = -1"), sparrow::ConfigError);
 }
 
-TEST_CASE("simulator with two workers aggregates every client") {
+// The round is summed in client-id order whichever worker finishes first
+// (federation::OrderedFold): two workers end with one worker's bits.
+TEST_CASE("simulator with two workers ends with one worker's model, bit for bit") {
   TempDir d1("w1"), d2("w2");
   SimConfig c = tiny(d1.path);
   c.clients_per_round = 5;
@@ -464,9 +466,11 @@ TEST_CASE("simulator with two workers aggregates every client") {
   two.run();
   for (size_t i = 0; i < 2; ++i) {
     CHECK(one.history()[i].bytes_up == two.history()[i].bytes_up);
+    // The batched passes differ (5 clients, or 3 and 2): the mean loss is
+    // reduced in another order, the gradients are not.
     CHECK(one.history()[i].train_loss == doctest::Approx(two.history()[i].train_loss));
   }
-  for (const auto& [k, v] : one.global()) CHECK(at::allclose(v, two.global().at(k), 1e-4, 1e-6));
+  for (const auto& [k, v] : one.global()) CHECK(at::equal(v, two.global().at(k)));
 }
 
 TEST_CASE("summary json is one valid line") {
@@ -806,7 +810,8 @@ TEST_CASE(
   {
     sparrow::testing::Process sim({bin, "--config", cfg}, log);
     const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
-    while (slurp(log).find("round 3/") == std::string::npos && std::chrono::steady_clock::now() < until)
+    while (slurp(log).find("event=round_completed round=3 ") == std::string::npos &&
+           std::chrono::steady_clock::now() < until)
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     sim.signal(SIGINT);
     CHECK(sim.wait(std::chrono::seconds(60)) == std::optional<int>(130));
