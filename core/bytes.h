@@ -1,8 +1,9 @@
 #pragma once
 // Little helpers for the project's own binary blobs (compressor state, client
-// state, the simulator's rank messages): fixed-size fields in host byte order
-// appended to a string (put_raw, ByteWriter), and a bounds-checked reader over
-// a buffer it does not own (ByteReader). Byte strings are a u64 length, then
+// state, the simulator's rank messages, the split activation packet):
+// fixed-size fields in host byte order appended to a string or a byte vector
+// (put_raw, ByteWriter, VecByteWriter), and a bounds-checked reader over a
+// buffer it does not own (ByteReader). Hosts are little-endian (x86, ARM). Byte strings are a u64 length, then
 // the bytes (put_bytes/get_bytes). Peers' wire messages are FlatBuffers
 // (wire/), not this.
 
@@ -10,6 +11,7 @@
 #include <cstring>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "core/error.h"
 
@@ -20,32 +22,48 @@ void put_raw(std::string& out, T v) {
   static_assert(std::is_trivially_copyable_v<T>, "put_raw: fixed-size fields only");
   out.append(reinterpret_cast<const char*>(&v), sizeof(T));
 }
+template <typename T>
+void put_raw(std::vector<uint8_t>& out, T v) {
+  static_assert(std::is_trivially_copyable_v<T>, "put_raw: fixed-size fields only");
+  const auto* p = reinterpret_cast<const uint8_t*>(&v);
+  out.insert(out.end(), p, p + sizeof(T));
+}
 
-// Appends to a buffer it does not own: a caller that keeps the buffer across
-// messages (clear() keeps its capacity) writes without new allocations.
-class ByteWriter {
+// Appends to a buffer it does not own (a std::string or a byte vector): a
+// caller that keeps the buffer across messages (clear() keeps its capacity)
+// writes without new allocations.
+template <typename Buf>
+class BasicByteWriter {
  public:
-  explicit ByteWriter(std::string& out) : out_(out) {}
+  explicit BasicByteWriter(Buf& out) : out_(out) {}
   template <typename T>
-  ByteWriter& put(T v) {
+  BasicByteWriter& put(T v) {
     put_raw(out_, v);
     return *this;
   }
-  // A u64 length, then the bytes: ByteReader::get_bytes() reads it back.
-  ByteWriter& put_bytes(const std::string& s) {
-    put_raw<uint64_t>(out_, s.size());
-    out_ += s;
+  // n raw bytes (no length).
+  BasicByteWriter& put_span(const void* p, size_t n) {
+    const auto* b = static_cast<const typename Buf::value_type*>(p);
+    out_.insert(out_.end(), b, b + n);
     return *this;
+  }
+  // A u64 length, then the bytes: ByteReader::get_bytes() reads it back.
+  BasicByteWriter& put_bytes(const std::string& s) {
+    put_raw<uint64_t>(out_, s.size());
+    return put_span(s.data(), s.size());
   }
 
  private:
-  std::string& out_;
+  Buf& out_;
 };
+using ByteWriter = BasicByteWriter<std::string>;
+using VecByteWriter = BasicByteWriter<std::vector<uint8_t>>;
 
 class ByteReader {
  public:
   // `what` names the blob in errors: "<what>: truncated at byte N".
-  ByteReader(const std::string& b, const char* what) : b_(b), what_(what) {}
+  ByteReader(const std::string& b, const char* what) : p_(b.data()), n_(b.size()), what_(what) {}
+  ByteReader(const void* p, size_t n, const char* what) : p_(static_cast<const char*>(p)), n_(n), what_(what) {}
   template <typename T>
   T get() {
     T v;
@@ -58,19 +76,25 @@ class ByteReader {
     const auto n = get<uint64_t>();
     return std::string(take(n), n);
   }
+  // The next n bytes copied to dst; FormatError past the buffer's end.
+  void read(void* dst, uint64_t n) {
+    const char* p = take(n);
+    if (n) std::memcpy(dst, p, n);
+  }
   // The next n bytes (a view into the buffer); FormatError past its end.
   const char* take(uint64_t n) {
-    SPARROW_CHECK_T(FormatError, n <= b_.size() - pos_, what_ << ": truncated at byte " << pos_);
-    const char* p = b_.data() + pos_;
+    SPARROW_CHECK_T(FormatError, n <= n_ - pos_, what_ << ": truncated at byte " << pos_ << " of " << n_);
+    const char* p = p_ + pos_;
     pos_ += n;
     return p;
   }
   size_t pos() const { return pos_; }
-  size_t left() const { return b_.size() - pos_; }
-  bool done() const { return pos_ == b_.size(); }
+  size_t left() const { return n_ - pos_; }
+  bool done() const { return pos_ == n_; }
 
  private:
-  const std::string& b_;
+  const char* p_;
+  size_t n_;
   const char* what_;
   size_t pos_ = 0;
 };

@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "compression/state.h"
+#include "core/bytes.h"
 #include "core/error.h"
 #include "core/rng.h"
 #include "core/spec.h"
@@ -17,40 +18,6 @@ namespace {
 
 constexpr int64_t kMaxNumel = (int64_t{1} << 31) - 1;
 constexpr size_t kMaxDims = 8;
-
-template <typename T>
-void put(std::vector<uint8_t>& out, T v) {
-  const size_t at = out.size();
-  out.resize(at + sizeof(T));
-  std::memcpy(out.data() + at, &v, sizeof(T));  // little-endian hosts only (x86, ARM)
-}
-
-class Reader {
- public:
-  Reader(const uint8_t* p, size_t n) : p_(p), n_(n) {}
-  template <typename T>
-  T get() {
-    need(sizeof(T));
-    T v;
-    std::memcpy(&v, p_ + off_, sizeof(T));
-    off_ += sizeof(T);
-    return v;
-  }
-  void bytes(void* dst, size_t n) {
-    need(n);
-    if (n) std::memcpy(dst, p_ + off_, n);
-    off_ += n;
-  }
-  size_t left() const { return n_ - off_; }
-
- private:
-  void need(size_t k) const {
-    SPARROW_CHECK_T(FormatError, k <= n_ - off_, "activation packet truncated (" << n_ << " bytes)");
-  }
-  const uint8_t* p_;
-  size_t n_;
-  size_t off_ = 0;
-};
 
 // Rows and columns of the matrix view of a packet's shape.
 std::pair<int64_t, int64_t> matrix_dims(const std::vector<int64_t>& shape) {
@@ -186,21 +153,21 @@ size_t ActPacket::wire_bytes() const {
 std::vector<uint8_t> ActPacket::serialize() const {
   std::vector<uint8_t> out;
   out.reserve(wire_bytes());
-  put<uint8_t>(out, static_cast<uint8_t>(format));
-  put<uint8_t>(out, static_cast<uint8_t>(shape.size()));
-  put<uint16_t>(out, want_gradient ? 1 : 0);
-  put<uint32_t>(out, static_cast<uint32_t>(params.size()));
-  put<uint32_t>(out, static_cast<uint32_t>(scales.size()));
-  put<uint64_t>(out, static_cast<uint64_t>(data.size()));
-  for (int64_t d : shape) put<int64_t>(out, d);
-  for (uint32_t v : params) put<uint32_t>(out, v);
-  for (float v : scales) put<float>(out, v);
-  out.insert(out.end(), data.begin(), data.end());
+  core::VecByteWriter w(out);
+  w.put<uint8_t>(static_cast<uint8_t>(format))
+      .put<uint8_t>(static_cast<uint8_t>(shape.size()))
+      .put<uint16_t>(want_gradient ? 1 : 0)
+      .put<uint32_t>(static_cast<uint32_t>(params.size()))
+      .put<uint32_t>(static_cast<uint32_t>(scales.size()))
+      .put<uint64_t>(static_cast<uint64_t>(data.size()));
+  for (int64_t d : shape) w.put<int64_t>(d);
+  w.put_span(params.data(), 4 * params.size()).put_span(scales.data(), 4 * scales.size());
+  w.put_span(data.data(), data.size());
   return out;
 }
 
 ActPacket ActPacket::deserialize(const uint8_t* bytes, size_t size) {
-  Reader r(bytes, size);
+  core::ByteReader r(bytes, size, "activation packet");
   ActPacket p;
   const uint8_t format = r.get<uint8_t>();
   SPARROW_CHECK_T(FormatError, format <= static_cast<uint8_t>(ActFormat::kProjectedQ),
@@ -220,11 +187,11 @@ ActPacket ActPacket::deserialize(const uint8_t* bytes, size_t size) {
   p.shape.resize(ndim);
   for (auto& d : p.shape) d = r.get<int64_t>();
   p.params.resize(nparams);
-  r.bytes(p.params.data(), 4 * size_t{nparams});
+  r.read(p.params.data(), 4 * size_t{nparams});
   p.scales.resize(nscales);
-  r.bytes(p.scales.data(), 4 * size_t{nscales});
+  r.read(p.scales.data(), 4 * size_t{nscales});
   p.data.resize(ndata);
-  r.bytes(p.data.data(), ndata);
+  r.read(p.data.data(), ndata);
   validate(p);
   return p;
 }
