@@ -2,23 +2,23 @@
 // Private to sparrow_server: Server::Impl, the state of one server, and the
 // plain structs its parts share. Its methods are defined by job:
 //   server.cc         the public Server: construction (model, evaluation data,
-//                     aggregator, partials), start and stop of the threads
+//                     aggregator, round engine), start and stop of the threads
 //   io.cc             the listener, the I/O thread (receive, outbox), the worker
 //                     pool's loop (parse of large frames), replies
 //   sessions.cc       Hello/Welcome, heartbeats and other control messages, the
 //                     liveness sweep, strikes and holdouts
 //   updates.cc        a ModelUpdate's admission into the open round and its fold
-//                     into the worker's partial (worker threads)
-//   round.cc          the round state machine: selection, tasks, deadlines and
-//                     quorum, closing, the global step (federation::GlobalModel),
-//                     the round's record
+//                     (federation::RoundEngine::add, worker threads)
+//   round.cc          driving the round (federation::RoundEngine, the simulator's
+//                     engine): selection, tasks, deadlines and quorum, closing,
+//                     the global step, the round's record
 //   secagg_round.cc   SecAgg+ orchestration: setup, the four exchanges, offenders,
 //                     the unmasked sum folded into the aggregate
 //   checkpoint.cc     the server database: open, resume, checkpoint contents;
 //                     evaluation
 //   dashboard.cc      publishing to the live dashboard (monitor::Board)
 // Threads (server.h, docs/server.md "Threading"): the I/O thread alone uses
-// the listener; workers touch their own Partial and, under `mu`, the session
+// the listener; workers fold into the round engine (its own lock) and, under `mu`, the session
 // and round state; the round thread (run(), relay_round()) owns the global
 // model, guarded by `weights_mu` for readers on other threads. Methods marked
 // "under mu" expect the caller to hold it.
@@ -50,7 +50,7 @@
 #include "core/models.h"
 #include "core/refusal_log.h"
 #include "federation/global_model.h"
-#include "federation/ordered_fold.h"
+#include "federation/round_engine.h"
 #include "monitor/board.h"
 #include "monitor/http.h"
 #include "secagg/secagg.h"
@@ -158,20 +158,6 @@ struct RoundContext {
   std::optional<wire::TrainSettings> relay_train;
 };
 
-// One worker's share of the open round.
-struct Partial {
-  std::unique_ptr<aggregation::Accumulator> agg;
-  Weights control_sum;
-  std::map<std::string, double> metric_sum;     // Σ w·metric
-  std::map<std::string, double> metric_weight;  // Σ w over the updates that carry the metric
-  void reset(double clip) {
-    agg->reset(clip);
-    control_sum.clear();
-    metric_sum.clear();
-    metric_weight.clear();
-  }
-};
-
 struct AtomicCounters {
   std::atomic<uint64_t> accepted{0}, stale{0}, unknown{0}, bytes_in{0}, bytes_out{0}, messages_in{0}, messages_out{0},
       send_failures{0}, rounds{0}, abandoned{0};
@@ -264,11 +250,10 @@ struct Server::Impl {
   std::condition_variable job_cv;
   std::deque<Job> jobs;
   bool jobs_stop = false;
-  std::vector<Partial> partials;
-  // The round's updates summed in client-id order whatever their arrival
-  // (fold_buffer_mb > 0, the default; federation/ordered_fold.h, as
-  // sparrow-sim folds); null: each worker's partial, in arrival order.
-  std::unique_ptr<federation::OrderedFold> ordered;
+  // The round: contexts, the fold in client-id order whatever the arrival
+  // order (fold_buffer_mb > 0, the default), the global step. The code
+  // sparrow-sim runs its rounds with.
+  std::unique_ptr<federation::RoundEngine> engine;
   std::vector<std::thread> workers;
   std::thread io;
   std::atomic<bool> io_stop{false};
@@ -338,10 +323,10 @@ struct Server::Impl {
   // ---- updates (updates.cc, worker threads) ---------------------------------------
 
   // Admits an update into the open round (or refuses it as stale), folds it
-  // (into the ordered fold, or worker w's partial) and answers Ack or Error.
+  // (RoundEngine::add, from worker slot w) and answers Ack or Error.
   void handle_update(size_t w, const std::string& rid, wire::ModelUpdate u, size_t frame_bytes);
   // Verifies and adds one update from worker w; all-or-nothing.
-  void fold(size_t w, wire::ModelUpdate& u, const RoundContext& rc);
+  void fold(size_t w, wire::ModelUpdate& u);
 
   // ---- the round (round.cc, round thread) -----------------------------------------
 
@@ -355,14 +340,14 @@ struct Server::Impl {
     std::vector<std::string> chosen;
     uint64_t bytes_in0 = 0, bytes_out0 = 0;  // the counters when it opened
   };
-  // The workers' partials of the closed round, merged (beside the aggregate).
+  // The closed round's client metrics (beside the engine's sum).
   struct Merged {
-    Weights control_sum;                          // SCAFFOLD: Σ Δc
     std::map<std::string, double> metric_sum;     // Σ w·metric
     std::map<std::string, double> metric_weight;  // Σ w over the updates that carry the metric
   };
 
-  std::shared_ptr<RoundContext> make_round_context(uint64_t r, int num_selected);
+  // Opens the engine's round r with `chosen`; the tasks' contents.
+  std::shared_ptr<RoundContext> make_round_context(uint64_t r, const std::vector<std::string>& chosen);
   // Under mu. Picks Full or Delta by what the client holds (docs/server.md).
   void send_task(const std::string& rid, Session& s, const RoundContext& rc);
   // Runs round completed + 1 (a gateway: the root's round). Returns false
@@ -372,18 +357,17 @@ struct Server::Impl {
   Waited wait_for_clients(uint64_t r);
   // 2. The round's clients, least recently selected first, held-out ones skipped.
   std::vector<std::string> choose_clients(uint64_t r);
-  // 2. Opens round r: its context, the partials reset, the tasks sent.
+  // 2. Opens round r: the engine's round, its context, the tasks sent.
   OpenedRound open_round(uint64_t r);
   // 3. Until all updates arrived, or the deadline passed with quorum (extended
   // up to max_round_wait_s); SecAgg+ through collect_secagg. 4. Closes
   // admissions and waits for the updates being folded in.
   Collected collect_and_close(const OpenedRound& o);
-  // 5. Merges the workers' partials into `agg` and `m`, then resets them.
-  void merge_partials(aggregation::Accumulator& agg, Merged& m);
+  // 5. Closes the engine's round (what was held is folded); its metrics.
+  Merged close_fold();
   // 5. The global step (a gateway: the mean delta for the root). False when
   // the aggregate was not finite: the round is abandoned, nothing changed.
-  bool global_step(uint64_t r, const aggregation::Accumulator& agg, const Weights& control_sum,
-                   aggregation::AggregateStats& ast);
+  bool global_step(uint64_t r, double weight, aggregation::AggregateStats& ast);
   // 6. Evaluates when due, then checkpoints and records the round in one
   // transaction, and publishes it.
   void record_round(const OpenedRound& o, double weight, const aggregation::AggregateStats& ast, Merged& m,
@@ -414,7 +398,7 @@ struct Server::Impl {
   // After the round closed: the unmasked sum of the survivors' weighted
   // updates, folded into the aggregate as their weighted mean (with their
   // total weight), and their metrics. Returns the survivors.
-  size_t fold_secagg(const RoundContext& rc, std::map<std::string, double>& metrics);
+  size_t fold_secagg(std::map<std::string, double>& metrics);
   // After the round closed: folds the unmasked sum (fold_secagg) unless the
   // round is `abandon`ed, then clears the protocol state. Returns whether the
   // round is abandoned.

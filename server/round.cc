@@ -1,8 +1,8 @@
-// Server::Impl's round state machine, on the round thread: choose the
-// clients (least recently selected first), open the round (its context, the
-// tasks), wait for the updates (deadlines, quorum, liveness), close it, merge
-// the workers' partials, take the global step (federation::GlobalModel, the
-// code sparrow-sim runs) and record the round with its checkpoint. SecAgg+
+// Server::Impl drives the round engine (federation::RoundEngine, the code
+// sparrow-sim runs its rounds with) on the round thread: choose the clients
+// (least recently selected first), open the round (its context, the tasks),
+// wait for the updates (deadlines, quorum, liveness), close it, take the
+// global step and record the round with its checkpoint. SecAgg+
 // rounds go through secagg_round.cc for the exchanges between open and close.
 #include <ATen/ATen.h>
 #include <spdlog/spdlog.h>
@@ -37,11 +37,11 @@ std::vector<std::string> select_clients(std::vector<Candidate> candidates, size_
   return federation::least_recent_by_key(key, std::move(c), k);
 }
 
-std::shared_ptr<RoundContext> Server::Impl::make_round_context(uint64_t r, int num_selected) {
+std::shared_ptr<RoundContext> Server::Impl::make_round_context(uint64_t r, const std::vector<std::string>& chosen) {
   auto rc = std::make_shared<RoundContext>();
   rc->round = r;
   // A gateway passes its root's tcs masks on.
-  rc->contexts = gm->contexts(r, num_selected, relay ? relay->masks : nullptr);
+  rc->contexts = engine->open(r, chosen, relay ? relay->masks : nullptr);
   for (const auto& nm : names) {
     const compression::Context& c = rc->contexts.at(nm);
     const std::vector<int64_t> shape = gm->weights().at(nm).sizes().vec();
@@ -109,11 +109,15 @@ bool Server::Impl::run_round() {
   const OpenedRound o = open_round(r);
   // 3. Collect until all arrived, or the deadline passed with quorum. 4. Close.
   const Collected c = collect_and_close(o);
-  if (c == Collected::kStopped) return false;
+  if (c == Collected::kStopped) {
+    engine->abandon();
+    return false;
+  }
   bool abandon = c == Collected::kAbandon;
   std::map<std::string, double> metrics;
   if (sa) abandon = end_secagg(r, abandon, metrics);
   if (abandon) {
+    engine->abandon();
     n.abandoned++;
     return true;
   }
@@ -122,21 +126,20 @@ bool Server::Impl::run_round() {
   // checkpoint take the cores (on a small machine they would wait behind them).
   wait_outbox_drained(std::chrono::milliseconds(50));
   // 5. Aggregate.
-  aggregation::Accumulator agg = aggregator->make_accumulator(shapes);
-  agg.reset(aggregator->clip());
-  Merged merged;
-  merge_partials(agg, merged);
-  if (agg.total_weight() <= 0) {
+  Merged merged = close_fold();
+  const double weight = engine->sum().total_weight();
+  if (weight <= 0) {
+    engine->abandon();
     n.abandoned++;
     return true;
   }
   aggregation::AggregateStats ast;
-  if (!global_step(r, agg, merged.control_sum, ast)) {
+  if (!global_step(r, weight, ast)) {
     n.abandoned++;
     return true;
   }
   // 6. Evaluate (optional), then checkpoint and record in one transaction.
-  record_round(o, agg.total_weight(), ast, merged, metrics);
+  record_round(o, weight, ast, merged, metrics);
   return true;
 }
 
@@ -198,15 +201,9 @@ Server::Impl::OpenedRound Server::Impl::open_round(uint64_t r) {
   o.chosen = choose_clients(r);
   const std::vector<std::string>& chosen = o.chosen;
   const double started = o.started;
-  std::shared_ptr<RoundContext> rc = make_round_context(r, static_cast<int>(chosen.size()));
+  std::shared_ptr<RoundContext> rc = make_round_context(r, chosen);
   {
     std::unique_lock<std::mutex> g(mu);
-    for (auto& p : partials) p.reset(aggregator->clip());
-    if (ordered) {  // the canonical order: the simulator's, whatever order the updates come in
-      std::vector<std::string> order = chosen;
-      std::sort(order.begin(), order.end(), federation::id_less);
-      ordered->open(std::move(order), rc->contexts, aggregator->clip());
-    }
     round = r;
     selected.clear();
     round_accepted = round_rejected = round_stale = 0;
@@ -290,49 +287,29 @@ Server::Impl::Collected Server::Impl::collect_and_close(const OpenedRound& o) {
   return stopped ? Collected::kStopped : abandon ? Collected::kAbandon : Collected::kOk;
 }
 
-void Server::Impl::merge_partials(aggregation::Accumulator& agg, Merged& m) {
-  if (ordered) {
-    ordered->close();
-    for (const auto& cid : ordered->late_failures())  // acknowledged, then not foldable: memory
-      spdlog::error("event=update_lost client={} round={} msg=\"an accepted update could not be summed\"", cid, round);
-    if (ordered->relaxed())
-      spdlog::warn(
-          "event=fold_order_relaxed round={} held_bytes={} msg=\"early updates passed fold_buffer_mb = {}: the rest of "
-          "the round was summed in arrival order\"",
-          round, ordered->held_peak(), cfg.fold_buffer_mb);
-    agg.merge(ordered->sum());
-    m.control_sum = std::move(ordered->control_sum());
-    m.metric_sum = ordered->metric_sum();
-    m.metric_weight = ordered->metric_weight();
-    ordered->sum().reset(aggregator->clip());  // frees what it holds before the checkpoint
-  }
-  for (auto& p : partials) {
-    agg.merge(*p.agg);
-    for (const auto& [k, v] : p.control_sum) {
-      auto it = m.control_sum.find(k);
-      if (it == m.control_sum.end())
-        m.control_sum[k] = v.clone();
-      else
-        it->second.add_(v);
-    }
-    for (const auto& [k, v] : p.metric_sum) m.metric_sum[k] += v;
-    for (const auto& [k, v] : p.metric_weight) m.metric_weight[k] += v;
-  }
-  // The round is closed and nothing is in flight: no worker touches its
-  // partial until the next round opens. Reset now, so the frames the partials
-  // hold (the aggregator's held dense updates) are freed before the checkpoint
-  // and the wait for the next round, not when it opens.
-  for (auto& p : partials) p.reset(aggregator->clip());
+Server::Impl::Merged Server::Impl::close_fold() {
+  engine->close();
+  for (const auto& cid : engine->late_failures())  // acknowledged, then not foldable: memory
+    spdlog::error("event=update_lost client={} round={} msg=\"an accepted update could not be summed\"", cid,
+                  engine->round());
+  if (engine->relaxed() && cfg.fold_buffer_mb > 0)
+    spdlog::warn(
+        "event=fold_order_relaxed round={} held_bytes={} msg=\"early updates passed fold_buffer_mb = {}: the rest of "
+        "the round was summed in arrival order\"",
+        engine->round(), engine->held_peak(), cfg.fold_buffer_mb);
+  Merged m;
+  m.metric_sum = engine->metric_sum();
+  m.metric_weight = engine->metric_weight();
+  return m;
 }
 
-bool Server::Impl::global_step(uint64_t r, const aggregation::Accumulator& agg, const Weights& control_sum,
-                               aggregation::AggregateStats& ast) {
-  // The global step (federation::GlobalModel, as in sparrow-sim): all or
-  // nothing; a non-finite aggregate abandons the round.
+bool Server::Impl::global_step(uint64_t r, double weight, aggregation::AggregateStats& ast) {
+  // The engine's global step (as in sparrow-sim): all or nothing; a
+  // non-finite aggregate abandons the round.
   federation::StepResult step;
   if (relay) {
     // A gateway: the mean delta goes to the root, which steps its model.
-    step = gm->finish_only(*aggregator, agg, r, &ast);
+    step = engine->finish_only(&ast);
   } else {
     double population;
     {
@@ -340,7 +317,7 @@ bool Server::Impl::global_step(uint64_t r, const aggregation::Accumulator& agg, 
       population = cfg.scaffold_population(clients.size());  // SCAFFOLD: `clients`, or the clients seen
     }
     std::lock_guard<std::mutex> g(weights_mu);
-    step = gm->step(*aggregator, agg, control_sum, r, population, &ast);
+    step = engine->step(population, &ast);
   }
   if (!step.applied) {
     spdlog::error("event=round_abandoned round={} error=\"{}\"", r, step.error);
@@ -349,7 +326,7 @@ bool Server::Impl::global_step(uint64_t r, const aggregation::Accumulator& agg, 
   if (relay) {
     relay_out = Server::RelayResult{};
     relay_out->delta = std::move(step.delta);
-    relay_out->weight = agg.total_weight();
+    relay_out->weight = weight;
   }
   if (gm->has_downlink()) {
     down_last.clear();

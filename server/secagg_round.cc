@@ -242,7 +242,7 @@ Server::Impl::Collected Server::Impl::collect_secagg(std::unique_lock<std::mutex
   return Collected::kOk;
 }
 
-size_t Server::Impl::fold_secagg(const RoundContext& rc, std::map<std::string, double>& metrics) {
+size_t Server::Impl::fold_secagg(std::map<std::string, double>& metrics) {
   double wsum = 0, samples = 0;
   std::vector<std::pair<double, std::vector<std::pair<std::string, double>>>> client_metrics;
   {
@@ -258,23 +258,7 @@ size_t Server::Impl::fold_secagg(const RoundContext& rc, std::map<std::string, d
   const auto t0 = Clock::now();
   const std::vector<uint32_t> sum = sa->unmask();  // the round is closed: no handler touches sa now
   const double scale = secagg::ring_scale(static_cast<uint32_t>(sa_setup.size()), sa_params.clip);
-  aggregation::EncodedUpdate eu;
-  size_t off = 0;
-  for (const auto& nm : names) {
-    at::Tensor t = at::empty(gm->weights().at(nm).sizes(), at::kFloat);
-    const size_t len = static_cast<size_t>(t.numel());
-    secagg::dequantise(sum.data() + off, len, scale, t.data_ptr<float>());
-    t.div_(wsum);
-    off += len;
-    eu.emplace_back(nm, dense_encoded(t));
-  }
-  Partial& p = partials[0];
-  p.agg->add(eu, samples, rc.contexts);
-  for (const auto& [w, ms] : client_metrics)
-    for (const auto& [k, v] : ms) {
-      p.metric_sum[k] += w * v;
-      p.metric_weight[k] += w;
-    }
+  engine->add_secagg_sum(sum, scale, wsum, samples, client_metrics);
   metrics["secagg.keys"] = static_cast<double>(sa->keyed().size());
   metrics["secagg.shares"] = static_cast<double>(sa->shared().size());
   metrics["secagg.masked"] = static_cast<double>(sa->survivors().size());
@@ -285,7 +269,7 @@ size_t Server::Impl::fold_secagg(const RoundContext& rc, std::map<std::string, d
 bool Server::Impl::end_secagg(uint64_t r, bool abandon, std::map<std::string, double>& metrics) {
   if (!abandon) {
     try {
-      const size_t survivors = fold_secagg(*round_ctx, metrics);
+      const size_t survivors = fold_secagg(metrics);
       std::lock_guard<std::mutex> g(mu);
       round_accepted = static_cast<int64_t>(survivors);  // a rejected client's masked update is not in the sum
     } catch (const Error& e) {

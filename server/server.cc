@@ -69,7 +69,6 @@ void Server::Impl::init(Weights initial) {
   // A dense fp32 update's finiteness is checked while the aggregator folds
   // it (one read of the values instead of two); every consumer validates.
   limits.update_values = compression::ValueCheck::kDeferDenseF32;
-  partials.resize(static_cast<size_t>(cfg.workers));
   aggregator = std::make_unique<aggregation::Aggregator>(cfg.aggregator, cfg.dp, cfg.clients_per_round,
                                                          rng::derive(cfg.seed, kDpTag));
   if (aggregator->robust().buffers()) {
@@ -80,16 +79,9 @@ void Server::Impl::init(Weights initial) {
                         << " clients x " << numel * 4 << " bytes = " << static_cast<int64_t>(need)
                         << " MiB > max_buffer_mb = " << cfg.max_buffer_mb);
   }
-  for (auto& p : partials) {
-    p.agg = std::make_unique<aggregation::Accumulator>(aggregator->make_accumulator(shapes));
-    if (cfg.max_update_norm > 0) p.agg->set_max_update_norm(cfg.max_update_norm);
-    p.agg->reset(aggregator->clip());
-  }
-  if (cfg.fold_buffer_mb > 0) {
-    ordered = std::make_unique<federation::OrderedFold>(*aggregator, shapes, partials.size(),
-                                                        static_cast<int64_t>(cfg.fold_buffer_mb * 1024 * 1024));
-    if (cfg.max_update_norm > 0) ordered->set_max_update_norm(cfg.max_update_norm);
-  }
+  engine = std::make_unique<federation::RoundEngine>(*gm, *aggregator, shapes, static_cast<size_t>(cfg.workers),
+                                                     static_cast<int64_t>(cfg.fold_buffer_mb * 1024 * 1024),
+                                                     cfg.max_update_norm);
 
   // The socket first: a server that cannot listen (port taken, bad
   // endpoint) leaves the database as it was, not with a new run in it.
@@ -106,7 +98,7 @@ void Server::Impl::init(Weights initial) {
 
 void Server::Impl::start_threads() {
   io = std::thread([this] { io_loop(); });
-  for (size_t w = 0; w < partials.size(); ++w) workers.emplace_back([this, w] { worker_loop(w); });
+  for (size_t w = 0; w < static_cast<size_t>(cfg.workers); ++w) workers.emplace_back([this, w] { worker_loop(w); });
 }
 
 void Server::Impl::stop_threads() {

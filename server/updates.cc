@@ -16,7 +16,6 @@
 namespace sparrow::server {
 
 void Server::Impl::handle_update(size_t w, const std::string& rid, wire::ModelUpdate u, size_t frame_bytes) {
-  std::shared_ptr<const RoundContext> rc;
   {
     std::unique_lock<std::mutex> g(mu);
     auto it = sessions.find(rid);
@@ -56,7 +55,6 @@ void Server::Impl::handle_update(size_t w, const std::string& rid, wire::ModelUp
     }
     sel->second = Status::kInFlight;
     ++in_flight;
-    rc = round_ctx;
     // An update weighs at most the samples the client said it holds (at
     // Hello, or a gateway's latest Heartbeat): a claim above that is capped.
     if (u.num_samples > s.num_samples) {
@@ -69,7 +67,7 @@ void Server::Impl::handle_update(size_t w, const std::string& rid, wire::ModelUp
   std::string error;
   ErrorCode code = ErrorCode::kRejected;
   try {
-    fold(w, u, *rc);
+    fold(w, u);
   } catch (const compression::NonFiniteError& e) {  // the value scan wire::parse deferred
     error = e.what();
     code = ErrorCode::kMalformed;
@@ -110,7 +108,7 @@ void Server::Impl::handle_update(size_t w, const std::string& rid, wire::ModelUp
   cv.notify_all();
 }
 
-void Server::Impl::fold(size_t w, wire::ModelUpdate& u, const RoundContext& rc) {
+void Server::Impl::fold(size_t w, wire::ModelUpdate& u) {
   SPARROW_CHECK_T(FormatError, u.num_samples > 0, "num_samples must be > 0");
   // SCAFFOLD control deltas: decoded and checked before anything is added.
   Weights cdelta;
@@ -124,33 +122,15 @@ void Server::Impl::fold(size_t w, wire::ModelUpdate& u, const RoundContext& rc) 
       cdelta[nt.name] = d;
     }
   }
-  const double weight = static_cast<double>(u.num_samples);
-  if (ordered) {  // summed in client-id order (an early one is checked now, held until its turn)
-    federation::Arrival a;
-    a.update.reserve(u.tensors.size());
-    for (auto& nt : u.tensors) a.update.emplace_back(std::move(nt.name), std::move(nt.tensor));
-    a.weight = weight;
-    a.control_delta = std::move(cdelta);
-    for (const auto& [k, v] : u.metrics) a.metrics[k] += v;
-    ordered->add(w, u.client_id, std::move(a));
-    return;
-  }
-  Partial& p = partials[w];
-  aggregation::EncodedUpdate eu;
-  eu.reserve(u.tensors.size());
-  for (auto& nt : u.tensors) eu.emplace_back(std::move(nt.name), std::move(nt.tensor));
-  p.agg->add(eu, weight, rc.contexts);
-  for (auto& [k, d] : cdelta) {
-    auto it = p.control_sum.find(k);
-    if (it == p.control_sum.end())
-      p.control_sum[k] = d.clone();
-    else
-      it->second.add_(d);
-  }
-  for (const auto& [k, v] : u.metrics) {
-    p.metric_sum[k] += weight * v;
-    p.metric_weight[k] += weight;  // per metric: not every client reports every metric
-  }
+  // Summed in client-id order (an early one is checked now and held until
+  // its turn): the round engine sparrow-sim folds with.
+  federation::Arrival a;
+  a.update.reserve(u.tensors.size());
+  for (auto& nt : u.tensors) a.update.emplace_back(std::move(nt.name), std::move(nt.tensor));
+  a.weight = static_cast<double>(u.num_samples);
+  a.control_delta = std::move(cdelta);
+  for (const auto& [k, v] : u.metrics) a.metrics[k] += v;
+  engine->add(w, u.client_id, std::move(a));
 }
 
 }  // namespace sparrow::server

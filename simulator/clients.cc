@@ -91,8 +91,8 @@ void Simulator::Impl::build_workers() {
     wk.slot = static_cast<size_t>(w);
     workers.push_back(std::move(wk));
   }
-  fold_ = std::make_unique<federation::OrderedFold>(*aggregator, shapes, workers.size(),
-                                                    static_cast<int64_t>(cfg.fold_buffer_mb * 1024 * 1024));
+  engine = std::make_unique<federation::RoundEngine>(*gm, *aggregator, shapes, workers.size(),
+                                                     static_cast<int64_t>(cfg.fold_buffer_mb * 1024 * 1024));
   if (aggregator->robust().buffers()) {
     const double need = static_cast<double>(model_bytes) * cfg.clients_per_round / (1024.0 * 1024.0);
     SPARROW_CHECK_T(ConfigError, need <= cfg.max_buffer_mb,
@@ -235,7 +235,7 @@ void Simulator::Impl::finish_client(Worker& wk, int t, ClientResult& r, const cl
     return;
   }
   if (!r.kept) {
-    fold_->skip(federation::sim_client_id(c));  // the clients after it need not wait
+    engine->skip(federation::sim_client_id(c));  // the clients after it need not wait
     return;
   }
   if (sa) {
@@ -257,7 +257,7 @@ void Simulator::Impl::fold(size_t slot, int64_t c, const std::string& bytes, con
   if (cfg.algorithm == "scaffold")
     for (const auto& [n, dc] : control_delta) a.control_delta[n] = dc.to(at::kCPU, at::kFloat);
   // Its own updates: an early one is held unchecked (a failure shows when folded).
-  fold_->add(slot, federation::sim_client_id(c), std::move(a), /*check=*/false);
+  engine->add(slot, federation::sim_client_id(c), std::move(a), /*check=*/false);
 }
 
 void Simulator::Impl::run_local(int t, const std::vector<std::vector<int64_t>>& wids,

@@ -4,8 +4,9 @@
 //   simulator.cc     the public Simulator: construction, the run loop, the summary
 //   data.cc          the data set, its partition over the clients, the clients' profiles
 //   clients.cc       workers: training (one client at a time or batched), the client
-//                    pipeline (federation/client_pipeline.h), the fold into a partial
-//   round.cc         one round: selection, scheduling, the global step, its metrics
+//                    pipeline (federation/client_pipeline.h), the fold into the round
+//   round.cc         driving one round of the engine (federation::RoundEngine, the
+//                    server's): selection, scheduling, the global step, its metrics
 //   secagg_round.cc  SecAgg+ with its messages handed over in memory
 //   ranks.cc         MPI ranks: rank 0's task and result messages, the other ranks' loop
 //   run_folder.cc    run.db, metrics.csv and config.toml: the history of the rounds
@@ -37,7 +38,7 @@
 #include "core/models.h"
 #include "core/sqlite_db.h"
 #include "federation/global_model.h"
-#include "federation/ordered_fold.h"
+#include "federation/round_engine.h"
 #include "secagg/secagg.h"
 #include "simulator/attack.h"
 #include "simulator/cluster.h"
@@ -153,9 +154,10 @@ struct Simulator::Impl {
   std::unique_ptr<federation::GlobalModel> gm;
   aggregation::ContextMap round_ctxs;                   // the codec contexts of the round in progress (gm->contexts)
   std::unique_ptr<aggregation::Aggregator> aggregator;  // robust aggregation, central DP
-  // The round's updates, folded in client-id order whatever worker or rank
-  // finishes first (the code sparrow-server folds with).
-  std::unique_ptr<federation::OrderedFold> fold_;
+  // The round (federation::RoundEngine, the code sparrow-server runs its
+  // rounds with): contexts, the fold in client-id order whatever worker or
+  // rank finishes first, the global step.
+  std::unique_ptr<federation::RoundEngine> engine;
   aggregation::DpSpec dp;       // local DP acts in finish_client
   std::vector<char> adversary;  // per client: attacks when selected
   AttackSpec attack;
@@ -255,10 +257,10 @@ struct Simulator::Impl {
   static wire::SecAgg over_wire(const wire::SecAgg& m, uint64_t& bytes);
   // Keys and shares of round t's clients (before they train, as in the service).
   void begin_secagg(int t, const std::vector<int64_t>& ids);
-  // The unmask exchange; the survivors' weighted mean joins `agg` with their
+  // The unmask exchange; the survivors' weighted mean joins the engine's round with their
   // total weight. Returns false (the round leaves the model as it was) when a
   // secret lacks shares.
-  bool end_secagg(int t, aggregation::Accumulator& agg, const std::vector<int64_t>& ids);
+  bool end_secagg(int t, const std::vector<int64_t>& ids);
 
   // ---- MPI ranks (ranks.cc) ----
 
@@ -280,8 +282,8 @@ struct Simulator::Impl {
   void receive_round(const std::vector<std::vector<int64_t>>& wids,
                      const std::vector<std::vector<ClientResult*>>& wout);
   // Rank 0: the round's client states to the store and their updates into
-  // one partial, in client-id order: float sums in a fixed order, so the model
-  // does not depend on the number of ranks or workers, or on timing.
+  // the engine's round (summed in client-id order, so the model does not
+  // depend on the number of ranks or workers, or on timing).
   void fold_ranked(std::vector<ClientResult>& results);
   // Ranks other than 0: one round's task from rank 0, trained on this rank's
   // workers, the results back. False when rank 0 ends the run.

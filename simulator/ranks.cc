@@ -120,7 +120,7 @@ void Simulator::Impl::fold_ranked(std::vector<ClientResult>& results) {
     if (r.kept)
       fold(0, r.client, r.update, r.control_delta);
     else
-      fold_->skip(federation::sim_client_id(r.client));
+      engine->skip(federation::sim_client_id(r.client));
     r.update.clear();
     r.control_delta.clear();
   }

@@ -120,11 +120,10 @@ RoundMetrics Simulator::Impl::step() {
     }
   }
   const int n_sel = static_cast<int>(ids.size());
-  round_ctxs = gm->contexts(static_cast<uint64_t>(t) + 1, n_sel);  // rounds are 1-based in the engine
   {
-    std::vector<std::string> order;  // ids ascend: the canonical order
-    for (int64_t c : ids) order.push_back(federation::sim_client_id(c));
-    fold_->open(std::move(order), round_ctxs, aggregator->clip());
+    std::vector<std::string> chosen;
+    for (int64_t c : ids) chosen.push_back(federation::sim_client_id(c));
+    round_ctxs = engine->open(static_cast<uint64_t>(t) + 1, chosen);  // rounds are 1-based in the engine
   }
   if (sa_params.enabled) begin_secagg(t, ids);
   const auto s0 = Clock::now();
@@ -145,6 +144,7 @@ RoundMetrics Simulator::Impl::step() {
     // its clients put are forgotten, so a checkpoint now is the state after
     // round t (and --resume runs round t + 1 as an uninterrupted run would).
     store->rollback_to_mark();
+    engine->abandon();
     sa.reset();
     interrupted = true;
     RoundMetrics m;
@@ -162,22 +162,18 @@ RoundMetrics Simulator::Impl::step() {
   for (size_t j = 0; j < ids.size(); ++j)
     cost.observe(worker_of[j], static_cast<double>(results[j].samples), results[j].train_s);
 
-  fold_->close();
-  SPARROW_CHECK(fold_->late_failures().empty(),
-                "round " << t + 1 << ": client " << fold_->late_failures().front() << "'s update could not be folded");
-  if (fold_->relaxed() && cfg.fold_buffer_mb > 0)
+  if (sa) {
+    end_secagg(t, ids);  // the unmasked sum into the engine's round
+    for (auto& r : results) r.bytes_up += sa->up[r.client];
+  }
+  engine->close();
+  SPARROW_CHECK(engine->late_failures().empty(),
+                "round " << t + 1 << ": client " << engine->late_failures().front() << "'s update could not be folded");
+  if (engine->relaxed() && cfg.fold_buffer_mb > 0)
     spdlog::warn(
         "event=fold_order_relaxed round={} msg=\"early updates passed fold_buffer_mb = {}: the rest of the "
         "round was summed in arrival order\"",
         t + 1, cfg.fold_buffer_mb);
-  aggregation::Accumulator agg = aggregator->make_accumulator(shapes);
-  agg.reset(aggregator->clip());
-  agg.merge(fold_->sum());
-  client::Weights control_sum = std::move(fold_->control_sum());
-  if (sa) {
-    end_secagg(t, agg, ids);
-    for (auto& r : results) r.bytes_up += sa->up[r.client];
-  }
   RoundMetrics m;
   m.round = t + 1;
   m.clients = n_sel;
@@ -210,14 +206,15 @@ RoundMetrics Simulator::Impl::step() {
   m.sim_round_s = m.dropped > 0 ? cfg.deadline_s : slowest;
 
   m.epsilon = m.clip = kNaN;
-  if (agg.total_weight() > 0) {
+  if (engine->sum().total_weight() <= 0) {
+    engine->abandon();  // nothing arrived (all dropped, or SecAgg+ could not unmask)
+  } else {
     aggregation::AggregateStats st;
-    // The global step (federation::GlobalModel, as in sparrow-server): all or
-    // nothing; a non-finite aggregate leaves the model as it was (the round
-    // is abandoned, as the server abandons it). SCAFFOLD's c averages over
-    // the population, `clients`.
-    const federation::StepResult step =
-        gm->step(*aggregator, agg, control_sum, static_cast<uint64_t>(t) + 1, static_cast<double>(cfg.clients), &st);
+    // The engine's global step (as in sparrow-server): all or nothing; a
+    // non-finite aggregate leaves the model as it was (the round is
+    // abandoned, as the server abandons it). SCAFFOLD's c averages over the
+    // population, `clients`.
+    const federation::StepResult step = engine->step(static_cast<double>(cfg.clients), &st);
     if (!step.applied) {
       spdlog::warn("round {}: abandoned, the model is unchanged: {}", t + 1, step.error);
       m.abandoned = true;

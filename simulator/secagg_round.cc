@@ -61,7 +61,7 @@ void Simulator::Impl::begin_secagg(int t, const std::vector<int64_t>& ids) {
   }
 }
 
-bool Simulator::Impl::end_secagg(int t, aggregation::Accumulator& agg, const std::vector<int64_t>& ids) {
+bool Simulator::Impl::end_secagg(int t, const std::vector<int64_t>& ids) {
   SecAggRound& r = *sa;
   for (auto& [i, m] : r.server->unmask_messages()) {
     const int64_t c = ids[i - 1];
@@ -78,24 +78,7 @@ bool Simulator::Impl::end_secagg(int t, aggregation::Accumulator& agg, const std
     wsum += r.weight.at(ids[i - 1]);
     samples += static_cast<double>(client_idx[ids[i - 1]].numel());
   }
-  aggregation::EncodedUpdate eu;
-  size_t off = 0;
-  for (const auto& [n, shape] : shapes) {
-    at::Tensor x = at::empty(shape, at::kFloat);
-    const size_t len = static_cast<size_t>(x.numel());
-    secagg::dequantise(sum.data() + off, len, r.scale, x.data_ptr<float>());
-    x.div_(wsum);
-    off += len;
-    compression::Encoded e;
-    e.format = compression::Format::kDense;
-    e.value_type = compression::ValueType::kF32;
-    e.shape = shape;
-    e.values.resize_uninitialized(len * sizeof(float));
-    std::memcpy(e.values.data(), x.data_ptr<float>(), len * sizeof(float));
-    eu.emplace_back(n, std::move(e));
-  }
-  aggregation::ContextMap ctxs = round_ctxs;  // per-client edits stay local
-  agg.add(eu, samples, ctxs);
+  engine->add_secagg_sum(sum, r.scale, wsum, samples);  // as sparrow-server folds it
   return true;
 }
 }  // namespace sparrow::simulator

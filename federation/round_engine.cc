@@ -1,0 +1,106 @@
+// federation::RoundEngine: the round's phases around OrderedFold and
+// GlobalModel, for both drivers.
+#include "federation/round_engine.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "core/error.h"
+#include "federation/sampler.h"
+#include "secagg/secagg.h"
+
+namespace sparrow::federation {
+
+RoundEngine::RoundEngine(GlobalModel& gm, aggregation::Aggregator& aggregator, aggregation::TensorShapes shapes,
+                         size_t slots, int64_t fold_budget_bytes, double max_update_norm)
+    : gm_(gm),
+      aggregator_(aggregator),
+      shapes_(shapes),
+      fold_(aggregator, std::move(shapes), slots, fold_budget_bytes) {
+  if (max_update_norm > 0) fold_.set_max_update_norm(max_update_norm);
+}
+
+void RoundEngine::expect(Phase p, const char* what) const {
+  SPARROW_CHECK(phase_ == p, "round engine: " << what << " in round " << round_ << " out of turn");
+}
+
+const aggregation::ContextMap& RoundEngine::open(uint64_t r, const std::vector<std::string>& chosen,
+                                                 const Weights* masks) {
+  expect(Phase::kIdle, "open");
+  round_ = r;
+  contexts_ = gm_.contexts(r, static_cast<int>(chosen.size()), masks);
+  std::vector<std::string> order = chosen;
+  std::sort(order.begin(), order.end(), id_less);  // the canonical order
+  fold_.open(std::move(order), contexts_, aggregator_.clip());
+  metric_sum_.clear();
+  metric_weight_.clear();
+  phase_ = Phase::kOpen;
+  return contexts_;
+}
+
+void RoundEngine::add_secagg_sum(const std::vector<uint32_t>& sum, double scale, double weight_sum, double weight,
+                                 const ClientMetrics& client_metrics) {
+  expect(Phase::kOpen, "add_secagg_sum");
+  Arrival a;
+  size_t off = 0;
+  for (const auto& [name, shape] : shapes_) {
+    at::Tensor x = at::empty(shape, at::kFloat);
+    const size_t len = static_cast<size_t>(x.numel());
+    SPARROW_CHECK(off + len <= sum.size(), "secagg: the unmasked sum has " << sum.size() << " coordinates");
+    secagg::dequantise(sum.data() + off, len, scale, x.data_ptr<float>());
+    x.div_(weight_sum);
+    off += len;
+    compression::Encoded e;
+    e.format = compression::Format::kDense;
+    e.value_type = compression::ValueType::kF32;
+    e.shape = shape;
+    e.values.resize_uninitialized(len * sizeof(float));
+    if (len) std::memcpy(e.values.data(), x.data_ptr<float>(), len * sizeof(float));
+    a.update.emplace_back(name, std::move(e));
+  }
+  SPARROW_CHECK(off == sum.size(), "secagg: the unmasked sum has " << sum.size() << " coordinates, the model " << off);
+  a.weight = weight;
+  // Its own slot in the order: the masked sum is one update of the round.
+  fold_.close();
+  aggregation::Accumulator& acc = fold_.sum();
+  acc.add(a.update, a.weight, contexts_);
+  for (const auto& [w, ms] : client_metrics)
+    for (const auto& [k, v] : ms) {
+      metric_sum_[k] += w * v;
+      metric_weight_[k] += w;
+    }
+}
+
+void RoundEngine::close() {
+  expect(Phase::kOpen, "close");
+  fold_.close();
+  for (const auto& [k, v] : fold_.metric_sum()) metric_sum_[k] += v;
+  for (const auto& [k, v] : fold_.metric_weight()) metric_weight_[k] += v;
+  phase_ = Phase::kClosed;
+}
+
+StepResult RoundEngine::step(double population, aggregation::AggregateStats* stats) {
+  expect(Phase::kClosed, "step");
+  phase_ = Phase::kIdle;
+  StepResult out = gm_.step(aggregator_, fold_.sum(), fold_.control_sum(), round_, population, stats);
+  fold_.sum().reset(aggregator_.clip());  // frees what it holds (views of frames, rows) before the checkpoint
+  return out;
+}
+
+StepResult RoundEngine::finish_only(aggregation::AggregateStats* stats) {
+  expect(Phase::kClosed, "finish_only");
+  phase_ = Phase::kIdle;
+  StepResult out = gm_.finish_only(aggregator_, fold_.sum(), round_, stats);
+  fold_.sum().reset(aggregator_.clip());
+  return out;
+}
+
+void RoundEngine::abandon() {
+  if (phase_ == Phase::kOpen) fold_.close();
+  fold_.sum().reset(aggregator_.clip());
+  phase_ = Phase::kIdle;
+}
+
+}  // namespace sparrow::federation
