@@ -19,6 +19,7 @@
 #include <iostream>
 #include <sstream>
 
+#include "core/cli.h"
 #include "core/error_text.h"
 #include "bench/kernel_bench.h"
 #include "bench/resnet50.h"
@@ -352,11 +353,11 @@ int main(int argc, char** argv) {
   kernels->add_option("--images", kernel_opts.images, "images per timing")->check(CLI::Range(1, 100000));
   kernels->add_option("--repeat", kernel_opts.repeat, "timings per kernel (median reported)")
       ->check(CLI::Range(1, 1000));
-  try {
-    app.parse(argc, argv);
-  } catch (const CLI::ParseError& e) {
-    return app.exit(e) == 0 ? 0 : 2;
-  }
+  // --version, --log-level and --log-format as in every program (docs/cli.md).
+  std::string log_level = "info";
+  sparrow::cli::add_common_options(app, "sparrow-bench", &log_level);
+  if (const int rc = sparrow::cli::parse(app, argc, argv); rc >= 0) return rc;
+  sparrow::cli::setup_logging("sparrow-bench", log_level);
   if (threads > 0) sparrow::core::configure_threads(1, threads);
   try {
     if (*compress)

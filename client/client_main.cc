@@ -82,17 +82,18 @@ int main(int argc, char** argv) {
     else if (cfg.data.data.rfind("fashion-mnist", 0) == 0)
       sparrow::core::check_data_folder("data_dir", cfg.data.data_dir);
     if (const std::string w = cfg.insecure ? "" : sparrow::core::secret_file_warning("key", cfg.key); !w.empty())
-      spdlog::warn("{}", w);
+      spdlog::warn("event=key_file_warning msg=\"{}\"", w);
     sparrow::core::configure_threads(1);
-    spdlog::info("threads: {}", sparrow::core::threads_summary(1));
-    spdlog::info("allocator: {}", sparrow::core::allocator_tuned_for_messages()
-                                      ? "received messages reuse heap blocks"
-                                      : "glibc default (SPARROW_SYSTEM_MALLOC)");
-    if (const std::string w = sparrow::core::blas_warning(); !w.empty()) spdlog::warn("{}", w);
+    spdlog::info("event=threads msg=\"{}\"", sparrow::core::threads_summary(1));
+    spdlog::info("event=allocator msg=\"{}\"", sparrow::core::allocator_tuned_for_messages()
+                                                   ? "received messages reuse heap blocks"
+                                                   : "glibc default (SPARROW_SYSTEM_MALLOC)");
+    if (const std::string w = sparrow::core::blas_warning(); !w.empty())
+      spdlog::warn("event=blas_warning msg=\"{}\"", w);
     if (sparrow::cli::stop_requested()) return interrupted("stopped before loading the data");
     sparrow::core::Dataset data = sparrow::client::load_client_data(cfg.data, cfg.model);
     if (sparrow::cli::stop_requested()) return interrupted("stopped after loading the data");
-    spdlog::info("data: {} samples from '{}'", data.size(), cfg.data.data);
+    spdlog::info("event=data samples={} data=\"{}\"", data.size(), cfg.data.data);
     // The model against the data, before any connection: one forward pass.
     sparrow::client::check_model_on_data(*sparrow::core::make_model(cfg.model, 0), data, cfg.model);
     session = std::make_unique<sparrow::client::ClientSession>(cfg, std::move(data));
@@ -117,8 +118,8 @@ int main(int argc, char** argv) {
   }
   g_session.store(nullptr);
   const auto c = session->counters();
-  spdlog::info("tasks {} (refused {}), updates acked {} rejected {}, reconnects {}", c.tasks_done, c.tasks_refused,
-               c.updates_acked, c.updates_rejected, c.reconnects);
+  spdlog::info("event=client_done tasks={} refused={} updates_acked={} updates_rejected={} reconnects={}", c.tasks_done,
+               c.tasks_refused, c.updates_acked, c.updates_rejected, c.reconnects);
   if (status == sparrow::cli::kInterrupted) return interrupted("stopped");
   return status;
 }

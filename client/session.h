@@ -47,12 +47,14 @@ struct DataConfig {
   //                              partitioned, this client's shard;
   // "synthetic[:alpha=A,beta=B]" LEAF Synthetic(A, B) client `index` of `clients`
   //                              (60 features: needs a model that takes them);
-  // "folder:PATH"                the user's own data (IDX or x.npy + y.npy) in PATH.
+  // "folder:PATH"                the user's own data (IDX or x.npy + y.npy) in PATH,
+  //                              partitioned as fashion-mnist, or by its own
+  //                              client_id.npy (partition "natural").
   std::string data = "fashion-mnist";
   std::string data_dir = "/usr/share/datasets/fashion-mnist";
-  std::string partition = "iid";  // core/partition.h spec (fashion-mnist only)
-  int clients = 1;                // how many shards the partition makes
-  int index = 0;                  // this client's shard, in [0, clients)
+  std::string partition = "iid";  // core/partition.h spec, or "natural" (a folder's client_id.npy)
+  int clients = 1;                // how many shards the partition makes (not for "natural")
+  int index = 0;                  // this client's shard, in [0, clients); "natural": the index-th client id
   uint64_t partition_seed = 0;    // every client of a run must use the same
 };
 

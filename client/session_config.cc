@@ -4,6 +4,7 @@
 #include <string>
 
 #include "aggregation/robust.h"
+#include "client/data_folder.h"
 #include "client/session.h"
 #include "core/error.h"
 #include "core/flat_config.h"
@@ -38,7 +39,8 @@ void bind_all(core::FlatConfig& f, SessionConfig& c) {
 }
 
 // Cross-key checks, after the file and the overrides; errors name where the key was set.
-void check_session_config(const core::FlatConfig& f, const SessionConfig& c) {
+// Resolves partition = "natural" for a folder with its own client ids.
+void check_session_config(const core::FlatConfig& f, SessionConfig& c) {
   f.check("server", !c.server.empty(), "must not be empty");
   try {
     net::check_endpoint("server", c.server, /*for_bind=*/false);
@@ -49,13 +51,10 @@ void check_session_config(const core::FlatConfig& f, const SessionConfig& c) {
   f.check("client_id", core::valid_client_id(c.client_id), core::client_id_problem(c.client_id));
   f.check("model", !c.model.empty(), "must not be empty");
   f.check("data", !c.data.data.empty(), "must not be empty");
-  f.check("clients", c.data.clients >= 1, "must be >= 1");
-  f.check("index", c.data.index >= 0 && c.data.index < c.data.clients,
-          "must be in [0, clients = " + std::to_string(c.data.clients) + ")");
+  check_data_keys(f, c.data);  // clients, index, partition, ...: each must have an effect with this data
   f.check("state_db", !c.state_db.empty(), "must not be empty");
   // The ranges of docs/client.md's key table. ZeroMQ keeps the heartbeat TTL
   // (3 x heartbeat_ms) in deciseconds below 2^16.
-  f.check("clients", c.data.clients <= 10000000, "must be in [1, 10000000]");
   f.check("heartbeat_ms", c.heartbeat_ms >= 10 && c.heartbeat_ms <= 600000, "must be in [10, 600000]");
   f.check("max_message_mb", c.max_message_mb >= 1 && c.max_message_mb <= 2047, "must be in [1, 2047]");
   f.check("backoff_initial_ms", c.backoff_initial_ms >= 1 && c.backoff_initial_ms <= 600000, "must be in [1, 600000]");
@@ -74,6 +73,11 @@ void check_session_config(const core::FlatConfig& f, const SessionConfig& c) {
   if (!c.insecure) {
     f.check("server_key", !c.server_key.empty(), "must name the server's public key file (or set insecure = true)");
     f.check("key", !c.key.empty(), "must name this client's .key_secret file (or set insecure = true)");
+  } else if (f.where("insecure") != "--set") {
+    // A file that says both is contradictory; --insecure (or --set) on a
+    // secure file is the documented way to try it without CURVE.
+    for (const char* k : {"server_key", "key"})
+      f.check(k, !f.has(k), "has no effect with insecure = true (plain TCP, no CURVE keys)");
   }
 }
 

@@ -114,12 +114,12 @@ int main(int argc, char** argv) {
   try {
     if (*tour) return sparrow::compression::run_tour(data_dir, batch, seed, std::cout);
     if (method.empty() || in.empty()) {
-      std::cerr << "sparrow-codec: --method and --in are required (or use the 'tour' subcommand)\n";
+      spdlog::error("event=usage_error msg=\"--method and --in are required (or use the 'tour' subcommand)\"");
       return 2;
     }
     return run_codec(method, in, steps, seed, out, out_mean);
   } catch (const std::exception& e) {
-    std::cerr << "sparrow-codec: error: " << sparrow::core::error_text(e) << "\n";
+    spdlog::error("event=error msg=\"{}\"", sparrow::core::error_text(e));
     return 2;
   }
 }

@@ -1,6 +1,7 @@
 #pragma once
 // What every Sparrow program does the same way on its command line
-// (docs/cli.md): exit statuses, --version, --log-level and one log format.
+// (docs/cli.md): exit statuses, --version, --log-level, --log-format and one
+// log format (core/log.h).
 //
 // Header only: each program is built with SPARROW_VERSION defined (its
 // CMakeLists), and links CLI11 and spdlog already.
@@ -14,6 +15,9 @@
 #include <CLI/CLI.hpp>
 #include <atomic>
 #include <string>
+
+#include "core/error.h"
+#include "core/log.h"
 
 #ifndef SPARROW_VERSION
 #error "SPARROW_VERSION must be defined for programs that include core/cli.h"
@@ -29,12 +33,22 @@ constexpr int kInterrupted = 130;  // stopped by SIGINT/SIGTERM before the work 
 
 inline std::string version_text(const std::string& program) { return program + " " + SPARROW_VERSION; }
 
-// --version and --log-level on `app`; `level` holds the default.
+// The value of --log-format, read by setup_logging (one per process: every
+// program parses one command line).
+inline std::string& log_format_option() {
+  static std::string format = "text";
+  return format;
+}
+
+// --version, --log-level and --log-format on `app`; `level` holds the default.
 inline void add_common_options(CLI::App& app, const std::string& program, std::string* level) {
   app.fallthrough();  // `PROGRAM SUBCOMMAND --log-level debug` works as well
   app.set_version_flag("--version", version_text(program));
   app.add_option("--log-level", *level, "trace, debug, info, warn, error, off")
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "critical", "off"}))
+      ->capture_default_str();
+  app.add_option("--log-format", log_format_option(), "text (key=value lines) or json (one object per line)")
+      ->check(CLI::IsMember({"text", "json"}))
       ->capture_default_str();
 }
 
@@ -115,14 +129,25 @@ inline void on_stop(void (*f)()) {
   __attribute__((section(".preinit_array"), used)) static void (*const sparrow_stop_handlers_at_load)( \
       int, char**, char**) = &::sparrow::cli::install_stop_handlers_at_load
 
-// One log format for every program, on stderr:
+// One log format for every program, on stderr (core/log.h):
 //   2026-11-25T08:00:00.123 level=info event=... key=value ... msg="..."
+// or one JSON object per line with --log-format json. Errors name the failed
+// check's source file and line only at --log-level debug or trace.
 inline void setup_logging(const std::string& program, const std::string& level) {
   auto logger = spdlog::get(program);
   if (!logger) logger = spdlog::stderr_color_mt(program);
   spdlog::set_default_logger(logger);
-  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e level=%l %v");
-  spdlog::set_level(spdlog::level::from_str(level));
+  core::install_log_format(core::parse_log_format(log_format_option()));
+  const auto lvl = spdlog::level::from_str(level);
+  spdlog::set_level(lvl);
+  set_check_locations(lvl <= spdlog::level::debug);
 }
+
+// Whether a line at `lvl` would be written (for output that is not a log
+// line, such as sparrow-sim's progress bar, that --log-level should quiet too).
+inline bool logs(spdlog::level::level_enum lvl) { return spdlog::default_logger_raw()->should_log(lvl); }
+
+// Whether log lines are text (the progress bar may share the terminal).
+inline bool text_logs() { return log_format_option() == "text"; }
 
 }  // namespace sparrow::cli

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 
 #include "core/error.h"
@@ -197,6 +198,51 @@ Dataset load_data_folder(const std::string& dir) {
   return out;
 }
 
+bool has_data_folder_test(const std::string& dir) {
+  const fs::path d(dir);
+  return fs::is_directory(d / "test") || fs::exists(d / "t10k-images-idx3-ubyte") ||
+         fs::exists(d / "t10k-images-idx3-ubyte.gz");
+}
+
+bool has_client_ids(const std::string& dir) { return fs::is_regular_file(fs::path(dir) / kClientIdFile); }
+
+std::optional<at::Tensor> load_client_ids(const std::string& dir, int64_t n) {
+  if (!has_client_ids(dir)) return std::nullopt;
+  const std::string path = (fs::path(dir) / kClientIdFile).string();
+  at::Tensor ids;
+  try {
+    ids = read_npy_labels(path);  // integers (or whole floats), one dimension
+  } catch (const FormatError& e) {
+    throw FormatError("data: " + std::string(e.what()) + " (client ids: one integer per sample)");
+  }
+  SPARROW_CHECK_T(FormatError, ids.size(0) == n,
+                  "data: " << path << " holds " << ids.size(0) << " client ids for " << n << " samples");
+  return ids;
+}
+
+std::vector<std::vector<int64_t>> natural_partition(const at::Tensor& client_ids) {
+  const at::Tensor ids = client_ids.to(at::kCPU, at::kLong).contiguous();
+  const int64_t* v = ids.data_ptr<int64_t>();
+  std::map<int64_t, std::vector<int64_t>> by_id;  // ascending ids; indices pushed in order, so sorted
+  for (int64_t i = 0; i < ids.numel(); ++i) by_id[v[i]].push_back(i);
+  std::vector<std::vector<int64_t>> parts;
+  parts.reserve(by_id.size());
+  for (auto& kv : by_id) parts.push_back(std::move(kv.second));
+  return parts;
+}
+
+std::vector<std::vector<int64_t>> partition_folder(const at::Tensor& labels,
+                                                   const std::optional<at::Tensor>& client_ids, int clients,
+                                                   const std::string& partition, uint64_t seed) {
+  if (partition == "natural") {
+    SPARROW_CHECK_T(
+        ConfigError, client_ids.has_value(),
+        "partition: \"natural\" needs the folder's own client ids (" << kClientIdFile << ", one per sample)");
+    return natural_partition(*client_ids);
+  }
+  return core::partition(labels, clients, partition, seed);
+}
+
 std::optional<Dataset> load_data_folder_test(const std::string& dir) {
   const fs::path d(dir);
   if (fs::is_directory(d / "test")) return load_data_folder((d / "test").string());
@@ -206,7 +252,7 @@ std::optional<Dataset> load_data_folder_test(const std::string& dir) {
   return std::nullopt;
 }
 
-Dataset hold_out(Dataset& d, int64_t k, uint64_t seed) {
+Dataset hold_out(Dataset& d, int64_t k, uint64_t seed, at::Tensor* ids) {
   at::Generator g = at::detail::createCPUGenerator(seed);
   const at::Tensor perm = at::randperm(d.size(), g, at::TensorOptions().dtype(at::kLong));
   Dataset held;
@@ -214,6 +260,7 @@ Dataset hold_out(Dataset& d, int64_t k, uint64_t seed) {
   held.y = d.y.index_select(0, perm.slice(0, 0, k));
   d.x = d.x.index_select(0, perm.slice(0, k));
   d.y = d.y.index_select(0, perm.slice(0, k));
+  if (ids != nullptr && ids->defined()) *ids = ids->index_select(0, perm.slice(0, k));
   return held;
 }
 

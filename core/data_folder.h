@@ -8,6 +8,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "core/datasets.h"
 #include "core/models.h"
@@ -30,9 +31,41 @@ Dataset load_data_folder(const std::string& dir);
 // t10k-labels-idx1-ubyte[.gz] next to the train files. nullopt when neither.
 std::optional<Dataset> load_data_folder_test(const std::string& dir);
 
+// Whether the folder has its own test split (what load_data_folder_test reads).
+bool has_data_folder_test(const std::string& dir);
+
+// The folder's own partition over its clients, LEAF/FEMNIST style: a
+// `client_id.npy` next to x.npy (or the IDX files) holding one integer client id
+// per training sample, [N] (int64, or any integer dtype read_npy_labels takes).
+// The file name every program looks for:
+constexpr const char* kClientIdFile = "client_id.npy";
+// Whether `dir` carries kClientIdFile (the folder need not exist).
+bool has_client_ids(const std::string& dir);
+// The ids as int64 [n]; nullopt when the folder has no kClientIdFile.
+// FormatError for a malformed file or a length other than `n` (the samples).
+std::optional<at::Tensor> load_client_ids(const std::string& dir, int64_t n);
+
+// The natural partition of `client_ids` (int64 [N]): one part per distinct id,
+// in ascending id order, each the sorted indices of that id's samples. The
+// index-th part is "client index" in every program (the simulator's client
+// `index`, sparrow-client's `index`).
+std::vector<std::vector<int64_t>> natural_partition(const at::Tensor& client_ids);
+
+// How every program splits a folder's training samples over clients, so that
+// sparrow-client's shard `index` is the simulator's client `index`:
+// `partition` = "natural" takes natural_partition(*client_ids) (ConfigError
+// naming the file when there are none) and returns all its parts, whatever
+// `clients` (callers take what they need); any other spec is
+// core::partition(labels, clients, partition, seed).
+std::vector<std::vector<int64_t>> partition_folder(const at::Tensor& labels,
+                                                   const std::optional<at::Tensor>& client_ids, int clients,
+                                                   const std::string& partition, uint64_t seed);
+
 // Moves `k` samples of `d`, drawn with `seed`, out of it into the returned set
-// (0 < k < N is the caller's to check): a holdout or a test share.
-Dataset hold_out(Dataset& d, int64_t k, uint64_t seed);
+// (0 < k < N is the caller's to check): a holdout or a test share. `ids`, when
+// given, is a per-sample tensor ([N, ...], e.g. the client ids) kept in step:
+// it is left holding the rows of the samples that stay in `d`.
+Dataset hold_out(Dataset& d, int64_t k, uint64_t seed, at::Tensor* ids = nullptr);
 
 // One forward pass of `model` (named `name` in messages) on the first few
 // samples of `d` (already through check_data_for_model): the TorchScript

@@ -26,13 +26,23 @@ class FormatError : public Error {
   using Error::Error;
 };
 
+// Whether SPARROW_CHECK's message names the failed condition and the source
+// file and line: "MSG [COND failed at FILE:LINE]", or MSG alone. Programs turn
+// it on only for --log-level debug or trace (core/cli.h): a message a user
+// sees names the key or the file, never a source path. On by default, so
+// library code and tests that configure nothing keep the location. Read at
+// each throw; set it once at start-up, before threads throw.
+void set_check_locations(bool on);
+bool check_locations();
+
 namespace detail {
 [[noreturn]] void throw_check(const char* file, int line, const char* cond, const std::string& msg);
 }  // namespace detail
 
 }  // namespace sparrow
 
-// SPARROW_CHECK(cond, stream-expr) throws sparrow::Error with file:line.
+// SPARROW_CHECK(cond, stream-expr) throws sparrow::Error with the message, and
+// the condition with file:line when check_locations() is on.
 #define SPARROW_CHECK(cond, ...)                                                          \
   do {                                                                                    \
     if (!(cond)) {                                                                        \

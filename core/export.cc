@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <fstream>
 
 #include "core/error.h"
 #include "core/error_text.h"
@@ -116,13 +117,21 @@ torch::jit::Module basic_block(const Weights& w, const std::string& name, int64_
   b.register_module("conv2", conv_nobias(need(w, name + ".conv2.weight", {out, out, 3, 3}), 1, 1));
   b.register_module("bn2", batch_norm(w, name + ".bn2", out));
   if (stride != 1 || in != out) {
-    b.register_module("down_conv", conv_nobias(need(w, name + ".downsample.0.weight", {out, in, 1, 1}), stride, 0));
-    b.register_module("down_bn", batch_norm(w, name + ".downsample.1", out));
+    // Named as Sparrow's model (and torchvision's) names it, downsample.0 and
+    // downsample.1, so model.pt's state_dict keys are the .npy names.
+    torch::jit::Module down("Downsample");
+    down.register_module("0", conv_nobias(need(w, name + ".downsample.0.weight", {out, in, 1, 1}), stride, 0));
+    down.register_module("1", batch_norm(w, name + ".downsample.1", out));
+    down.define(R"(
+def forward(self, x):
+    return getattr(self, "1").forward(getattr(self, "0").forward(x))
+)");
+    b.register_module("downsample", down);
     b.define(R"(
 def forward(self, x):
     h = torch.relu(self.bn1.forward(self.conv1.forward(x)))
     h = self.bn2.forward(self.conv2.forward(h))
-    return torch.relu(h + self.down_bn.forward(self.down_conv.forward(x)))
+    return torch.relu(h + self.downsample.forward(x))
 )");
   } else {
     b.define(R"(
@@ -174,9 +183,8 @@ torch::jit::Module scripted(const std::string& file, const Weights& w) {
   return m;
 }
 
-}  // namespace
-
-void save_torchscript(const std::string& model, const Weights& weights, const std::string& path) {
+// The exported module: `model`'s structure holding `weights`.
+torch::jit::Module build(const std::string& model, const Weights& weights) {
   torch::jit::Module m;
   if (model.rfind("torchscript:", 0) == 0)
     m = scripted(model.substr(12), weights);
@@ -195,6 +203,23 @@ void save_torchscript(const std::string& model, const Weights& weights, const st
   }
   SPARROW_CHECK_T(ConfigError, n == weights.size(),
                   "export: model '" << model << "' has " << n << " parameters, the weights " << weights.size());
+  return m;
+}
+
+void write_file(const std::string& path, const std::vector<char>& bytes) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary | std::ios::trunc);
+    f.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+    SPARROW_CHECK(f.good(), "export: cannot write '" << tmp << "'");
+  }
+  fs::rename(tmp, path);
+}
+
+}  // namespace
+
+void save_torchscript(const std::string& model, const Weights& weights, const std::string& path) {
+  torch::jit::Module m = build(model, weights);
   const std::string tmp = path + ".tmp";
   m.save(tmp);
   fs::rename(tmp, path);
@@ -202,20 +227,34 @@ void save_torchscript(const std::string& model, const Weights& weights, const st
 
 ExportResult export_model(const std::string& model, const Weights& weights, const std::string& dir) {
   SPARROW_CHECK_T(ConfigError, !weights.empty(), "export: no weights");
+  // Built first, so weights that do not fit the model write nothing.
+  torch::jit::Module m = build(model, weights);
   fs::create_directories(fs::path(dir) / "weights");
   ExportResult r;
-  for (const auto& [name, t] : weights) {
-    const at::Tensor v = t.detach().to(at::kCPU, at::kFloat).contiguous();
-    const std::string path = (fs::path(dir) / "weights" / (name + ".npy")).string();
+  // Every file names a parameter as the module does (`fc1.weight`, also for a
+  // TorchScript model, whose parameters Sparrow holds as `fc1_weight`), so
+  // PyTorch's load_state_dict takes them without renaming.
+  c10::Dict<std::string, at::Tensor> state;
+  for (const auto& p : m.named_parameters(/*recurse=*/true)) {
+    const at::Tensor v = p.value.detach().to(at::kCPU, at::kFloat).contiguous();
+    const std::string path = (fs::path(dir) / "weights" / (p.name + ".npy")).string();
     npy::write(path, v.sizes().vec(), v.data_ptr<float>());
     r.npy.push_back(path);
+    state.insert(p.name, p.value.detach());
   }
+  // Buffers (a user's BatchNorm statistics) are never trained or aggregated:
+  // they are the model file's own, included so a strict load finds every key.
+  for (const auto& b : m.named_buffers(/*recurse=*/true)) state.insert(b.name, b.value.detach());
+  r.state_dict = (fs::path(dir) / "state_dict.pt").string();
+  write_file(r.state_dict, torch::pickle_save(c10::IValue(state)));
   if (model.rfind("resnet", 0) == 0)
     r.note =
         "resnet: the global model has no BatchNorm running statistics, so model.pt normalises each batch with "
         "its own statistics (evaluate on batches, not single samples)";
   r.torchscript = (fs::path(dir) / "model.pt").string();
-  save_torchscript(model, weights, r.torchscript);
+  const std::string tmp = r.torchscript + ".tmp";
+  m.save(tmp);
+  fs::rename(tmp, r.torchscript);
   return r;
 }
 

@@ -13,17 +13,23 @@
 namespace sparrow::core {
 
 struct ExportResult {
-  std::string torchscript;       // path of model.pt, empty when none was written
+  std::string torchscript;       // path of model.pt
+  std::string state_dict;        // path of state_dict.pt
   std::vector<std::string> npy;  // one path per parameter
-  std::string note;              // why no TorchScript was written, when it was not
+  std::string note;              // a caveat about the exported model, when there is one
 };
 
-// Writes `weights` of `model` into `dir` (created): dir/weights/NAME.npy per
-// parameter, and dir/model.pt for mlp, cnn, resnet, logreg (linear on the
-// flattened input) and torchscript:FILE (that module with these weights).
-// resnet's BatchNorm layers normalise with each batch's statistics (the global
-// model has no running statistics), said in `note`. ConfigError when the
-// weights do not match the model.
+// Writes `weights` of `model` into `dir` (created): dir/model.pt for mlp, cnn,
+// resnet, logreg (linear on the flattened input) and torchscript:FILE (that
+// module with these weights); dir/state_dict.pt, the module's state_dict
+// (torch.load() gives a dict that load_state_dict() takes); and
+// dir/weights/NAME.npy per parameter. Every name is the module's own
+// (PyTorch's dotted `fc1.weight`, never Sparrow's flat `fc1_weight` of a
+// TorchScript model), so model.pt, state_dict.pt and the .npy files agree key
+// for key. resnet's BatchNorm layers normalise with each batch's statistics
+// (the global model has no running statistics), said in `note`. ConfigError
+// (nothing written) when the weights do not match the model or the model has
+// no TorchScript form.
 ExportResult export_model(const std::string& model, const std::map<std::string, at::Tensor>& weights,
                           const std::string& dir);
 

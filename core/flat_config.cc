@@ -2,6 +2,7 @@
 
 #include <toml++/toml.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -29,6 +30,36 @@ std::string trim(const std::string& s) {
 }
 
 }  // namespace
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  // Levenshtein with adjacent transpositions counted as one edit ("lrr" ->
+  // "lr" is 1, "ilmit" -> "limit" is 1).
+  std::vector<std::vector<size_t>> d(a.size() + 1, std::vector<size_t>(b.size() + 1));
+  for (size_t i = 0; i <= a.size(); ++i) d[i][0] = i;
+  for (size_t j = 0; j <= b.size(); ++j) d[0][j] = j;
+  for (size_t i = 1; i <= a.size(); ++i)
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t sub = d[i - 1][j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1);
+      d[i][j] = std::min({d[i - 1][j] + 1, d[i][j - 1] + 1, sub});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1])
+        d[i][j] = std::min(d[i][j], d[i - 2][j - 2] + 1);
+    }
+  return d[a.size()][b.size()];
+}
+
+std::string closest_key(const std::string& key, const std::vector<std::string>& known) {
+  std::string best;
+  size_t best_d = 3;  // at most 2 edits
+  for (const std::string& k : known) {
+    // Not for very short keys, where two edits make anything out of anything.
+    const size_t d = edit_distance(key, k);
+    if (d < best_d && d < std::max(key.size(), k.size())) {
+      best = k;
+      best_d = d;
+    }
+  }
+  return best;
+}
 
 FlatConfig::FlatConfig(std::string source) : source_(std::move(source)) {}
 
@@ -60,8 +91,14 @@ const FlatConfig::Binding& FlatConfig::find(const std::string& key) const {
   for (const Binding& b : bindings_)
     if (b.key == key) return b;
   std::string known;
-  for (const Binding& b : bindings_) known += (known.empty() ? "" : ", ") + b.key;
-  fail(key, "is unknown (known keys: " + known + ")");
+  std::vector<std::string> keys;
+  for (const Binding& b : bindings_) {
+    known += (known.empty() ? "" : ", ") + b.key;
+    keys.push_back(b.key);
+  }
+  const std::string close = closest_key(key, keys);
+  fail(key, "is unknown" + (close.empty() ? std::string() : ": did you mean '" + close + "'?") +
+                " (known keys: " + known + ")");
 }
 
 bool FlatConfig::is_table(const std::string& name) const {

@@ -5,8 +5,9 @@
 // overrides on top.
 //
 // Contract:
-//  - Every key must be bound: an unknown key is a ConfigError naming it and
-//    listing the known keys (in bind order).
+//  - Every key must be bound: an unknown key is a ConfigError naming it, the
+//    nearest known key within 2 edits ("did you mean 'lr'?") and listing the
+//    known keys (in bind order).
 //  - A bound key "table.x" is read from `x` in a [table] section (and set by
 //    `--set table.x=...`); a bare `table = ...` then needs to be a table.
 //  - TOML values are type-checked (an integer key needs a TOML integer, a double
@@ -92,6 +93,15 @@ class FlatConfig {
   std::vector<Binding> bindings_;
   std::map<std::string, std::string> where_;  // key -> "file:line" or "--set"
 };
+
+// The edit distance of two keys (insertions, deletions, substitutions and
+// swaps of neighbours each count one).
+size_t edit_distance(const std::string& a, const std::string& b);
+// The known key nearest to `key` within 2 edits (the first in `known` order
+// on a tie), or "" when none is: what "did you mean 'lr'?" names. A match
+// needs fewer edits than the longer key has characters (two edits turn any
+// 2-letter key into any other).
+std::string closest_key(const std::string& key, const std::vector<std::string>& known);
 
 // A TOML basic string: quotes, backslashes and control characters escaped.
 std::string toml_quote(const std::string& s);

@@ -40,11 +40,12 @@ std::string read_text_file(const std::string& path) {
   return text.str();
 }
 
-void read_flat_config(const std::string& toml_text, const std::string& source, const std::vector<ConfigField>& fields,
-                      const std::vector<std::string>& overrides) {
+core::FlatConfig read_flat_config(const std::string& toml_text, const std::string& source,
+                                  const std::vector<ConfigField>& fields, const std::vector<std::string>& overrides) {
   core::FlatConfig f(source);
   for (const ConfigField& field : fields) std::visit([&](auto* slot) { f.bind(field.key, slot); }, field.slot);
   f.read(toml_text, overrides);
+  return f;
 }
 
 Sgd::Sgd(std::vector<at::Tensor> params, double lr, double momentum)
@@ -123,28 +124,28 @@ std::string split_model_label(const std::string& model, const std::string& cut) 
 CloudConfig parse_cloud_config(const std::string& toml_text, const std::vector<std::string>& overrides,
                                const std::string& source) {
   CloudConfig c;
-  read_flat_config(toml_text, source,
-                   {{"listen", &c.listen},
-                    {"key", &c.key},
-                    {"allow", &c.allow},
-                    {"insecure", &c.insecure},
-                    {"model", &c.model},
-                    {"cut", &c.cut},
-                    {"weights", &c.weights},
-                    {"seed", &c.seed},
-                    {"grad_codec", &c.grad_codec},
-                    {"lr", &c.lr},
-                    {"momentum", &c.momentum},
-                    {"max_grad_norm", &c.max_grad_norm},
-                    {"grad_norm_factor", &c.grad_norm_factor},
-                    {"fedavg_devices", &c.fedavg_devices},
-                    {"state", &c.state},
-                    {"checkpoint_every", &c.checkpoint_every},
-                    {"fsync", &c.fsync},
-                    {"heartbeat_ms", &c.heartbeat_ms},
-                    {"max_message_mb", &c.max_message_mb},
-                    {"threads", &c.threads}},
-                   overrides);
+  const core::FlatConfig f = read_flat_config(toml_text, source,
+                                              {{"listen", &c.listen},
+                                               {"key", &c.key},
+                                               {"allow", &c.allow},
+                                               {"insecure", &c.insecure},
+                                               {"model", &c.model},
+                                               {"cut", &c.cut},
+                                               {"weights", &c.weights},
+                                               {"seed", &c.seed},
+                                               {"grad_codec", &c.grad_codec},
+                                               {"lr", &c.lr},
+                                               {"momentum", &c.momentum},
+                                               {"max_grad_norm", &c.max_grad_norm},
+                                               {"grad_norm_factor", &c.grad_norm_factor},
+                                               {"fedavg_devices", &c.fedavg_devices},
+                                               {"state", &c.state},
+                                               {"checkpoint_every", &c.checkpoint_every},
+                                               {"fsync", &c.fsync},
+                                               {"heartbeat_ms", &c.heartbeat_ms},
+                                               {"max_message_mb", &c.max_message_mb},
+                                               {"threads", &c.threads}},
+                                              overrides);
   SPARROW_CHECK_T(ConfigError, !c.listen.empty(), source << ": listen: must not be empty");
   net::check_endpoint(source + ": listen", c.listen, /*for_bind=*/true);
   SPARROW_CHECK_T(ConfigError, c.insecure || (!c.key.empty() && !c.allow.empty()),
@@ -166,6 +167,12 @@ CloudConfig parse_cloud_config(const std::string& toml_text, const std::vector<s
   SPARROW_CHECK_T(ConfigError, c.grad_norm_factor == 0 || (c.grad_norm_factor >= 2 && c.grad_norm_factor <= 1e6),
                   source << ": grad_norm_factor: must be 0 (off) or in [2, 1e6]");
   SPARROW_CHECK_T(ConfigError, c.fedavg_devices <= 10000, source << ": fedavg_devices: must be in [0, 10000]");
+  // No key without an effect (docs/split.md): each is refused where it would change nothing.
+  for (const char* k : {"checkpoint_every", "fsync"})
+    f.check(k, c.state != "" || !f.has(k), "has no effect with state = \"\" (the cloud keeps nothing on disk)");
+  if (c.insecure && f.where("insecure") != "--set")  // --insecure on a secure file is the documented try-out
+    for (const char* k : {"key", "allow"})
+      f.check(k, !f.has(k), "has no effect with insecure = true (plain TCP, no CURVE keys)");
   return c;
 }
 

@@ -38,6 +38,7 @@
 #include <variant>
 #include <vector>
 
+#include "core/flat_config.h"
 #include "core/models.h"
 
 namespace sparrow::edge {
@@ -53,9 +54,10 @@ struct ConfigField {
 
 // Reads a flat TOML document into `fields`, then applies `overrides` ("key=value",
 // as --set). ConfigError for a syntax error, an unknown key, a wrong type or an
-// unparsable override; the message names the key and where it came from.
-void read_flat_config(const std::string& toml_text, const std::string& source, const std::vector<ConfigField>& fields,
-                      const std::vector<std::string>& overrides);
+// unparsable override; the message names the key and where it came from. The
+// binder is returned for the checks across keys (which were set, and where).
+core::FlatConfig read_flat_config(const std::string& toml_text, const std::string& source,
+                                  const std::vector<ConfigField>& fields, const std::vector<std::string>& overrides);
 // The file's text; ConfigError when it cannot be read.
 std::string read_text_file(const std::string& path);
 

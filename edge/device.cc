@@ -29,70 +29,6 @@
 
 namespace sparrow::edge {
 
-DeviceConfig parse_device_config(const std::string& toml_text, const std::vector<std::string>& overrides,
-                                 const std::string& source) {
-  DeviceConfig c;
-  read_flat_config(toml_text, source,
-                   {{"cloud", &c.cloud},
-                    {"cloud_key", &c.cloud_key},
-                    {"key", &c.key},
-                    {"insecure", &c.insecure},
-                    {"device_id", &c.device_id},
-                    {"model", &c.model},
-                    {"cut", &c.cut},
-                    {"weights", &c.weights},
-                    {"seed", &c.seed},
-                    {"codec", &c.codec},
-                    {"freeze", &c.freeze},
-                    {"lr", &c.lr},
-                    {"momentum", &c.momentum},
-                    {"batch_size", &c.batch_size},
-                    {"steps", &c.steps},
-                    {"data", &c.data},
-                    {"data_dir", &c.data_dir},
-                    {"partition", &c.partition},
-                    {"clients", &c.clients},
-                    {"index", &c.index},
-                    {"partition_seed", &c.partition_seed},
-                    {"eval_samples", &c.eval_samples},
-                    {"progress", &c.progress},
-                    {"save_every", &c.save_every},
-                    {"reply_timeout_ms", &c.reply_timeout_ms},
-                    {"backoff_initial_ms", &c.backoff_initial_ms},
-                    {"backoff_max_ms", &c.backoff_max_ms},
-                    {"max_reconnects", &c.max_reconnects},
-                    {"max_message_mb", &c.max_message_mb},
-                    {"threads", &c.threads},
-                    {"fedavg_every", &c.fedavg_every}},
-                   overrides);
-  // The ranges of docs/split.md's key table, before anything is loaded (NaN
-  // fails every comparison); validate() adds the cross-key checks.
-  auto range = [&](const char* key, bool ok, const std::string& what) {
-    SPARROW_CHECK_T(ConfigError, ok, source << ": " << key << ": must be " << what);
-  };
-  range("lr", c.lr > 0 && c.lr <= 10, "in (0, 10]");
-  range("momentum", c.momentum >= 0 && c.momentum < 1, "in [0, 1)");
-  range("batch_size", c.batch_size >= 1 && c.batch_size <= 65536, "in [1, 65536]");
-  range("steps", c.steps >= 1 && c.steps <= 1000000000, "in [1, 1000000000]");
-  range("eval_samples", c.eval_samples <= 10000000, "in [0, 10000000]");
-  range("save_every", c.save_every >= 1 && c.save_every <= 1000000000, "in [1, 1000000000]");
-  range("reply_timeout_ms", c.reply_timeout_ms >= 10 && c.reply_timeout_ms <= 3600000, "in [10, 3600000]");
-  range("backoff_initial_ms", c.backoff_initial_ms >= 1 && c.backoff_initial_ms <= 600000, "in [1, 600000]");
-  range("backoff_max_ms", c.backoff_max_ms >= c.backoff_initial_ms && c.backoff_max_ms <= 3600000,
-        "in [backoff_initial_ms, 3600000]");
-  range("max_reconnects", c.max_reconnects <= 1000000000, "in [0, 1000000000]");
-  range("max_message_mb", c.max_message_mb >= 1 && c.max_message_mb <= 2047, "in [1, 2047]");
-  range("threads", c.threads >= 0 && c.threads <= 1024, "in [0, 1024] (0 = one per core)");
-  range("clients", c.clients >= 1 && c.clients <= 1000000, "in [1, 1000000]");
-  range("index", c.index >= 0 && c.index < c.clients, "in [0, clients)");
-  range("fedavg_every", c.fedavg_every <= 1000000000, "in [0, 1000000000] (0 = off)");
-  return c;
-}
-
-DeviceConfig load_device_config(const std::string& path, const std::vector<std::string>& overrides) {
-  return parse_device_config(core::read_config_file(path), overrides, path);
-}
-
 namespace {
 
 void validate(const DeviceConfig& c) {
@@ -136,33 +72,6 @@ std::string num(double v) {
 }
 
 }  // namespace
-
-DeviceData load_device_data(const DeviceConfig& cfg) {
-  client::DataConfig dc;
-  dc.data = cfg.data;
-  dc.data_dir = cfg.data_dir;
-  dc.partition = cfg.partition;
-  dc.clients = static_cast<int>(cfg.clients);
-  dc.index = static_cast<int>(cfg.index);
-  dc.partition_seed = cfg.partition_seed;
-  DeviceData d;
-  d.train = client::load_client_data(dc, cfg.model);
-  if (cfg.eval_samples == 0 || cfg.data.rfind("folder:", 0) == 0) return d;
-  core::Dataset test;
-  Spec spec = Spec::parse(cfg.data);
-  if (spec.method() == "fashion-mnist") {
-    test = core::load_fashion_mnist(cfg.data_dir, "test");
-  } else {
-    const double a = spec.get_double("alpha", 1.0), b = spec.get_double("beta", 1.0);
-    test = core::make_synthetic(a, b, static_cast<int>(cfg.clients), cfg.partition_seed).test[cfg.index];
-  }
-  const int64_t n = std::min<int64_t>(test.size(), static_cast<int64_t>(cfg.eval_samples));
-  if (n == 0) return d;
-  test.x = test.x.slice(0, 0, n).contiguous();
-  test.y = test.y.slice(0, 0, n).contiguous();
-  d.test = client::check_data_for_model(std::move(test), cfg.model);
-  return d;
-}
 
 std::vector<int64_t> batch_indices(int64_t n, int64_t batch, uint64_t seed, uint64_t step) {
   SPARROW_CHECK(n >= 1 && batch >= 1 && step >= 1, "batch_indices: need n, batch, step >= 1");
@@ -747,6 +656,7 @@ struct EdgeDevice::Impl {
     split->bottom.train(true);
     sum.eval_samples = static_cast<uint64_t>(n);
     sum.accuracy = static_cast<double>(correct) / static_cast<double>(n);
+    spdlog::info("event=eval samples={} accuracy={:.4f}", n, sum.accuracy);
   }
 };
 

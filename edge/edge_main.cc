@@ -101,7 +101,7 @@ int main(int argc, char** argv) {
                          command);
     }
     if (config_path.empty()) {
-      std::cerr << "sparrow-edge: --config FILE is required (or: sparrow-edge serve --config FILE)\n";
+      spdlog::error("event=usage_error msg=\"--config FILE is required (or: sparrow-edge serve --config FILE)\"");
       return 2;
     }
     if (insecure) overrides.push_back("insecure=true");

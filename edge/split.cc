@@ -55,18 +55,56 @@ std::vector<std::string> stage_names(const core::Model& model) {
   return out;
 }
 
+namespace {
+
+const char* stages_word(size_t k) { return k == 1 ? "stage" : "stages"; }
+
+// "first:K": the bottom is the first K stages.
+size_t first_stages(const std::string& cut, const std::string& count) {
+  SPARROW_CHECK_T(ConfigError, all_digits(count), "cut '" << cut << "': 'first:' takes a number of stages");
+  return count.size() > 6 ? 0 : static_cast<size_t>(std::stoul(count));
+}
+
+// "after:NAME" or a bare name: the bottom ends with stage NAME.
+size_t through_stage(const std::vector<std::string>& names, const std::string& cut, const std::string& name) {
+  auto it = std::find(names.begin(), names.end(), name);
+  SPARROW_CHECK_T(ConfigError, it != names.end(), "unknown cut '" << cut << "' (stages: " << joined(names) << ")");
+  return static_cast<size_t>(it - names.begin()) + 1;
+}
+
+}  // namespace
+
 Split split_model(std::shared_ptr<core::Model> model, const std::string& cut) {
   SPARROW_CHECK_T(ConfigError, model != nullptr, "split_model: no model");
   const std::vector<core::ModelStage> stages = model->stages();
   const std::vector<std::string> names = stage_names(*model);
   SPARROW_CHECK_T(ConfigError, stages.size() >= 2, "this model lists no stages (or one), so it cannot be cut");
   size_t k = 0;
-  if (all_digits(cut) && std::find(names.begin(), names.end(), cut) == names.end()) {
-    k = cut.size() > 6 ? 0 : static_cast<size_t>(std::stoul(cut));
-  } else {
+  if (cut.rfind("first:", 0) == 0) {
+    k = first_stages(cut, cut.substr(6));
+  } else if (cut.rfind("after:", 0) == 0) {
+    k = through_stage(names, cut, cut.substr(6));
+  } else if (all_digits(cut)) {
+    // An nn.Sequential names its children 0, 1, 2, ...: there "1" is both the
+    // stage named "1" (a bottom of two stages) and a count of one. Guessing
+    // would train a different split than the user meant, so it is refused.
     auto it = std::find(names.begin(), names.end(), cut);
-    SPARROW_CHECK_T(ConfigError, it != names.end(), "unknown cut '" << cut << "' (stages: " << joined(names) << ")");
-    k = static_cast<size_t>(it - names.begin()) + 1;
+    if (it != names.end()) {
+      const size_t through = static_cast<size_t>(it - names.begin()) + 1;
+      const size_t count = cut.size() > 6 ? 0 : static_cast<size_t>(std::stoul(cut));
+      std::ostringstream os;
+      os << "cut '" << cut << "' is ambiguous: this model's stages are named by number (" << joined(names)
+         << "), as an nn.Sequential's children are, so it could mean after the stage named '" << cut
+         << "' or a count of stages; write cut = \"after:" << cut << "\" (the bottom is the first " << through << " "
+         << stages_word(through) << ", up to the one named '" << cut << "')";
+      if (count >= 1 && count < stages.size())
+        os << " or cut = \"first:" << cut << "\" (the bottom is the first " << count << " " << stages_word(count)
+           << ")";
+      throw ConfigError(os.str());
+    }
+    k = first_stages(cut, cut);
+  } else {
+    k = through_stage(names, cut, cut);
   }
   SPARROW_CHECK_T(ConfigError, k >= 1 && k < stages.size(),
                   "cut '" << cut << "' leaves an empty half (cut after one of: "

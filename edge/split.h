@@ -57,10 +57,13 @@ struct Split {
 std::vector<std::string> stage_names(const core::Model& model);
 
 // Cuts `model` after stage `cut`: a stage name ("conv2": the bottom ends with
-// conv2) or a count ("2": the bottom is the first two stages). The bottom must
-// have at least one stage and the top too. The bottom's parameters are those of
-// its stages; the top gets every other parameter. ConfigError for an uncuttable
-// model or an unknown/out-of-range cut (the message lists the stages).
+// conv2) or a count ("2": the bottom is the first two stages), or explicitly
+// "after:NAME" / "first:K". A bare number that is also a stage's name (an
+// nn.Sequential's children are named 0, 1, ...) is refused as ambiguous, the
+// message naming both explicit forms. The bottom must have at least one stage
+// and the top too. The bottom's parameters are those of its stages; the top
+// gets every other parameter. ConfigError for an uncuttable model or an
+// unknown/out-of-range/ambiguous cut (the message lists the stages).
 Split split_model(std::shared_ptr<core::Model> model, const std::string& cut);
 
 // Max |forward(x) - top(bottom(x))| on a sample input (eval mode for the check,

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "compression/state.h"
 #include "core/error.h"
 #include "federation/sampler.h"
 #include "secagg/secagg.h"
@@ -95,6 +96,69 @@ StepResult RoundEngine::finish_only(aggregation::AggregateStats* stats) {
   StepResult out = gm_.finish_only(aggregator_, fold_.sum(), round_, stats);
   fold_.sum().reset(aggregator_.clip());
   return out;
+}
+
+GlobalState RoundEngine::save() const {
+  expect(Phase::kIdle, "save");
+  GlobalState s;
+  s.weights = compression::serialize_weights(gm_.weights());
+  s.server_opt = gm_.optimizer().serialize_state();
+  if (!gm_.control().empty()) s.control = compression::serialize_weights(gm_.control());
+  if (!gm_.shared().empty()) s.shared = compression::serialize_weights(gm_.shared());
+  s.aggregator = aggregator_.serialize_state();
+  if (gm_.has_downlink()) s.broadcast = compression::serialize_weights(gm_.broadcast());
+  return s;
+}
+
+namespace {
+// `bytes` as weights of exactly the model's tensors and shapes.
+Weights fitting(const std::string& bytes, const Weights& model, const std::string& where, const char* what) {
+  Weights w;
+  try {
+    w = compression::deserialize_weights(bytes);
+  } catch (const Error& e) {
+    throw FormatError(where + ": the checkpoint's " + what + " does not parse (" + e.what() + ")");
+  }
+  SPARROW_CHECK_T(
+      FormatError, w.size() == model.size(),
+      where << ": the checkpoint's " << what << " has " << w.size() << " tensors, the model " << model.size());
+  for (const auto& [k, v] : model)
+    SPARROW_CHECK_T(FormatError, w.count(k) && w.at(k).sizes() == v.sizes(),
+                    where << ": the checkpoint's " << what << " does not match the model at '" << k << "'");
+  return w;
+}
+}  // namespace
+
+void RoundEngine::load(const GlobalState& s, const std::string& where) {
+  expect(Phase::kIdle, "load");
+  // Everything parsed and checked first: a bad piece changes nothing.
+  Weights w = fitting(s.weights, gm_.weights(), where, "model");
+  Weights c = s.control.empty() ? Weights{} : fitting(s.control, gm_.weights(), where, "SCAFFOLD control");
+  Weights b;
+  if (gm_.has_downlink() && !s.broadcast.empty()) b = fitting(s.broadcast, gm_.weights(), where, "broadcast model");
+  Weights sh;
+  if (!s.shared.empty()) {
+    try {
+      sh = compression::deserialize_weights(s.shared);
+    } catch (const Error& e) {
+      throw FormatError(where + ": the checkpoint's shared factors do not parse (" + e.what() + ")");
+    }
+  }
+  const std::string opt_before = gm_.optimizer().serialize_state();
+  const std::string agg_before = aggregator_.serialize_state();
+  try {
+    if (!s.server_opt.empty()) gm_.optimizer().deserialize_state(s.server_opt);
+    if (!s.aggregator.empty()) aggregator_.deserialize_state(s.aggregator);
+  } catch (const Error& e) {
+    if (!opt_before.empty()) gm_.optimizer().deserialize_state(opt_before);
+    if (!agg_before.empty()) aggregator_.deserialize_state(agg_before);
+    throw FormatError(where + ": the checkpoint's optimiser or aggregator state does not load (" + e.what() + ")");
+  }
+  for (auto& [k, v] : gm_.weights()) v.copy_(w.at(k));
+  gm_.control() = std::move(c);
+  gm_.shared() = std::move(sh);
+  if (!b.empty())
+    for (auto& [k, v] : gm_.broadcast()) v.copy_(b.at(k));
 }
 
 void RoundEngine::abandon() {

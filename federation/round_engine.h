@@ -32,6 +32,20 @@
 
 namespace sparrow::federation {
 
+// What a checkpoint holds of the global side, each piece serialized
+// (compression::serialize_weights; the optimiser's and the aggregator's own
+// formats). Both programs store these pieces (the server as columns of its
+// checkpoints table, the simulator as meta of client_state.db); what they
+// are, how they are written and how they are checked on resume is here.
+struct GlobalState {
+  std::string weights;     // W_r
+  std::string server_opt;  // the server optimiser's state ("" = stateless)
+  std::string control;     // SCAFFOLD's c ("" = none yet)
+  std::string shared;      // ACP shared factors and TCS masks ("" = none)
+  std::string aggregator;  // the adaptive clip of central DP
+  std::string broadcast;   // B_r, with a downlink codec ("" otherwise)
+};
+
 class RoundEngine {
  public:
   enum class Phase { kIdle, kOpen, kClosed };
@@ -67,6 +81,15 @@ class RoundEngine {
   StepResult finish_only(aggregation::AggregateStats* stats = nullptr);
   // Any phase -> kIdle, nothing applied (a stopped or abandoned round).
   void abandon();
+
+  // The checkpoint's contents (while kIdle; the caller guards W against
+  // concurrent readers as it does for the step).
+  GlobalState save() const;
+  // Restores them, all or nothing: FormatError naming `where` (the file)
+  // when a piece does not parse or does not fit the model. An empty
+  // broadcast with a downlink codec leaves B as it is (checkpoints of older
+  // servers); an empty control or shared clears them.
+  void load(const GlobalState& s, const std::string& where);
 
   Phase phase() const { return phase_; }
   uint64_t round() const { return round_; }

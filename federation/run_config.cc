@@ -19,7 +19,7 @@ namespace {
 // The keys only one program uses, with their types (the owner checks their
 // values; the other program only their types). tests/federation's config test
 // fails when a program gains a key missing here.
-enum class Type { kString, kDouble, kInt };
+enum class Type { kString, kDouble, kInt, kBool };
 using KeyList = std::vector<std::pair<const char*, Type>>;
 
 const KeyList& simulation_keys() {
@@ -33,6 +33,7 @@ const KeyList& simulation_keys() {
                             {"threads", Type::kInt},
                             {"device", Type::kString},
                             {"checkpoint_every", Type::kInt},
+                            {"keep_client_state", Type::kBool},
                             {"out", Type::kString},
                             {"deadline_s", Type::kDouble},
                             {"profiles.compute_speed", Type::kDouble},
@@ -152,6 +153,8 @@ void validate(const RunConfig& c, const core::FlatConfig& f) {
   f.check("algorithm", c.algorithm == "fedavg" || c.algorithm == "fedprox" || c.algorithm == "scaffold",
           "must be fedavg, fedprox or scaffold (got '" + c.algorithm + "')");
   f.check("mu", c.mu >= 0 && c.mu <= 1000, "must be in [0, 1000]");
+  f.check("mu", c.mu == 0 || c.algorithm == "fedprox",
+          "has no effect unless algorithm = \"fedprox\" (the proximal term's weight)");
   f.check("local_epochs", c.local_epochs >= 1 && c.local_epochs <= 1000, "must be in [1, 1000]");
   f.check("batch_size", c.batch_size >= 1 && c.batch_size <= 1000000, "must be in [1, 1000000]");
   f.check("lr", c.lr > 0 && c.lr <= 10, "must be in (0, 10]");
@@ -243,6 +246,10 @@ OtherProgramKeys::OtherProgramKeys(core::FlatConfig& f, Program self) {
       case Type::kInt:
         ints_.emplace_back();
         f.bind(key, &ints_.back());
+        break;
+      case Type::kBool:
+        bools_.emplace_back();
+        f.bind(key, &bools_.back());
         break;
     }
   }

@@ -119,6 +119,7 @@ class OtherProgramKeys {
   std::deque<std::string> strings_;
   std::deque<double> doubles_;
   std::deque<int64_t> ints_;
+  std::deque<bool> bools_;
 };
 
 }  // namespace sparrow::federation

@@ -94,7 +94,8 @@ std::string Board::run_json(const RunInfo& r, double now) {
   std::ostringstream o;
   o << "{\"program\":" << json_string(r.program) << ",\"run_id\":" << json_string(r.run_id)
     << ",\"model\":" << json_string(r.model) << ",\"rounds_total\":" << r.rounds_total
-    << ",\"started\":" << time_json(r.started) << ",\"now\":" << time_json(now)
+    << ",\"started\":" << time_json(r.started) << ",\"now\":" << time_json(now) << ",\"min_clients\":" << r.min_clients
+    << ",\"quorum\":" << r.quorum << ",\"clients_per_round\":" << r.clients_per_round
     << ",\"config\":" << json_string(r.config) << '}';
   return o.str();
 }
@@ -108,18 +109,40 @@ RunInfo Board::run() const {
 
 std::string Board::progress_json() const {
   Progress p;
-  int64_t total;
+  int64_t total, min_clients, quorum;
+  uint64_t up = 0, down = 0;
+  double accuracy = NAN, recent_s = 0;
+  int64_t accuracy_round = 0, last_round = 0, recent = 0;
   {
     std::lock_guard<std::mutex> g(mu_);
     p = progress_;
     total = run_.rounds_total;
+    min_clients = run_.min_clients;
+    quorum = run_.quorum;
+    for (size_t i = 0; i < rounds_.size(); ++i) {
+      const RoundPoint& r = rounds_[i];
+      up += r.bytes_up;
+      down += r.bytes_down;
+      if (std::isfinite(r.accuracy)) accuracy = r.accuracy, accuracy_round = r.round;
+      if (i + 10 >= rounds_.size() && std::isfinite(r.duration_s)) recent_s += r.duration_s, ++recent;
+    }
+    if (!rounds_.empty()) last_round = rounds_.back().round;
   }
+  const bool over = p.phase == "done" || p.phase == "stopped";
+  const int64_t completed = std::max(p.rounds_completed, last_round);
+  double eta = NAN;
+  if (p.phase == "done")
+    eta = 0;
+  else if (recent > 0 && total > 0 && p.phase != "stopped")
+    eta = recent_s / static_cast<double>(recent) * static_cast<double>(std::max<int64_t>(0, total - completed));
   std::ostringstream o;
   o << "{\"round\":" << p.round << ",\"phase\":" << json_string(p.phase) << ",\"selected\":" << p.selected
     << ",\"received\":" << p.received << ",\"started\":" << time_json(p.started)
-    << ",\"deadline\":" << time_json(p.deadline) << ",\"rounds_completed\":" << p.rounds_completed
+    << ",\"deadline\":" << time_json(over ? NAN : p.deadline) << ",\"rounds_completed\":" << p.rounds_completed
     << ",\"rounds_total\":" << total << ",\"clients_connected\":" << p.clients_connected
-    << ",\"now\":" << time_json(unix_now()) << '}';
+    << ",\"min_clients\":" << min_clients << ",\"quorum\":" << quorum << ",\"accuracy\":" << json_number(accuracy, 9)
+    << ",\"accuracy_round\":" << accuracy_round << ",\"bytes_up_total\":" << up << ",\"bytes_down_total\":" << down
+    << ",\"eta_s\":" << json_number(eta, 9) << ",\"now\":" << time_json(unix_now()) << '}';
   return o.str();
 }
 

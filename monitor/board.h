@@ -29,6 +29,11 @@ struct RunInfo {
   std::string config;  // the run's configuration as TOML text
   int64_t rounds_total = 0;
   double started = 0;  // unix seconds
+  // What a round needs, for the progress line's wording (0: not applicable,
+  // as in the simulator, which samples clients_per_round of the reachable
+  // clients): live clients to start a round, updates to close it at its
+  // deadline, and clients it selects.
+  int64_t min_clients = 0, quorum = 0, clients_per_round = 0;
 };
 
 // One completed round. NaN = not measured this round (JSON null).
@@ -85,6 +90,11 @@ class Board {
   void set_totals(const Totals& t);
 
   // GET /api/run, /api/progress, /api/rounds?since=N, /api/clients?limit=N.
+  // /api/progress also carries the run's headline figures, computed from the
+  // completed rounds: the latest accuracy and its round, the bytes each way,
+  // and eta_s (the mean duration of the last 10 rounds x the rounds left; 0
+  // once done, null before a round completed). A finished or stopped run has
+  // no deadline (null), whatever its last round had.
   // Peer text (client ids, `software`) is rendered core::printable() inside
   // the JSON string: plain ASCII, no control bytes (docs/security.md).
   std::string run_json() const;

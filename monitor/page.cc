@@ -85,6 +85,11 @@ std::string report_page(const std::vector<ReportRun>& runs) {
     json += (i ? "," : "");
     json += "{\"name\":" + json_string(r.name) + ",\"run\":" + Board::run_json(r.run, r.run.started) + ",\"rounds\":[";
     for (size_t k = 0; k < r.rounds.size(); ++k) json += (k ? "," : "") + Board::round_json(r.rounds[k]);
+    // [[key, value], ...]: an array keeps the order.
+    json += "],\"settings\":[";
+    for (size_t k = 0; k < r.settings.size(); ++k)
+      json += (k ? "," : "") + std::string("[") + json_string(r.settings[k].first) + "," +
+              json_string(r.settings[k].second) + "]";
     json += "]}";
   }
   json += "]}";

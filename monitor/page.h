@@ -4,10 +4,12 @@
 //
 // Live mode (static_data empty): the page polls the endpoint's /api/* on the
 // origin it was loaded from. Report mode: the page shows the runs in
-// static_data, a JSON object {"generated":..., "runs":[{"name", "run", "rounds"}]}
+// static_data, a JSON object {"generated":..., "runs":[{"name", "run", "rounds",
+// "settings"}]}
 // (docs/monitoring.md), and fetches nothing.
 
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "monitor/board.h"
@@ -21,6 +23,9 @@ struct ReportRun {
   std::string name;
   RunInfo run;
   std::vector<RoundPoint> rounds;
+  // The settings its row in the runs table shows, in order: what compresses
+  // each way, then the config keys in which the report's runs differ.
+  std::vector<std::pair<std::string, std::string>> settings;
 };
 // The report-mode page for `runs` (the first is the main run).
 std::string report_page(const std::vector<ReportRun>& runs);

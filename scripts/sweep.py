@@ -24,12 +24,17 @@ is not run again, so an interrupted sweep resumes where it stopped.
 
 Writes into --out (default runs/sweep-<grid stem>):
     runs.csv     one row per run: accuracy (mean of the last `last` evaluations),
-                 final accuracy, total uplink and downlink wire bytes, seconds
-    summary.csv  one row per method: mean over seeds with a 95% t-interval, and the
-                 paired difference to `reference` with its 95% t-interval
+                 final accuracy, uplink, downlink and total wire bytes, seconds
+    summary.csv  one row per method: mean over seeds with a 95% t-interval, the
+                 paired difference to `reference` with its 95% t-interval, and the
+                 mean uplink, downlink and total bytes
     summary.md   the same as a Markdown table
-    plot.svg     accuracy (mean, 95% interval) against uplink bytes (--x total: uplink +
-                 downlink), log scale, one point per method; no plotting library needed
+    plot.svg     accuracy (mean, 95% interval, and each seed as a hollow mark) against
+                 uplink bytes (--x total: uplink + downlink), log scale, one point per
+                 method; the y axis stays within 0-100% and is scaled to the seeds'
+                 values, an interval wider than the axis (2 seeds: t = 12.7) is cut at
+                 its edge and said so; no plotting library needed
+    plot_total.svg  the same against uplink + downlink bytes (with --x up)
 Standard library only.
 """
 
@@ -172,22 +177,30 @@ def fmt_bytes(b):
 
 
 def write_svg(path, points, title, xlabel):
-    """points: [(label, bytes, mean, half)] with mean/half in percent."""
-    W, H, L, R, T, B = 760, 460, 70, 190, 40, 60
-    xs = [math.log10(p[1]) for p in points]
-    lo_y = min(p[2] - (p[3] if p[3] == p[3] else 0) for p in points)
-    hi_y = max(p[2] + (p[3] if p[3] == p[3] else 0) for p in points)
+    """points: [(label, bytes, mean, half, seed values)] with mean/half/values in percent.
+
+    The y axis covers the means and every seed's value (not the intervals, which
+    with 2 seeds are 12.7 standard errors wide), within 0-100%; an interval that
+    leaves the axis is drawn to its edge without a cap there."""
+    W, H, L, R, T, B = 760, 480, 70, 190, 40, 80
+    xs = [math.log10(max(p[1], 1)) for p in points]
+    ys = [p[2] for p in points] + [v for p in points for v in p[4]]
+    lo_y, hi_y = max(0.0, min(ys)), min(100.0, max(ys))
     x0, x1 = math.floor(min(xs)), math.ceil(max(xs))
     if x1 == x0:
         x1 = x0 + 1
-    y0, y1 = math.floor(lo_y - 0.5), math.ceil(hi_y + 0.5)
+    pad = max(0.5, 0.08 * (hi_y - lo_y))
+    y0, y1 = max(0, math.floor(lo_y - pad)), min(100, math.ceil(hi_y + pad))
+    if y1 <= y0:
+        y0, y1 = max(0, y0 - 1), min(100, y1 + 1)
     px = lambda x: L + (x - x0) / (x1 - x0) * (W - L - R)
-    py = lambda y: T + (y1 - y) / (y1 - y0) * (H - T - B)
+    py = lambda y: T + (y1 - min(max(y, y0), y1)) / (y1 - y0) * (H - T - B)
     colors = ["#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
               "#17becf"]
+    esc = lambda t: str(t).replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" font-size="12">',
            '<rect width="100%" height="100%" fill="white"/>',
-           f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="14">{title}</text>']
+           f'<text x="{W / 2}" y="22" text-anchor="middle" font-size="14">{esc(title)}</text>']
     for d in range(x0, x1 + 1):
         X = px(d)
         out.append(f'<line x1="{X:.1f}" y1="{T}" x2="{X:.1f}" y2="{H - B}" stroke="#ddd"/>')
@@ -196,23 +209,34 @@ def write_svg(path, points, title, xlabel):
     for y in range(y0, y1 + 1, step):
         Y = py(y)
         out.append(f'<line x1="{L}" y1="{Y:.1f}" x2="{W - R}" y2="{Y:.1f}" stroke="#ddd"/>')
-        out.append(f'<text x="{L - 8}" y="{Y + 4:.1f}" text-anchor="end">{y}%</text>')
+        out.append(f'<text class="y-tick" x="{L - 8}" y="{Y + 4:.1f}" text-anchor="end">{y}%</text>')
     out.append(f'<rect x="{L}" y="{T}" width="{W - L - R}" height="{H - T - B}" fill="none" stroke="#444"/>')
-    out.append(f'<text x="{(L + W - R) / 2}" y="{H - 15}" text-anchor="middle">{xlabel}</text>')
+    out.append(f'<text x="{(L + W - R) / 2}" y="{H - B + 40}" text-anchor="middle">{esc(xlabel)}</text>')
     out.append(f'<text x="18" y="{(T + H - B) / 2}" text-anchor="middle" '
                f'transform="rotate(-90 18 {(T + H - B) / 2})">accuracy, mean of the last evaluations</text>')
-    for i, (label, b, m, h) in enumerate(points):
+    seeds = sorted({len(p[4]) for p in points})
+    cut = False
+    for i, (label, b, m, h, vals) in enumerate(points):
         c = colors[i % len(colors)]
-        X, Y = px(math.log10(b)), py(m)
+        X, Y = px(math.log10(max(b, 1))), py(m)
         if h == h:
-            out.append(f'<line x1="{X:.1f}" y1="{py(m - h):.1f}" x2="{X:.1f}" y2="{py(m + h):.1f}" '
+            top, bottom = m + h, m - h
+            out.append(f'<line class="ci" x1="{X:.1f}" y1="{py(bottom):.1f}" x2="{X:.1f}" y2="{py(top):.1f}" '
                        f'stroke="{c}" stroke-width="2"/>')
-            for yy in (m - h, m + h):
-                out.append(f'<line x1="{X - 5:.1f}" y1="{py(yy):.1f}" x2="{X + 5:.1f}" y2="{py(yy):.1f}" stroke="{c}"/>')
-        out.append(f'<circle cx="{X:.1f}" cy="{Y:.1f}" r="4.5" fill="{c}"/>')
+            for yy in (bottom, top):
+                if y0 <= yy <= y1:
+                    out.append(f'<line x1="{X - 5:.1f}" y1="{py(yy):.1f}" x2="{X + 5:.1f}" y2="{py(yy):.1f}" stroke="{c}"/>')
+                else:
+                    cut = True
+        for v in vals:
+            out.append(f'<circle class="seed" cx="{X + 9:.1f}" cy="{py(v):.1f}" r="2.5" fill="white" stroke="{c}"/>')
+        out.append(f'<circle class="mean" cx="{X:.1f}" cy="{Y:.1f}" r="4.5" fill="{c}"/>')
         ly = T + 16 + 18 * i
-        out.append(f'<circle cx="{W - R + 16}" cy="{ly - 4}" r="4.5" fill="{c}"/>')
-        out.append(f'<text x="{W - R + 26}" y="{ly}">{label}</text>')
+        out.append(f'<circle class="legend" cx="{W - R + 16}" cy="{ly - 4}" r="4.5" fill="{c}"/>')
+        out.append(f'<text x="{W - R + 26}" y="{ly}">{esc(label)}</text>')
+    note = ("mean of " + "/".join(str(n) for n in seeds) + " seeds, bar: 95% t-interval, hollow: each seed" +
+            ("; bars without a cap run past the axis" if cut else ""))
+    out.append(f'<text class="note" x="{(L + W - R) / 2}" y="{H - 12}" text-anchor="middle" fill="#555">{note}</text>')
     out.append("</svg>")
     with open(path, "w") as f:
         f.write("\n".join(out) + "\n")
@@ -256,11 +280,12 @@ def main():
     with open(os.path.join(out_dir, "runs.csv"), "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["method", "seed", "accuracy", "final_accuracy", "evaluations", "rounds", "bytes_up", "bytes_down",
-                    "real_s"])
+                    "bytes_total", "real_s"])
         for name, by_seed in results.items():
             for seed, r in sorted(by_seed.items()):
                 w.writerow([name, seed, f"{r['accuracy']:.6f}", f"{r['final_accuracy']:.6f}", r["evaluations"],
-                           r["rounds"], r["bytes_up"], r["bytes_down"], f"{r['real_s']:.2f}"])
+                           r["rounds"], r["bytes_up"], r["bytes_down"], r["bytes_up"] + r["bytes_down"],
+                           f"{r['real_s']:.2f}"])
 
     ref = grid.get("reference")
     ref_runs = results.get(ref, {}) if ref else {}
@@ -281,10 +306,11 @@ def main():
             ratio = ref_up / up if up else float("nan")
         rows.append({"method": m["name"], "set": " ".join(m["set"]), "seeds": len(by_seed), "accuracy": mean,
                      "ci95": half, "diff": diff, "diff_ci95": dhalf, "bytes_up": up, "bytes_down": down,
-                     "uplink_reduction": ratio})
+                     "bytes_total": up + down, "uplink_reduction": ratio, "acc_seeds": acc})
 
     with open(os.path.join(out_dir, "summary.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+        fields = [k for k in rows[0].keys() if k != "acc_seeds"]
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
         for r in rows:
             w.writerow(r)
@@ -293,20 +319,28 @@ def main():
         f.write(f"Accuracy: mean over seeds of each run's mean of its last {grid['last']} evaluations, "
                 f"± the 95% t-interval; difference to `{ref}` paired by seed.\n\n")
         f.write(f"| method | seeds | accuracy % | vs {ref} (points) | uplink bytes / run | fewer uplink bytes | "
-                "downlink bytes / run | `--set` |\n|---|---|---|---|---|---|---|---|\n")
+                "downlink bytes / run | total bytes / run | `--set` |\n|---|---|---|---|---|---|---|---|---|\n")
         for r in rows:
             d = "–" if r["diff"] != r["diff"] else f"{r['diff']:+.2f} ± {f2(r['diff_ci95'])}"
             red = "–" if r["uplink_reduction"] != r["uplink_reduction"] else f"{r['uplink_reduction']:.1f}×"
             f.write(f"| {r['method']} | {r['seeds']} | {r['accuracy']:.2f} ± {f2(r['ci95'])} | {d} | "
-                    f"{fmt_bytes(r['bytes_up'])} | {red} | {fmt_bytes(r['bytes_down'])} | `{r['set']}` |\n")
-    points = [(r["method"], r["bytes_up"] + (r["bytes_down"] if args.x == "total" else 0), r["accuracy"], r["ci95"])
-              for r in rows]
-    xlabel = ("total wire bytes per run, uplink + downlink" if args.x == "total" else "uplink wire bytes per run") + \
-        " (log scale)"
-    write_svg(os.path.join(out_dir, "plot.svg"), points, args.title or os.path.basename(args.grid), xlabel)
+                    f"{fmt_bytes(r['bytes_up'])} | {red} | {fmt_bytes(r['bytes_down'])} | "
+                    f"{fmt_bytes(r['bytes_total'])} | `{r['set']}` |\n")
+    title = args.title or os.path.basename(args.grid)
+    written = ["plot.svg"]
+    for name, total in (("plot.svg", args.x == "total"), ("plot_total.svg", True)):
+        if name == "plot_total.svg" and args.x == "total":
+            continue  # plot.svg is already against the total
+        points = [(r["method"], r["bytes_total"] if total else r["bytes_up"], r["accuracy"], r["ci95"],
+                   r["acc_seeds"]) for r in rows]
+        xlabel = ("total wire bytes per run, uplink + downlink" if total else "uplink wire bytes per run") + \
+            " (log scale)"
+        write_svg(os.path.join(out_dir, name), points, title, xlabel)
+        if name != "plot.svg":
+            written.append(name)
     with open(os.path.join(out_dir, "summary.md")) as f:
         sys.stdout.write(f.read())
-    print(f"sweep: wrote {out_dir}/runs.csv, summary.csv, summary.md, plot.svg")
+    print(f"sweep: wrote {out_dir}/runs.csv, summary.csv, summary.md, {', '.join(written)}")
 
 
 if __name__ == "__main__":

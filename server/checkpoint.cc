@@ -64,31 +64,26 @@ void Server::Impl::open_store() {
   if (ck) resume(*ck);
 }
 
-Weights Server::Impl::check_weights(const std::string& blob, const char* what) {
-  Weights w = deserialize_weights(blob);
-  SPARROW_CHECK_T(FormatError, w.size() == gm->weights().size(),
-                  "checkpoint " << what << " has " << w.size() << " tensors, the model " << gm->weights().size());
-  for (const auto& [k, v] : gm->weights())
-    SPARROW_CHECK_T(FormatError, w.count(k) && w.at(k).sizes() == v.sizes(),
-                    "checkpoint " << what << " does not match the model at '" << k << "'");
-  return w;
-}
-
 void Server::Impl::resume(const Checkpoint& ck) {
-  gm->weights() = check_weights(ck.weights, "weights");
-  if (!ck.server_opt.empty()) gm->optimizer().deserialize_state(ck.server_opt);
-  aggregator->deserialize_state(ck.aggregator);
-  if (!ck.control.empty()) gm->control() = check_weights(ck.control, "control");
-  if (gm->has_downlink()) {
-    // (Checkpoints before the shared round engine also hold per-tensor
-    // downlink codec states; each round's encode now starts afresh.)
-    if (!ck.broadcast.empty()) gm->broadcast() = check_weights(ck.broadcast, "broadcast");
-    if (!ck.downlink_last.empty()) {
-      wire::Message m = wire::parse(ck.downlink_last);
-      down_last = std::move(std::get<wire::ModelUpdate>(m.body).tensors);
-    }
+  // The global side's pieces, checked and restored by the round engine (as
+  // sparrow-sim restores its own). (Checkpoints before the shared round
+  // engine also hold per-tensor downlink codec states; each round's encode
+  // now starts afresh.)
+  federation::GlobalState st;
+  st.weights = ck.weights;
+  st.server_opt = ck.server_opt;
+  st.control = ck.control;
+  st.shared = ck.acp;
+  st.aggregator = ck.aggregator;
+  st.broadcast = ck.broadcast;
+  {
+    std::lock_guard<std::mutex> g(weights_mu);
+    engine->load(st, "server database '" + cfg.db + "'");
   }
-  gm->shared() = deserialize_weights(ck.acp);
+  if (gm->has_downlink() && !ck.downlink_last.empty()) {
+    wire::Message m = wire::parse(ck.downlink_last);
+    down_last = std::move(std::get<wire::ModelUpdate>(m.body).tensors);
+  }
   completed = ck.round;
   round = static_cast<uint64_t>(ck.round);
   n.rounds = static_cast<uint64_t>(ck.round);
@@ -98,14 +93,18 @@ void Server::Impl::resume(const Checkpoint& ck) {
 Checkpoint Server::Impl::checkpoint(int64_t r) {
   Checkpoint c;
   c.round = r;
+  federation::GlobalState st;
   {
     std::lock_guard<std::mutex> g(weights_mu);
-    c.weights = serialize_weights(gm->weights());
+    st = engine->save();
   }
-  c.server_opt = gm->optimizer().serialize_state();
-  if (!gm->control().empty()) c.control = serialize_weights(gm->control());
+  c.weights = std::move(st.weights);
+  c.server_opt = std::move(st.server_opt);
+  c.control = std::move(st.control);
+  c.acp = std::move(st.shared);
+  c.aggregator = std::move(st.aggregator);
+  c.broadcast = std::move(st.broadcast);
   if (gm->has_downlink()) {
-    c.broadcast = serialize_weights(gm->broadcast());
     wire::ModelUpdate u;
     u.round = static_cast<uint64_t>(r);
     u.client_id = "server";
@@ -113,9 +112,7 @@ Checkpoint Server::Impl::checkpoint(int64_t r) {
     u.tensors = down_last;
     c.downlink_last = wire::serialize(msg(std::move(u)));
   }
-  if (!gm->shared().empty()) c.acp = serialize_weights(gm->shared());
   c.rng = "seed=" + std::to_string(cfg.seed) + ";select_round=" + std::to_string(r + 1);
-  c.aggregator = aggregator->serialize_state();
   return c;
 }
 

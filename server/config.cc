@@ -185,6 +185,19 @@ void validate(const ServerConfig& c) {
     if (c.dp != "none") bad("dp", why);
     if (c.server_optimizer != "fedavg") bad("server_optimizer", why);
   }
+  // No key without an effect (docs/server.md): refused where it would change nothing.
+  if (!c.http_token.empty() && c.http.empty()) bad("http_token", "has no effect without http (the dashboard is off)");
+  if (c.eval_every == 0 && !c.eval_data.empty())
+    bad("eval_data", "has no effect with eval_every = 0 (the server evaluates nothing; set eval_every)");
+  if (c.eval_every == 0 && c.eval_batch != ServerConfig{}.eval_batch)
+    bad("eval_batch", "has no effect with eval_every = 0 (the server evaluates nothing; set eval_every)");
+  if (!c.gateway()) {
+    const char* why = "has no effect without upstream (this server is no gateway)";
+    if (!c.upstream_server_key.empty()) bad("upstream_server_key", why);
+    if (!c.upstream_key.empty()) bad("upstream_key", why);
+    if (c.upstream_id != ServerConfig{}.upstream_id) bad("upstream_id", why);
+    if (!c.upstream_state_db.empty()) bad("upstream_state_db", why);
+  }
   if (!c.insecure && c.server_key.empty())
     bad("key", "is required (the server's .key_secret file; `sparrow-server keygen`) unless --insecure");
   if (!c.insecure && c.allow.empty())

@@ -37,6 +37,9 @@ void Server::Impl::publish_history() {
   info.config = to_toml(cfg);
   info.rounds_total = cfg.rounds;
   info.started = static_cast<double>(run_created);  // the run's, not this process's
+  info.min_clients = cfg.effective_min_clients();   // the progress line's "needed to start"
+  info.quorum = cfg.quorum;
+  info.clients_per_round = cfg.clients_per_round;
   board->set_run(std::move(info));
   // Two queries for the whole history, not one per round.
   const std::map<int64_t, double> seconds = store->metric_series("round.seconds");

@@ -409,8 +409,6 @@ struct Server::Impl {
   // Opens cfg.db: a new run, or the run of this config resumed from its newest
   // intact checkpoint (ConfigError for a run of another config).
   void open_store();
-  // A checkpoint's weight map, checked against the model (FormatError).
-  Weights check_weights(const std::string& blob, const char* what);
   void resume(const Checkpoint& ck);
   // The contents of round r's checkpoint.
   Checkpoint checkpoint(int64_t r);

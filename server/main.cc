@@ -72,7 +72,7 @@ int export_model(const std::string& db, const std::string& out) {
   const auto r = sparrow::core::export_model(model, sparrow::server::deserialize_weights(ck->weights), out);
   spdlog::info("event=exported db={} round={} model={} parameters={}", db, ck->round, model, r.npy.size());
   if (!r.note.empty()) spdlog::warn("event=export_note msg=\"{}\"", r.note);
-  if (!r.torchscript.empty()) std::cout << r.torchscript << "\n";
+  if (!r.torchscript.empty()) std::cout << r.torchscript << "\n" << r.state_dict << "\n";
   std::cout << out << "/weights/\n";
   return 0;
 }
@@ -234,7 +234,8 @@ int main(int argc, char** argv) {
       return sparrow::server::run_try(try_opts, g_try_stop);
     }
     if (config_path.empty()) {
-      std::cerr << "sparrow-server: --config FILE is required (or a subcommand: keygen, status, export, try)\n";
+      spdlog::error(
+          "event=usage_error msg=\"--config FILE is required (or a subcommand: keygen, status, export, try)\"");
       return 2;
     }
     sparrow::cli::on_stop(stop_server);

@@ -6,17 +6,19 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <iostream>
 #include <thread>
 #include <vector>
 
 #include "core/cli.h"
 #include "core/error.h"
+#include "core/threads.h"
 #include "server/config.h"
 #include "server/server.h"
 #include "server/store.h"
@@ -42,19 +44,41 @@ std::string client_binary() {
   return bin.string();
 }
 
+// This process's environment with `name` set to `value`.
+std::vector<std::string> environment_with(const std::string& name, const std::string& value) {
+  std::vector<std::string> env;
+  for (char** e = environ; e != nullptr && *e != nullptr; ++e)
+    if (std::strncmp(*e, name.c_str(), name.size()) != 0 || (*e)[name.size()] != '=') env.emplace_back(*e);
+  env.push_back(name + "=" + value);
+  return env;
+}
+
+// The compute threads of each client: the cores this process may run on,
+// divided between the clients (at least one each), or OMP_NUM_THREADS when the
+// environment sets it. Each client would otherwise take every core (one ATen
+// and BLAS thread per core, core/threads.h): 3 clients x 2 spinning threads on
+// 2 cores made a 3-round try take 40 s, against 4 s with one thread each.
+int client_threads(int clients) {
+  if (const int t = core::env_threads(); t > 0) return t;
+  return std::max(1, core::available_cores() / std::max(1, clients));
+}
+
 // fork + exec with only async-signal-safe calls in the child (the parent has
-// threads): argv and the log's descriptor are made before the fork.
-pid_t spawn(const std::vector<std::string>& argv, const std::string& log) {
+// threads): argv, the environment and the log's descriptor are made before the fork.
+pid_t spawn(const std::vector<std::string>& argv, const std::vector<std::string>& env, const std::string& log) {
   std::vector<char*> args;
   for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
   args.push_back(nullptr);
+  std::vector<char*> envp;
+  for (const auto& e : env) envp.push_back(const_cast<char*>(e.c_str()));
+  envp.push_back(nullptr);
   const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   SPARROW_CHECK_T(Error, fd >= 0, "try: cannot write " << log);
   const pid_t pid = ::fork();
   if (pid == 0) {
     ::dup2(fd, 1);  // the copies do not inherit O_CLOEXEC
     ::dup2(fd, 2);
-    ::execv(args[0], args.data());
+    ::execve(args[0], args.data(), envp.data());
     _exit(127);
   }
   ::close(fd);
@@ -148,6 +172,8 @@ int run_try(const TryOptions& o, std::atomic<bool>& stop) {
   Server server(cfg);
   write(dir / "server.toml", to_toml(cfg));  // what ran, for `sparrow-server --config` later
 
+  const int threads = client_threads(o.clients);
+  const std::vector<std::string> env = environment_with("OMP_NUM_THREADS", std::to_string(threads));
   Children kids;
   for (int i = 1; i <= o.clients; ++i) {
     const std::string n = std::to_string(i);
@@ -157,14 +183,17 @@ int run_try(const TryOptions& o, std::atomic<bool>& stop) {
               n + "\"\nmodel = \"" + o.model + "\"\ndata = \"fashion-mnist\"\npartition = \"iid\"\nclients = " +
               std::to_string(o.shards) + "\nindex = " + std::to_string(i - 1) + "\nstate_db = \"" +
               (dir / ("client" + n + ".db")).string() + "\"\n");
-    kids.add(spawn({client_bin, "--config", (dir / ("client" + n + ".toml")).string()},
+    kids.add(spawn({client_bin, "--config", (dir / ("client" + n + ".toml")).string()}, env,
                    (dir / ("client" + n + ".log")).string()));
   }
-  std::cerr << "sparrow-server try: a server and " << o.clients << " clients on " << server.endpoint() << ", "
-            << o.rounds << " rounds of " << o.model << " with " << o.compression << "; everything is in "
-            << dir.string() << " (Ctrl-C stops it)\n";
+  spdlog::info(
+      "event=try_started clients={} rounds={} threads_per_client={} endpoint={} dir=\"{}\" msg=\"a server and {} "
+      "clients on {}, {} rounds of {} with {}, {} compute thread{} per client on {} cores; everything is in {} "
+      "(Ctrl-C stops it)\"",
+      o.clients, o.rounds, threads, server.endpoint(), dir.string(), o.clients, server.endpoint(), o.rounds, o.model,
+      o.compression, threads, threads == 1 ? "" : "s", core::available_cores(), dir.string());
   if (!server.dashboard_url().empty())
-    std::cerr << "sparrow-server try: dashboard at " << server.dashboard_url() << "\n";
+    spdlog::info("event=dashboard url={} msg=\"dashboard at {}\"", server.dashboard_url(), server.dashboard_url());
 
   // This thread turns a signal (which only sets `stop`) into Server::stop(),
   // and stops the server when a client dies before the run is over (the
@@ -229,13 +258,14 @@ int run_try(const TryOptions& o, std::atomic<bool>& stop) {
       accuracy = buf;
     }
   }
-  std::cerr << "sparrow-server try: " << server.completed_rounds() << " of " << cfg.rounds << " rounds, "
-            << c.updates_accepted << " updates accepted" << accuracy
-            << (failed ? ", " + std::to_string(failed) + " client(s) failed" : "") << ". Server database: " << cfg.db
-            << " (sparrow-server status --db " << cfg.db << "); client logs: " << (dir / "client*.log").string()
-            << "\n";
+  spdlog::info(
+      "event=try_done rounds={} updates_accepted={} failed_clients={} db=\"{}\" msg=\"{} of {} rounds, {} updates "
+      "accepted{}{}. Server database: {} (sparrow-server status --db {}); client logs: {}\"",
+      server.completed_rounds(), c.updates_accepted, failed, cfg.db, server.completed_rounds(), cfg.rounds,
+      c.updates_accepted, accuracy, failed ? ", " + std::to_string(failed) + " client(s) failed" : "", cfg.db, cfg.db,
+      (dir / "client*.log").string());
   if (client_died.load() || (finished && failed)) {
-    std::cerr << "sparrow-server try: a client stopped early; see " << first_failed << "\n";
+    spdlog::error("event=client_failed log=\"{}\" msg=\"a client stopped early; see {}\"", first_failed, first_failed);
     return cli::kFailure;
   }
   return finished ? cli::kOk : cli::kInterrupted;

@@ -13,7 +13,6 @@ namespace sparrow::simulator {
 namespace {
 
 using compression::deserialize_weights;
-using compression::serialize_weights;
 
 // The round of the checkpoint in a run's client-state store (nullopt: none
 // written); `what` opens the message of a value that is not a round.
@@ -34,13 +33,16 @@ void Simulator::Impl::checkpoint(int completed, bool wait) {
   // The whole effective config, so that a resume can refuse an edited
   // config.toml (check_resume_config); committed with the checkpoint.
   store->set_meta("checkpoint.config", to_toml(cfg));
-  store->set_meta("checkpoint.global", serialize_weights(gm->weights()));
-  store->set_meta("checkpoint.server_opt", gm->optimizer().serialize_state());
-  store->set_meta("checkpoint.scaffold", gm->control().empty() ? std::string() : serialize_weights(gm->control()));
-  store->set_meta("checkpoint.acp", gm->shared().empty() ? std::string() : serialize_weights(gm->shared()));
-  store->set_meta("checkpoint.aggregator", aggregator->serialize_state());
+  // The global side's pieces, as the round engine writes them (and as
+  // sparrow-server writes them into its checkpoints table).
+  federation::GlobalState st = engine->save();
+  store->set_meta("checkpoint.global", st.weights);
+  store->set_meta("checkpoint.server_opt", st.server_opt);
+  store->set_meta("checkpoint.scaffold", st.control);
+  store->set_meta("checkpoint.acp", st.shared);
+  store->set_meta("checkpoint.aggregator", st.aggregator);
   if (gm->has_downlink()) {
-    store->set_meta("checkpoint.broadcast", serialize_weights(gm->broadcast()));
+    store->set_meta("checkpoint.broadcast", st.broadcast);
     store->set_meta("checkpoint.downlink_bytes", std::to_string(down_bytes));
   }
   if (wait)
@@ -62,8 +64,9 @@ void Simulator::Impl::load_weights(const std::string& bytes, client::Weights& in
 void Simulator::Impl::copy_safe_keys(const SimConfig& from, SimConfig& to) {
   to.rounds = from.rounds;
   to.out = from.out;
-  to.checkpoint_every = from.checkpoint_every;  // only changes when state is written
-  to.threads = from.threads;                    // only changes the speed
+  to.checkpoint_every = from.checkpoint_every;    // only changes when state is written
+  to.threads = from.threads;                      // only changes the speed
+  to.keep_client_state = from.keep_client_state;  // only changes what is kept after the last round
 }
 
 void Simulator::Impl::refuse_differences(const SimConfig& recorded, const SimConfig& now, const std::string& where) {
@@ -71,7 +74,7 @@ void Simulator::Impl::refuse_differences(const SimConfig& recorded, const SimCon
   for (const std::string& d : config_differences(recorded, now)) keys += (keys.empty() ? "" : ", ") + d;
   if (keys.empty()) keys = "(a key to_toml does not write)";
   throw ConfigError("resume: the config differs from " + where + " in " + keys +
-                    "; a resumed run may change only rounds, checkpoint_every and threads");
+                    "; a resumed run may change only rounds, checkpoint_every, threads and keep_client_state");
 }
 
 void Simulator::Impl::check_resume_config() {
@@ -101,16 +104,17 @@ void Simulator::Impl::load_checkpoint() {
     return *v;
   };
   round = *saved;
-  load_weights(blob("global"), gm->weights(), "checkpoint");
-  const std::string so = blob("server_opt");
-  if (!so.empty()) gm->optimizer().deserialize_state(so);
-  gm->control() = deserialize_weights(blob("scaffold"));
-  gm->shared() = deserialize_weights(blob("acp"));
-  if (std::optional<std::string> a = store->get_meta("checkpoint.aggregator")) aggregator->deserialize_state(*a);
+  federation::GlobalState st;
+  st.weights = blob("global");
+  st.server_opt = blob("server_opt");
+  st.control = blob("scaffold");
+  st.shared = blob("acp");
+  if (std::optional<std::string> a = store->get_meta("checkpoint.aggregator")) st.aggregator = std::move(*a);
   if (gm->has_downlink()) {
-    load_weights(blob("broadcast"), gm->broadcast(), "checkpoint's broadcast model");
+    st.broadcast = blob("broadcast");
     down_bytes = std::stoull(blob("downlink_bytes"));
   }
+  engine->load(st, "resume: " + store->path());  // checked and restored as sparrow-server restores its own
   SPARROW_CHECK_T(ConfigError, round <= cfg.rounds,
                   "resume: the run already has " << round << " rounds, more than rounds = " << cfg.rounds);
   for (int r0 = 0; r0 < round; ++r0) count_participations(select_clients(r0));

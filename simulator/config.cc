@@ -10,6 +10,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "core/data_folder.h"
 #include "core/error.h"
 #include "core/flat_config.h"
 #include "core/spec.h"
@@ -34,6 +35,7 @@ void bind_fields(core::FlatConfig& f, SimConfig& c) {
   f.bind("threads", &c.threads);
   f.bind("device", &c.device);
   f.bind("checkpoint_every", &c.checkpoint_every);
+  f.bind("keep_client_state", &c.keep_client_state);
   f.bind("out", &c.out);
   f.bind("deadline_s", &c.deadline_s);
   f.bind("profiles.compute_speed", &c.profiles.compute_speed);
@@ -104,20 +106,56 @@ void check_attack(const core::FlatConfig& f, const SimConfig& c) {
   }
 }
 
+// A key whose value cannot change this run is refused, naming the key and
+// why. By value (not "was it set"): a run folder's config.toml holds every key,
+// and it must load again for --resume, export and report.
+void check_no_effect(const core::FlatConfig& f, const SimConfig& c, const std::string& dataset,
+                     const std::string& path) {
+  const SimConfig d;  // the defaults
+  const bool fashion = dataset == "fashion-mnist", synthetic = dataset == "synthetic";
+  f.check("data_dir", fashion || c.data_dir == d.data_dir,
+          "has no effect with dataset = \"" + c.dataset + "\": it is where the fashion-mnist files are read");
+  f.check("partition", !synthetic || c.partition == d.partition,
+          "has no effect with the synthetic dataset: it generates each client's own data");
+  const bool own_test = dataset == "folder" && core::has_data_folder_test(path);
+  f.check("test_fraction", c.test_fraction == d.test_fraction || (dataset == "folder" && !own_test),
+          dataset == "folder" ? "has no effect: " + path + " has its own test split (test/ or t10k files)"
+                              : "has no effect with dataset = \"" + c.dataset +
+                                    "\" (it is the share held out of a folder dataset without a test split)");
+  f.check("attack", c.adversaries > 0 || c.attack == d.attack,
+          "has no effect with adversaries = 0 (no client attacks)");
+}
+
 // Cross-key validation, after the file and the overrides.
 void finish(const core::FlatConfig& f, SimConfig& c, std::optional<double> alpha) {
   federation::validate(c, f);  // the shared keys (and every double's finiteness), as sparrow-server
   f.check("clients", c.clients >= 1, "must be in [1, 10000000] (a simulation needs a population)");
-  if (c.dataset.rfind("folder:", 0) == 0)  // a path, not a spec
+  const bool folder = c.dataset.rfind("folder:", 0) == 0;
+  std::string dmethod = "folder";
+  if (folder) {  // a path, not a spec
     f.check("dataset", c.dataset.size() > 7, "'folder:PATH' needs a path");
-  else
-    spec_method(f, "dataset", c.dataset, {"fashion-mnist", "synthetic"});
+  } else {
+    dmethod = spec_method(f, "dataset", c.dataset, {});
+    f.check("dataset", dmethod == "fashion-mnist" || dmethod == "synthetic",
+            "has unknown dataset '" + dmethod +
+                "' (expected one of fashion-mnist, synthetic[:alpha=A,beta=B], folder:PATH for your own data)");
+  }
   f.check("test_fraction", c.test_fraction > 0 && c.test_fraction < 1, "must be in (0, 1)");
   f.check("validation", c.validation >= 0 && c.validation < 0.5, "must be in [0, 0.5) (0 = evaluate on the test set)");
   f.check("validation", c.validation == 0 || c.dataset.rfind("synthetic", 0) != 0,
           "is not available with the synthetic dataset (its test set is per client)");
-  const std::string pmethod = spec_method(f, "partition", c.partition, {"iid", "dirichlet", "shards", "quantity"});
+  // A folder with its own clients (client_id.npy) is split by them unless
+  // `partition` says otherwise (config.toml then records "natural").
+  const std::string path = folder ? c.dataset.substr(7) : "";
+  const bool ids = folder && core::has_client_ids(path);
+  if (ids && !f.has("partition")) c.partition = "natural";
+  const std::string pmethod =
+      spec_method(f, "partition", c.partition, {"iid", "dirichlet", "shards", "quantity", "natural"});
+  f.check("partition", pmethod != "natural" || ids,
+          "\"natural\" needs a folder dataset with its own client ids (" + std::string(core::kClientIdFile) +
+              ", one per sample)" + (folder ? "; " + path + " has none" : ""));
   if (alpha) fold_alpha(f, c, pmethod, *alpha);
+  check_no_effect(f, c, dmethod, path);
   // The ranges of docs/simulator.md's key table (NaN fails every comparison).
   check_attack(f, c);
   f.check("workers", c.workers >= 1 && c.workers <= 1024, "must be in [1, 1024]");

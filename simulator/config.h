@@ -67,6 +67,10 @@ struct SimConfig : federation::RunConfig {
   int threads = 0;                   // ATen + BLAS threads per worker; 0 = cores / workers
   std::string device = "cpu";        // "cpu", "cuda" or "cuda:N"
   int checkpoint_every = 10;         // checkpoint (client states + run state) every N rounds, >= 1
+  // false: when the last round is done, client_state.db keeps only the run's
+  // checkpoint (export works) and its client states are dropped; such a run
+  // cannot be continued with --resume (docs/simulator.md, "Disk use").
+  bool keep_client_state = true;
   std::string out = "runs/default";  // load_config: "runs/<file stem>" unless set
   double deadline_s = 0;             // round deadline in seconds, 0 = none
   DeviceProfiles profiles;

@@ -20,6 +20,20 @@
 namespace sparrow::simulator {
 namespace {
 constexpr uint64_t kProfileTag = 0x70726f66;  // "prof"
+
+// `validation` of the training samples become the evaluation set (`ids`, a
+// per-sample tensor such as the folder's client ids, kept in step).
+void hold_validation_share(const SimConfig& cfg, core::Dataset& tr, core::Dataset& te, at::Tensor* ids,
+                           std::string& note) {
+  if (cfg.validation <= 0) return;
+  const auto hold = static_cast<int64_t>(std::llround(cfg.validation * static_cast<double>(tr.size())));
+  SPARROW_CHECK_T(ConfigError, hold >= 1 && hold < tr.size(),
+                  "validation: " << cfg.validation << " of " << tr.size() << " training samples holds out " << hold);
+  te = core::hold_out(tr, hold, federation::partition_seed(cfg.seed) ^ 0x7a11du, ids);
+  note = "evaluating on " + std::to_string(hold) + " validation samples held out of the " +
+         std::to_string(tr.size() + hold) + " training samples (validation = " + std::to_string(cfg.validation) +
+         "); the test set is not used";
+}
 }  // namespace
 
 void Simulator::Impl::load_data() {
@@ -71,6 +85,10 @@ void Simulator::Impl::load_folder(const std::string& path) {
   SPARROW_CHECK_T(ConfigError, !path.empty(), "dataset: 'folder:PATH' needs a path");
   const std::string model = cfg.model == "logreg" ? "torchscript:" : cfg.model;  // logreg: any features
   core::Dataset tr = core::check_data_for_model(core::load_data_folder(path), model);
+  // The folder's own clients (client_id.npy), kept in step with every holdout
+  // below; only the natural partition reads them.
+  std::optional<at::Tensor> ids = core::load_client_ids(path, tr.size());
+  at::Tensor* keep = ids ? &*ids : nullptr;
   std::optional<core::Dataset> te = core::load_data_folder_test(path);
   std::string test_from =
       path + (std::filesystem::is_directory(std::filesystem::path(path) / "test") ? "/test" : " (t10k files)");
@@ -85,31 +103,36 @@ void Simulator::Impl::load_folder(const std::string& path) {
         ConfigError, hold >= 1 && hold < n,
         "dataset: " << path << " has no test split (test/ or t10k files) and test_fraction = " << cfg.test_fraction
                     << " of " << n << " samples holds out " << hold << ": need at least 1 test and 1 training sample");
-    te = core::hold_out(tr, hold, federation::partition_seed(cfg.seed) ^ 0x7e57u);
+    te = core::hold_out(tr, hold, federation::partition_seed(cfg.seed) ^ 0x7e57u, keep);
     test_from = std::to_string(hold) + " samples held out (test_fraction = " + std::to_string(cfg.test_fraction) + ")";
   }
-  hold_validation(tr, *te);
+  hold_validation_share(cfg, tr, *te, keep, validation_note);
   SPARROW_CHECK_T(ConfigError, tr.size() >= cfg.clients,
                   "clients: " << cfg.clients << " clients but " << path << " has " << tr.size() << " training samples");
-  auto parts = core::partition(tr.y, cfg.clients, cfg.partition, federation::partition_seed(cfg.seed));
+  auto parts = core::partition_folder(tr.y, ids, cfg.clients, cfg.partition, federation::partition_seed(cfg.seed));
+  std::string natural_note;
+  if (cfg.partition == "natural") {  // client c is the c-th distinct id, as sparrow-client's index c
+    SPARROW_CHECK_T(ConfigError, parts.size() >= static_cast<size_t>(cfg.clients),
+                    "clients: " << cfg.clients << " clients but " << path << "/" << core::kClientIdFile << " has "
+                                << parts.size() << " distinct client ids"
+                                << (parts.size() > 0 ? " (set clients = " + std::to_string(parts.size()) + ")" : ""));
+    if (parts.size() > static_cast<size_t>(cfg.clients)) {
+      natural_note = "; natural partition: the first " + std::to_string(cfg.clients) + " of " +
+                     std::to_string(parts.size()) + " client ids";
+      parts.resize(static_cast<size_t>(cfg.clients));
+    }
+  }
   train_x = tr.x;
   train_y = tr.y;
   test_x = te->x;
   test_y = te->y;
   for (auto& p : parts) client_idx.push_back(at::tensor(p, at::kLong));
-  data_note = std::to_string(tr.size()) + " training samples from " + path + ", test set: " + test_from;
+  data_note = std::to_string(tr.size()) + " training samples from " + path + ", test set: " + test_from + natural_note;
   store_client_major();
 }
 
 void Simulator::Impl::hold_validation(core::Dataset& tr, core::Dataset& te) {
-  if (cfg.validation <= 0) return;
-  const auto hold = static_cast<int64_t>(std::llround(cfg.validation * static_cast<double>(tr.size())));
-  SPARROW_CHECK_T(ConfigError, hold >= 1 && hold < tr.size(),
-                  "validation: " << cfg.validation << " of " << tr.size() << " training samples holds out " << hold);
-  te = core::hold_out(tr, hold, federation::partition_seed(cfg.seed) ^ 0x7a11du);
-  validation_note = "evaluating on " + std::to_string(hold) + " validation samples held out of the " +
-                    std::to_string(tr.size() + hold) +
-                    " training samples (validation = " + std::to_string(cfg.validation) + "); the test set is not used";
+  hold_validation_share(cfg, tr, te, nullptr, validation_note);
 }
 
 void Simulator::Impl::store_client_major() {

@@ -83,10 +83,13 @@ constexpr double kLeft = 80, kRight = 640, kTop = 50, kBottom = 450;  // plot ar
 constexpr const char* kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e",
                                    "#9467bd", "#8c564b", "#e377c2", "#17becf"};
 
+constexpr const char* kDashed = "6 4";  // e.g. the training loss next to the test loss; downlink bytes
+constexpr const char* kDotted = "2 3";  // total bytes
+
 struct Series {
   std::string label;
   std::vector<std::pair<double, double>> points;  // (x, y): evaluated rounds only for accuracy and test loss
-  bool dashed = false;                            // e.g. the training loss next to the test loss
+  std::string dash;                               // SVG stroke-dasharray; "" = solid
   int color = -1;                                 // index into kColors; -1 = the series' position
 };
 
@@ -95,6 +98,7 @@ struct PlotSpec {
   bool log_x = false;
   std::vector<Series> series;
   bool fraction = true;  // y in [0, 1] (accuracy): the axis never leaves it
+  bool bytes_y = false;  // y is a byte count: ticks labelled "2 MB"
 };
 
 // The y axis around the data (a 6% margin), not 0..1 whatever the data: a run
@@ -140,6 +144,8 @@ std::string render(const PlotSpec& spec) {
     const auto [lo, hi] = y_range(ymin, ymax, spec.fraction);
     yt = linear_ticks(lo, hi);
   }
+  if (spec.bytes_y)
+    for (Tick& t : yt) t.label = format_bytes(t.value);
   double x0 = xt.front().value, x1 = xt.back().value, y0 = yt.front().value, y1 = yt.back().value;
   auto fx = [&](double x) {
     double t = spec.log_x ? (std::log10(x) - std::log10(x0)) / (std::log10(x1) - std::log10(x0)) : (x - x0) / (x1 - x0);
@@ -195,7 +201,7 @@ std::string render(const PlotSpec& spec) {
     const size_t ci = s.color >= 0 ? static_cast<size_t>(s.color) : i;
     const char* color = kColors[ci % (sizeof(kColors) / sizeof(kColors[0]))];
     o << "<g class=\"series\">\n<polyline class=\"run\" fill=\"none\" stroke=\"" << color << "\" stroke-width=\"2\""
-      << (s.dashed ? " stroke-dasharray=\"6 4\"" : "") << " points=\"";
+      << (s.dash.empty() ? "" : " stroke-dasharray=\"" + s.dash + "\"") << " points=\"";
     for (size_t k = 0; k < s.points.size(); ++k) {
       o << (k ? " " : "") << num(fx(s.points[k].first)) << "," << num(fy(s.points[k].second));
     }
@@ -222,8 +228,8 @@ std::string render(const PlotSpec& spec) {
     if (s.points.empty()) label += " (no data)";
     o << "<g class=\"legend-entry\">"
       << "<line x1=\"" << num(kRight + 15) << "\" y1=\"" << num(y) << "\" x2=\"" << num(kRight + 40) << "\" y2=\""
-      << num(y) << "\" stroke=\"" << color << "\" stroke-width=\"2\"" << (s.dashed ? " stroke-dasharray=\"6 4\"" : "")
-      << "/>"
+      << num(y) << "\" stroke=\"" << color << "\" stroke-width=\"2\""
+      << (s.dash.empty() ? "" : " stroke-dasharray=\"" + s.dash + "\"") << "/>"
       << "<circle cx=\"" << num(kRight + 27.5) << "\" cy=\"" << num(y) << "\" r=\"3\" fill=\"" << color << "\"/>"
       << "<text x=\"" << num(kRight + 46) << "\" y=\"" << num(y + 4) << "\">" << xml_escape(label) << "</text></g>\n";
   }
@@ -296,6 +302,111 @@ std::vector<MetricsRow> read_metrics(const std::string& run_dir) {
 
 namespace {
 
+// The keys of a run's config.toml (as to_toml writes it: `key = value` lines,
+// the [profiles] table as "profiles.key") in file order, values as written
+// with a string's quotes taken off. Empty when the file is missing.
+std::vector<std::pair<std::string, std::string>> config_keys(const std::string& text) {
+  std::vector<std::pair<std::string, std::string>> out;
+  std::istringstream in(text);
+  std::string prefix;
+  for (std::string line; std::getline(in, line);) {
+    line = trim(line);
+    if (line.empty() || line[0] == '#') continue;
+    if (line[0] == '[') {
+      prefix = trim(line.substr(1, line.find(']') - 1)) + ".";
+      continue;
+    }
+    const size_t eq = line.find('=');
+    if (eq == std::string::npos) continue;
+    std::string value = trim(line.substr(eq + 1));
+    if (value.size() >= 2 && value.front() == '"' && value.back() == '"') value = value.substr(1, value.size() - 2);
+    out.emplace_back(prefix + trim(line.substr(0, eq)), value);
+  }
+  return out;
+}
+
+// The keys whose values differ between the runs (a key one run lacks differs),
+// in the first run's order; `out` (the folder) always differs and is left out.
+std::vector<std::string> differing_keys(const std::vector<std::vector<std::pair<std::string, std::string>>>& cfgs) {
+  std::vector<std::string> order;
+  std::vector<std::map<std::string, std::string>> maps;
+  for (const auto& c : cfgs) {
+    maps.emplace_back(c.begin(), c.end());
+    for (const auto& kv : c)
+      if (std::find(order.begin(), order.end(), kv.first) == order.end()) order.push_back(kv.first);
+  }
+  std::vector<std::string> out;
+  for (const std::string& key : order) {
+    if (key == "out") continue;
+    const auto value = [&](const std::map<std::string, std::string>& m) {
+      const auto it = m.find(key);
+      return it == m.end() ? std::string("\x01missing") : it->second;
+    };
+    for (const auto& m : maps)
+      if (value(m) != value(maps.front())) {
+        out.push_back(key);
+        break;
+      }
+  }
+  return out;
+}
+
+// A run's value of `key`, "?" where its config does not say.
+std::string setting(const std::vector<std::pair<std::string, std::string>>& cfg, const std::string& key) {
+  for (const auto& kv : cfg)
+    if (kv.first == key) return kv.second;
+  return "?";
+}
+
+// The columns every runs table has besides the byte totals: what compresses
+// each way.
+constexpr const char* kMethodKeys[] = {"compression", "downlink"};
+
+// One run of the tables: its label, totals, and the settings shown.
+struct RunRow {
+  std::string name;
+  size_t rounds = 0;
+  double final_accuracy = NAN, best_accuracy = NAN;
+  double up = 0, down = 0;
+  std::vector<std::pair<std::string, std::string>> settings;  // compression, downlink, then the differing keys
+};
+
+std::string percent(double v) {
+  if (std::isnan(v)) return "-";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f%%", 100 * v);
+  return buf;
+}
+
+// runs.md: the runs side by side, the keys in which they differ last.
+std::string runs_markdown(const std::vector<RunRow>& rows, const std::vector<std::string>& differing) {
+  using report_detail::format_bytes;
+  auto cell = [](std::string v) {  // a Markdown table cell: no '|' or newline
+    for (char& ch : v)
+      if (ch == '|' || ch == '\n') ch = ' ';
+    return v;
+  };
+  std::ostringstream o;
+  o << "| run | compression | downlink | rounds | final accuracy | best accuracy | uplink | downlink bytes | "
+       "total bytes | differing settings |\n|---|---|---|---|---|---|---|---|---|---|\n";
+  for (const RunRow& r : rows) {
+    std::string diff;
+    for (size_t i = 2; i < r.settings.size(); ++i)
+      diff += (diff.empty() ? "" : ", ") + r.settings[i].first + " = " + r.settings[i].second;
+    o << "| " << cell(r.name) << " | `" << cell(r.settings[0].second) << "` | `" << cell(r.settings[1].second) << "` | "
+      << r.rounds << " | " << percent(r.final_accuracy) << " | " << percent(r.best_accuracy) << " | "
+      << format_bytes(r.up) << " | " << format_bytes(r.down) << " | " << format_bytes(r.up + r.down) << " | "
+      << (diff.empty() ? "-" : cell(diff)) << " |\n";
+  }
+  if (rows.size() > 1) {
+    o << "\nThe runs differ in ";
+    if (differing.empty()) o << "no setting";
+    for (size_t i = 0; i < differing.size(); ++i) o << (i ? ", " : "") << "`" << differing[i] << "`";
+    o << " (besides `out`).\n";
+  }
+  return o.str();
+}
+
 // A run folder as the dashboard page shows it: its rounds and its config.
 monitor::ReportRun report_run(const std::string& dir, const std::vector<MetricsRow>& rows) {
   monitor::ReportRun r;
@@ -344,33 +455,74 @@ std::vector<std::string> write_report(const std::string& run_dir, const std::vec
   dirs.insert(dirs.end(), compare.begin(), compare.end());
   PlotSpec by_round{"Accuracy vs round", "round", "accuracy", false, {}};
   PlotSpec by_bytes{"Accuracy vs cumulative uplink bytes", "cumulative uplink bytes (log scale)", "accuracy", true, {}};
+  PlotSpec by_total{"Accuracy vs cumulative bytes, uplink + downlink",
+                    "cumulative uplink + downlink bytes (log scale)",
+                    "accuracy",
+                    true,
+                    {}};
   PlotSpec loss{"Loss vs round (solid: test, dashed: training)", "round", "loss", false, {}};
   loss.fraction = false;
+  PlotSpec bytes{
+      "Cumulative bytes vs round (solid: uplink, dashed: downlink, dotted: total)", "round", "bytes", false, {}};
+  bytes.fraction = false;
+  bytes.bytes_y = true;
   int color = 0;
   std::vector<monitor::ReportRun> page_runs;
+  std::vector<RunRow> table;
+  std::vector<std::vector<std::pair<std::string, std::string>>> configs;
   for (const std::string& dir : dirs) {
     std::vector<MetricsRow> rows = read_metrics(dir);
     page_runs.push_back(report_run(dir, rows));
-    Series r{run_label(dir), {}}, b{r.label, {}};
-    Series test{r.label + " test", {}, false, color}, train{r.label + " train", {}, true, color};
-    double cumulative = 0;
+    configs.push_back(config_keys(page_runs.back().run.config));
+    Series r{run_label(dir), {}, "", -1}, b{r.label, {}, "", -1}, tot{r.label, {}, "", -1};
+    Series test{r.label + " test", {}, "", color}, train{r.label + " train", {}, kDashed, color};
+    Series up{r.label + " up", {}, "", color}, down{r.label + " down", {}, kDashed, color},
+        total{r.label + " total", {}, kDotted, color};
+    RunRow row_sum;
+    row_sum.name = r.label;
+    row_sum.rounds = rows.size();
+    double cumulative = 0, cumulative_down = 0;
     for (const MetricsRow& row : rows) {
       cumulative += row.bytes_up;
+      cumulative_down += row.bytes_down;
+      up.points.emplace_back(row.round, cumulative);
+      down.points.emplace_back(row.round, cumulative_down);
+      total.points.emplace_back(row.round, cumulative + cumulative_down);
       if (std::isfinite(row.train_loss)) train.points.emplace_back(row.round, row.train_loss);
       if (row.has_loss && std::isfinite(row.loss)) test.points.emplace_back(row.round, row.loss);
       if (!row.has_accuracy) continue;
+      row_sum.final_accuracy = row.accuracy;
+      if (!(row.accuracy <= row_sum.best_accuracy)) row_sum.best_accuracy = row.accuracy;  // NaN at first
       r.points.emplace_back(row.round, row.accuracy);
       if (cumulative > 0) b.points.emplace_back(cumulative, row.accuracy);  // log axis: nothing at 0 bytes
+      if (cumulative + cumulative_down > 0) tot.points.emplace_back(cumulative + cumulative_down, row.accuracy);
     }
+    row_sum.up = cumulative;
+    row_sum.down = cumulative_down;
+    table.push_back(std::move(row_sum));
     by_round.series.push_back(std::move(r));
     by_bytes.series.push_back(std::move(b));
+    by_total.series.push_back(std::move(tot));
     loss.series.push_back(std::move(test));
     loss.series.push_back(std::move(train));
+    bytes.series.push_back(std::move(up));
+    bytes.series.push_back(std::move(down));
+    bytes.series.push_back(std::move(total));
     ++color;
+  }
+  // The settings each run shows: what compresses each way, then every key in
+  // which the runs differ.
+  const std::vector<std::string> differing = differing_keys(configs);
+  for (size_t i = 0; i < table.size(); ++i) {
+    for (const char* key : kMethodKeys) table[i].settings.emplace_back(key, setting(configs[i], key));
+    for (const std::string& key : differing)
+      if (key != kMethodKeys[0] && key != kMethodKeys[1]) table[i].settings.emplace_back(key, setting(configs[i], key));
+    page_runs[i].settings = table[i].settings;
   }
   if (dirs.size() == 1) {
     by_round.title += " (" + by_round.series[0].label + ")";
     by_bytes.title += " (" + by_bytes.series[0].label + ")";
+    by_total.title += " (" + by_total.series[0].label + ")";
   }
   const fs::path out = out_dir.empty() ? fs::path(run_dir) : fs::path(out_dir);
   if (!out_dir.empty()) {
@@ -378,13 +530,18 @@ std::vector<std::string> write_report(const std::string& run_dir, const std::vec
     fs::create_directories(out, ec);
     SPARROW_CHECK_T(ConfigError, !ec, "report: cannot create '" << out_dir << "': " << ec.message());
   }
-  std::vector<std::string> paths{(out / "accuracy_vs_round.svg").string(), (out / "accuracy_vs_bytes.svg").string(),
-                                 (out / "loss_vs_round.svg").string()};
-  write_file(paths[0], render(by_round));
-  write_file(paths[1], render(by_bytes));
-  write_file(paths[2], render(loss));
-  paths.push_back((out / "dashboard.html").string());
-  write_file(paths[3], monitor::report_page(page_runs));
+  const std::vector<std::pair<std::string, std::string>> files = {{"accuracy_vs_round.svg", render(by_round)},
+                                                                  {"accuracy_vs_bytes.svg", render(by_bytes)},
+                                                                  {"loss_vs_round.svg", render(loss)},
+                                                                  {"dashboard.html", monitor::report_page(page_runs)},
+                                                                  {"accuracy_vs_total_bytes.svg", render(by_total)},
+                                                                  {"bytes_vs_round.svg", render(bytes)},
+                                                                  {"runs.md", runs_markdown(table, differing)}};
+  std::vector<std::string> paths;
+  for (const auto& [name, text] : files) {
+    paths.push_back((out / name).string());
+    write_file(paths.back(), text);
+  }
   return paths;
 }
 

@@ -12,8 +12,14 @@
 //    bytes, log scale, SI units: 1 KB = 1000 B) and loss_vs_round.svg (test loss
 //    solid, training loss dashed, one colour per run) into run_dir or out_dir,
 //    then dashboard.html (the live dashboard's page with every run's rounds
-//    and config inlined: one self-contained file, docs/monitoring.md), and
-//    returns their paths in that order. Each run is one polyline through its
+//    and config inlined: one self-contained file, docs/monitoring.md), then
+//    accuracy_vs_total_bytes.svg (x = cumulative uplink + downlink bytes),
+//    bytes_vs_round.svg (cumulative uplink solid, downlink dashed, total
+//    dotted) and runs.md (a Markdown table: each run's compression, downlink,
+//    rounds, final and best accuracy, uplink, downlink and total bytes, and
+//    its values of the config keys in which the runs differ, `out` aside; read
+//    from each run's config.toml), and returns their paths in that order. The
+//    page's runs table shows the same columns. Each run is one polyline through its
 //    evaluated rounds with a marker per point; rows with an empty accuracy cell
 //    are skipped. The y axis is scaled to the data (accuracy stays within [0, 1]).
 //  - All inputs are read and checked before anything is written, so bad input
@@ -50,9 +56,8 @@ struct MetricsRow {
 // Parses run_dir/metrics.csv under the contract above (errors included).
 std::vector<MetricsRow> read_metrics(const std::string& run_dir);
 
-// Writes the SVG plots (accuracy vs round, accuracy vs cumulative uplink
-// bytes, test and training loss vs round) into out_dir (default: run_dir);
-// see the contract above. Returns their paths in that order.
+// Writes the plots, the page and the runs table into out_dir (default:
+// run_dir); see the contract above. Returns their paths in that order.
 std::vector<std::string> write_report(const std::string& run_dir, const std::vector<std::string>& compare = {},
                                       const std::string& out_dir = "");
 

@@ -5,8 +5,9 @@
 //   sparrow-sim report RUN_DIR [--compare OTHER_RUN_DIR]...
 //   sparrow-sim export RUN_DIR [--out DIR]
 //
-// Progress goes to stderr (one line redrawn with \r on a terminal, one line per
-// round otherwise); the LAST stdout line is a JSON summary. Exit codes: 0 done,
+// Log lines go to stderr (core/log.h); so does the progress bar, redrawn with
+// \r on a terminal (an event=round_completed log line per round otherwise);
+// the LAST stdout line is a JSON summary. Exit codes: 0 done,
 // 2 bad command line or config, 1 any other failure, 130 interrupted (Ctrl-C or
 // SIGTERM: the clients in training finish, the unfinished round is given up,
 // the last completed round is checkpointed and the --resume command printed;
@@ -30,6 +31,8 @@
 #include <iostream>
 #include <string>
 #include <vector>
+
+#include <spdlog/spdlog.h>
 
 #include "core/cli.h"
 #include "core/error_text.h"
@@ -98,7 +101,8 @@ int serve_rank(sparrow::simulator::Cluster& cluster) {
     // The same exit status as rank 0 gives the same error (both may abort first).
     const bool bad_input =
         dynamic_cast<const sparrow::ConfigError*>(&e) || dynamic_cast<const sparrow::FormatError*>(&e);
-    std::cerr << "sparrow-sim rank " << cluster.rank() << ": " << sparrow::core::error_text(e) << '\n';
+    spdlog::error("event={} rank={} msg=\"{}\"", bad_input ? "config_error" : "fatal", cluster.rank(),
+                  sparrow::core::error_text(e));
     cluster.abort(bad_input ? sparrow::cli::kBadInput : sparrow::cli::kFailure);
   }
   return 1;  // not reached: abort ends the job
@@ -250,20 +254,20 @@ int main(int argc, char** argv) {
       auto [weights, round] = load_run_model(export_dir);
       const std::string out = export_out.empty() ? (std::filesystem::path(export_dir) / "export").string() : export_out;
       const sparrow::core::ExportResult r = sparrow::core::export_model(rc.model, weights, out);
-      std::cerr << "sparrow-sim: exported the global model after round " << round << " of " << export_dir << " ("
-                << rc.model << ", " << r.npy.size() << " parameters)\n";
-      if (!r.note.empty()) std::cerr << "sparrow-sim: " << r.note << "\n";
-      if (!r.torchscript.empty()) std::cout << r.torchscript << "\n";
+      spdlog::info("event=exported round={} run=\"{}\" model=\"{}\" parameters={} out=\"{}\"", round, export_dir,
+                   rc.model, r.npy.size(), out);
+      if (!r.note.empty()) spdlog::info("event=export_note msg=\"{}\"", r.note);
+      if (!r.torchscript.empty()) std::cout << r.torchscript << "\n" << r.state_dict << "\n";
       std::cout << (std::filesystem::path(out) / "weights").string() << "/\n";
       return sparrow::cli::kOk;
     } catch (const sparrow::ConfigError& e) {
-      std::cerr << "sparrow-sim export: " << sparrow::core::error_text(e) << '\n';
+      spdlog::error("event=config_error msg=\"export: {}\"", sparrow::core::error_text(e));
       return sparrow::cli::kBadInput;
     } catch (const sparrow::FormatError& e) {
-      std::cerr << "sparrow-sim export: " << sparrow::core::error_text(e) << '\n';
+      spdlog::error("event=bad_input msg=\"export: {}\"", sparrow::core::error_text(e));
       return sparrow::cli::kBadInput;
     } catch (const std::exception& e) {
-      std::cerr << "sparrow-sim export: " << sparrow::core::error_text(e) << '\n';
+      spdlog::error("event=fatal msg=\"export: {}\"", sparrow::core::error_text(e));
       return sparrow::cli::kFailure;
     }
   }
@@ -272,10 +276,10 @@ int main(int argc, char** argv) {
       for (const std::string& path : write_report(report_dir, compare, report_out)) std::cout << path << '\n';
       return 0;
     } catch (const sparrow::ConfigError& e) {
-      std::cerr << "sparrow-sim report: " << sparrow::core::error_text(e) << '\n';
+      spdlog::error("event=config_error msg=\"report: {}\"", sparrow::core::error_text(e));
       return 2;
     } catch (const std::exception& e) {
-      std::cerr << "sparrow-sim report: " << sparrow::core::error_text(e) << '\n';
+      spdlog::error("event=fatal msg=\"report: {}\"", sparrow::core::error_text(e));
       return 1;
     }
   }
@@ -287,7 +291,7 @@ int main(int argc, char** argv) {
   try {
     cluster = join_mpi(&argc, &argv);
   } catch (const std::exception& e) {
-    std::cerr << "sparrow-sim: config error: " << sparrow::core::error_text(e) << '\n';
+    spdlog::error("event=config_error msg=\"{}\"", sparrow::core::error_text(e));
     return sparrow::cli::kBadInput;
   }
   const bool ranked = cluster && cluster->size() > 1;
@@ -320,7 +324,7 @@ int main(int argc, char** argv) {
       cfg.out = resume_dir;
     } else {
       if (config_path.empty()) {
-        std::cerr << "sparrow-sim: --config FILE.toml (or --resume RUN_DIR) is required\n";
+        spdlog::error("event=usage_error msg=\"--config FILE.toml (or --resume RUN_DIR) is required\"");
         return 2;
       }
       cfg = load_config(config_path, overrides);
@@ -333,9 +337,10 @@ int main(int argc, char** argv) {
       sparrow::core::check_data_folder("data_dir", cfg.data_dir);
     const std::filesystem::path run_db = std::filesystem::path(cfg.out) / "run.db";
     if (!resume && !force && std::filesystem::exists(run_db)) {
-      std::cerr << "sparrow-sim: config error: the run folder " << cfg.out
-                << " already holds a run (run.db): continue it with --resume " << cfg.out
-                << ", start it over with --force, or set another out = \"...\" (--set out=DIR)\n";
+      spdlog::error(
+          "event=config_error msg=\"the run folder {} already holds a run (run.db): continue it with --resume {}, "
+          "start it over with --force, or set another out (--set out=DIR)\"",
+          cfg.out, cfg.out);
       return 2;
     }
     // The dashboard binds before the run starts (a taken port is a config
@@ -344,35 +349,36 @@ int main(int argc, char** argv) {
     std::unique_ptr<sparrow::monitor::HttpEndpoint> endpoint;
     if (!http.empty()) {
       endpoint = std::make_unique<sparrow::monitor::HttpEndpoint>(http, http_token, board);
-      std::cerr << "sparrow-sim: dashboard at " << endpoint->url() << '\n';
+      spdlog::info("event=dashboard url={} msg=\"dashboard at {}\"", endpoint->url(), endpoint->url());
     }
     SimBoard sim_board(board);
     sparrow::core::configure_threads(cfg.workers * (ranked ? local_ranks() : 1), cfg.threads);
-    std::cerr << "sparrow-sim: " << sparrow::core::threads_summary(cfg.workers) << '\n';
+    spdlog::info("event=threads msg=\"{}\"", sparrow::core::threads_summary(cfg.workers));
     if (ranked) {
-      std::cerr << "sparrow-sim: " << cluster->size() << " MPI ranks x " << cfg.workers
-                << (cfg.workers == 1 ? " worker" : " workers") << "; rank 0 keeps the run folder\n";
+      spdlog::info("event=ranks ranks={} workers={} msg=\"{} MPI ranks x {} {}; rank 0 keeps the run folder\"",
+                   cluster->size(), cfg.workers, cluster->size(), cfg.workers, cfg.workers == 1 ? "worker" : "workers");
       std::string text = to_toml(cfg);
       cluster->broadcast(text);
       started = true;
     }
-    if (const std::string w = sparrow::core::blas_warning(); !w.empty()) std::cerr << "sparrow-sim: " << w << '\n';
+    if (const std::string w = sparrow::core::blas_warning(); !w.empty())
+      spdlog::warn("event=blas_warning msg=\"{}\"", w);
     // A signal before the simulator exists: nothing was started (a resumed run is as it was).
     if (sparrow::cli::stop_requested() && !ranked) {
-      std::cerr << "sparrow-sim: interrupted before the run started; nothing was written"
-                << (resume ? "; continue with: sparrow-sim --resume " + cfg.out : std::string()) << '\n';
+      spdlog::info("event=interrupted msg=\"interrupted before the run started; nothing was written{}\"",
+                   resume ? "; continue with: sparrow-sim --resume " + cfg.out : std::string());
       return sparrow::cli::kInterrupted;
     }
     const auto start = std::chrono::steady_clock::now();
     // A signal while it builds (data, partition, model): the loop below does no
     // round, the run is checkpointed as it stands and the --resume command printed.
     Simulator sim(cfg, resume, cluster.get());
-    std::cerr << "sparrow-sim: run folder " << cfg.out << (resume ? " (resumed)" : "") << "; training "
-              << sim.training_mode() << '\n';
+    spdlog::info("event=run_folder out=\"{}\" resumed={} training=\"{}\"", cfg.out, resume, sim.training_mode());
+    spdlog::info("event=disk_estimate msg=\"{}\"", disk_estimate_text(estimate_disk(sim), cfg));
     // What a deployed client needs to hold simulated client i's shard
     // (sparrow-client: partition, clients, index = i, partition_seed).
-    std::cerr << "sparrow-sim: partition \"" << cfg.partition << "\" over " << cfg.clients
-              << " clients, partition_seed=" << sparrow::federation::partition_seed(cfg.seed) << '\n';
+    spdlog::info("event=partition partition=\"{}\" clients={} partition_seed={}", cfg.partition, cfg.clients,
+                 sparrow::federation::partition_seed(cfg.seed));
     install_rank0_usr1_handler();
     sim_board.start(sim);
     // Clients finished in the round in progress, for the dashboard's progress bar.
@@ -392,7 +398,9 @@ int main(int argc, char** argv) {
       }
     } join_ticker{ticking, ticker};
     const int first = sim.completed_rounds();
-    const bool tty = isatty(2) != 0;
+    // The bar on a terminal with text logs at info; otherwise (a file, a
+    // pipe, JSON logs) one log line per round, quieted by --log-level warn.
+    const bool tty = isatty(2) != 0 && sparrow::cli::text_logs() && sparrow::cli::logs(spdlog::level::info);
     double last_acc = NAN;
     auto progress = [&](const RoundMetrics& m) {
       const double el = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -410,7 +418,10 @@ int main(int argc, char** argv) {
       if (tty)
         std::cerr << '\r' << line << "\033[K" << std::flush;
       else
-        std::cerr << line << '\n';
+        spdlog::info(
+            "event=round_completed round={} rounds={} eval_accuracy={} train_loss={:.4f} bytes_up={} bytes_down={} "
+            "seconds={:.3f} eta_s={:.0f}",
+            m.round, cfg.rounds, m.accuracy, m.train_loss, m.bytes_up, m.bytes_down, m.real_s, eta);
     };
     g_sim.store(&sim);
     if (sparrow::cli::stop_requested()) sim.request_stop();
@@ -428,28 +439,31 @@ int main(int argc, char** argv) {
     if (!sim.done()) {
       sim_board.stopped();
       sim.checkpoint_now();
-      std::cerr << "sparrow-sim: interrupted after round " << sim.completed_rounds() << " of " << cfg.rounds
-                << " (checkpointed); continue with: sparrow-sim --resume " << cfg.out << '\n';
+      spdlog::info(
+          "event=interrupted round={} msg=\"interrupted after round {} of {} (checkpointed); continue with: "
+          "sparrow-sim --resume {}\"",
+          sim.completed_rounds(), sim.completed_rounds(), cfg.rounds, cfg.out);
       std::cout << summary_json(sim.summary()) << std::endl;
       return 130;
     }
     std::cout << summary_json(sim.summary()) << std::endl;
     if (endpoint && http_linger > 0) {
-      std::cerr << "sparrow-sim: the dashboard stays at " << endpoint->url() << " for " << http_linger
-                << " s (Ctrl-C ends it)\n";
+      spdlog::info(
+          "event=dashboard_linger url={} seconds={} msg=\"the dashboard stays at {} for {} s (Ctrl-C ends it)\"",
+          endpoint->url(), http_linger, endpoint->url(), http_linger);
       const auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(http_linger);
       while (!sparrow::cli::stop_requested() && std::chrono::steady_clock::now() < until)
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     return 0;
   } catch (const sparrow::ConfigError& e) {
-    std::cerr << "sparrow-sim: config error: " << sparrow::core::error_text(e) << '\n';
+    spdlog::error("event=config_error msg=\"{}\"", sparrow::core::error_text(e));
     return fail(sparrow::cli::kBadInput);
   } catch (const sparrow::FormatError& e) {  // data or run folder files that cannot be read
-    std::cerr << "sparrow-sim: bad input: " << sparrow::core::error_text(e) << '\n';
+    spdlog::error("event=bad_input msg=\"{}\"", sparrow::core::error_text(e));
     return fail(sparrow::cli::kBadInput);
   } catch (const std::exception& e) {
-    std::cerr << "sparrow-sim: " << sparrow::core::error_text(e) << '\n';
+    spdlog::error("event=fatal msg=\"{}\"", sparrow::core::error_text(e));
     return fail(1);
   }
 }

@@ -155,7 +155,9 @@ RoundMetrics Simulator::run_round() {
     std::atomic<int64_t>& n;
     ~Reset() { n.store(0); }
   } reset{impl_->finished};
-  return impl_->step();
+  RoundMetrics m = impl_->step();
+  if (done() && !impl_->cfg.keep_client_state) drop_client_states();
+  return m;
 }
 
 void Simulator::run(const std::function<void(const RoundMetrics&)>& progress) {

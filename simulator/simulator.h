@@ -46,7 +46,8 @@
 // by assignment, which follows timing).
 //
 // Run folder (cfg.out): config.toml, metrics.csv, run.db (table rounds),
-// client_state.db (client states and the checkpoint). See docs/simulator.md.
+// client_state.db (client states and the checkpoint; with keep_client_state =
+// false only the checkpoint once the run is done). See docs/simulator.md.
 
 #include <cstdint>
 #include <functional>
@@ -200,7 +201,33 @@ class Simulator {
 
  private:
   struct Impl;
+  // keep_client_state = false, once the last round is checkpointed:
+  // client_state.db is replaced by one that holds only that checkpoint
+  // (run_folder.cc).
+  void drop_client_states();
   std::unique_ptr<Impl> impl_;
 };
+
+// What a run writes into its folder, estimated before it starts from the
+// model, the codec and the algorithm (run_folder.cc; docs/simulator.md, "Disk
+// use"). One client's state is measured, not guessed: the codec's state after
+// encoding the model once (DGC: residual and momentum, 2 x the model), plus
+// SCAFFOLD's control (1 x the model), serialized as client_state.db stores it.
+struct DiskEstimate {
+  uint64_t state_per_client = 0;  // one client's stored state (ClientState::serialize)
+  uint64_t codec_state = 0;       // of which the codec's state
+  uint64_t control_state = 0;     // of which SCAFFOLD's control variate
+  double clients_with_state = 0;  // expected clients that take part at least once (selection is random)
+  uint64_t client_states = 0;     // clients_with_state x state_per_client, as stored
+  uint64_t checkpoint = 0;        // the run checkpoint (model, optimiser, control, broadcast)
+  uint64_t client_state_db = 0;   // client_state.db after the last round, keep_client_state = true
+  uint64_t checkpoint_wal = 0;    // while a checkpoint commits, client_state.db-wal up to this
+  uint64_t history = 0;           // run.db, metrics.csv, config.toml
+  uint64_t total = 0;             // what the folder reaches: client_state.db and the history
+  uint64_t after_run = 0;         // what it holds after the last round (less with keep_client_state = false)
+};
+DiskEstimate estimate_disk(const Simulator& sim);
+// One line for the log: the total, what makes it up, what keep_client_state does.
+std::string disk_estimate_text(const DiskEstimate& e, const SimConfig& cfg);
 
 }  // namespace sparrow::simulator

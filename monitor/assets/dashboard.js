@@ -18,9 +18,11 @@
 
   // Chart ids in the order they are written to #sparrow-chart-data.
   var CHART_DEFS = {
-    acc_round: { x: 'round', y: 'accuracy' },
+    acc_round: { x: 'round', y: 'accuracy', yFrac: true },
     loss_round: { x: 'round', y: 'loss' },
-    acc_bytes: { x: 'cumulative uplink bytes', y: 'accuracy', xLog: true },
+    acc_bytes: { x: 'cumulative uplink bytes', y: 'accuracy', xLog: true, yFrac: true },
+    acc_total: { x: 'cumulative bytes (up + down)', y: 'accuracy', xLog: true, yFrac: true },
+    bytes_round: { x: 'round', y: 'cumulative bytes', yZero: true, yBytes: true },
     loss_bytes: { x: 'cumulative bytes (up + down)', y: 'test loss', xLog: true },
     duration: { x: 'round', y: 'seconds', yZero: true },
     clients: { x: 'round', y: 'clients', yZero: true, yInt: true },
@@ -90,7 +92,7 @@
   // ------------------------------------------------------------ run state
 
   function newRun(name, info, color) {
-    return { name: name, info: info || {}, color: color, rounds: [], cumUp: [], cumTot: [], last: null };
+    return { name: name, info: info || {}, color: color, rounds: [], cumUp: [], cumDown: [], cumTot: [], last: null };
   }
 
   // Appends rounds newer than the last one held, in ascending order, and
@@ -103,14 +105,17 @@
     fresh.sort(function (a, b) { return a.round - b.round; });
     var n = run.rounds.length;
     var up = n ? run.cumUp[n - 1] : 0;
+    var down = n ? run.cumDown[n - 1] : 0;
     var tot = n ? run.cumTot[n - 1] : 0;
     var added = 0;
     fresh.forEach(function (r) {
       if (run.last !== null && r.round <= run.last) return;
       up += num0(r.bytes_up);
+      down += num0(r.bytes_down);
       tot += num0(r.bytes_up) + num0(r.bytes_down);
       run.rounds.push(r);
       run.cumUp.push(up);
+      run.cumDown.push(down);
       run.cumTot.push(tot);
       run.last = r.round;
       added++;
@@ -133,21 +138,33 @@
     var anyEps = runs.some(function (run) {
       return run.rounds.some(function (r) { return isNum(r.epsilon); });
     });
-    var out = { acc_round: [], loss_round: [], acc_bytes: [], loss_bytes: [], duration: [], clients: [], rejected: [] };
+    // A simulation never rejects an update nor sees a stale one: its chart
+    // would always be zero, so it is left out (and its card hidden).
+    var simOnly = runs.length > 0 && runs.every(function (run) { return run.info.program === 'sparrow-sim'; });
+    var out = {
+      acc_round: [], loss_round: [], acc_bytes: [], acc_total: [], bytes_round: [], loss_bytes: [], duration: [],
+      clients: []
+    };
+    if (!simOnly) out.rejected = [];
     if (anyEps) out.epsilon = [];
 
     runs.forEach(function (run) {
       var name = run.name;
       var c = run.color;
-      var acc = [], loss = [], tloss = [], accB = [], lossB = [], dur = [];
+      var acc = [], loss = [], tloss = [], accB = [], accT = [], lossB = [], dur = [];
+      var cumU = [], cumD = [], cumT = [];
       var sel = [], accd = [], drop = [], rej = [], stale = [], eps = [];
       run.rounds.forEach(function (r, i) {
         var x = r.round;
         var cu = run.cumUp[i];
         var ct = run.cumTot[i];
+        cumU.push([x, cu]);
+        cumD.push([x, run.cumDown[i]]);
+        cumT.push([x, ct]);
         if (isNum(r.accuracy)) {
           acc.push([x, r.accuracy]);
           if (cu > 0) accB.push([cu, r.accuracy]);
+          if (ct > 0) accT.push([ct, r.accuracy]);
         }
         if (isNum(r.loss)) {
           loss.push([x, r.loss]);
@@ -166,13 +183,19 @@
       out.loss_round.push(ds(name, c, SOLID, loss));
       out.loss_round.push(ds(name + ' train', c, DASHED, tloss));
       out.acc_bytes.push(ds(name, c, SOLID, accB));
+      out.acc_total.push(ds(name, c, SOLID, accT));
+      out.bytes_round.push(ds(name + ' uplink', c, SOLID, cumU));
+      out.bytes_round.push(ds(name + ' downlink', c, DASHED, cumD));
+      out.bytes_round.push(ds(name + ' total', c, DOTTED, cumT));
       out.loss_bytes.push(ds(name, c, SOLID, lossB));
       out.duration.push(ds(name, c, SOLID, dur));
       out.clients.push(ds(name + ' selected', c, SOLID, sel));
       out.clients.push(ds(name + ' accepted', c, DASHED, accd));
       if (anyDropped) out.clients.push(ds(name + ' dropped', c, DOTTED, drop));
-      out.rejected.push(ds(name + ' rejected', c, SOLID, rej));
-      out.rejected.push(ds(name + ' stale', c, DASHED, stale));
+      if (out.rejected) {
+        out.rejected.push(ds(name + ' rejected', c, SOLID, rej));
+        out.rejected.push(ds(name + ' stale', c, DASHED, stale));
+      }
       if (anyEps) out.epsilon.push(ds(name, c, SOLID, eps));
     });
     return out;
@@ -196,7 +219,13 @@
       type: 'linear',
       beginAtZero: !!def.yZero,
       title: { display: true, text: def.y },
-      ticks: def.yInt ? { precision: 0 } : {}
+      // An accuracy axis never leaves [0, 1] (Chart.js pads a single point by 1 each way).
+      afterDataLimits: def.yFrac ? function (scale) {
+        scale.min = Math.max(0, scale.min);
+        scale.max = Math.min(1, scale.max);
+      } : undefined,
+      ticks: def.yInt ? { precision: 0 }
+        : (def.yBytes ? { precision: 0, callback: function (v) { return fmtBytes(Number(v)); } } : {})
     };
     return new window.Chart(canvas.getContext('2d'), {
       type: 'scatter',
@@ -211,7 +240,8 @@
           tooltip: {
             callbacks: {
               label: function (ctx) {
-                return ctx.dataset.label + ': ' + fmtNum(ctx.parsed.y, 5) + ' @ ' + fmtX(ctx.parsed.x);
+                var y = def.yBytes ? fmtBytes(ctx.parsed.y) : fmtNum(ctx.parsed.y, 5);
+                return ctx.dataset.label + ': ' + y + ' @ ' + fmtX(ctx.parsed.x);
               }
             }
           }
@@ -262,6 +292,7 @@
     var runs = state.runs;
     var data = buildSeries(runs);
     show('card-epsilon', !!data.epsilon);
+    show('card-rejected', !!data.rejected);
     try {
       updateCharts(data);
     } finally {
@@ -311,20 +342,35 @@
       }
       if (isNum(r.loss)) lastLoss = r.loss;
     });
+    // The settings the report chose for this run: [key, value] pairs, what
+    // compresses each way first, then the keys in which the runs differ.
+    var settings = Array.isArray(run.settingsList) ? run.settingsList : [];
+    var value = function (key) {
+      for (var k = 0; k < settings.length; k++) if (settings[k] && settings[k][0] === key) return String(settings[k][1]);
+      return EM;
+    };
+    var differing = settings.filter(function (kv) {
+      return kv && kv[0] !== 'compression' && kv[0] !== 'downlink';
+    }).map(function (kv) { return String(kv[0]) + ' = ' + String(kv[1]); }).join(', ');
+    var n = run.rounds.length;
     var cells = [
-      [run.name, false],
-      [String(run.info.run_id || EM), false],
-      [String(run.info.model || EM), false],
-      [String(run.rounds.length), true],
-      [fmtNum(lastAcc), true],
-      [fmtNum(bestAcc), true],
-      [fmtNum(lastLoss), true],
-      [fmtBytes(run.cumUp.length ? run.cumUp[run.cumUp.length - 1] : 0), true]
+      [run.name, ''],
+      [String(run.info.model || EM), ''],
+      [value('compression'), 'setting'],
+      [value('downlink'), 'setting'],
+      [String(n), 'num'],
+      [fmtNum(lastAcc), 'num'],
+      [fmtNum(bestAcc), 'num'],
+      [fmtNum(lastLoss), 'num'],
+      [fmtBytes(n ? run.cumUp[n - 1] : 0), 'num'],
+      [fmtBytes(n ? run.cumDown[n - 1] : 0), 'num'],
+      [fmtBytes(n ? run.cumTot[n - 1] : 0), 'num'],
+      [differing || EM, 'settings']
     ];
     cells.forEach(function (c, i) {
       var td = document.createElement('td');
       td.textContent = c[0];
-      if (c[1]) td.className = 'num';
+      if (c[1]) td.className = c[1];
       if (i === 0) {
         var sw = document.createElement('span');
         sw.style.cssText = 'display:inline-block;width:10px;height:10px;border-radius:2px;margin-right:6px;background:' + run.color;
@@ -342,6 +388,7 @@
       var info = (r.run && typeof r.run === 'object') ? r.run : {};
       var name = String(r.name || info.run_id || ('run' + (i + 1)));
       var run = newRun(name, info, COLORS[i % COLORS.length]);
+      run.settingsList = Array.isArray(r.settings) ? r.settings : [];
       addRounds(run, r.rounds);
       return run;
     });
@@ -541,21 +588,78 @@
     var phase = p.phase ? String(p.phase) : 'waiting';
     var sel = isNum(p.selected) ? p.selected : 0;
     var rec = isNum(p.received) ? p.received : 0;
-    var text = 'Round ' + (isNum(p.round) ? p.round : 0) + (total !== null ? ' of ' + total : '') +
-      ' ' + EM + ' ' + phase + ': ' + rec + ' of ' + sel + ' updates received';
-    setText('progress-text', text);
-    setBar('progress-bar', sel > 0 ? rec / sel : 0);
-    if (isNum(p.deadline) && isNum(p.now)) {
-      setText('progress-deadline', Math.max(0, Math.ceil(p.deadline - p.now)) + ' s left');
+    var done = isNum(p.rounds_completed) ? p.rounds_completed : 0;
+    var round = isNum(p.round) ? p.round : 0;
+    var sim = !!(runInfo && runInfo.program === 'sparrow-sim');
+    var of = total !== null ? ' of ' + total : '';
+    setText('progress-text', progressText(p, phase, round, of, sel, rec, done, total, sim));
+    setBar('progress-bar', phase === 'done' ? 1 : (sel > 0 ? rec / sel : 0));
+    // The deadline only while a round collects updates; a finished run is done.
+    if (phase === 'done') {
+      setText('progress-deadline', 'done');
+    } else if (phase === 'stopped') {
+      setText('progress-deadline', 'stopped');
+    } else if (phase === 'training' && isNum(p.deadline) && isNum(p.now)) {
+      setText('progress-deadline', Math.max(0, Math.ceil(p.deadline - p.now)) + ' s left in this round');
     } else {
       setText('progress-deadline', '');
     }
-    var done = isNum(p.rounds_completed) ? p.rounds_completed : 0;
     setText('rounds-text', done + ' of ' + (total !== null ? total : '?') + ' rounds completed');
     setBar('rounds-bar', total ? done / total : 0);
-    setText('progress-clients', isNum(p.clients_connected) ? p.clients_connected + ' clients connected' : '');
+    var conn = '';
+    if (isNum(p.clients_connected)) {
+      conn = p.clients_connected + (p.clients_connected === 1 ? ' client' : ' clients') +
+        (sim ? ' in this round' : ' connected');
+    }
+    setText('progress-clients', conn);
     setStatus(phase);
+    renderHeadline(p, phase);
     renderRunTime();
+  }
+
+  // The progress line says what the round waits for: the clients it needs to
+  // start (min_clients), the updates received of those selected and, when the
+  // deadline closes a round with fewer, the quorum.
+  function progressText(p, phase, round, of, sel, rec, done, total, sim) {
+    var need = isNum(p.min_clients) ? p.min_clients : 0;
+    var quorum = isNum(p.quorum) ? p.quorum : 0;
+    var conn = isNum(p.clients_connected) ? p.clients_connected : 0;
+    if (phase === 'done') return 'Run complete: ' + done + of + ' rounds';
+    if (phase === 'stopped') return 'Stopped after ' + done + of + ' rounds';
+    var head = 'Round ' + round + of + ' ' + EM + ' ';
+    if (phase === 'waiting') {
+      if (need > 0) {
+        return head + 'waiting for clients: ' + conn + ' connected, ' + need + ' needed to start (min_clients)';
+      }
+      if (sim) return (done > 0 ? 'Round ' + done + of + ' done ' + EM + ' ' : head) + 'starting the next round';
+      return head + 'waiting for clients';
+    }
+    if (sim && phase === 'training') return head + 'training: ' + rec + ' of ' + sel + ' clients trained';
+    var text = head + phase + ': ' + rec + ' of ' + sel + ' updates received';
+    if (phase === 'training' && quorum > 0 && quorum < sel) text += ', ' + quorum + ' close the round at its deadline';
+    return text;
+  }
+
+  // Headline figures: the latest accuracy, the run's ETA, the bytes each way
+  // (/api/progress computes them from the completed rounds).
+  function renderHeadline(p, phase) {
+    var acc = isNum(p.accuracy) ? p.accuracy : null;
+    setValue('headline-accuracy', acc === null ? EM : (100 * acc).toFixed(2) + '%', acc === null ? '' : String(acc));
+    setText('headline-accuracy-round', acc !== null && isNum(p.accuracy_round) ? 'after round ' + p.accuracy_round : 'no evaluation yet');
+    var eta = isNum(p.eta_s) ? p.eta_s : null;
+    var etaText = phase === 'done' ? 'done' : (phase === 'stopped' ? 'stopped' : (eta === null ? EM : (fmtDuration(eta) || '0s')));
+    setValue('headline-eta', etaText, eta === null ? '' : String(eta));
+    var note = '';
+    if (phase !== 'done' && phase !== 'stopped' && eta !== null && isNum(p.now)) note = 'at ' + fmtTime(p.now + eta);
+    setText('headline-eta-note', note);
+    setValue('headline-up', fmtBytes(isNum(p.bytes_up_total) ? p.bytes_up_total : 0), String(num0(p.bytes_up_total)));
+    setValue('headline-down', fmtBytes(isNum(p.bytes_down_total) ? p.bytes_down_total : 0), String(num0(p.bytes_down_total)));
+  }
+
+  function setValue(id, text, value) {
+    setText(id, text);
+    var el = $(id);
+    if (el && el.getAttribute('data-value') !== value) el.setAttribute('data-value', value);
   }
 
   function pollRounds() {

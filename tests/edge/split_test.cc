@@ -131,6 +131,65 @@ TEST_CASE("split: bad cuts are config errors") {
   }
 }
 
+TEST_CASE("split: a number that is also a stage name is refused, after: and first: say which") {
+  // An nn.Sequential as TorchScript has it: children named 0, 1, 2.
+  const std::string path = "split_test_sequential.pt";
+  {
+    auto lin = [](int64_t in, int64_t out) {
+      torch::jit::Module m("Lin");
+      m.register_parameter("weight", torch::ones({out, in}), false);  // linear(-1) < 0
+      m.register_parameter("bias", torch::zeros({out}), false);
+      m.define("def forward(self, x):\n    return torch.linear(x, self.weight, self.bias)\n");
+      return m;
+    };
+    torch::jit::Module relu("Relu");
+    relu.define("def forward(self, x):\n    return torch.relu(x)\n");
+    torch::jit::Module seq("Seq");
+    seq.register_module("0", lin(4, 5));
+    seq.register_module("1", relu);
+    seq.register_module("2", lin(5, 3));
+    seq.define(R"(
+def forward(self, x):
+    return getattr(self, "2").forward(getattr(self, "1").forward(getattr(self, "0").forward(x)))
+)");
+    seq.save(path);
+  }
+  auto m = make_model("torchscript:" + path, 0);
+  std::remove(path.c_str());
+  REQUIRE(stage_names(*m) == std::vector<std::string>({"0", "1", "2"}));
+  for (const std::string cut : {"0", "1"}) {
+    CAPTURE(cut);
+    try {
+      split_model(m, cut);
+      FAIL("an ambiguous cut was accepted");
+    } catch (const ConfigError& e) {
+      const std::string what = e.what();
+      CHECK(what.find("ambiguous") != std::string::npos);
+      CHECK(what.find("after:" + cut) != std::string::npos);
+      // "first:0" would leave an empty bottom: only the valid form is offered.
+      CHECK((what.find("first:" + cut) != std::string::npos) == (cut == "1"));
+    }
+  }
+  // after:1 ends the bottom with the stage named "1" (children 0 and 1);
+  // first:1 is the first stage alone.
+  CHECK(split_model(m, "after:1").bottom.parameter_names() == std::vector<std::string>({"0_weight", "0_bias"}));
+  CHECK(split_model(m, "after:1").top.forward(torch::ones({2, 5})).sizes() == at::IntArrayRef({2, 3}));
+  CHECK(split_model(m, "first:1").top.forward(torch::ones({2, 5})).sizes() == at::IntArrayRef({2, 3}));
+  CHECK(split_model(m, "first:1").bottom.forward(-torch::ones({2, 4})).min().item<float>() < 0);  // no ReLU yet
+  CHECK(split_model(m, "after:1").bottom.forward(-torch::ones({2, 4})).min().item<float>() >= 0);
+  for (const std::string cut : {"after:2", "after:3", "first:0", "first:3", "first:", "first:x", "after:"}) {
+    CAPTURE(cut);
+    CHECK_THROWS_AS(split_model(m, cut), ConfigError);
+  }
+  // On named stages the explicit forms agree with the bare ones.
+  auto cnn = make_model("cnn", 1);
+  for (const std::string cut : {"2", "conv2", "after:conv2", "first:2"}) {
+    CAPTURE(cut);
+    CHECK(split_model(cnn, cut).bottom.parameter_names() ==
+          std::vector<std::string>({"conv1.weight", "conv1.bias", "conv2.weight", "conv2.bias"}));
+  }
+}
+
 TEST_CASE("split: uncompressed split gives the unsplit gradients") {
   SUBCASE("mlp") { check_split_equals_unsplit("mlp", "fc1"); }
   SUBCASE("cnn") { check_split_equals_unsplit("cnn", "conv2"); }

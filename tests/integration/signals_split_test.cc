@@ -283,8 +283,9 @@ TEST_CASE("signals: sparrow-sim exits 130 on SIGINT/SIGTERM at any moment, and -
     REQUIRE_MESSAGE(std::regex_search(log, m, std::regex("interrupted after round (\\d+) of")), log);
     CHECK(log.find("continue with: sparrow-sim --resume " + dirs[i] + "/out") != std::string::npos);
     const int next = std::stoi(m[1]) + 1;
-    CHECK(run_tool({kSimBin, "--resume", dirs[i] + "/out", "--set", "rounds=" + std::to_string(next)},
-                   dirs[i] + "/resume.log") == 0);
+    CHECK_MESSAGE(run_tool({kSimBin, "--resume", dirs[i] + "/out", "--set", "rounds=" + std::to_string(next)},
+                           dirs[i] + "/resume.log") == 0,
+                  slurp(dirs[i] + "/resume.log"));
   }
   fs::remove_all(dir);
 }

@@ -65,7 +65,7 @@ TEST_CASE("sim resume: an edited config.toml is refused, naming each changed key
   struct Edit {
     std::string key, value;
   };
-  for (const Edit& e : {Edit{"lr", "0.1"}, Edit{"seed", "4"}, Edit{"clients", "25"}, Edit{"partition", "\"shards\""}}) {
+  for (const Edit& e : {Edit{"lr", "0.1"}, Edit{"seed", "4"}, Edit{"clients", "25"}, Edit{"batch_size", "17"}}) {
     INFO(e.key);
     const std::string saved = read_file(run + "/config.toml");
     edit_config(run, e.key, e.value);

@@ -318,3 +318,66 @@ TEST_CASE("monitor page: report data is inlined and cannot close its script elem
   CHECK(page.find("<!--") == std::string::npos);  // "<!--" in a config would change where the element ends
   CHECK(page.find("/*SPARROW_") == std::string::npos);
 }
+
+TEST_CASE("monitor board: progress says what a round needs, headline figures, and a finished run has no deadline") {
+  auto b = sample_board();
+  RunInfo info = b->run();
+  info.min_clients = 2;
+  info.quorum = 2;
+  info.clients_per_round = 3;
+  b->set_run(info);
+  // Waiting: the clients a round needs to start are in the API, for the page's wording.
+  b->update_progress([](Progress& p) {
+    p.phase = "waiting";
+    p.selected = p.received = 0;
+    p.clients_connected = 1;
+  });
+  std::string p = b->progress_json();
+  CHECK(p.find("\"min_clients\":2,\"quorum\":2,") != std::string::npos);
+  CHECK(b->run_json().find("\"min_clients\":2,\"quorum\":2,\"clients_per_round\":3,") != std::string::npos);
+  // Headline figures from the rounds: accuracy of round 3 (round 2 was not
+  // evaluated), bytes each way, ETA = mean round duration x rounds left.
+  CHECK(p.find("\"accuracy\":0.75,\"accuracy_round\":3,") != std::string::npos);
+  CHECK(p.find("\"bytes_up_total\":6000,\"bytes_down_total\":12000,") != std::string::npos);
+  CHECK(p.find("\"eta_s\":3.5,") != std::string::npos);  // 0.5 s x (10 - 3) rounds
+  // Training with a deadline: the deadline is given.
+  b->update_progress([](Progress& p) {
+    p.phase = "training";
+    p.deadline = 1.8e9;
+  });
+  CHECK(b->progress_json().find("\"deadline\":1800000000,") != std::string::npos);
+  // Done: no deadline left over from the last round, and no time left.
+  b->update_progress([](Progress& p) {
+    p.phase = "done";
+    p.rounds_completed = 10;
+  });
+  p = b->progress_json();
+  CHECK(p.find("\"deadline\":null,") != std::string::npos);
+  CHECK(p.find("\"eta_s\":0,") != std::string::npos);
+  // Stopped: no deadline, no ETA.
+  b->update_progress([](Progress& p) { p.phase = "stopped"; });
+  p = b->progress_json();
+  CHECK(p.find("\"deadline\":null,") != std::string::npos);
+  CHECK(p.find("\"eta_s\":null,") != std::string::npos);
+  // Before any round: nothing to estimate from.
+  Board empty;
+  CHECK(empty.progress_json().find("\"accuracy\":null,\"accuracy_round\":0,") != std::string::npos);
+  CHECK(empty.progress_json().find("\"eta_s\":null,") != std::string::npos);
+}
+
+TEST_CASE("monitor page: the progress wording, headline figures and runs table columns are on the page") {
+  const std::string page = dashboard_page();
+  // The words the page builds its progress line from, and the headline elements.
+  for (const char* part :
+       {"needed to start (min_clients)", "close the round at its deadline", "Run complete: ", "clients trained",
+        "id=\"headline-accuracy\"", "id=\"headline-eta\"", "id=\"headline-up\"", "id=\"headline-down\"",
+        "<th>compression</th><th>downlink</th>", "<th class=\"num\">total bytes</th><th>differing settings</th>",
+        "id=\"chart-bytes_round\"", "id=\"chart-acc_total\""})
+    CHECK_MESSAGE(page.find(part) != std::string::npos, part);
+  // The deadline is shown only while a round trains: never "s left" once done.
+  const size_t done = page.find("setText('progress-deadline', 'done')");
+  const size_t left = page.find("' s left in this round'");
+  REQUIRE(done != std::string::npos);
+  REQUIRE(left != std::string::npos);
+  CHECK(done < left);
+}

@@ -96,8 +96,34 @@ def main():
         with open(os.path.join(out, "summary.md")) as f:
             md = f.read()
         check("| stc 0.1 | 3 |" in md, "summary.md has the stc row")
-        svg = xml.dom.minidom.parse(os.path.join(out, "plot.svg"))
-        check(len(svg.getElementsByTagName("circle")) == 4, "plot.svg: a point and a legend mark per method")
+        check("| total bytes / run |" in md, "summary.md has a total bytes column")
+        for method in ("dense", "stc 0.1"):
+            up, down, total = (float(rows[method][k]) for k in ("bytes_up", "bytes_down", "bytes_total"))
+            check(abs(up + down - total) < 1e-3, f"{method}: total = uplink + downlink")
+        with open(os.path.join(out, "runs.csv"), newline="") as f:
+            for r in csv.DictReader(f):
+                check(int(r["bytes_total"]) == int(r["bytes_up"]) + int(r["bytes_down"]), "runs.csv bytes_total")
+        for name in ("plot.svg", "plot_total.svg"):
+            svg = xml.dom.minidom.parse(os.path.join(out, name))
+            marks = {}
+            for c in svg.getElementsByTagName("circle"):
+                marks[c.getAttribute("class")] = marks.get(c.getAttribute("class"), 0) + 1
+            check(marks == {"mean": 2, "legend": 2, "seed": 6}, f"{name}: a mean, a legend mark, 3 seeds per method: {marks}")
+            ticks = [int(t.firstChild.data.rstrip("%")) for t in svg.getElementsByTagName("text")
+                     if t.getAttribute("class") == "y-tick"]
+            check(ticks and 0 <= min(ticks) and max(ticks) <= 100, f"{name}: y ticks within 0-100%: {ticks}")
+
+        # Two seeds: a 95% interval of 12.7 standard errors never stretches the axis past 0-100%.
+        sys.path.insert(0, os.path.join(ROOT, "scripts"))
+        import sweep
+        two = os.path.join(tmp, "two.svg")
+        sweep.write_svg(two, [("a", 1e6, 96.0, 60.0, [94.0, 98.0]), ("b", 1e4, 80.0, 40.0, [78.0, 82.0])], "t", "x")
+        svg = xml.dom.minidom.parse(two)
+        ticks = [int(t.firstChild.data.rstrip("%")) for t in svg.getElementsByTagName("text")
+                 if t.getAttribute("class") == "y-tick"]
+        check(max(ticks) <= 100 and min(ticks) >= 70, f"two seeds: the axis follows the seeds, within 100%: {ticks}")
+        note = [t.firstChild.data for t in svg.getElementsByTagName("text") if t.getAttribute("class") == "note"]
+        check(note and "2 seeds" in note[0] and "past the axis" in note[0], f"two seeds: the note says so: {note}")
 
         # Resume: a removed run is run again, the others are not.
         shutil.rmtree(os.path.join(out, "stc_0.1", "seed2"))

@@ -37,8 +37,10 @@ std::string error_of(F&& f) {
 
 bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
+// Every key with an effect: fashion-mnist, the one dataset that reads data_dir
+// and partition (a key without an effect is refused).
 const char* kFull = R"(seed = 7
-dataset = "synthetic:alpha=1,beta=1"
+dataset = "fashion-mnist"
 data_dir = "/tmp/data"
 partition = "shards:per_client=3"
 clients = 50
@@ -96,7 +98,7 @@ TEST_CASE("config reads every key from a file") {
   TempConfig f("full", kFull);
   const SimConfig c = load_config(f.path, {});
   CHECK(c.seed == 7);
-  CHECK(c.dataset == "synthetic:alpha=1,beta=1");
+  CHECK(c.dataset == "fashion-mnist");
   CHECK(c.data_dir == "/tmp/data");
   CHECK(c.partition == "shards:per_client=3");
   CHECK(c.clients == 50);

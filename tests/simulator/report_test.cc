@@ -158,7 +158,7 @@ TEST_CASE("report writes two well-formed plots of one run") {
   TempRun run("single");
   run.write(synthetic_csv(10, 2, 250000));  // 5 evaluated rounds, 250 KB .. 2.5 MB cumulative
   std::vector<std::string> paths = write_report(run.str());
-  REQUIRE(paths.size() == 4);
+  REQUIRE(paths.size() == 7);
   CHECK(paths[0] == (run.dir / "accuracy_vs_round.svg").string());
   CHECK(paths[1] == (run.dir / "accuracy_vs_bytes.svg").string());
   CHECK(paths[2] == (run.dir / "loss_vs_round.svg").string());
@@ -329,7 +329,7 @@ TEST_CASE("report: loss plot (test and training), y axis scaled to the data, --o
   run.write(o.str());
   const fs::path out = run.dir / "plots";
   std::vector<std::string> paths = write_report(run.str(), {}, out.string());
-  REQUIRE(paths.size() == 4);
+  REQUIRE(paths.size() == 7);
   for (const std::string& p : paths) CHECK(fs::path(p).parent_path() == out);
   CHECK_FALSE(fs::exists(run.dir / "accuracy_vs_round.svg"));  // only in --out
   const std::string acc = slurp(paths[0]), loss = slurp(paths[2]);
@@ -344,4 +344,53 @@ TEST_CASE("report: loss plot (test and training), y axis scaled to the data, --o
   CHECK(contains(loss, ">lossplot test</text>"));
   CHECK(contains(loss, ">lossplot train</text>"));
   CHECK(contains(loss, ">loss</text>"));
+}
+
+TEST_CASE("report: uplink, downlink and total bytes, and a runs table with the settings in which runs differ") {
+  TempRun dense("dense"), dgc("dgc");
+  dense.write(synthetic_csv(4, 2, 1000));  // 1 KB up, 4 KB down per round
+  dgc.write(synthetic_csv(4, 2, 10));
+  std::ofstream(dense.dir / "config.toml") << "# sparrow-sim effective configuration\nseed = 1\nlr = 0.1\n"
+                                              "compression = \"none\"\ndownlink = \"none\"\nout = \"runs/dense\"\n"
+                                              "\n[profiles]\nuplink_mbps = 10\n";
+  std::ofstream(dgc.dir / "config.toml")
+      << "# sparrow-sim effective configuration\nseed = 1\nlr = 0.05\n"
+         "compression = \"dgc:ratio=0.01\"\ndownlink = \"none\"\nout = \"runs/dgc\"\n"
+         "\n[profiles]\nuplink_mbps = 5\n";
+  const std::vector<std::string> paths = write_report(dense.str(), {dgc.str()});
+  REQUIRE(paths.size() == 7);
+  CHECK(paths[4] == (dense.dir / "accuracy_vs_total_bytes.svg").string());
+  CHECK(paths[5] == (dense.dir / "bytes_vs_round.svg").string());
+  CHECK(paths[6] == (dense.dir / "runs.md").string());
+  // Cumulative bytes by round: uplink, downlink and total for each run.
+  const std::string bytes = slurp(paths[5]);
+  std::string why;
+  CHECK_MESSAGE(well_formed(bytes, &why), why);
+  CHECK(polylines(bytes).size() == 6);
+  for (const char* label : {">dense up</text>", ">dense down</text>", ">dense total</text>", ">dgc total</text>"})
+    CHECK(contains(bytes, label));
+  CHECK(contains(bytes, ">20 KB</text>"));  // the dense total after 4 rounds is 20 KB: bytes on the y axis
+  const std::string total = slurp(paths[4]);
+  CHECK_MESSAGE(well_formed(total, &why), why);
+  CHECK(contains(total, ">cumulative uplink + downlink bytes (log scale)</text>"));
+  // The table: compression and downlink of each run, its byte totals, and the
+  // keys that differ (not `out`, not those that agree).
+  const std::string md = slurp(paths[6]);
+  INFO(md);
+  CHECK(contains(md,
+                 "| run | compression | downlink | rounds | final accuracy | best accuracy | uplink | "
+                 "downlink bytes | total bytes | differing settings |"));
+  CHECK(contains(md,
+                 "| dense | `none` | `none` | 4 | 90.00% | 90.00% | 4 KB | 16 KB | 20 KB | lr = 0.1, "
+                 "profiles.uplink_mbps = 10 |"));
+  CHECK(contains(md,
+                 "| dgc | `dgc:ratio=0.01` | `none` | 4 | 90.00% | 90.00% | 40 B | 160 B | 200 B | lr = 0.05, "
+                 "profiles.uplink_mbps = 5 |"));
+  CHECK(contains(md, "The runs differ in `lr`, `compression`, `profiles.uplink_mbps` (besides `out`)."));
+  CHECK_FALSE(contains(md, "seed ="));
+  // The page carries the same settings for its runs table.
+  const std::string page = slurp(paths[3]);
+  CHECK(contains(page,
+                 "\"settings\":[[\"compression\",\"none\"],[\"downlink\",\"none\"],[\"lr\",\"0.1\"],"
+                 "[\"profiles.uplink_mbps\",\"10\"]]"));
 }
