@@ -45,6 +45,8 @@ void OrderedFold::open(std::vector<std::string> order, aggregation::ContextMap c
   contexts_ = std::move(contexts);
   clip_ = clip;
   acc_.reset(clip);
+  for (auto& s : scratch_)  // a round's checks start from an empty scratch with its clip
+    if (s) s->reset(clip);
   control_sum_.clear();
   metric_sum_.clear();
   metric_weight_.clear();
@@ -123,10 +125,14 @@ void OrderedFold::add(size_t slot, const std::string& client, Arrival a, bool ch
     if (!s) {
       s = std::make_unique<aggregation::Accumulator>(aggregator_.make_accumulator(shapes_));
       if (max_norm_ > 0) s->set_max_update_norm(max_norm_);
+      s->reset(clip_);
     }
-    s->reset(clip_);
+    // The scratch's sums are never read: on the streaming path they are not
+    // cleared between checks (a reset is a pass over the model's size, which
+    // would cost more than checking a sparse update); a buffering rule keeps
+    // a row per add, dropped at once.
     s->add(a.update, a.weight, contexts_);
-    s->reset(clip_);  // drops what it holds (a view of the frame, decoded rows)
+    if (aggregator_.robust().buffers()) s->reset(clip_);
   }
   std::lock_guard<std::mutex> g(mu_);
   SPARROW_CHECK(state_[i] == State::kPending, "client '" << client << "' already sent this round");
