@@ -183,8 +183,13 @@ int run_try(const TryOptions& o, std::atomic<bool>& stop) {
               n + "\"\nmodel = \"" + o.model + "\"\ndata = \"fashion-mnist\"\npartition = \"iid\"\nclients = " +
               std::to_string(o.shards) + "\nindex = " + std::to_string(i - 1) + "\nstate_db = \"" +
               (dir / ("client" + n + ".db")).string() + "\"\n");
-    kids.add(spawn({client_bin, "--config", (dir / ("client" + n + ".toml")).string()}, env,
-                   (dir / ("client" + n + ".log")).string()));
+    // The clients log as this process does (level and format).
+    const auto name = spdlog::level::to_string_view(spdlog::get_level());
+    const std::string level =
+        spdlog::get_level() == spdlog::level::warn ? "warn" : std::string(name.data(), name.size());
+    kids.add(spawn({client_bin, "--config", (dir / ("client" + n + ".toml")).string(), "--log-level", level,
+                    "--log-format", cli::log_format_option()},
+                   env, (dir / ("client" + n + ".log")).string()));
   }
   spdlog::info(
       "event=try_started clients={} rounds={} threads_per_client={} endpoint={} dir=\"{}\" msg=\"a server and {} "

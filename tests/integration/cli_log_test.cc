@@ -328,3 +328,19 @@ TEST_CASE("sparrow-server try divides the cores between its clients: 3 clients w
   CHECK(read_file(dir + "/three.log").find("threads_per_client=" + std::to_string(expect)) != std::string::npos);
   fs::remove_all(dir);
 }
+
+// try's clients log as try does: its --log-format and --log-level go to them.
+TEST_CASE("sparrow-server try passes --log-format json and --log-level on to its clients") {
+  const std::string dir = fresh_dir("try_logs");
+  REQUIRE(run_tool({kServerBin, "try", "--clients", "1", "--rounds", "1", "--dir", dir + "/json", "--force",
+                    "--log-format", "json"},
+                   dir + "/json.log") == 0);
+  const std::string client = read_file(dir + "/json/client1.log");
+  CHECK(client.find("\"level\":\"info\"") != std::string::npos);
+  check_json_lines(client, "try's client with --log-format json");
+  REQUIRE(run_tool({kServerBin, "try", "--clients", "1", "--rounds", "1", "--dir", dir + "/warn", "--force",
+                    "--log-level", "warn"},
+                   dir + "/warn.log") == 0);
+  CHECK(read_file(dir + "/warn/client1.log").find("level=info") == std::string::npos);
+  fs::remove_all(dir);
+}
