@@ -63,6 +63,9 @@ bool all_finite(const at::Tensor& t);
 // Decodes any Encoded to a float32 tensor of e.shape. Validates first; throws
 // FormatError on malformed input.
 at::Tensor decode(const Encoded& e, const Context& ctx = {});
+// `t` (any device, any float dtype) as a Dense F32 payload, its values copied:
+// what a server sends as a full model, and a round's unmasked SecAgg+ mean.
+Encoded dense_encoded(const at::Tensor& t);
 // out += weight · decode(e), without materialising a dense copy for sparse and
 // low-rank formats. out must be float32, contiguous, numel == e.numel().
 // Throws FormatError on a malformed e, and then leaves out unchanged.

@@ -126,3 +126,19 @@ void register_dense() {
 }
 
 }  // namespace sparrow::compression::detail
+
+namespace sparrow::compression {
+
+Encoded dense_encoded(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kCPU, at::kFloat).contiguous();
+  Encoded e;
+  e.format = Format::kDense;
+  e.shape = c.sizes().vec();
+  e.value_type = ValueType::kF32;
+  const size_t bytes = static_cast<size_t>(c.numel()) * sizeof(float);
+  e.values.resize_uninitialized(bytes);
+  if (bytes) std::memcpy(e.values.data(), c.data_ptr<float>(), bytes);
+  return e;
+}
+
+}  // namespace sparrow::compression

@@ -38,6 +38,7 @@ void OrderedFold::open(std::vector<std::string> order, aggregation::ContextMap c
   state_.assign(order_.size(), State::kPending);
   held_.clear();
   held_.resize(order_.size());
+  held_size_.assign(order_.size(), 0);
   next_ = 0;
   held_bytes_ = held_peak_ = 0;
   relaxed_ = budget_ <= 0;
@@ -79,7 +80,7 @@ void OrderedFold::advance_locked() {
     if (state_[next_] != State::kHeld) continue;
     Arrival a = std::move(*held_[next_]);
     held_[next_].reset();
-    held_bytes_ -= bytes_of(a);
+    held_bytes_ -= held_size_[next_];
     state_[next_] = State::kDone;
     try {
       fold_locked(a);
@@ -144,6 +145,7 @@ void OrderedFold::add(size_t slot, const std::string& client, Arrival a, bool ch
   }
   const int64_t b = bytes_of(a);
   held_[i] = std::move(a);
+  held_size_[i] = b;
   state_[i] = State::kHeld;
   held_bytes_ += b;
   held_peak_ = std::max(held_peak_, held_bytes_);

@@ -104,7 +104,8 @@ class OrderedFold {
   std::map<std::string, size_t> pos_;
   std::vector<State> state_;
   std::vector<std::optional<Arrival>> held_;
-  size_t next_ = 0;  // first position not yet done
+  std::vector<int64_t> held_size_;  // bytes_of(*held_[i]) while held
+  size_t next_ = 0;                 // first position not yet done
   int64_t held_bytes_ = 0, held_peak_ = 0;
   bool relaxed_ = false;
   std::vector<std::string> order_, late_failures_;

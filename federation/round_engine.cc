@@ -5,7 +5,6 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <cstring>
 
 #include "compression/state.h"
 #include "core/error.h"
@@ -53,13 +52,7 @@ void RoundEngine::add_secagg_sum(const std::vector<uint32_t>& sum, double scale,
     secagg::dequantise(sum.data() + off, len, scale, x.data_ptr<float>());
     x.div_(weight_sum);
     off += len;
-    compression::Encoded e;
-    e.format = compression::Format::kDense;
-    e.value_type = compression::ValueType::kF32;
-    e.shape = shape;
-    e.values.resize_uninitialized(len * sizeof(float));
-    if (len) std::memcpy(e.values.data(), x.data_ptr<float>(), len * sizeof(float));
-    a.update.emplace_back(name, std::move(e));
+    a.update.emplace_back(name, compression::dense_encoded(x));
   }
   SPARROW_CHECK(off == sum.size(), "secagg: the unmasked sum has " << sum.size() << " coordinates, the model " << off);
   a.weight = weight;

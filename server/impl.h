@@ -106,18 +106,7 @@ inline double unix_now() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
-// A tensor as a Dense F32 payload (tasks' full models, SecAgg's unmasked mean).
-inline compression::Encoded dense_encoded(const at::Tensor& t) {
-  at::Tensor c = t.to(at::kCPU, at::kFloat).contiguous();
-  compression::Encoded e;
-  e.format = compression::Format::kDense;
-  e.shape = c.sizes().vec();
-  e.value_type = compression::ValueType::kF32;
-  const size_t bytes = static_cast<size_t>(c.numel()) * sizeof(float);
-  e.values.resize_uninitialized(bytes);
-  if (bytes) std::memcpy(e.values.data(), c.data_ptr<float>(), bytes);
-  return e;
-}
+using compression::dense_encoded;
 
 inline wire::Message msg(wire::Body body) {
   wire::Message m;

@@ -6,7 +6,6 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
-#include <cstring>
 #include <map>
 #include <string>
 #include <thread>
@@ -14,6 +13,7 @@
 
 #include "aggregation/robust.h"
 #include "core/error.h"
+#include "compression/compressor.h"
 #include "federation/ordered_fold.h"
 #include "wire/wire.h"
 
@@ -22,16 +22,7 @@ using namespace sparrow::federation;
 
 namespace {
 
-compression::Encoded dense(const at::Tensor& t) {
-  compression::Encoded e;
-  e.format = compression::Format::kDense;
-  e.shape = t.sizes().vec();
-  e.value_type = compression::ValueType::kF32;
-  const size_t bytes = static_cast<size_t>(t.numel()) * sizeof(float);
-  e.values.resize_uninitialized(bytes);
-  std::memcpy(e.values.data(), t.contiguous().data_ptr<float>(), bytes);
-  return e;
-}
+using compression::dense_encoded;
 
 const aggregation::TensorShapes kShapes = {{"w", {64}}, {"b", {3}}};
 
@@ -42,7 +33,7 @@ Arrival arrival(int i, bool bad = false) {
   at::Tensor b = at::full({3}, 0.1f * static_cast<float>(i + 1));
   if (bad) w[5] = std::numeric_limits<float>::quiet_NaN();
   Arrival a;
-  a.update = {{"w", dense(w)}, {"b", dense(b)}};
+  a.update = {{"w", dense_encoded(w)}, {"b", dense_encoded(b)}};
   a.weight = 10.0 + i;
   a.metrics["train_loss"] = 1.0 / (i + 1);
   return a;

@@ -5,8 +5,6 @@
 
 #include <ATen/ATen.h>
 
-#include <cstring>
-
 #include "aggregation/robust.h"
 #include "core/error.h"
 #include "federation/round_engine.h"
@@ -23,20 +21,11 @@ const aggregation::TensorShapes kShapes = {{"a", {2, 3}}, {"b", {3}}};
 
 Weights zeros() { return {{"a", at::zeros({2, 3})}, {"b", at::zeros({3})}}; }
 
-compression::Encoded dense(const at::Tensor& t) {
-  compression::Encoded e;
-  e.format = compression::Format::kDense;
-  e.shape = t.sizes().vec();
-  e.value_type = compression::ValueType::kF32;
-  const at::Tensor c = t.contiguous();
-  e.values.resize(static_cast<size_t>(c.numel()) * 4);
-  std::memcpy(e.values.data(), c.data_ptr<float>(), e.values.size());
-  return e;
-}
+using compression::dense_encoded;
 
 Arrival update(float a, float b, double w = 1) {
   Arrival x;
-  x.update = {{"a", dense(at::full({2, 3}, a))}, {"b", dense(at::full({3}, b))}};
+  x.update = {{"a", dense_encoded(at::full({2, 3}, a))}, {"b", dense_encoded(at::full({3}, b))}};
   x.weight = w;
   x.metrics["train_loss"] = a;
   return x;
