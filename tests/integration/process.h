@@ -79,6 +79,29 @@ class Process {
     return -1;
   }
 
+  // Waits until the process is one of ours and can take `sig`: its launcher
+  // (core/launcher.cc) has blocked it or the program has a handler for it
+  // (SigBlk or SigCgt in /proc/PID/status). Before that instant the child is
+  // still between fork and the launcher's first instruction, where no program
+  // can handle a signal; on a loaded machine that window can outlast a test's
+  // 50 ms. False after `timeout` or when the process has ended.
+  bool wait_signal_ready(int sig, std::chrono::milliseconds timeout) {
+    const auto until = std::chrono::steady_clock::now() + timeout;
+    const unsigned long long bit = 1ULL << (sig - 1);
+    while (running()) {
+      std::ifstream in("/proc/" + std::to_string(pid_) + "/status");
+      std::string line;
+      unsigned long long mask = 0;
+      while (std::getline(in, line))
+        if (line.rfind("SigBlk:", 0) == 0 || line.rfind("SigCgt:", 0) == 0)
+          mask |= std::stoull(line.substr(7), nullptr, 16);
+      if (mask & bit) return true;
+      if (std::chrono::steady_clock::now() >= until) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    return false;
+  }
+
   std::string log() const {
     std::ifstream in(log_path_);
     std::ostringstream os;

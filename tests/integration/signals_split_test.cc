@@ -245,6 +245,10 @@ std::vector<std::string> signal_table(const std::string& dir,
   for (size_t i = 0; i < order.size(); ++i) order[i] = i;
   std::sort(order.begin(), order.end(), [](size_t a, size_t b) { return kSignalRows[a].at < kSignalRows[b].at; });
   for (size_t i : order) {
+    // A child not yet at its launcher's first instruction (fork and exec of
+    // eight processes on a loaded 2-core machine) cannot take a signal in any
+    // program: wait for that instant, then for the row's time.
+    CHECK_MESSAGE(procs[i]->wait_signal_ready(kSignalRows[i].sig, 10s), log_tail(*procs[i]));
     std::this_thread::sleep_until(t0 + kSignalRows[i].at);
     procs[i]->signal(kSignalRows[i].sig);
   }
