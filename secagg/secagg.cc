@@ -3,20 +3,16 @@
 #include <sodium.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
+#include <functional>
 #include <sstream>
 
 #include "core/error.h"
-#include "core/rng.h"
-#include "core/spec.h"
 #include "secagg/sodium_init.h"
+#include "secagg/verify.h"
 
 namespace sparrow::secagg {
 namespace {
-
-constexpr size_t kNonceBytes = crypto_aead_chacha20poly1305_IETF_NPUBBYTES;
-constexpr size_t kPlainBytes = 8 + 2 * kShareBytes;  // from, to, b share, s share
 
 Secret random_secret() {
   Secret s;
@@ -27,34 +23,14 @@ Secret random_secret() {
 std::string bytes(const uint8_t* p, size_t n) { return std::string(reinterpret_cast<const char*>(p), n); }
 const uint8_t* u8(const std::string& s) { return reinterpret_cast<const uint8_t*>(s.data()); }
 
-void put32(uint8_t* p, uint32_t v) {
-  for (int i = 0; i < 4; ++i) p[i] = static_cast<uint8_t>(v >> (8 * i));
-}
-uint32_t get32(const uint8_t* p) {
-  uint32_t v = 0;
-  for (int i = 0; i < 4; ++i) v |= uint32_t{p[i]} << (8 * i);
-  return v;
-}
-
-// BLAKE2b-256 of an X25519 shared point, a domain label, the round and the
-// two indices (smaller first): the key both ends derive.
+// The pairwise mask seed: kdf() of the X25519 agreement of two mask keys.
 Secret derive_key(const std::string& secret_key, const std::string& public_key, const char* label, uint64_t round,
                   uint32_t a, uint32_t b) {
   uint8_t q[crypto_scalarmult_BYTES];
   SPARROW_CHECK(crypto_scalarmult(q, u8(secret_key), u8(public_key)) == 0, "secagg: key agreement with client "
                                                                                << (a == b ? a : std::max(a, b))
                                                                                << " failed (a low-order public key)");
-  uint8_t info[8 + 4 + 4];
-  for (int i = 0; i < 8; ++i) info[i] = static_cast<uint8_t>(round >> (8 * i));
-  put32(info + 8, std::min(a, b));
-  put32(info + 12, std::max(a, b));
-  crypto_generichash_state st;
-  crypto_generichash_init(&st, nullptr, 0, 32);
-  crypto_generichash_update(&st, q, sizeof q);
-  crypto_generichash_update(&st, reinterpret_cast<const uint8_t*>(label), std::strlen(label));
-  crypto_generichash_update(&st, info, sizeof info);
-  Secret k;
-  crypto_generichash_final(&st, k.data(), k.size());
+  const Secret k = kdf(q, label, round, a, b);
   sodium_memzero(q, sizeof q);
   return k;
 }
@@ -92,145 +68,14 @@ void check_stage(const wire::SecAgg& m, wire::SecAggStage want, uint64_t round) 
 
 }  // namespace
 
-// ---- Params ------------------------------------------------------------------------
-
-Params Params::parse(const std::string& text) {
-  Params p;
-  if (text == "none" || text.empty()) return p;
-  Spec s = Spec::parse(text);
-  SPARROW_CHECK_T(ConfigError, s.method() == "secagg+",
-                  "secagg: unknown method '" << s.method() << "' (none, or secagg+:degree=,threshold=,clip=,timeout=)");
-  p.enabled = true;
-  const int64_t k = s.get_int("degree", p.degree);
-  const int64_t t = s.get_int("threshold", 0);
-  p.clip = s.get_double("clip", p.clip);
-  p.timeout_s = s.get_double("timeout", p.timeout_s);
-  s.check_all_consumed();
-  SPARROW_CHECK_T(ConfigError, k >= 2 && k <= 254 && k % 2 == 0,
-                  "secagg: degree must be even and in [2, 254] (got " << k << ")");
-  p.degree = static_cast<uint32_t>(k);
-  SPARROW_CHECK_T(ConfigError, t == 0 || (t >= 2 && t <= k),
-                  "secagg: threshold must be in [2, degree = " << k << "] (got " << t << ")");
-  p.threshold = static_cast<uint32_t>(t);
-  SPARROW_CHECK_T(ConfigError, std::isfinite(p.clip) && p.clip > 0 && p.clip <= 1e6,
-                  "secagg: clip must be in (0, 1e6] (got " << p.clip << ")");
-  SPARROW_CHECK_T(ConfigError, std::isfinite(p.timeout_s) && p.timeout_s > 0 && p.timeout_s <= 3600,
-                  "secagg: timeout must be in (0, 3600] seconds (got " << p.timeout_s << ")");
-  return p;
-}
-
-std::string Params::text() const {
-  if (!enabled) return "none";
-  std::ostringstream os;
-  os << "secagg+:degree=" << degree << ",threshold=" << effective_threshold() << ",clip=" << clip
-     << ",timeout=" << timeout_s;
-  return os.str();
-}
-
-void check_compatible(const std::string& compression, const std::string& aggregator, const std::string& dp,
-                      const std::string& algorithm) {
-  SPARROW_CHECK_T(ConfigError, compression == "none",
-                  "secure aggregation needs compression = \"none\" (got '"
-                      << compression
-                      << "'): a masked update is dense 32-bit ring elements whatever the codec, and a sparse "
-                         "update's positions would be masked into a dense vector");
-  SPARROW_CHECK_T(ConfigError, aggregator == "mean",
-                  "secure aggregation needs aggregator = \"mean\" (got '"
-                      << aggregator << "'): robust aggregators look at each update, which the server never sees");
-  SPARROW_CHECK_T(ConfigError, dp == "none" || dp.rfind("local", 0) == 0,
-                  "secure aggregation takes dp = \"none\" or client-side local DP (got '"
-                      << dp << "'): central DP clips each update at the server, which never sees one");
-  SPARROW_CHECK_T(ConfigError, algorithm == "fedavg" || algorithm == "fedprox",
-                  "secure aggregation works with fedavg and fedprox (got '"
-                      << algorithm << "'): SCAFFOLD's per-client control deltas would travel in the clear");
-}
-
-// ---- Graph ---------------------------------------------------------------------------
-
-Graph::Graph(uint32_t n, uint32_t degree, uint64_t seed) : n_(n), adj_(n) {
-  SPARROW_CHECK(n >= 2, "secagg: a round needs at least 2 clients");
-  std::vector<uint32_t> ring(n);
-  for (uint32_t i = 0; i < n; ++i) ring[i] = i + 1;
-  rng::Stream st(seed);
-  for (uint32_t i = n - 1; i > 0; --i) std::swap(ring[i], ring[st.below(i + 1)]);  // Fisher-Yates
-  if (degree >= n - 1) {
-    for (uint32_t i = 1; i <= n; ++i)
-      for (uint32_t j = 1; j <= n; ++j)
-        if (i != j) adj_[i - 1].push_back(j);
-    return;
+std::string Offence::text(const std::function<std::string(uint32_t)>& name) const {
+  std::string out;
+  for (const Finding& f : findings) {
+    out += (out.empty() ? "" : "; ") + f.what;
+    for (size_t i = 0; i < f.clients.size(); ++i) out += (i ? "," : " ") + name(f.clients[i]);
+    out += f.why;
   }
-  SPARROW_CHECK(degree % 2 == 0, "secagg: the degree of an incomplete graph must be even");
-  for (uint32_t p = 0; p < n; ++p) {
-    auto& a = adj_[ring[p] - 1];
-    for (uint32_t j = 1; j <= degree / 2; ++j) {
-      a.push_back(ring[(p + j) % n]);
-      a.push_back(ring[(p + n - j) % n]);
-    }
-    std::sort(a.begin(), a.end());
-  }
-}
-
-const std::vector<uint32_t>& Graph::neighbours(uint32_t index) const {
-  SPARROW_CHECK(index >= 1 && index <= n_, "secagg: client index " << index << " outside 1.." << n_);
-  return adj_[index - 1];
-}
-
-bool Graph::linked(uint32_t a, uint32_t b) const {
-  if (a < 1 || a > n_ || b < 1 || b > n_ || a == b) return false;
-  const auto& v = adj_[a - 1];
-  return std::binary_search(v.begin(), v.end(), b);
-}
-
-// ---- the ring ------------------------------------------------------------------------
-
-double ring_scale(uint32_t n, double clip) {
-  // |sum| <= clip * scale + n (each rounding adds < 1) must stay below 2^31.
-  return (2147483647.0 - static_cast<double>(n) - 1.0) / clip;
-}
-
-size_t quantise(const float* x, size_t n, double weight, double clip, double scale, uint64_t key, uint32_t* out) {
-  size_t clipped = 0;
-  const double f = weight * scale;
-  for (size_t i = 0; i < n; ++i) {
-    double v = x[i];
-    SPARROW_CHECK(std::isfinite(v), "secagg: update coordinate " << i << " is not finite");
-    if (v > clip) {
-      v = clip;
-      ++clipped;
-    } else if (v < -clip) {
-      v = -clip;
-      ++clipped;
-    }
-    const double s = v * f;
-    const double fl = std::floor(s);
-    const double q = fl + (static_cast<double>(rng::uniform01(key, i)) < s - fl ? 1.0 : 0.0);
-    out[i] = static_cast<uint32_t>(static_cast<int64_t>(q));
-  }
-  return clipped;
-}
-
-void dequantise(const uint32_t* sum, size_t n, double scale, float* out) {
-  const double inv = 1.0 / scale;
-  for (size_t i = 0; i < n; ++i) out[i] = static_cast<float>(static_cast<int32_t>(sum[i]) * inv);
-}
-
-void add_prg(uint32_t* v, size_t n, const Secret& seed, bool subtract) {
-  init_sodium();
-  static const uint8_t nonce[crypto_stream_chacha20_ietf_NONCEBYTES] = {};
-  constexpr size_t kChunk = 4096;  // words per keystream call (16 KiB = 256 ChaCha20 blocks)
-  uint32_t buf[kChunk];
-  for (size_t off = 0; off < n; off += kChunk) {
-    const size_t m = std::min(kChunk, n - off);
-    std::memset(buf, 0, m * 4);
-    // Block counter = words / 16: each 64-byte block is 16 words.
-    crypto_stream_chacha20_ietf_xor_ic(reinterpret_cast<uint8_t*>(buf), reinterpret_cast<uint8_t*>(buf), m * 4, nonce,
-                                       static_cast<uint32_t>(off / 16), seed.data());
-    if (subtract)
-      for (size_t i = 0; i < m; ++i) v[off + i] -= buf[i];
-    else
-      for (size_t i = 0; i < m; ++i) v[off + i] += buf[i];
-  }
-  sodium_memzero(buf, sizeof buf);
+  return out;
 }
 
 // ---- Client ------------------------------------------------------------------------
@@ -240,7 +85,8 @@ struct Client::Impl {
   uint64_t round;
   std::string client_id;
   Graph graph;
-  KeyPair enc, mask;
+  EncKeyPair enc;  // share encryption (ristretto255: a rejection can be proven)
+  KeyPair mask;
   bool keys_sent = false, shares_sent = false, masked_sent = false, revealed = false;
   std::map<uint32_t, wire::SecAggPeer> peers;  // neighbours that sent keys
   Secret b{};                                  // self-mask seed
@@ -266,10 +112,7 @@ struct Client::Impl {
   }
   // x coordinate of a neighbour's share: its position among this client's
   // graph neighbours, + 1 (at most 254).
-  uint8_t x_of(uint32_t owner, uint32_t holder) const {
-    const auto& nb = graph.neighbours(owner);
-    return static_cast<uint8_t>(std::lower_bound(nb.begin(), nb.end(), holder) - nb.begin() + 1);
-  }
+  uint8_t x_of(uint32_t owner, uint32_t holder) const { return share_x(graph, owner, holder); }
 };
 
 Client::Client(const wire::SecAggSetup& setup, uint64_t round, std::string client_id)
@@ -285,7 +128,7 @@ const wire::SecAggSetup& Client::setup() const { return impl_->setup; }
 wire::SecAgg Client::keys() {
   Impl& c = *impl_;
   SPARROW_CHECK(!c.keys_sent, "secagg: keys already sent for round " << c.round);
-  c.enc = KeyPair::fresh();
+  c.enc = EncKeyPair::fresh();
   c.mask = KeyPair::fresh();
   c.keys_sent = true;
   wire::SecAgg m = c.msg(wire::SecAggStage::kKeys);
@@ -318,26 +161,14 @@ wire::SecAgg Client::shares(const wire::SecAgg& in) {
   const std::vector<std::string> ss = shamir_split(sk, c.setup.threshold, xs);
   sodium_memzero(sk.data(), sk.size());
   wire::SecAgg out = c.msg(wire::SecAggStage::kShares);
+  // The commitment and the digests let the server check every share it is
+  // later revealed, and the seed it reconstructs (docs/security.md).
+  out.commitment = seed_commitment(c.b, c.round, c.setup.index);
   size_t i = 0;
   for (const auto& [v, p] : peers) {
-    const Secret key = derive_key(c.enc.sk, p.enc_key, "sparrow-secagg-share", c.round, c.setup.index, v);
-    uint8_t plain[kPlainBytes];
-    put32(plain, c.setup.index);
-    put32(plain + 4, v);
-    std::memcpy(plain + 8, bs[i].data(), kShareBytes);
-    std::memcpy(plain + 8 + kShareBytes, ss[i].data(), kShareBytes);
-    uint8_t ad[16];
-    for (int k = 0; k < 8; ++k) ad[k] = static_cast<uint8_t>(c.round >> (8 * k));
-    put32(ad + 8, c.setup.index);
-    put32(ad + 12, v);
-    std::string ct(kNonceBytes + kPlainBytes + crypto_aead_chacha20poly1305_IETF_ABYTES, '\0');
-    auto* ctp = reinterpret_cast<uint8_t*>(ct.data());
-    randombytes_buf(ctp, kNonceBytes);
-    unsigned long long clen = 0;
-    crypto_aead_chacha20poly1305_ietf_encrypt(ctp + kNonceBytes, &clen, plain, sizeof plain, ad, sizeof ad, nullptr,
-                                              ctp, key.data());
-    sodium_memzero(plain, sizeof plain);
-    out.shares.push_back({v, 0, std::move(ct)});
+    out.shares.push_back(
+        {v, 0, seal_pair(c.enc.sk, p.enc_key, c.round, c.setup.index, v, bs[i], ss[i]),
+         share_digest(bs[i], 1, c.round, c.setup.index, v) + share_digest(ss[i], 2, c.round, c.setup.index, v)});
     ++i;
   }
   c.peers = std::move(peers);
@@ -353,8 +184,8 @@ std::map<uint32_t, std::string> Client::receive_shares(const wire::SecAgg& in) {
   for (const auto& sh : in.shares)
     SPARROW_CHECK(c.peers.count(sh.peer),
                   "secagg: shares from client " << sh.peer << ", not a neighbour that sent keys");
-  // A bad pair is its sender's fault (the server cannot read it): the sender
-  // is rejected, not this client's round.
+  // A bad pair is its sender's fault: the sender is rejected, not this
+  // client's round (masked() attaches the evidence the server checks).
   std::map<uint32_t, std::pair<std::string, std::string>> held;
   std::map<uint32_t, std::string> bad;
   auto reject = [&](uint32_t v, std::string why) {
@@ -367,35 +198,17 @@ std::map<uint32_t, std::string> Client::receive_shares(const wire::SecAgg& in) {
       reject(sh.peer, "two pairs from client " + std::to_string(sh.peer));
       continue;
     }
-    if (sh.kind != 0 || sh.data.size() != kNonceBytes + kPlainBytes + crypto_aead_chacha20poly1305_IETF_ABYTES) {
+    if (sh.kind != 0) {
       reject(sh.peer, "the pair from client " + std::to_string(sh.peer) + " is malformed");
       continue;
     }
-    Secret key;
-    try {
-      key = derive_key(c.enc.sk, c.peers.at(sh.peer).enc_key, "sparrow-secagg-share", c.round, sh.peer, c.setup.index);
-    } catch (const Error&) {
-      reject(sh.peer, "key agreement with client " + std::to_string(sh.peer) + " failed");
-      continue;
-    }
-    uint8_t ad[16];
-    for (int k = 0; k < 8; ++k) ad[k] = static_cast<uint8_t>(c.round >> (8 * k));
-    put32(ad + 8, sh.peer);
-    put32(ad + 12, c.setup.index);
-    uint8_t plain[kPlainBytes];
-    unsigned long long plen = 0;
-    const auto* ctp = u8(sh.data);
-    if (crypto_aead_chacha20poly1305_ietf_decrypt(plain, &plen, nullptr, ctp + kNonceBytes,
-                                                  sh.data.size() - kNonceBytes, ad, sizeof ad, ctp, key.data()) != 0 ||
-        plen != kPlainBytes) {
-      reject(sh.peer, "the pair from client " + std::to_string(sh.peer) + " does not decrypt");
-    } else if (get32(plain) != sh.peer || get32(plain + 4) != c.setup.index ||
-               plain[8] != c.x_of(sh.peer, c.setup.index) || plain[8 + kShareBytes] != c.x_of(sh.peer, c.setup.index)) {
-      reject(sh.peer, "the pair from client " + std::to_string(sh.peer) + " names other parties");
-    } else {
-      held.emplace(sh.peer, std::make_pair(bytes(plain + 8, kShareBytes), bytes(plain + 8 + kShareBytes, kShareBytes)));
-    }
-    sodium_memzero(plain, sizeof plain);
+    // An empty digest is an older server's (it checks no reveal either).
+    OpenedPair o = open_pair(c.enc.sk, c.peers.at(sh.peer).enc_key, c.round, sh.peer, c.setup.index,
+                             c.x_of(sh.peer, c.setup.index), sh.data, sh.digest);
+    if (!o.error.empty())
+      reject(sh.peer, o.error);
+    else
+      held.emplace(sh.peer, std::make_pair(std::move(o.b_share), std::move(o.s_share)));
   }
   c.held = std::move(held);
   for (const auto& [v, why] : bad) c.rejected.push_back(v);
@@ -419,6 +232,15 @@ wire::SecAgg Client::masked(std::vector<uint32_t> x, std::vector<std::pair<std::
   m.masked = std::move(x);
   m.metrics = std::move(metrics);
   m.rejected = c.rejected;
+  // Evidence for each rejection: the server opens that pair and sees who lied.
+  for (uint32_t v : c.rejected) {
+    try {
+      m.evidence.push_back(
+          {v, 0, make_evidence(c.enc.sk, c.enc.pk, c.peers.at(v).enc_key, c.round, v, c.setup.index), {}});
+    } catch (const Error&) {
+      // An unusable key: the server refuses those at the keys stage.
+    }
+  }
   return m;
 }
 
@@ -456,8 +278,11 @@ struct Server::Impl {
   Graph graph;
   size_t length;
   enum Stage { kKeys, kShares, kMasked, kReveal, kDone } stage = kKeys;
-  std::map<uint32_t, wire::SecAggPeer> keys;                    // U1
-  std::map<uint32_t, std::vector<wire::SecAggShare>> outgoing;  // U2: sender -> its pairs
+  std::map<uint32_t, wire::SecAggPeer> keys;                         // U1
+  std::map<uint32_t, std::vector<wire::SecAggShare>> outgoing;       // U2: sender -> its pairs (until routed)
+  std::map<std::pair<uint32_t, uint32_t>, wire::SecAggShare> pairs;  // (owner, holder) -> pair and digests
+  std::map<uint32_t, std::string> commitment;                        // U2: owner -> its seed commitment
+  std::map<uint32_t, Offence> offenders;                             // found by the server's own checks
   std::set<uint32_t> u1, u2, u3;
   std::vector<uint32_t> sum;
   std::map<uint32_t, std::map<uint32_t, std::string>> b_shares, s_shares;  // owner -> holder -> share
@@ -470,7 +295,18 @@ struct Server::Impl {
   bool reconstructed = false;                          // reconstruct() ran
   std::map<uint32_t, Secret> b_secret, s_secret;       // reconstruct(): self-mask seeds of S, mask keys of U2 \ S
   std::map<uint32_t, std::set<uint32_t>> wrong;        // holder -> clients whose share it revealed wrong
-  std::string failure;                                 // why reconstruct() failed
+  void blame(uint32_t u, const char* stage, std::string what, std::vector<uint32_t> whom, std::string why = "") {
+    Offence& o = offenders[u];
+    if (o.findings.empty()) o.stage = stage;
+    o.findings.push_back({std::move(what), std::move(whom), std::move(why)});
+  }
+  // The dealer's digest of the share of `kind` it dealt holder (empty when none).
+  std::string digest_of(uint32_t owner, uint32_t holder, uint8_t kind) const {
+    auto it = pairs.find({owner, holder});
+    if (it == pairs.end() || it->second.digest.size() != 2 * kDigestBytes) return {};
+    return it->second.digest.substr(kind == 1 ? 0 : kDigestBytes, kDigestBytes);
+  }
+  std::string failure;  // why reconstruct() failed
 
   Impl(const Params& p, uint64_t r, uint32_t clients, uint64_t seed, size_t len)
       : params(p),
@@ -616,9 +452,9 @@ void Server::add_keys(uint32_t from, const wire::SecAgg& m) {
   SPARROW_CHECK(s.stage == Impl::kKeys, "secagg: the keys exchange of round " << s.round << " is closed");
   SPARROW_CHECK(!s.u1.count(from), "secagg: client " << from << " already sent its keys");
   SPARROW_CHECK(m.peers.size() == 1 && m.peers[0].index == from, "secagg: Keys must carry the sender's own keys");
-  SPARROW_CHECK(
-      usable_key(m.peers[0].enc_key) && usable_key(m.peers[0].mask_key) && m.peers[0].enc_key != m.peers[0].mask_key,
-      "secagg: client " << from << " sent an unusable public key (low-order point, or both keys equal)");
+  SPARROW_CHECK(usable_enc_key(m.peers[0].enc_key) && usable_key(m.peers[0].mask_key) &&
+                    m.peers[0].enc_key != m.peers[0].mask_key,
+                "secagg: client " << from << " sent an unusable public key (low-order point, or both keys equal)");
   for (const auto& [v, p] : s.keys)
     SPARROW_CHECK(p.enc_key != m.peers[0].enc_key && p.mask_key != m.peers[0].mask_key &&
                       p.enc_key != m.peers[0].mask_key && p.mask_key != m.peers[0].enc_key,
@@ -652,14 +488,22 @@ void Server::add_shares(uint32_t from, const wire::SecAgg& m) {
   SPARROW_CHECK(!s.u2.count(from), "secagg: client " << from << " already sent its shares");
   const std::vector<uint32_t> want = s.among(from, s.u1);
   std::vector<uint32_t> got;
+  // Without the commitments no reveal could be checked: a client older than
+  // protocol 1.8 cannot take part (docs/security.md).
+  SPARROW_CHECK(m.commitment.size() == kDigestBytes,
+                "secagg: Shares without the seed commitment (a client before protocol 1.8 cannot take part)");
   for (const auto& sh : m.shares) {
     SPARROW_CHECK(sh.kind == 0, "secagg: Shares carries encrypted pairs only");
+    SPARROW_CHECK(sh.digest.size() == 2 * kDigestBytes,
+                  "secagg: the pair to client " << sh.peer << " comes without the digests of its shares");
     got.push_back(sh.peer);
   }
   std::sort(got.begin(), got.end());
   SPARROW_CHECK(got == want, "secagg: client " << from << " must send one pair to each of its neighbours {"
                                                << join(want) << "}, sent to {" << join(got) << "}");
   s.outgoing[from] = m.shares;
+  for (const auto& sh : m.shares) s.pairs[{from, sh.peer}] = sh;
+  s.commitment[from] = m.commitment;
   s.u2.insert(from);
 }
 
@@ -678,7 +522,7 @@ std::map<uint32_t, wire::SecAgg> Server::shares_in_messages() {
   for (const auto& [u, pairs] : s.outgoing)
     for (const auto& sh : pairs) {
       auto it = out.find(sh.peer);
-      if (it != out.end()) it->second.shares.push_back({u, 0, sh.data});
+      if (it != out.end()) it->second.shares.push_back({u, 0, sh.data, sh.digest});
     }
   s.outgoing.clear();
   s.sum.assign(s.length, 0);
@@ -697,9 +541,49 @@ void Server::add_masked(uint32_t from, const wire::SecAgg& m) {
   for (uint32_t v : m.rejected)
     SPARROW_CHECK(s.graph.linked(from, v) && s.u2.count(v),
                   "secagg: client " << from << " rejects client " << v << ", which sent it no pair");
+  // Each rejection comes with the key agreement of that one pair, proven: the
+  // server opens the pair and decides who lied (nothing else is opened).
+  std::map<uint32_t, std::string> evidence;
+  for (const auto& e : m.evidence) {
+    SPARROW_CHECK(
+        std::find(m.rejected.begin(), m.rejected.end(), e.peer) != m.rejected.end(),
+        "secagg: client " << from << " sent evidence against client " << e.peer << ", which it did not reject");
+    SPARROW_CHECK(evidence.emplace(e.peer, e.data).second,
+                  "secagg: client " << from << " sent evidence against client " << e.peer << " twice");
+  }
+  std::vector<uint32_t> bad_pair, good_pair;
+  for (uint32_t v : m.rejected) {
+    auto it = evidence.find(v);
+    SPARROW_CHECK(it != evidence.end(), "secagg: client " << from << " rejects client " << v
+                                                          << " without the evidence (a client before protocol 1.8?)");
+    const std::optional<std::string> point =
+        check_evidence(it->second, s.keys.at(from).enc_key, s.keys.at(v).enc_key, s.round, v, from);
+    SPARROW_CHECK(point, "secagg: client " << from << " rejects client " << v << " with evidence that does not verify");
+    const wire::SecAggShare& pair = s.pairs.at({v, from});
+    const OpenedPair o =
+        open_pair_with_point(*point, s.round, v, from, share_x(s.graph, v, from), pair.data, pair.digest);
+    (o.error.empty() ? good_pair : bad_pair).push_back(v);
+  }
+  if (!good_pair.empty()) {
+    // A false report: the accuser is the offender and leaves the round (a
+    // dropout: its mask key is revealed, its update never summed); the
+    // accused stay in. Its true reports, if any, still count.
+    s.blame(from, "masked", "it falsely rejected the pair of client", good_pair,
+            " (the pair opens and is well formed: checked with its own proof)");
+    s.out.insert(from);
+    for (uint32_t v : bad_pair) {
+      s.reported[v].insert(from);
+      s.blame(v, "shares", "its encrypted pair to client", {from}, " is bad (checked with that client's proof)");
+    }
+    s.settle(false);
+    return;
+  }
   s.u3.insert(from);
   if (!m.rejected.empty()) s.rejected_by[from].insert(m.rejected.begin(), m.rejected.end());
-  for (uint32_t v : m.rejected) s.reported[v].insert(from);
+  for (uint32_t v : m.rejected) {
+    s.reported[v].insert(from);
+    s.blame(v, "shares", "its encrypted pair to client", {from}, " is bad (checked with that client's proof)");
+  }
   s.pending[from] = m.masked;
   s.settle(false);
 }
@@ -785,39 +669,57 @@ bool Server::reconstruct() {
   SPARROW_CHECK(can_unmask(), "secagg: cannot unmask round " << s.round << ": " << missing());
   if (s.reconstructed) return s.failure.empty();
   std::ostringstream fail;
-  // The secret of `owner` from its holders' shares; records wrong holders.
-  auto solve = [&](uint32_t owner, const std::map<uint32_t, std::string>& by_holder,
-                   const char* what) -> std::optional<Secret> {
-    std::vector<uint32_t> holders;
-    std::vector<std::string> shares;
+  // The secret of `owner` from the revealed shares that match the digests its
+  // dealer published: a holder whose share does not is named, whatever the
+  // number of holders. The secret is then checked against the dealer's own
+  // commitment (`check`); with fewer than t matching shares, or a secret that
+  // fails its check (a dealer whose shares are not on one polynomial), the
+  // round is not unmasked.
+  auto solve = [&](uint32_t owner, uint8_t kind, const std::map<uint32_t, std::string>& by_holder,
+                   const std::function<bool(const Secret&)>& check) -> std::optional<Secret> {
+    const char* what = kind == 1 ? "self-mask" : "mask-key";
+    std::vector<std::string> good;
     for (const auto& [holder, sh] : by_holder) {
-      holders.push_back(holder);
-      shares.push_back(sh);
+      const std::string want = s.digest_of(owner, holder, kind);
+      if (!want.empty() && share_digest(sh, kind, s.round, owner, holder) == want)
+        good.push_back(sh);
+      else
+        s.wrong[holder].insert(owner);
     }
-    std::vector<size_t> off;
-    std::optional<Secret> secret = shamir_combine_robust(shares, s.t, &off);
-    for (size_t k : off) s.wrong[holders[k]].insert(owner);
-    if (!secret)
-      fail << (fail.tellp() ? "; " : "") << "the " << shares.size() << " " << what << " shares of client " << owner
-           << " disagree beyond correction (" << s.t << " needed; a wrong one is outvoted only with at least "
-           << s.t + 2 << ")";
+    if (good.size() < s.t) {
+      fail << (fail.tellp() ? "; " : "") << "client " << owner << ": " << good.size() << " of the " << by_holder.size()
+           << " " << what << " shares revealed are the ones dealt, " << s.t << " needed";
+      return std::nullopt;
+    }
+    Secret secret = shamir_combine(good, s.t);
+    if (!check(secret)) {
+      s.blame(owner, "reveal",
+              std::string("the shares it dealt do not reconstruct the ") +
+                  (kind == 1 ? "self-mask seed it committed to" : "mask key it sent"),
+              {});
+      fail << (fail.tellp() ? "; " : "") << "the " << what << " shares client " << owner
+           << " dealt do not reconstruct its " << (kind == 1 ? "committed seed" : "public key");
+      sodium_memzero(secret.data(), secret.size());
+      return std::nullopt;
+    }
     return secret;
   };
-  for (uint32_t u : s.summed)
-    if (auto b = solve(u, s.b_shares.at(u), "self-mask")) s.b_secret[u] = *b;
+  for (uint32_t u : s.summed) {
+    const std::string& c = s.commitment.at(u);
+    auto b = solve(u, 1, s.b_shares.at(u), [&](const Secret& x) { return seed_commitment(x, s.round, u) == c; });
+    if (b) s.b_secret[u] = *b;
+  }
   for (uint32_t u : s.dropped_needed()) {
-    std::optional<Secret> sk = solve(u, s.s_shares.at(u), "mask-key");
-    if (!sk) continue;
-    uint8_t pk[crypto_scalarmult_BYTES];
-    crypto_scalarmult_base(pk, sk->data());
-    if (sodium_memcmp(pk, u8(s.keys.at(u).mask_key), sizeof pk) != 0) {
-      // The shares agree with each other but not with the public key: too
-      // many of them are wrong to tell which (or exactly t were revealed).
-      fail << (fail.tellp() ? "; " : "") << "the mask key of dropped client " << u
-           << " reconstructs wrong (a wrong share among " << s.s_shares.at(u).size() << ")";
-      continue;
-    }
-    s.s_secret[u] = *sk;
+    const std::string& pk = s.keys.at(u).mask_key;
+    auto sk = solve(u, 2, s.s_shares.at(u), [&](const Secret& x) {
+      uint8_t got[crypto_scalarmult_BYTES];
+      crypto_scalarmult_base(got, x.data());
+      return sodium_memcmp(got, u8(pk), sizeof got) == 0;
+    });
+    if (sk) s.s_secret[u] = *sk;
+  }
+  for (const auto& [holder, owners] : s.wrong) {
+    s.blame(holder, "reveal", "it revealed a wrong share of client", {owners.begin(), owners.end()});
   }
   s.reconstructed = true;
   s.failure = fail.str();
@@ -826,6 +728,7 @@ bool Server::reconstruct() {
 
 const std::map<uint32_t, std::set<uint32_t>>& Server::wrong_shares() const { return impl_->wrong; }
 std::string Server::failure() const { return impl_->failure; }
+const std::map<uint32_t, Offence>& Server::offenders() const { return impl_->offenders; }
 
 std::vector<uint32_t> Server::unmask() {
   Impl& s = *impl_;

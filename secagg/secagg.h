@@ -12,18 +12,22 @@
 //   2. Shares:   every client draws a self-mask seed b_u, Shamir-shares b_u
 //                and its mask secret key t-of-k among its neighbours, and
 //                sends each neighbour its pair encrypted (ChaCha20-Poly1305
-//                under an X25519 key); the server routes them (SharesIn).
+//                under a ristretto255 key agreement) with digests of the two
+//                shares, and a commitment to b_u; the server keeps those and
+//                routes the pairs (SharesIn). secagg/verify.h.
 //   3. Masked:   every client sends y_u = x_u + PRG(b_u) + sum over neighbours
 //                v whose pair it holds of +-PRG(s_uv) mod 2^32, x_u its update
 //                quantised into the ring (PRG = ChaCha20), and names the
-//                neighbours whose pair was bad (rejected): the server treats
-//                those as dropped (docs/security.md, "One bad participant").
+//                neighbours whose pair was bad (rejected), each with evidence
+//                that lets the server open that pair and see who lied
+//                (docs/security.md, "One bad participant").
 //   4. Unmask:   the server tells each survivor which neighbours sent y and
 //                which did not; the survivor reveals its share of b_u for the
 //                former and of the mask key for the latter (Reveal), never
-//                both for one client. With t shares per secret the server
-//                removes the self-masks of survivors and the pairwise masks
-//                of dropped clients: what is left is sum x_u.
+//                both for one client. With t shares per secret that match
+//                their digests (and a secret that matches its commitment)
+//                the server removes the self-masks of survivors and the
+//                pairwise masks of dropped clients: what is left is sum x_u.
 //
 // Client and Server are the protocol without transport: sparrow-client and
 // sparrow-server carry their messages over ZeroMQ, the simulator hands them
@@ -33,6 +37,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <set>
@@ -167,6 +172,20 @@ class Client {
   Impl* impl_;
 };
 
+// A client the server's own checks found cheating, and at which stage: each
+// finding reads `what` + the clients + `why` ("it revealed a wrong share of
+// client" 1,3 ""). text() names the clients as the caller does (ids, keys).
+struct Offence {
+  struct Finding {
+    std::string what;
+    std::vector<uint32_t> clients;
+    std::string why;
+  };
+  const char* stage = "";  // "shares", "masked" or "reveal": the first finding's
+  std::vector<Finding> findings;
+  std::string text(const std::function<std::string(uint32_t)>& name) const;
+};
+
 class Server {
  public:
   // `length`: ring elements of a masked update (the model's parameters).
@@ -191,7 +210,10 @@ class Server {
   // Takes y_u; it joins the running sum once every neighbour in U2 has sent
   // its own masked update without rejecting u (or at the close of the stage),
   // so memory is O(length) plus the updates whose neighbours are still
-  // training. `m.rejected` must name neighbours in U2 only.
+  // training. `m.rejected` must name neighbours in U2 only, each with
+  // evidence (m.evidence) that lets the server open that pair: a bad pair
+  // takes its sender out of the sum, a good one makes the sender of `m` an
+  // offender taken out of the round instead (offenders()).
   void add_masked(uint32_t from, const wire::SecAgg& m);
   // Closes stage 3: the survivors S = the senders of masked updates that no
   // neighbour rejected and that were not excluded; only their y_u are in the
@@ -201,17 +223,23 @@ class Server {
   void add_reveal(uint32_t from, const wire::SecAgg& m);
   // Every self-mask of U3 and every mask key of U2 \ U3 needed has t shares.
   bool can_unmask() const;
-  // Reconstructs every secret unmask() needs from the reveals with
-  // shamir_combine_robust, so a survivor that revealed a wrong share (well
-  // formed, but not the one it was dealt) is found and outvoted instead of
-  // corrupting the sum; a mask key is also checked against its public key.
-  // False when some secret cannot be reconstructed with confidence (too few
-  // holders to outvote the wrong shares): failure() says which. Holders of
-  // wrong shares are in wrong_shares() either way. Needs can_unmask().
+  // Reconstructs every secret unmask() needs from the revealed shares that
+  // match the digests their dealer published with its pairs (Shares), so a
+  // survivor that revealed a wrong share (well formed, not the one it was
+  // dealt) is named however many holders there are, and never folded; each
+  // secret is then checked against its dealer's seed commitment or mask
+  // public key. False when some secret has fewer than t shares that match,
+  // or fails its check: failure() says which. Needs can_unmask().
   bool reconstruct();
   // Holder -> the clients whose share it revealed wrong (after reconstruct()).
   const std::map<uint32_t, std::set<uint32_t>>& wrong_shares() const;
   std::string failure() const;
+  // Clients proven to cheat, each once with every reason: a sender of a bad
+  // pair (shown by its receiver's evidence, add_masked), a receiver that
+  // rejected a good pair (it leaves the round, a dropout; its rejection of
+  // the good pair counts for nothing), a holder of wrong revealed shares and
+  // a dealer of shares that do not reconstruct its commitment (reconstruct()).
+  const std::map<uint32_t, Offence>& offenders() const;
   // The unmasked sum of U3's quantised updates (calls reconstruct() if not
   // done); sparrow::Error when a secret lacks shares or cannot be reconstructed.
   std::vector<uint32_t> unmask();

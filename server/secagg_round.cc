@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <set>
 
 #include "core/error.h"
 #include "core/peer_text.h"
@@ -177,39 +178,19 @@ Server::Impl::Collected Server::Impl::collect_secagg(std::unique_lock<std::mutex
     spdlog::warn("event=deadline_extended round={} updates={} need={}", r, sa->masked().size(), need);
   }
   std::map<uint32_t, wire::SecAgg> unmask = sa->unmask_messages();
-  // A report accuses one of two: the sender of a bad pair, or the reporter
-  // (a lie the server cannot disprove without the receiver's key-agreement
-  // secret). The rejected client is out of this round either way (its masks
-  // with the reporter cannot be cancelled). Rejected by two or more
-  // neighbours, it is the offender and held out. A lone report holds nobody
-  // out, unless one reporter makes two or more in the round: then the
-  // reporter is the offender. So one liar costs at most one honest client's
-  // contribution to a round and never holds an honest client out, and a
-  // sender of bad pairs cannot get an honest receiver held out.
-  std::map<uint32_t, std::vector<uint32_t>> lone;  // reporter -> clients only it rejected
-  for (const auto& [v, by] : sa->reported()) {
-    std::string who;
-    for (uint32_t u : by) who += (who.empty() ? "" : ",") + sa_client.at(u);
-    const std::string& cid = sa_client.at(v);
-    if (by.size() >= 2)
-      secagg_offender(cid, clients[cid].public_key, r, "shares",
-                      "its encrypted pairs were rejected by neighbours " + who);
-    else
-      lone[*by.begin()].push_back(v);
-  }
-  for (const auto& [reporter, accused] : lone) {
-    std::string whom;
-    for (uint32_t u : accused) whom += (whom.empty() ? "" : ",") + sa_client.at(u);
-    const std::string& rcid = sa_client.at(reporter);
-    if (accused.size() >= 2) {
-      secagg_offender(rcid, clients[rcid].public_key, r, "masked", "it alone rejected the pairs of neighbours " + whom);
-      continue;
+  // Every report came with evidence the protocol checked (secagg::Server::
+  // add_masked): the sender of a bad pair or the maker of a false report is
+  // proven, named and held out; an honest client is never held out on
+  // another's word.
+  std::set<uint32_t> named;
+  auto name_offenders = [&] {
+    for (const auto& [u, o] : sa->offenders()) {
+      if (!named.insert(u).second) continue;
+      const std::string& cid = sa_client.at(u);
+      secagg_offender(cid, clients[cid].public_key, r, o.stage, o.text([&](uint32_t i) { return sa_client.at(i); }));
     }
-    spdlog::warn(
-        "event=secagg_lone_report client={} reporter={} round={} msg=\"only one neighbour rejected its pair: it is "
-        "out of this round, nobody is held out\"",
-        core::printable(whom), core::printable(rcid), r);
-  }
+  };
+  name_offenders();
   if (sa->survivors().size() < need) return fail("masked", sa->survivors().size(), sa->shared().size());
   send_secagg(std::move(unmask));
   progress("secagg unmask");
@@ -222,16 +203,11 @@ Server::Impl::Collected Server::Impl::collect_secagg(std::unique_lock<std::mutex
     return Collected::kAbandon;
   }
   // A survivor that revealed a wrong share (well formed, not the one it was
-  // dealt) is outvoted by the other holders where there are enough of them,
-  // and named either way; without enough holders the round is abandoned
-  // rather than unmasked wrong.
+  // dealt: it does not match its dealer's digest) is named and held out
+  // either way; the round is unmasked only when every secret has t shares
+  // that match and reconstructs to its commitment, never with a wrong one.
   const bool ok = sa->reconstruct();
-  for (const auto& [holder, owners] : sa->wrong_shares()) {
-    std::string whose;
-    for (uint32_t u : owners) whose += (whose.empty() ? "" : ",") + sa_client.at(u);
-    const std::string& cid = sa_client.at(holder);
-    secagg_offender(cid, clients[cid].public_key, r, "reveal", "it revealed a wrong share of client " + whose);
-  }
+  name_offenders();
   if (!ok) {
     spdlog::warn(
         "event=round_abandoned round={} secagg=1 stage=reveal msg=\"cannot unmask: {}; restarting the round with a "

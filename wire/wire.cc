@@ -243,9 +243,12 @@ flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const Se
   std::vector<flatbuffers::Offset<fb::SecAggPeer>> peers;
   for (const SecAggPeer& p : m.peers)
     peers.push_back(fb::CreateSecAggPeer(b, p.index, bytes_or_absent(b, p.enc_key), bytes_or_absent(b, p.mask_key)));
-  std::vector<flatbuffers::Offset<fb::SecAggShare>> shares;
+  std::vector<flatbuffers::Offset<fb::SecAggShare>> shares, evidence;
   for (const SecAggShare& sh : m.shares)
-    shares.push_back(fb::CreateSecAggShare(b, sh.peer, sh.kind, bytes_or_absent(b, sh.data)));
+    shares.push_back(
+        fb::CreateSecAggShare(b, sh.peer, sh.kind, bytes_or_absent(b, sh.data), bytes_or_absent(b, sh.digest)));
+  for (const SecAggShare& sh : m.evidence)
+    evidence.push_back(fb::CreateSecAggShare(b, sh.peer, sh.kind, bytes_or_absent(b, sh.data)));
   const auto client_id = string_or_absent(b, m.client_id);
   const auto peers_off = peers.empty() ? 0 : b.CreateVector(peers);
   const auto shares_off = shares.empty() ? 0 : b.CreateVector(shares);
@@ -255,8 +258,10 @@ flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const Se
   const auto metrics_list = build_metrics(b, m.metrics);
   const auto metrics = metrics_list.empty() ? 0 : b.CreateVector(metrics_list);
   const auto rejected = vector_or_absent(b, m.rejected);
+  const auto commitment = bytes_or_absent(b, m.commitment);
+  const auto evidence_off = evidence.empty() ? 0 : b.CreateVector(evidence);
   return fb::CreateSecAgg(b, m.round, client_id, static_cast<fb::SecAggStage>(m.stage), m.index, peers_off, shares_off,
-                          survivors, dropped, masked, metrics, rejected)
+                          survivors, dropped, masked, metrics, rejected, commitment, evidence_off)
       .Union();
 }
 
@@ -341,7 +346,9 @@ size_t size_bound(const SecAgg& m) {
   size_t n = 256 + m.client_id.size() +
              4 * (m.survivors.size() + m.dropped.size() + m.masked.size() + m.rejected.size()) + kValuesAlign;
   for (const SecAggPeer& p : m.peers) n += 64 + p.enc_key.size() + p.mask_key.size();
-  for (const SecAggShare& sh : m.shares) n += 48 + sh.data.size();
+  for (const SecAggShare& sh : m.shares) n += 56 + sh.data.size() + sh.digest.size();
+  for (const SecAggShare& sh : m.evidence) n += 48 + sh.data.size();
+  n += 16 + m.commitment.size();
   for (const auto& mt : m.metrics) n += 64 + mt.first.size();
   return n;
 }
@@ -624,7 +631,31 @@ SecAgg secagg_of(const fb::SecAgg& m, uint64_t max_elements) {
       const auto* d = sh.data();
       if (!d || d->size() == 0 || d->size() > kMaxSecAggShareBytes)
         fail(ErrorCode::kMalformed, "SecAgg: share data must be 1.." + std::to_string(kMaxSecAggShareBytes) + " bytes");
-      out.shares.push_back({sh.peer(), sh.kind(), std::string(reinterpret_cast<const char*>(d->data()), d->size())});
+      std::string digest;
+      if (const auto* g = sh.digest()) {
+        if (g->size() != kSecAggDigestBytes)
+          fail(ErrorCode::kMalformed,
+               "SecAgg: a share digest must be " + std::to_string(kSecAggDigestBytes) + " bytes");
+        digest.assign(reinterpret_cast<const char*>(g->data()), g->size());
+      }
+      out.shares.push_back(
+          {sh.peer(), sh.kind(), std::string(reinterpret_cast<const char*>(d->data()), d->size()), std::move(digest)});
+    }
+  }
+  if (const auto* c = m.commitment()) {
+    if (c->size() != kSecAggKeyBytes)
+      fail(ErrorCode::kMalformed, "SecAgg: commitment must be " + std::to_string(kSecAggKeyBytes) + " bytes");
+    out.commitment.assign(reinterpret_cast<const char*>(c->data()), c->size());
+  }
+  if (const auto* ev = m.evidence()) {
+    if (ev->size() > kMaxSecAggPeers) fail(ErrorCode::kMalformed, "SecAgg: too much evidence");
+    for (flatbuffers::uoffset_t i = 0; i < ev->size(); ++i) {
+      const fb::SecAggShare& e = *ev->Get(i);
+      const auto* d = e.data();
+      if (e.kind() != 0 || !d || d->size() == 0 || d->size() > kMaxSecAggShareBytes)
+        fail(ErrorCode::kMalformed,
+             "SecAgg: evidence must be kind 0 with 1.." + std::to_string(kMaxSecAggShareBytes) + " bytes");
+      out.evidence.push_back({e.peer(), 0, std::string(reinterpret_cast<const char*>(d->data()), d->size()), {}});
     }
   }
   out.survivors = distinct_indices(m.survivors(), "survivors");

@@ -33,8 +33,9 @@ namespace sparrow::wire {
 // 1.4: low-rank factors (LowRank, LowRankFactor) in fp16, bf16 or int8;
 // 1.5: LowRankSparse (PowerSGD factors plus a Rice-coded sparse correction);
 // 1.6: masked updates that carry a seeded share of the mask (params {b, m, B, k}, key in seed);
-// 1.7: SecAgg.rejected (a Masked message names the neighbours whose pair was bad).
-constexpr uint16_t kProtocolMajor = 1, kProtocolMinor = 7;
+// 1.7: SecAgg.rejected (a Masked message names the neighbours whose pair was bad);
+// 1.8: SecAgg.commitment, SecAggShare.digest and SecAgg.evidence (verifiable reveals and reports).
+constexpr uint16_t kProtocolMajor = 1, kProtocolMinor = 8;
 
 // parse() refuses larger buffers before looking at them (kOversize).
 constexpr size_t kDefaultMaxMessageBytes = size_t{1} << 30;
@@ -187,6 +188,7 @@ struct SplitGradient {
 // the protocol code (secagg/secagg.h).
 enum class SecAggStage : uint8_t { kKeys = 0, kNeighbours, kShares, kSharesIn, kMasked, kUnmask, kReveal };
 constexpr size_t kSecAggKeyBytes = 32;
+constexpr size_t kSecAggDigestBytes = 64;
 constexpr size_t kMaxSecAggShareBytes = 256;
 constexpr size_t kMaxSecAggPeers = 4096;
 
@@ -199,6 +201,7 @@ struct SecAggShare {
   uint32_t peer = 0;
   uint8_t kind = 0;  // 0 encrypted pair, 1 self-mask seed share, 2 mask key share
   std::string data;
+  std::string digest{};  // Shares, SharesIn (1.8): digests of the pair's two shares, 64 bytes
 };
 
 struct SecAgg {
@@ -211,7 +214,9 @@ struct SecAgg {
   std::vector<uint32_t> survivors, dropped;
   std::vector<uint32_t> masked;
   std::vector<std::pair<std::string, double>> metrics;
-  std::vector<uint32_t> rejected;  // Masked: neighbours whose pair was bad (1.7)
+  std::vector<uint32_t> rejected;     // Masked: neighbours whose pair was bad (1.7)
+  std::string commitment;             // Shares: commitment to the self-mask seed, 32 bytes (1.8)
+  std::vector<SecAggShare> evidence;  // Masked: per rejected neighbour, key agreement and proof (1.8)
 };
 
 const char* secagg_stage_name(SecAggStage s);

@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "secagg/verify.h"
 
 using namespace sparrow;
 using namespace sparrow::secagg;
@@ -38,6 +39,8 @@ struct Outcome {
   std::string error;
   std::vector<std::vector<uint32_t>> masked_inputs, quantised;  // per client (index - 1), when sent
   std::map<uint32_t, std::set<uint32_t>> wrong;                 // Server::wrong_shares() after the reveals
+  std::map<uint32_t, Offence> offenders;                        // Server::offenders() at the end
+  std::string failure;                                          // Server::failure() after reconstruct()
 };
 
 Outcome run_round(uint32_t n, const Params& p, size_t len, const std::map<uint32_t, int>& drop_at, uint64_t seed = 7) {
@@ -309,7 +312,8 @@ Outcome run_tampered(uint32_t n, const Params& p, size_t len,
                      const std::function<void(uint32_t, wire::SecAgg&)>& tamper,
                      std::map<uint32_t, std::map<uint32_t, std::string>>* rejected = nullptr,
                      uint32_t exclude_after_shares = 0, uint64_t seed = 11,
-                     const std::function<void(uint32_t, wire::SecAgg&)>& tamper_reveal = {}) {
+                     const std::function<void(uint32_t, wire::SecAgg&)>& tamper_reveal = {},
+                     const std::function<void(uint32_t, wire::SecAgg&)>& tamper_in = {}) {
   Outcome o;
   const uint64_t round = 2;
   Server server(p, round, n, seed, len);
@@ -331,6 +335,7 @@ Outcome run_tampered(uint32_t n, const Params& p, size_t len,
     auto in = server.shares_in_messages();
     if (exclude_after_shares) server.exclude(exclude_after_shares);
     for (auto& [u, m] : in) {
+      if (tamper_in) tamper_in(u, m);
       const auto bad = clients[u - 1]->receive_shares(m);
       if (rejected && !bad.empty()) (*rejected)[u] = bad;
       std::vector<uint32_t> q(len);
@@ -352,6 +357,8 @@ Outcome run_tampered(uint32_t n, const Params& p, size_t len,
     o.u3 = server.survivors();
     const bool ok = server.reconstruct();
     o.wrong = server.wrong_shares();
+    o.offenders = server.offenders();
+    o.failure = server.failure();
     if (!ok) CHECK_FALSE(server.failure().empty());
     std::vector<uint32_t> sum = server.unmask();
     o.secure.resize(len);
@@ -362,8 +369,13 @@ Outcome run_tampered(uint32_t n, const Params& p, size_t len,
     o.completed = true;
   } catch (const Error& e) {
     o.error = e.what();
+    o.offenders = server.offenders();
   }
   return o;
+}
+
+std::string offence_text(const Offence& o) {
+  return o.text([](uint32_t i) { return std::to_string(i); });
 }
 
 }  // namespace
@@ -389,6 +401,11 @@ TEST_CASE("secagg: a client whose pairs do not decrypt is rejected and the other
       CHECK(bad.begin()->first == 3);
       CHECK(bad.begin()->second.find("does not decrypt") != std::string::npos);
     }
+    // Each report carried evidence: the server opened the pairs and blames 3 alone.
+    REQUIRE(o.offenders.size() == 1);
+    CHECK(o.offenders.begin()->first == 3);
+    CHECK(std::string(o.offenders.begin()->second.stage) == "shares");
+    CHECK(offence_text(o.offenders.begin()->second).find("its encrypted pair to client") != std::string::npos);
     CHECK(max_diff(o.secure, o.plain) <= static_cast<float>(n / ring_scale(n, p.clip)) + 1e-7f);
   }
   SUBCASE("one garbage pair and three good ones: the holders reveal its mask key") {
@@ -436,13 +453,28 @@ TEST_CASE("secagg: the server refuses a rejection of a client that sent no pair,
   CHECK(server.excluded(5));
   for (auto& [u, m] : server.neighbour_messages()) server.add_shares(u, c[u - 1]->shares(m));
   auto in = server.shares_in_messages();
-  c[0]->receive_shares(in.at(1));
+  for (auto& sh : in.at(1).shares)
+    if (sh.peer == 2) sh.data[20] ^= 0x10;  // 2's pair to 1 spoilt on the way: 1 rejects 2, with evidence
+  CHECK(c[0]->receive_shares(in.at(1)).count(2) == 1);
   wire::SecAgg y = c[0]->masked(std::vector<uint32_t>(8, 1));
-  y.rejected = {5};  // 5 sent no keys, hence no pair
-  CHECK_THROWS_WITH_AS(server.add_masked(1, y), doctest::Contains("sent it no pair"), Error);
-  y.rejected = {2};
+  REQUIRE(y.evidence.size() == 1);
+  wire::SecAgg no_pair = y;
+  no_pair.rejected = {5};  // 5 sent no keys, hence no pair
+  CHECK_THROWS_WITH_AS(server.add_masked(1, no_pair), doctest::Contains("sent it no pair"), Error);
+  wire::SecAgg bare = y;
+  bare.evidence.clear();
+  CHECK_THROWS_WITH_AS(server.add_masked(1, bare), doctest::Contains("without the evidence"), Error);
+  wire::SecAgg forged = y;
+  forged.evidence[0].data[40] ^= 1;
+  CHECK_THROWS_WITH_AS(server.add_masked(1, forged), doctest::Contains("does not verify"), Error);
+  // The pair as the server holds it is good (it was spoilt after routing),
+  // so this report is false: 1 is the offender and out, 2 stays in.
   server.add_masked(1, y);
-  CHECK(server.reported().at(2) == std::set<uint32_t>{1});
+  CHECK(server.reported().count(2) == 0);
+  CHECK(server.excluded(1));
+  REQUIRE(server.offenders().count(1) == 1);
+  CHECK(std::string(server.offenders().at(1).stage) == "masked");
+  CHECK(server.offenders().count(2) == 0);
 }
 
 TEST_CASE("secagg: Shamir with wrong shares: outvoted when the redundancy allows, never a wrong secret") {
@@ -486,7 +518,7 @@ TEST_CASE("secagg: Shamir with wrong shares: outvoted when the redundancy allows
   }
 }
 
-TEST_CASE("secagg: a survivor revealing wrong shares is outvoted and named, or the round fails without a wrong sum") {
+TEST_CASE("secagg: a survivor revealing wrong shares is named by the digests and never unmasked into the sum") {
   // Client 2 flips a byte of every share it reveals (well formed, so add_reveal takes it).
   auto liar = [](uint32_t u, wire::SecAgg& m) {
     if (u == 2)
@@ -504,11 +536,126 @@ TEST_CASE("secagg: a survivor revealing wrong shares is outvoted and named, or t
     CHECK(o.wrong.begin()->first == 2);
     CHECK(o.wrong.begin()->second == std::set<uint32_t>{1, 3, 4, 5, 6, 7});
   }
-  SUBCASE("four holders per secret, t = 3: the wrong share is detected and the round fails cleanly") {
+  SUBCASE("four holders per secret, t = 3: the wrong share does not match its digest, the sum is right") {
     const Params p = params(4, 3);
     Outcome o = run_tampered(
         n, p, 64, [](uint32_t, wire::SecAgg&) {}, nullptr, 0, 11, liar);
-    CHECK_FALSE(o.completed);
-    CHECK(o.error.find("disagree beyond correction") != std::string::npos);
+    REQUIRE_MESSAGE(o.completed, o.error);
+    CHECK(o.u3.size() == n);
+    CHECK(max_diff(o.secure, o.plain) <= static_cast<float>(n / ring_scale(n, p.clip)) + 1e-7f);
+    REQUIRE(o.wrong.size() == 1);
+    CHECK(o.wrong.begin()->first == 2);
+    REQUIRE(o.offenders.size() == 1);
+    CHECK(offence_text(o.offenders.at(2)).rfind("it revealed a wrong share of client ", 0) == 0);
   }
+  SUBCASE("exactly t holders per secret: no verified reconstruction, the round fails, the liar is still named") {
+    const Params p = params(4, 4);  // 5 clients, complete graph: 4 holders per secret, t = 4
+    Outcome o = run_tampered(
+        5, p, 64, [](uint32_t, wire::SecAgg&) {}, nullptr, 0, 11, liar);
+    CHECK_FALSE(o.completed);
+    CHECK(o.failure.find("3 of the 4 self-mask shares revealed are the ones dealt, 4 needed") != std::string::npos);
+    REQUIRE(o.wrong.size() == 1);
+    CHECK(o.wrong.at(2) == std::set<uint32_t>{1, 3, 4, 5});
+    REQUIRE(o.offenders.size() == 1);
+    CHECK(o.offenders.count(2) == 1);
+  }
+}
+
+TEST_CASE("secagg: a false report is disproven and its maker taken out, the accused stays in the sum") {
+  const Params p = params(6, 3);  // complete: 1 and 3 are neighbours of 2
+  const uint32_t n = 7;
+  // Client 2 spoils the pairs of 1 and 3 it was sent, then rejects their
+  // senders with (true) evidence of its key agreement: the server opens the
+  // pairs it routed, finds them good, and blames 2.
+  Outcome o = run_tampered(
+      n, p, 200, [](uint32_t, wire::SecAgg&) {}, nullptr, 0, 11, {},
+      [](uint32_t u, wire::SecAgg& m) {
+        if (u == 2)
+          for (auto& sh : m.shares)
+            if (sh.peer == 1 || sh.peer == 3) sh.data[30] ^= 0x42;
+      });
+  REQUIRE_MESSAGE(o.completed, o.error);
+  CHECK(o.u3 == std::set<uint32_t>{1, 3, 4, 5, 6, 7});  // 2 is a dropout; 1 and 3 are in
+  CHECK(max_diff(o.secure, o.plain) <= static_cast<float>(n / ring_scale(n, p.clip)) + 1e-7f);
+  REQUIRE(o.offenders.size() == 1);
+  CHECK(std::string(o.offenders.at(2).stage) == "masked");
+  INFO(offence_text(o.offenders.at(2)));
+  CHECK(offence_text(o.offenders.at(2)).rfind("it falsely rejected the pair of client 1,3", 0) == 0);
+}
+
+TEST_CASE("secagg: a dealer whose digests or commitment do not fit its shares is caught, never unmasked wrong") {
+  const Params p = params(4, 3);
+  const uint32_t n = 7;
+  SUBCASE("a digest that does not match the share dealt: the holder rejects the pair, the evidence blames the dealer") {
+    std::map<uint32_t, std::map<uint32_t, std::string>> rejected;
+    Outcome o = run_tampered(
+        n, p, 64,
+        [](uint32_t u, wire::SecAgg& m) {
+          if (u == 3) m.shares[0].digest[5] ^= 1;
+        },
+        &rejected);
+    REQUIRE_MESSAGE(o.completed, o.error);
+    REQUIRE(rejected.size() == 1);
+    CHECK(rejected.begin()->second.at(3).find("does not match the digests") != std::string::npos);
+    CHECK_FALSE(o.u3.count(3));
+    REQUIRE(o.offenders.size() == 1);
+    CHECK(std::string(o.offenders.at(3).stage) == "shares");
+    CHECK(max_diff(o.secure, o.plain) <= static_cast<float>(n / ring_scale(n, p.clip)) + 1e-7f);
+  }
+  SUBCASE("a commitment to another seed: the reconstruction fails its check and the round is not unmasked") {
+    Outcome o = run_tampered(n, p, 64, [](uint32_t u, wire::SecAgg& m) {
+      if (u == 3) m.commitment[0] ^= 1;
+    });
+    CHECK_FALSE(o.completed);
+    CHECK(o.failure.find("client 3 dealt do not reconstruct its committed seed") != std::string::npos);
+    REQUIRE(o.offenders.size() == 1);
+    CHECK(offence_text(o.offenders.at(3)).find("self-mask seed it committed to") != std::string::npos);
+  }
+  SUBCASE("Shares without the commitment or the digests (a client before protocol 1.8) are refused") {
+    Outcome a = run_tampered(n, p, 8, [](uint32_t u, wire::SecAgg& m) {
+      if (u == 1) m.commitment.clear();
+    });
+    CHECK(a.error.find("before protocol 1.8") != std::string::npos);
+    Outcome b = run_tampered(n, p, 8, [](uint32_t u, wire::SecAgg& m) {
+      if (u == 1) m.shares[1].digest.clear();
+    });
+    CHECK(b.error.find("without the digests") != std::string::npos);
+  }
+}
+
+TEST_CASE("secagg: evidence proves one key agreement and nothing else") {
+  const EncKeyPair holder = EncKeyPair::fresh(), owner = EncKeyPair::fresh(), other = EncKeyPair::fresh();
+  const std::string ev = make_evidence(holder.sk, holder.pk, owner.pk, 5, 2, 7);
+  REQUIRE(ev.size() == kEvidenceBytes);
+  const auto point = check_evidence(ev, holder.pk, owner.pk, 5, 2, 7);
+  REQUIRE(point.has_value());
+  // The point is the key agreement both ends compute: it opens the owner's pair.
+  const std::string b(kShareBytes, '\x01'), s(kShareBytes, '\x02');
+  std::string bx = b, sx = s;
+  bx[0] = sx[0] = 4;  // x = 4
+  const std::string ct = seal_pair(owner.sk, holder.pk, 5, 2, 7, bx, sx);
+  const std::string dg = share_digest(bx, 1, 5, 2, 7) + share_digest(sx, 2, 5, 2, 7);
+  const OpenedPair o = open_pair_with_point(*point, 5, 2, 7, 4, ct, dg);
+  CHECK(o.error.empty());
+  CHECK(o.b_share == bx);
+  CHECK(open_pair(holder.sk, owner.pk, 5, 2, 7, 4, ct, dg).s_share == sx);
+  // Bound to the keys, the round and the pair.
+  CHECK_FALSE(check_evidence(ev, other.pk, owner.pk, 5, 2, 7));
+  CHECK_FALSE(check_evidence(ev, holder.pk, other.pk, 5, 2, 7));
+  CHECK_FALSE(check_evidence(ev, holder.pk, owner.pk, 6, 2, 7));
+  CHECK_FALSE(check_evidence(ev, holder.pk, owner.pk, 5, 3, 7));
+  // A point that is not the agreement (a liar's) does not verify, whatever the proof.
+  std::string forged = ev;
+  forged.replace(0, 32, other.pk);
+  CHECK_FALSE(check_evidence(forged, holder.pk, owner.pk, 5, 2, 7));
+  // The pair opened with another point fails: a false point cannot frame the owner.
+  CHECK(open_pair_with_point(other.pk, 5, 2, 7, 4, ct, dg).error.find("does not decrypt") != std::string::npos);
+  // Digests: a share other than the one dealt does not match.
+  std::string wrong = bx;
+  wrong[9] ^= 1;
+  CHECK(share_digest(wrong, 1, 5, 2, 7) != share_digest(bx, 1, 5, 2, 7));
+  CHECK(share_digest(bx, 1, 5, 2, 7) != share_digest(bx, 2, 5, 2, 7));
+  CHECK(share_digest(bx, 1, 5, 2, 7) != share_digest(bx, 1, 5, 2, 8));
+  CHECK_FALSE(usable_enc_key(std::string(32, '\0')));
+  CHECK(usable_enc_key(holder.pk));
 }
