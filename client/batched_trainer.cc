@@ -17,7 +17,8 @@ BatchedTrainer::BatchedTrainer(std::shared_ptr<core::Model> replica, TrainConfig
   SPARROW_CHECK(replica_ != nullptr, "BatchedTrainer needs a model replica");
   SPARROW_CHECK_T(ConfigError, supports(*replica_), "this model cannot train several clients in one pass");
   validate(cfg_);
-  prox_ = cfg_.algorithm == "fedprox" && cfg_.mu > 0;
+  feddyn_ = cfg_.algorithm == "feddyn";
+  prox_ = (cfg_.algorithm == "fedprox" || feddyn_) && cfg_.mu > 0;
   scaffold_ = cfg_.algorithm == "scaffold";
   for (const auto& p : replica_->named_parameters()) {
     names_.push_back(p.key());
@@ -32,7 +33,7 @@ int64_t BatchedTrainer::bytes_per_client() const {
   int64_t numel = 0;
   for (const auto& p : params_) numel += p.numel();
   // Parameters, gradients and the delta, plus the optimizer's buffers.
-  const int64_t copies = 3 + (cfg_.momentum > 0 ? 1 : 0) + (scaffold_ ? 1 : 0);
+  const int64_t copies = 3 + (cfg_.momentum > 0 ? 1 : 0) + (scaffold_ || feddyn_ ? 1 : 0);
   return numel * copies * static_cast<int64_t>(params_.front().element_size());
 }
 
@@ -45,6 +46,8 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
   if (scaffold_) {
     SPARROW_CHECK(server_control != nullptr, "scaffold needs the server's control variate (an empty map means zeros)");
     check_weights(*server_control, names_, params_, "server control", true);
+  } else if (feddyn_) {
+    SPARROW_CHECK(server_control == nullptr, "feddyn takes no server control");
   } else {
     SPARROW_CHECK(server_control == nullptr,
                   "control variates given to " << cfg_.algorithm << ", which does not use them");
@@ -55,8 +58,8 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
   int64_t total = 0;
   for (int64_t j = 0; j < k_all; ++j) {
     ClientJob& job = jobs[j];
-    if (scaffold_) {
-      SPARROW_CHECK(job.client_control != nullptr, "scaffold needs client " << j << "'s control variate");
+    if (scaffold_ || feddyn_) {
+      SPARROW_CHECK(job.client_control != nullptr, cfg_.algorithm << " needs client " << j << "'s state");
       check_weights(*job.client_control, names_, params_, "client control", true);
     } else {
       SPARROW_CHECK(job.client_control == nullptr,
@@ -157,10 +160,10 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
     stack[i] = at::empty(shape, popt);
     stack[i].copy_(anchor[i].unsqueeze(0).expand(shape));
     if (cfg_.momentum > 0) momentum.push_back(at::empty(shape, popt));
-    if (scaffold_) {
-      // correction = c - c_i, fixed for the whole local run.
+    if (scaffold_ || feddyn_) {
+      // correction = c - c_i (FedDyn: -h_i), fixed for the whole local run.
       at::Tensor c = at::empty(shape, popt);
-      if (server_control->empty())
+      if (feddyn_ || server_control->empty())
         c.zero_();
       else
         c.copy_(server_control->at(names_[i]).to(popt).unsqueeze(0).expand(shape));
@@ -237,8 +240,9 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
     for (size_t i = 0; i < np; ++i) {
       // gs[i] is the gradient, or momentum * buf + gradient: add the
       // algorithm's terms, then step.
-      const at::Tensor corr = scaffold_ ? correction[i].narrow(0, 0, ka) : at::Tensor();
-      detail::add_gradient_terms(gs[i], ps[i], cfg_, prox_ ? &anchor[i] : nullptr, scaffold_ ? &corr : nullptr);
+      const bool corrected = scaffold_ || feddyn_;
+      const at::Tensor corr = corrected ? correction[i].narrow(0, 0, ka) : at::Tensor();
+      detail::add_gradient_terms(gs[i], ps[i], cfg_, prox_ ? &anchor[i] : nullptr, corrected ? &corr : nullptr);
       ps[i].add_(gs[i], -cfg_.lr);
     }
   }
@@ -277,6 +281,9 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
   if (scaffold_)
     for (int64_t j = 0; j < k_all; ++j)
       detail::finish_scaffold(out[static_cast<size_t>(j)], names_, cfg_.lr, jobs[j].client_control, server_control);
+  if (feddyn_)
+    for (int64_t j = 0; j < k_all; ++j)
+      detail::finish_feddyn(out[static_cast<size_t>(j)], names_, cfg_.mu, jobs[j].client_control);
   return out;
 }
 

@@ -78,6 +78,7 @@ class BatchedTrainer {
   TrainConfig cfg_;
   bool prox_ = false;
   bool scaffold_ = false;
+  bool feddyn_ = false;
   std::vector<std::string> names_;
   std::vector<at::Tensor> params_;  // the replica's (shapes, device, dtype)
 };

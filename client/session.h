@@ -67,6 +67,7 @@ struct SessionConfig {
   std::string model = "mlp";                    // core::make_model spec; must equal the server's
   DataConfig data;
   std::string state_db = "client_state.db";  // local SQLite state (created when missing)
+  std::string state_encoding = "fp32";       // "fp32" | "bf16": how state_db stores residuals (state/encoding.h)
   uint32_t heartbeat_ms = 1000;              // until Welcome says otherwise; also the Hello timeout base
   uint64_t max_message_mb = 256;             // largest frame accepted and sent
   std::string device = "cpu";                // "cpu" or "cuda[:N]" (training only)

@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "core/flat_config.h"
 #include "core/peer_text.h"
+#include "state/encoding.h"
 #include "wire/net.h"
 
 namespace sparrow::client {
@@ -28,6 +29,7 @@ void bind_all(core::FlatConfig& f, SessionConfig& c) {
   f.bind("index", &c.data.index);
   f.bind("partition_seed", &c.data.partition_seed);
   f.bind("state_db", &c.state_db);
+  f.bind("state_encoding", &c.state_encoding);
   f.bind("heartbeat_ms", &c.heartbeat_ms);
   f.bind("max_message_mb", &c.max_message_mb);
   f.bind("device", &c.device);
@@ -53,6 +55,7 @@ void check_session_config(const core::FlatConfig& f, SessionConfig& c) {
   f.check("data", !c.data.data.empty(), "must not be empty");
   check_data_keys(f, c.data);  // clients, index, partition, ...: each must have an effect with this data
   f.check("state_db", !c.state_db.empty(), "must not be empty");
+  f.check("state_encoding", state::valid_encoding(c.state_encoding), "must be \"fp32\" or \"bf16\"");
   // The ranges of docs/client.md's key table. ZeroMQ keeps the heartbeat TTL
   // (3 x heartbeat_ms) in deciseconds below 2^16.
   f.check("heartbeat_ms", c.heartbeat_ms >= 10 && c.heartbeat_ms <= 600000, "must be in [10, 600000]");

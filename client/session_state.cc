@@ -14,7 +14,9 @@ using compression::deserialize_weights;
 using compression::serialize_weights;
 
 void ClientSession::Impl::open_state() {
-  store = state::ClientStateStore::open(cfg.state_db);
+  state::ClientStateStore::Options so;
+  so.encoding = state::parse_encoding(cfg.state_encoding);  // rows of either encoding load
+  store = state::ClientStateStore::open(cfg.state_db, so);
   const auto id = store->get_meta(kMetaClientId);
   SPARROW_CHECK_T(
       ConfigError, !id || *id == cfg.client_id,

@@ -148,6 +148,7 @@ ClientSession::Impl::Prepared ClientSession::Impl::prepare(const wire::Task& tas
 ClientSession::Impl::Trained ClientSession::Impl::train(const wire::Task& task, const Weights& base, Prepared& p) {
   const uint64_t r = task.round;
   const bool scaffold = p.tc.algorithm == "scaffold";
+  const bool stateful = scaffold || p.tc.algorithm == "feddyn";  // c_i or h_i, kept in the state db
   if (!runner.run && (!trainer || !same_train_config(trainer->config(), p.tc)))
     trainer = std::make_unique<LocalTrainer>(replica, p.tc);
   Trained t;
@@ -158,14 +159,15 @@ ClientSession::Impl::Trained ClientSession::Impl::train(const wire::Task& task, 
   if (holdout.size() > 0) held = trainer->evaluate(base, holdout.x, holdout.y);
   const auto t0 = Clock::now();
   if (runner.run) {
-    SPARROW_CHECK_T(Error, !scaffold, "task: algorithm scaffold cannot be relayed by a gateway");
+    SPARROW_CHECK_T(Error, !stateful && p.tc.algorithm != "fednova",
+                    "task: algorithm " << p.tc.algorithm << " cannot be relayed by a gateway");
     t.tr = runner.run(task, base);
     SPARROW_CHECK_T(Error, t.tr.num_samples > 0, "task: the runner returned no samples");
     for (const auto& nm : names)
       SPARROW_CHECK_T(Error, t.tr.delta.count(nm) && t.tr.delta.at(nm).sizes().vec() == shapes.at(nm),
                       "task: the runner's delta lacks '" << nm << "' or has another shape");
   } else {
-    t.tr = trainer->train(base, data.x, data.y, task.seed, scaffold ? &t.next.control : nullptr,
+    t.tr = trainer->train(base, data.x, data.y, task.seed, stateful ? &t.next.control : nullptr,
                           scaffold ? &p.server_control : nullptr);
   }
   t.secs = std::chrono::duration<double>(Clock::now() - t0).count();
@@ -197,6 +199,7 @@ void ClientSession::Impl::commit_and_send(uint64_t r, const Trained& t, const st
   // a lost update loses its information either way, a crash after this
   // point does not replay the residual.
   st = t.next.deep_copy();
+  st.round_to(state::parse_encoding(cfg.state_encoding));  // what state_db keeps: a restart continues the same
   store->put(kStateKey, st);
   store->flush();
   ++n.tasks_done;

@@ -32,6 +32,10 @@ std::pair<at::Tensor, at::Tensor> prepare_data(const at::Tensor& x, const at::Te
 void finish_scaffold(TrainResult& r, const std::vector<std::string>& names, double lr, Weights* client_control,
                      const Weights* server_control);
 
+// FedDyn's state update from a finished update (Acar et al. 2021):
+// *client_control (h_i; empty = zeros) becomes h_i - alpha * r.delta.
+void finish_feddyn(const TrainResult& r, const std::vector<std::string>& names, double alpha, Weights* client_control);
+
 // The mean loss over a client's steps from its per-step losses (one per
 // step, minibatch means): the sample-weighted mean train() reports. Throws
 // Error naming the first non-finite step.

@@ -15,7 +15,7 @@
 namespace sparrow::client {
 namespace {
 
-constexpr const char* kAlgorithms = "fedavg, fedprox, scaffold";
+constexpr const char* kAlgorithms = "fedavg, fedprox, scaffold, fednova, feddyn";
 
 }  // namespace
 
@@ -90,6 +90,17 @@ void finish_scaffold(TrainResult& r, const std::vector<std::string>& names, doub
   *client_control = std::move(next);
 }
 
+void finish_feddyn(const TrainResult& r, const std::vector<std::string>& names, double alpha, Weights* client_control) {
+  Weights next;
+  for (const auto& name : names) {
+    const at::Tensor& d = r.delta.at(name);
+    at::Tensor h =
+        client_control->empty() ? at::zeros_like(d) : client_control->at(name).to(d.device(), d.scalar_type());
+    next.emplace(name, h - d * alpha);
+  }
+  *client_control = std::move(next);
+}
+
 double mean_step_loss(const double* l, int64_t steps, int64_t n, int64_t bs, int epochs, double lr) {
   const int64_t per_epoch = (n + bs - 1) / bs;
   double loss_sum = 0;
@@ -133,7 +144,9 @@ using detail::fill_order;
 using detail::shape_str;
 
 void validate(const TrainConfig& cfg) {
-  SPARROW_CHECK_T(ConfigError, cfg.algorithm == "fedavg" || cfg.algorithm == "fedprox" || cfg.algorithm == "scaffold",
+  SPARROW_CHECK_T(ConfigError,
+                  cfg.algorithm == "fedavg" || cfg.algorithm == "fedprox" || cfg.algorithm == "scaffold" ||
+                      cfg.algorithm == "fednova" || cfg.algorithm == "feddyn",
                   "unknown training algorithm '" << cfg.algorithm << "' (known: " << kAlgorithms << ")");
   SPARROW_CHECK_T(ConfigError, cfg.local_epochs >= 1, "local_epochs must be >= 1, got " << cfg.local_epochs);
   SPARROW_CHECK_T(ConfigError, cfg.batch_size >= 1, "batch_size must be >= 1, got " << cfg.batch_size);
@@ -143,8 +156,10 @@ void validate(const TrainConfig& cfg) {
   SPARROW_CHECK_T(ConfigError, std::isfinite(cfg.weight_decay) && cfg.weight_decay >= 0,
                   "weight_decay must be finite and >= 0, got " << cfg.weight_decay);
   SPARROW_CHECK_T(ConfigError, std::isfinite(cfg.mu) && cfg.mu >= 0, "mu must be finite and >= 0, got " << cfg.mu);
-  SPARROW_CHECK_T(ConfigError, cfg.mu == 0 || cfg.algorithm == "fedprox",
-                  "mu = " << cfg.mu << " is only used by fedprox, not " << cfg.algorithm);
+  SPARROW_CHECK_T(ConfigError, cfg.mu == 0 || cfg.algorithm == "fedprox" || cfg.algorithm == "feddyn",
+                  "mu = " << cfg.mu << " is only used by fedprox and feddyn (its alpha), not " << cfg.algorithm);
+  SPARROW_CHECK_T(ConfigError, cfg.mu > 0 || cfg.algorithm != "feddyn",
+                  "feddyn needs its regulariser weight alpha > 0 (the task's proximal weight mu)");
 }
 
 TrainConfig parse_train_config(const std::string& text) {
@@ -183,14 +198,15 @@ LocalTrainer::LocalTrainer(std::shared_ptr<core::Model> replica, TrainConfig cfg
     : replica_(std::move(replica)), cfg_(std::move(cfg)) {
   SPARROW_CHECK(replica_ != nullptr, "LocalTrainer needs a model replica");
   validate(cfg_);
-  prox_ = cfg_.algorithm == "fedprox" && cfg_.mu > 0;
+  feddyn_ = cfg_.algorithm == "feddyn";
+  prox_ = (cfg_.algorithm == "fedprox" || feddyn_) && cfg_.mu > 0;
   scaffold_ = cfg_.algorithm == "scaffold";
   for (const auto& p : replica_->named_parameters()) {
     names_.push_back(p.key());
     params_.push_back(p.value());
     anchor_.push_back(at::empty_like(p.value()));
     if (cfg_.momentum > 0) momentum_.push_back(at::empty_like(p.value()));
-    if (scaffold_) correction_.push_back(at::empty_like(p.value()));
+    if (scaffold_ || feddyn_) correction_.push_back(at::empty_like(p.value()));
   }
   SPARROW_CHECK(!params_.empty(), "LocalTrainer: the model has no parameters");
 }
@@ -230,6 +246,10 @@ TrainResult LocalTrainer::train(const Weights& global, const at::Tensor& x_in, c
                   "scaffold needs the client's and the server's control variates (an empty map means zeros)");
     check_weights(*client_control, names_, params_, "client control", true);
     check_weights(*server_control, names_, params_, "server control", true);
+  } else if (feddyn_) {
+    SPARROW_CHECK(client_control != nullptr && server_control == nullptr,
+                  "feddyn needs the client's state h_i (an empty map means zeros) and no server control");
+    check_weights(*client_control, names_, params_, "client state", true);
   } else {
     SPARROW_CHECK(client_control == nullptr && server_control == nullptr,
                   "control variates given to " << cfg_.algorithm << ", which does not use them");
@@ -245,10 +265,10 @@ TrainResult LocalTrainer::train(const Weights& global, const at::Tensor& x_in, c
     at::NoGradGuard no_grad;
     for (size_t i = 0; i < params_.size(); ++i) {
       anchor_[i].copy_(params_[i]);
-      if (scaffold_) {
-        // correction = c - c_i, fixed for the whole local run.
+      if (scaffold_ || feddyn_) {
+        // correction = c - c_i (FedDyn: -h_i), fixed for the whole local run.
         at::Tensor& c = correction_[i];
-        if (server_control->empty()) {
+        if (feddyn_ || server_control->empty()) {
           c.zero_();
         } else {
           c.copy_(server_control->at(names_[i]));
@@ -299,7 +319,7 @@ TrainResult LocalTrainer::train(const Weights& global, const at::Tensor& x_in, c
         at::Tensor& p = params_[i];
         at::Tensor& g = p.mutable_grad();
         if (!g.defined()) continue;  // unused parameter: torch::optim::SGD skips it too
-        detail::sgd_update(p, g, cfg_, prox_ ? &anchor_[i] : nullptr, scaffold_ ? &correction_[i] : nullptr,
+        detail::sgd_update(p, g, cfg_, prox_ ? &anchor_[i] : nullptr, scaffold_ || feddyn_ ? &correction_[i] : nullptr,
                            momentum > 0 ? &momentum_[i] : nullptr, step == 0);
         g.zero_();
       }
@@ -323,6 +343,7 @@ TrainResult LocalTrainer::train(const Weights& global, const at::Tensor& x_in, c
                 "client training diverged: the update is not finite after " << steps << " steps with lr " << lr);
 
   if (scaffold_) detail::finish_scaffold(r, names_, lr, client_control, server_control);
+  if (feddyn_) detail::finish_feddyn(r, names_, cfg_.mu, client_control);
   return r;
 }
 

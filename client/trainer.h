@@ -28,19 +28,20 @@
 namespace sparrow::client {
 
 struct TrainConfig {
-  std::string algorithm = "fedavg";  // fedavg | fedprox | scaffold
+  std::string algorithm = "fedavg";  // fedavg | fedprox | scaffold | fednova | feddyn
   int local_epochs = 1;
   int batch_size = 32;
   double lr = 0.01;
   double momentum = 0.0;      // heavy ball, dampening 0, as torch::optim::SGD
   double weight_decay = 0.0;  // L2 added to the gradient, as torch::optim::SGD
-  double mu = 0.0;            // FedProx proximal weight (only with fedprox)
+  double mu = 0.0;            // proximal weight: FedProx's mu, FedDyn's alpha (> 0 there)
 };
 
 // ConfigError on: unknown algorithm, local_epochs < 1, batch_size < 1, lr not
 // finite and > 0, momentum outside [0, 1), weight_decay < 0, mu < 0 or not
-// finite, or mu != 0 with an algorithm other than fedprox (a setting that would
-// be silently ignored is an error, as with compressor specs).
+// finite, mu != 0 with an algorithm other than fedprox or feddyn (a setting
+// that would be silently ignored is an error, as with compressor specs), or
+// feddyn with mu = 0.
 void validate(const TrainConfig& cfg);
 
 // "fedavg:lr=0.05,momentum=0.9,wd=1e-4,epochs=2,batch=64", "fedprox:mu=0.01",
@@ -86,12 +87,16 @@ class LocalTrainer {
   //   fedavg:   g
   //   fedprox:  g + mu (w - w_global)            (Li et al. 2020)
   //   scaffold: g + c - c_i                      (Karimireddy et al. 2020)
+  //   fednova:  g (the server normalises; federation/algorithms.h)
+  //   feddyn:   g - h_i + mu (w - w_global)      (Acar et al. 2021; mu = alpha)
   // SCAFFOLD needs client_control (c_i, in/out) and server_control (c); an
   // empty map means all zeros (a new client, round 0), otherwise a map must
   // hold exactly the model's parameters. On success *client_control becomes
   // c_i+ = c_i - c + (w_global - w_local) / (K lr) (option II) and
-  // control_delta = c_i+ - c_i. Passing controls to another algorithm is an
-  // error.
+  // control_delta = c_i+ - c_i. FedDyn needs client_control (h_i, in/out;
+  // empty = zeros) and no server_control; on success *client_control becomes
+  // h_i - mu (w_local - w_global), and control_delta stays empty (nothing of
+  // h_i is sent). Passing controls to another algorithm is an error.
   //
   // Throws sparrow::Error, changing nothing the caller owns, when `global`
   // does not hold exactly the model's parameters with their shapes, x/y are
@@ -123,10 +128,11 @@ class LocalTrainer {
   TrainConfig cfg_;
   bool prox_ = false;
   bool scaffold_ = false;
+  bool feddyn_ = false;
   std::vector<std::string> names_;
   std::vector<at::Tensor> params_;  // the replica's parameters, names_ order
   // Per-parameter buffers, allocated once: momentum, w_global (the update's
-  // origin and FedProx's anchor), SCAFFOLD's c - c_i.
+  // origin and FedProx's anchor), SCAFFOLD's c - c_i or FedDyn's -h_i.
   std::vector<at::Tensor> momentum_, anchor_, correction_;
   // Minibatch buffers (re-allocated only when the data's shape changes),
   // the epoch order and the per-step losses (one host sync per train()).

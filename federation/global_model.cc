@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "core/rng.h"
 #include "core/spec.h"
+#include "federation/algorithms.h"
 
 namespace sparrow::federation {
 
@@ -94,9 +95,16 @@ StepResult GlobalModel::step(aggregation::Aggregator& aggregator, const aggregat
   SPARROW_CHECK(population > 0, "GlobalModel::step: population must be > 0");
   const std::string saved = aggregator.serialize_state();
   StepResult out;
-  Weights before;
+  Weights before, h;
   try {
     out.delta = aggregator.finish(agg, r, stats);
+    if (cfg_.algorithm == "fednova") {
+      const double s = fednova_scale(control_sum);
+      for (auto& [n, v] : out.delta) v.mul_(s);
+    } else if (cfg_.algorithm == "feddyn") {
+      for (const auto& [n, v] : control_) h[n] = v.clone();  // committed with the step
+      feddyn_step(h, out.delta, cfg_.alpha, agg.count(), population);
+    }
     if (mask_ratio_ > 0)
       for (const auto& [n, v] : global_) before[n] = v.clone();
     opt_->step(global_, out.delta);  // throws, changing nothing, on a non-finite delta
@@ -107,6 +115,7 @@ StepResult GlobalModel::step(aggregation::Aggregator& aggregator, const aggregat
     return out;
   }
   out.applied = true;
+  if (cfg_.algorithm == "feddyn") control_ = std::move(h);
   // TCS: the next round's mask is where this step moved the model most.
   if (mask_ratio_ > 0) compression::put_step_masks(shared_, before, global_, mask_ratio_);
   if (cfg_.algorithm == "scaffold" && !control_sum.empty()) {

@@ -34,7 +34,8 @@ using Weights = std::map<std::string, at::Tensor>;
 // them under these names).
 struct GlobalConfig {
   uint64_t seed = 1;
-  std::string algorithm = "fedavg";  // "scaffold" keeps a server control
+  std::string algorithm = "fedavg";  // "scaffold" keeps a server control, "feddyn" its h there
+  double alpha = 0;                  // FedDyn's regulariser weight
   std::string compression = "none";  // the uplink codec: ACP rank, TCS masks
   std::string downlink = "none";     // "none" or a codec spec for C_r = encode(W_r - B_{r-1})
   std::string server_optimizer = "fedavg";
@@ -47,6 +48,7 @@ GlobalConfig global_config_of(const Config& c) {
   GlobalConfig g;
   g.seed = c.seed;
   g.algorithm = c.algorithm;
+  g.alpha = c.feddyn_alpha;
   g.compression = c.compression;
   g.downlink = c.downlink;
   g.server_optimizer = c.server_optimizer;
@@ -78,7 +80,8 @@ class GlobalModel {
   // B_r: what clients hold after round r (W_r without a downlink codec).
   Weights& broadcast() { return down_ ? broadcast_ : global_; }
   const Weights& broadcast() const { return down_ ? broadcast_ : global_; }
-  // SCAFFOLD's c (empty until the first step with control deltas = zeros).
+  // SCAFFOLD's c (empty until the first step with control deltas = zeros);
+  // FedDyn's h (federation/algorithms.h), empty until its first step.
   Weights& control() { return control_; }
   const Weights& control() const { return control_; }
   // ACP shared factors (by tensor name) and TCS masks (compression::mask_key)
@@ -105,7 +108,8 @@ class GlobalModel {
   // The global step of round r, all or nothing: aggregator.finish (robust
   // rule, central DP noise of round r), the server optimiser's step on W, the
   // next TCS masks (where the step moved W most), SCAFFOLD's c += Σ Δc_i /
-  // population, ACP's next shared factors (replacing the held ones: a tensor
+  // population (FedNova: the mean scaled by fednova_scale; FedDyn: h and the
+  // step of feddyn_step, with population as m), ACP's next shared factors (replacing the held ones: a tensor
   // without a factor this round gets its seeded initial one next round), and
   // the downlink C_r = encode(W_r - B_{r-1}), B_r = B_{r-1} + decode(C_r).
   // When finish or the step throws sparrow::Error (a non-finite aggregate),

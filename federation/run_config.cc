@@ -12,6 +12,8 @@
 #include "core/spec.h"
 #include "secagg/secagg.h"
 #include "federation/sampler.h"
+#include "federation/algorithms.h"
+#include "federation/async_engine.h"
 
 namespace sparrow::federation {
 namespace {
@@ -34,6 +36,7 @@ const KeyList& simulation_keys() {
                             {"device", Type::kString},
                             {"checkpoint_every", Type::kInt},
                             {"keep_client_state", Type::kBool},
+                            {"state_encoding", Type::kString},
                             {"out", Type::kString},
                             {"deadline_s", Type::kDouble},
                             {"profiles.compute_speed", Type::kDouble},
@@ -117,6 +120,7 @@ void bind(core::FlatConfig& f, RunConfig& c) {
   f.bind("model_seed", &c.model_seed);
   f.bind("algorithm", &c.algorithm);
   f.bind("mu", &c.mu);
+  f.bind("feddyn_alpha", &c.feddyn_alpha);
   f.bind("local_epochs", &c.local_epochs);
   f.bind("batch_size", &c.batch_size);
   f.bind("lr", &c.lr);
@@ -134,6 +138,10 @@ void bind(core::FlatConfig& f, RunConfig& c) {
   f.bind("clients", &c.clients);
   f.bind("clients_per_round", &c.clients_per_round);
   f.bind("sampler", &c.sampler);
+  f.bind("mode", &c.mode);
+  f.bind("buffer", &c.buffer);
+  f.bind("max_concurrency", &c.max_concurrency);
+  f.bind("staleness", &c.staleness);
   f.bind("eval_every", &c.eval_every);
   f.bind("data_dir", &c.data_dir);
 }
@@ -150,11 +158,14 @@ void validate(const RunConfig& c) {
 void validate(const RunConfig& c, const core::FlatConfig& f) {
   f.check_finite();
   f.check("model", !c.model.empty(), "must not be empty");
-  f.check("algorithm", c.algorithm == "fedavg" || c.algorithm == "fedprox" || c.algorithm == "scaffold",
-          "must be fedavg, fedprox or scaffold (got '" + c.algorithm + "')");
+  f.check("algorithm",
+          c.algorithm == "fedavg" || c.algorithm == "fedprox" || c.algorithm == "scaffold" ||
+              c.algorithm == "fednova" || c.algorithm == "feddyn",
+          "must be fedavg, fedprox, scaffold, fednova or feddyn (got '" + c.algorithm + "')");
   f.check("mu", c.mu >= 0 && c.mu <= 1000, "must be in [0, 1000]");
   f.check("mu", c.mu == 0 || c.algorithm == "fedprox",
           "has no effect unless algorithm = \"fedprox\" (the proximal term's weight)");
+  for (const auto& [key, why] : check_algorithm(c)) f.fail(key, why);  // fednova, feddyn, feddyn_alpha
   f.check("local_epochs", c.local_epochs >= 1 && c.local_epochs <= 1000, "must be in [1, 1000]");
   f.check("batch_size", c.batch_size >= 1 && c.batch_size <= 1000000, "must be in [1, 1000000]");
   f.check("lr", c.lr > 0 && c.lr <= 10, "must be in (0, 10]");
@@ -229,6 +240,7 @@ void validate(const RunConfig& c, const core::FlatConfig& f) {
   } catch (const ConfigError& e) {
     f.fail("secagg", e.what());
   }
+  for (const auto& [key, why] : check_async(c)) f.fail(key, why);
 }
 
 OtherProgramKeys::OtherProgramKeys(core::FlatConfig& f, Program self) {

@@ -36,8 +36,9 @@ struct RunConfig {
   uint64_t model_seed = 0;    // the initial model is make_model(model, effective_model_seed()); 0 = seed
 
   // Local training (sent in every task).
-  std::string algorithm = "fedavg";  // fedavg | fedprox | scaffold
+  std::string algorithm = "fedavg";  // fedavg | fedprox | scaffold | fednova | feddyn
   double mu = 0;                     // FedProx proximal weight
+  double feddyn_alpha = 0;           // FedDyn regulariser weight (> 0 with feddyn, 0 otherwise)
   int local_epochs = 1;
   int batch_size = 32;
   double lr = 0.05;
@@ -67,6 +68,15 @@ struct RunConfig {
   // of SCAFFOLD's control update. 0 = not fixed (the service counts the
   // clients it has seen; the simulator refuses it).
   int clients = 0;
+
+  // Buffered asynchronous aggregation (federation/async_engine.h,
+  // docs/async.md): "sync" rounds, or "async" steps every `buffer` updates
+  // with at most `max_concurrency` clients training, each update discounted
+  // by `staleness` (federation/async_staleness.h). `rounds` counts steps.
+  std::string mode = "sync";
+  int buffer = 0;           // K; 0 = clients_per_round
+  int max_concurrency = 0;  // C; 0 = buffer
+  std::string staleness = "poly:a=0.5";
 
   // Evaluation of the global model: every eval_every rounds and after the
   // last; 0 = no periodic evaluation (the simulator still evaluates the last

@@ -4,6 +4,8 @@
 #   scripts/setup.sh           build, tests, demo
 #   scripts/setup.sh --bench   also python3-torch, the plain-PyTorch peer of
 #                              `sparrow-bench sim` (bench/peer_fedavg.py)
+#   scripts/setup.sh --python  also the Python package's build and test needs
+#                              (pybind11, python3-dev, python3-torch)
 #   scripts/setup.sh --fuzz    also clang (libFuzzer, ASan, UBSan) for scripts/fuzz.sh
 #   scripts/setup.sh --browser also chromium, for the dashboard's browser tests
 #                              (scripts/test.sh --slow and --all install it)
@@ -35,8 +37,15 @@ PACKAGES=(
   libcpp-httplib-dev libjs-chart.js
   # sparrow-sim over several MPI ranks (mpirun -np R; docs/simulator.md)
   libopenmpi-dev openmpi-bin
+  # The LibTorch-free device runtime's math (lite/, docs/lite.md): header-only.
+  libeigen3-dev
 )
 if [[ "${1:-}" == "--bench" ]]; then PACKAGES+=(python3-torch); fi
+# The Python package (docs/python.md): pybind11, Python's headers and Debian's
+# PyTorch on the same LibTorch, so tensors cross without copies. Not for the
+# demo: python3-torch and what it pulls are about 140 MB more; the build skips
+# the package when they are missing.
+if [[ "${1:-}" == "--python" ]]; then PACKAGES+=(pybind11-dev python3-pybind11 python3-dev python3-torch); fi
 if [[ "${1:-}" == "--fuzz" ]]; then PACKAGES+=(clang); fi
 if [[ "${1:-}" == "--browser" ]]; then PACKAGES+=(chromium); fi
 

@@ -10,6 +10,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-default}
 scripts/setup.sh
+# The Python package's tests (docs/python.md) need pybind11 and python3-torch.
+scripts/setup.sh --python
 # The browser tests (labelled slow) drive a headless Chromium.
 if [[ "$mode" == --slow || "$mode" == --all ]]; then scripts/setup.sh --browser; fi
 if [[ "$mode" == --sanitize ]]; then

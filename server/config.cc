@@ -68,14 +68,15 @@ const std::vector<std::string> kIdentityKeys = {"model",
                                                 "secagg",
                                                 "clients_per_round",
                                                 "clients",
-                                                "sampler"};  // (*)
+                                                "sampler",
+                                                "feddyn_alpha"};  // (*)
 
 // Identity keys added after runs existed: part of the identity only when set,
 // so databases of earlier versions keep their hash.
 bool default_identity(const std::string& key, const std::string& value) {
   return (key == "aggregator" && value == "\"mean\"") || (key == "dp" && value == "\"none\"") ||
          (key == "secagg" && value == "\"none\"") || (key == "clients" && value == "0") ||
-         (key == "sampler" && value == "\"auto\"");
+         (key == "sampler" && value == "\"auto\"") || (key == "feddyn_alpha" && (value == "0" || value == "0.0"));
 }
 
 // "key = value" lines of `c`: every key in bind order, or the identity keys.
@@ -129,6 +130,8 @@ void validate(const ServerConfig& c) {
   // ZeroMQ keeps the heartbeat TTL (3 x heartbeat_ms) in deciseconds below 2^16.
   if (c.heartbeat_ms < 10 || c.heartbeat_ms > 600000) bad("heartbeat_ms", "must be in [10, 600000]");
   // What a deployment refuses that a simulation takes.
+  if (c.mode == "async")
+    bad("mode", "\"async\" runs in sparrow-sim only for now (docs/async.md); sparrow-server runs mode = \"sync\"");
   if (aggregation::DpSpec::parse(c.dp).mode == aggregation::DpSpec::Mode::kLocal)
     bad("dp", "local DP is each client's own setting (sparrow-client's `dp` key); the server takes none or central");
   const secagg::Params sa = secagg::Params::parse(c.secagg);
@@ -179,6 +182,8 @@ void validate(const ServerConfig& c) {
     // root applies its optimiser, its aggregator, DP and downlink once.
     const char* why = "a gateway forwards the weighted mean of its clients' updates; set it on the root";
     if (c.algorithm == "scaffold") bad("algorithm", "scaffold cannot be relayed by a gateway (control variates)");
+    if (c.algorithm == "fednova" || c.algorithm == "feddyn")
+      bad("algorithm", c.algorithm + " cannot be relayed by a gateway (the root needs each client's update)");
     if (c.secagg != "none") bad("secagg", "is not available on a gateway (its aggregate would be unmasked there)");
     if (c.downlink != "none") bad("downlink", why);
     if (c.aggregator != "mean") bad("aggregator", why);

@@ -15,6 +15,7 @@
 #include "compression/mask.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "federation/algorithms.h"
 #include "federation/client_pipeline.h"
 #include "federation/sampler.h"
 #include "server/impl.h"
@@ -68,7 +69,7 @@ void Server::Impl::send_task(const std::string& rid, Session& s, const RoundCont
   t.train.lr = cfg.lr;
   t.train.momentum = cfg.momentum;
   t.train.weight_decay = cfg.weight_decay;
-  t.train.mu = cfg.algorithm == "fedprox" ? cfg.mu : 0.0;
+  t.train.mu = federation::proximal_weight(cfg);  // FedProx's mu, FedDyn's alpha
   if (rc.relay_train) t.train = *rc.relay_train;  // a gateway passes the root's settings on
   t.compression = cfg.compression;
   t.seed = federation::task_seed(cfg.seed, r, s.client_id);  // as the simulator's clients

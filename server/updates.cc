@@ -10,6 +10,7 @@
 #include "compression/encoded.h"
 #include "core/error.h"
 #include "core/peer_text.h"
+#include "federation/algorithms.h"
 #include "server/impl.h"
 #include "wire/net.h"
 
@@ -127,8 +128,8 @@ void Server::Impl::fold(size_t w, wire::ModelUpdate& u) {
   federation::Arrival a;
   a.update.reserve(u.tensors.size());
   for (auto& nt : u.tensors) a.update.emplace_back(std::move(nt.name), std::move(nt.tensor));
-  a.weight = static_cast<double>(u.num_samples);
   a.control_delta = std::move(cdelta);
+  federation::fold_terms(cfg, u.num_samples, a);  // the weight (FedNova's n / a_i) and its sums
   for (const auto& [k, v] : u.metrics) a.metrics[k] += v;
   engine->add(w, u.client_id, std::move(a));
 }

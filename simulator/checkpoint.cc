@@ -45,6 +45,7 @@ void Simulator::Impl::checkpoint(int completed, bool wait) {
     store->set_meta("checkpoint.broadcast", st.broadcast);
     store->set_meta("checkpoint.downlink_bytes", std::to_string(down_bytes));
   }
+  if (async_mode()) store->set_meta("checkpoint.async", async_saved);  // round.cc
   if (wait)
     store->flush();
   else
@@ -117,7 +118,11 @@ void Simulator::Impl::load_checkpoint() {
   engine->load(st, "resume: " + store->path());  // checked and restored as sparrow-server restores its own
   SPARROW_CHECK_T(ConfigError, round <= cfg.rounds,
                   "resume: the run already has " << round << " rounds, more than rounds = " << cfg.rounds);
-  for (int r0 = 0; r0 < round; ++r0) count_participations(select_clients(r0));
+  if (async_mode()) {
+    async_load(blob("async"));  // round.cc: tasks in flight, clock, participations
+  } else {
+    for (int r0 = 0; r0 < round; ++r0) count_participations(select_clients(r0));
+  }
   load_history(round);
 }
 std::pair<std::map<std::string, at::Tensor>, int> load_run_model(const std::string& run_dir) {

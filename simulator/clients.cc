@@ -15,6 +15,7 @@
 #include "core/data_folder.h"
 #include "core/error.h"
 #include "core/rng.h"
+#include "federation/algorithms.h"
 #include "federation/client_pipeline.h"
 #include "simulator/impl.h"
 
@@ -31,7 +32,7 @@ client::TrainConfig Simulator::Impl::train_config() const {
   t.lr = cfg.lr;
   t.momentum = cfg.momentum;
   t.weight_decay = cfg.weight_decay;
-  t.mu = cfg.mu;
+  t.mu = federation::proximal_weight(cfg);  // FedProx's mu, FedDyn's alpha
   return t;
 }
 
@@ -123,6 +124,7 @@ void Simulator::Impl::run_worker(int w, int t, const std::vector<int64_t>& ids, 
   wk.deferred.clear();
   aggregation::ContextMap ctxs = round_ctxs;  // per-client edits stay local
   const bool scaffold = cfg.algorithm == "scaffold";
+  const bool stateful = federation::has_client_state(cfg.algorithm);  // SCAFFOLD's c_i, FedDyn's h_i
   // Clients in ascending id, in passes of up to wk.batch; each pass trains,
   // then its clients are encoded and aggregated one by one in id order.
   for (size_t j0 = 0; j0 < ids.size(); j0 += wk.batch) {
@@ -144,7 +146,7 @@ void Simulator::Impl::run_worker(int w, int t, const std::vector<int64_t>& ids, 
       if (attacks(c) && attack.kind == AttackSpec::Kind::kLabelFlip) job.y = (classes - 1) - job.y;
       // The seed sparrow-server gives client c's task in this round.
       job.seed = federation::task_seed(cfg.seed, static_cast<uint64_t>(t) + 1, federation::sim_client_id(c));
-      job.client_control = scaffold ? &r.state.control : nullptr;
+      job.client_control = stateful ? &r.state.control : nullptr;
       jobs.push_back(std::move(job));
     }
     std::vector<client::TrainResult> trained;
@@ -248,12 +250,13 @@ void Simulator::Impl::finish_client(Worker& wk, int t, ClientResult& r, const cl
 }
 
 void Simulator::Impl::fold(size_t slot, int64_t c, const std::string& bytes, const client::Weights& control_delta) {
+  if (async_mode()) return hold(c, bytes, control_delta);  // folded when it arrives (round.cc)
   wire::Message back = wire::parse(bytes);
   auto& pu = std::get<wire::ModelUpdate>(back.body);
   federation::Arrival a;
   a.update.reserve(pu.tensors.size());
   for (auto& nt : pu.tensors) a.update.emplace_back(std::move(nt.name), std::move(nt.tensor));
-  a.weight = static_cast<double>(pu.num_samples);
+  federation::fold_terms(cfg, pu.num_samples, a);  // the weight (FedNova's n / a_i) and its sums
   if (cfg.algorithm == "scaffold")
     for (const auto& [n, dc] : control_delta) a.control_delta[n] = dc.to(at::kCPU, at::kFloat);
   // Its own updates: an early one is held unchecked (a failure shows when folded).

@@ -15,6 +15,7 @@
 #include "core/flat_config.h"
 #include "core/spec.h"
 #include "simulator/attack.h"
+#include "state/encoding.h"
 
 namespace sparrow::simulator {
 namespace {
@@ -36,6 +37,7 @@ void bind_fields(core::FlatConfig& f, SimConfig& c) {
   f.bind("device", &c.device);
   f.bind("checkpoint_every", &c.checkpoint_every);
   f.bind("keep_client_state", &c.keep_client_state);
+  f.bind("state_encoding", &c.state_encoding);
   f.bind("out", &c.out);
   f.bind("deadline_s", &c.deadline_s);
   f.bind("profiles.compute_speed", &c.profiles.compute_speed);
@@ -167,6 +169,7 @@ void finish(const core::FlatConfig& f, SimConfig& c, std::optional<double> alpha
   f.check("checkpoint_every", c.checkpoint_every >= 1 && c.checkpoint_every <= 100000000,
           "must be in [1, 100000000] (1 = every round)");
   f.check("out", !c.out.empty(), "must not be empty");
+  f.check("state_encoding", state::valid_encoding(c.state_encoding), "must be \"fp32\" or \"bf16\"");
   // Simulated seconds: a deadline nobody meets is a legitimate experiment.
   f.check("deadline_s", c.deadline_s >= 0 && c.deadline_s <= 1e9, "must be in [0, 1e9] (0 = no deadline)");
   f.check("profiles.compute_speed", c.profiles.compute_speed >= 0 && c.profiles.compute_speed <= 10,

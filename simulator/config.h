@@ -71,6 +71,9 @@ struct SimConfig : federation::RunConfig {
   // checkpoint (export works) and its client states are dropped; such a run
   // cannot be continued with --resume (docs/simulator.md, "Disk use").
   bool keep_client_state = true;
+  // How client_state.db stores residuals, momentum and controls: "fp32"
+  // (exact) or "bf16" (half the bytes; docs/state.md, "Compact state").
+  std::string state_encoding = "fp32";
   std::string out = "runs/default";  // load_config: "runs/<file stem>" unless set
   double deadline_s = 0;             // round deadline in seconds, 0 = none
   DeviceProfiles profiles;

@@ -37,6 +37,7 @@
 #include "core/datasets.h"
 #include "core/models.h"
 #include "core/sqlite_db.h"
+#include "federation/async_engine.h"
 #include "federation/global_model.h"
 #include "federation/round_engine.h"
 #include "secagg/secagg.h"
@@ -232,6 +233,47 @@ struct Simulator::Impl {
   uint64_t downlink_bytes(int t, const std::vector<int64_t>& ids) const;
   // Wire bytes of the masks that go to each selected client with the round's model.
   uint64_t mask_bytes() const;
+
+  // ---- asynchronous mode (round.cc; docs/async.md) ----
+
+  // A client's task in mode = "async": handed the model of `version` at
+  // simulated `start`; trained lazily (all tasks of a version in one batch,
+  // before the model changes or when one of them is the next to arrive); its
+  // update arrives at `finish`.
+  struct AsyncTask {
+    int64_t client = 0;
+    uint64_t version = 0;
+    uint64_t seq = 0;  // hand-out order: breaks ties in `finish`
+    double start = 0, finish = 0;
+    double earliest = 0;  // start + download + compute: `finish` before training knows the upload
+    bool trained = false;
+    std::string update;  // the serialized ModelUpdate (from fold())
+    client::Weights control_delta;
+    ClientResult result;
+  };
+  std::unique_ptr<federation::AsyncEngine> async;
+  std::vector<std::unique_ptr<AsyncTask>> in_flight;
+  std::vector<uint64_t> async_last;  // per client: 1 + the version of its last task (0 = none)
+  double sim_clock = 0;              // simulated seconds since the run began
+  uint64_t handed = 0;               // tasks handed out so far
+  uint64_t async_down = 0;           // downlink bytes of the step in progress
+  std::mutex async_mu;               // hold() from the workers
+  bool async_mode() const { return cfg.mode == "async"; }
+  // One server step of async mode: tasks to free clients, arrivals in
+  // simulated order into the engine's buffer until it holds `buffer`, the
+  // global step, evaluation, the metrics row, a checkpoint when due.
+  RoundMetrics async_step();
+  void async_fill();
+  void async_train();
+  // fold()'s destination in async mode: the update waits in its task.
+  void hold(int64_t c, std::string bytes, const client::Weights& control_delta);
+  // The async run state at the last step boundary (the tasks in flight with
+  // their updates, the clock, the hand-out stream, participations), written
+  // after every step and checkpointed as "checkpoint.async": a resume, or a
+  // step run again after a stop, continues as the uninterrupted run.
+  std::string async_saved;
+  std::string async_save() const;
+  void async_load(const std::string& bytes);
 
   // ---- secure aggregation (secagg_round.cc) ----
 

@@ -9,7 +9,9 @@
 #include <algorithm>
 
 #include "compression/mask.h"
+#include "compression/state.h"
 #include "core/error.h"
+#include "core/bytes.h"
 #include "core/rng.h"
 #include "core/threads.h"
 #include "federation/client_pipeline.h"
@@ -20,6 +22,7 @@ namespace sparrow::simulator {
 namespace {
 // Stream tags: every random decision has its own counter-based stream.
 constexpr uint64_t kAvailTag = 0x6176616c;  // "aval"
+constexpr uint64_t kAsyncTag = 0x6173796e;  // "asyn": who a free slot is handed to
 }  // namespace
 
 std::vector<int64_t> Simulator::Impl::select_clients(int t) const {
@@ -94,6 +97,7 @@ uint64_t Simulator::Impl::mask_bytes() const {
 
 RoundMetrics Simulator::Impl::step() {
   SPARROW_CHECK(round < cfg.rounds, "all " << cfg.rounds << " rounds are done");
+  if (async_mode()) return async_step();
   const int t = round;
   const auto t0 = Clock::now();
   // What the store holds now is where a stop in this round goes back to.
@@ -252,4 +256,298 @@ RoundMetrics Simulator::Impl::step() {
   history.push_back(m);
   return m;
 }
+
+// ---- asynchronous mode (docs/async.md) ----
+//
+// The simulated clock runs from event to event: a free slot (of
+// max_concurrency) is handed to a client at once, with the current model; its
+// update arrives after task_time() on its profile; arrivals fold into the
+// engine's buffer in (arrival time, hand-out order), and the step runs when the
+// buffer holds `buffer` updates. Training is real and batched: the tasks handed
+// out at one version train together, when the next arrival could be one of
+// them or before the step changes the model; which update arrives next never
+// depends on how fast this machine trains.
+
+void Simulator::Impl::hold(int64_t c, std::string bytes, const client::Weights& control_delta) {
+  std::lock_guard<std::mutex> g(async_mu);
+  for (auto& t : in_flight)
+    if (t->client == c && !t->trained) {
+      t->update = std::move(bytes);
+      if (cfg.algorithm == "scaffold")
+        for (const auto& [n, dc] : control_delta) t->control_delta[n] = dc.to(at::kCPU, at::kFloat);
+      return;
+    }
+  SPARROW_CHECK(false, "async: client " << c << " trained without a task");
+}
+
+void Simulator::Impl::async_fill() {
+  const federation::AsyncSettings a = federation::async_settings(cfg);
+  const uint64_t tag = async->version() + 1;
+  std::vector<char> busy(static_cast<size_t>(cfg.clients), 0);
+  for (const auto& t : in_flight) busy[static_cast<size_t>(t->client)] = 1;
+  const uint64_t key = rng::derive(cfg.seed, kAsyncTag);
+  while (in_flight.size() < static_cast<size_t>(a.max_concurrency)) {
+    // A client takes at most one task per model version: a second one would
+    // train the same model with the same task seed.
+    std::vector<int64_t> free;
+    for (int64_t c = 0; c < cfg.clients; ++c)
+      if (!busy[static_cast<size_t>(c)] && async_last[static_cast<size_t>(c)] != tag) free.push_back(c);
+    if (free.empty()) return;  // the slot waits for the next version
+    const int64_t c = free[static_cast<size_t>(rng::at(key, handed) % free.size())];
+    auto t = std::make_unique<AsyncTask>();
+    t->client = c;
+    t->version = async->version();
+    t->seq = handed++;
+    t->start = sim_clock;
+    const Profile& p = profiles[static_cast<size_t>(c)];
+    const TaskTime tt =
+        task_time(p.speed, p.down_bps, p.up_bps, client_idx[c].numel() * cfg.local_epochs, model_bytes, 0);
+    t->earliest = t->finish = t->start + tt.total();
+    busy[static_cast<size_t>(c)] = 1;
+    async_last[static_cast<size_t>(c)] = tag;
+    async_down += model_bytes;  // the dense broadcast model: a task's client may hold any older version
+    in_flight.push_back(std::move(t));
+  }
+}
+
+void Simulator::Impl::async_train() {
+  std::vector<AsyncTask*> todo;
+  for (auto& t : in_flight)
+    if (!t->trained) todo.push_back(t.get());
+  if (todo.empty()) return;
+  std::sort(todo.begin(), todo.end(), [](const AsyncTask* x, const AsyncTask* y) { return x->client < y->client; });
+  std::vector<double> jobs;
+  for (const AsyncTask* t : todo) jobs.push_back(static_cast<double>(client_idx[t->client].numel()));
+  const Assignment as = schedule_lpt(jobs, cost);
+  std::vector<std::vector<int64_t>> wids(workers.size());
+  std::vector<std::vector<ClientResult*>> wout(workers.size());
+  for (size_t w = 0; w < workers.size(); ++w) {
+    std::vector<int64_t> jw = as.per_worker[w];
+    std::sort(jw.begin(), jw.end());
+    for (int64_t j : jw) {
+      wids[w].push_back(todo[static_cast<size_t>(j)]->client);
+      wout[w].push_back(&todo[static_cast<size_t>(j)]->result);
+    }
+  }
+  round_ctxs = async->contexts();
+  store->prefetch([&] {
+    std::vector<int64_t> ids;
+    for (const AsyncTask* t : todo) ids.push_back(t->client);
+    return ids;
+  }());
+  // Round "version" (0-based) to the client pipeline: the task seed and the
+  // codec contexts of round version + 1, as a synchronous round of that
+  // number would use.
+  run_local(static_cast<int>(async->version()), wids, wout);
+  for (AsyncTask* t : todo) {
+    if (!t->result.trained) {
+      interrupted = true;
+      continue;
+    }
+    SPARROW_CHECK(!t->update.empty(), "async: client " << t->client << " trained but sent nothing");
+    t->trained = true;
+    const Profile& p = profiles[static_cast<size_t>(t->client)];
+    const TaskTime tt =
+        task_time(p.speed, p.down_bps, p.up_bps, t->result.samples * cfg.local_epochs, model_bytes, t->result.bytes_up);
+    t->finish = t->start + tt.total();
+  }
+}
+
+namespace {
+constexpr uint32_t kAsyncStateVersion = 1;
+}  // namespace
+
+std::string Simulator::Impl::async_save() const {
+  std::string out;
+  core::ByteWriter w(out);
+  w.put<uint32_t>(kAsyncStateVersion).put<uint64_t>(async ? async->version() : 0).put<double>(sim_clock);
+  w.put<uint64_t>(handed).put<uint64_t>(async_last.size());
+  for (uint64_t v : async_last) w.put<uint64_t>(v);
+  w.put<uint64_t>(participations.size());
+  for (int64_t v : participations) w.put<int64_t>(v);
+  w.put<int64_t>(most_participations).put<uint64_t>(in_flight.size());
+  for (const auto& t : in_flight) {
+    SPARROW_CHECK(t->trained, "async: a checkpoint with an untrained task");
+    w.put<int64_t>(t->client).put<uint64_t>(t->version).put<uint64_t>(t->seq);
+    w.put<double>(t->start).put<double>(t->finish).put<double>(t->earliest);
+    w.put<int64_t>(t->result.samples).put<double>(t->result.train_loss).put<uint64_t>(t->result.bytes_up);
+    w.put_bytes(t->update);
+    w.put_bytes(t->control_delta.empty() ? std::string() : compression::serialize_weights(t->control_delta));
+  }
+  return out;
+}
+
+void Simulator::Impl::async_load(const std::string& bytes) {
+  const char* what = "resume: the checkpoint's async state";
+  core::ByteReader r(bytes, what);
+  SPARROW_CHECK_T(FormatError, r.get<uint32_t>() == kAsyncStateVersion, what << " has an unknown version");
+  const auto version = r.get<uint64_t>();
+  SPARROW_CHECK_T(FormatError, version == static_cast<uint64_t>(round),
+                  what << " is of step " << version << ", the checkpoint of step " << round);
+  const federation::AsyncSettings a = federation::async_settings(cfg);
+  auto fresh = std::make_unique<federation::AsyncEngine>(*gm, *aggregator, shapes, a.buffer, a.staleness, version);
+  const auto clock = r.get<double>();
+  const auto next_seq = r.get<uint64_t>();
+  auto count = [&](uint64_t expect) {
+    const auto n = r.get<uint64_t>();
+    SPARROW_CHECK_T(FormatError, n == expect, what << " is for " << n << " clients, the run has " << expect);
+    return n;
+  };
+  std::vector<uint64_t> last(count(static_cast<uint64_t>(cfg.clients)));
+  for (auto& v : last) v = r.get<uint64_t>();
+  std::vector<int64_t> parts(count(static_cast<uint64_t>(cfg.clients)));
+  for (auto& v : parts) v = r.get<int64_t>();
+  const auto most = r.get<int64_t>();
+  const auto n = r.get<uint64_t>();
+  SPARROW_CHECK_T(FormatError, n <= static_cast<uint64_t>(cfg.clients), what << " holds " << n << " tasks");
+  std::vector<std::unique_ptr<AsyncTask>> tasks;
+  for (uint64_t i = 0; i < n; ++i) {
+    auto t = std::make_unique<AsyncTask>();
+    t->client = r.get<int64_t>();
+    SPARROW_CHECK_T(FormatError, t->client >= 0 && t->client < cfg.clients, what << " names client " << t->client);
+    t->version = r.get<uint64_t>();
+    t->seq = r.get<uint64_t>();
+    t->start = r.get<double>();
+    t->finish = r.get<double>();
+    t->earliest = r.get<double>();
+    t->result.client = t->client;
+    t->result.samples = r.get<int64_t>();
+    t->result.train_loss = r.get<double>();
+    t->result.bytes_up = r.get<uint64_t>();
+    t->result.trained = t->result.kept = t->trained = true;
+    t->update = r.get_bytes();
+    const std::string cd = r.get_bytes();
+    if (!cd.empty()) t->control_delta = compression::deserialize_weights(cd);
+    SPARROW_CHECK_T(FormatError, t->version <= version, what << " holds a task of a later step");
+    tasks.push_back(std::move(t));
+  }
+  SPARROW_CHECK_T(FormatError, r.done(), what << " has trailing bytes");
+  async = std::move(fresh);
+  in_flight = std::move(tasks);
+  async_last = std::move(last);
+  participations = std::move(parts);
+  most_participations = most;
+  sim_clock = clock;
+  handed = next_seq;
+  async_saved = bytes;
+}
+
+RoundMetrics Simulator::Impl::async_step() {
+  const int t = round;
+  const auto t0 = Clock::now();
+  const federation::AsyncSettings a = federation::async_settings(cfg);
+  if (!async) {
+    if (!async_saved.empty()) {
+      async_load(async_saved);  // after a stop in the middle of a step: the last step's end
+    } else {
+      SPARROW_CHECK(round == 0, "async: step " << round << " without the state of the step before");
+      async = std::make_unique<federation::AsyncEngine>(*gm, *aggregator, shapes, a.buffer, a.staleness, 0);
+      in_flight.clear();
+      async_last.assign(static_cast<size_t>(cfg.clients), 0);
+      participations.assign(static_cast<size_t>(cfg.clients), 0);
+      sim_clock = 0;
+      handed = 0;
+    }
+  }
+  store->mark();
+  finished.store(0);
+  const double step_start = sim_clock;
+  async_down = 0;
+  RoundMetrics m;
+  m.round = t;
+  auto give_up = [&] {
+    // Stopped in the middle: as a synchronous round, the step did not happen;
+    // the next one starts from the last step's saved state (as a resume does).
+    store->rollback_to_mark();
+    async.reset();
+    in_flight.clear();
+    interrupted = true;
+    return m;
+  };
+  async_fill();
+  double loss_w = 0;
+  int64_t samples = 0;
+  while (!async->due()) {
+    SPARROW_CHECK(!in_flight.empty(), "async: no client can take a task (clients = " << cfg.clients << ")");
+    // The next arrival: the earliest trained task, unless an untrained one
+    // could arrive before it (then the version's tasks train first).
+    auto before = [](double f1, uint64_t s1, double f2, uint64_t s2) { return f1 < f2 || (f1 == f2 && s1 < s2); };
+    AsyncTask* next = nullptr;
+    const AsyncTask* untrained = nullptr;
+    for (auto& x : in_flight) {
+      if (x->trained) {
+        if (!next || before(x->finish, x->seq, next->finish, next->seq)) next = x.get();
+      } else if (!untrained || before(x->earliest, x->seq, untrained->earliest, untrained->seq)) {
+        untrained = x.get();
+      }
+    }
+    if (untrained && (!next || !before(next->finish, next->seq, untrained->earliest, untrained->seq))) {
+      async_train();
+      if (interrupted) return give_up();
+      continue;
+    }
+    wire::Message back = wire::parse(next->update);
+    auto& pu = std::get<wire::ModelUpdate>(back.body);
+    federation::Arrival arr;
+    for (auto& nt : pu.tensors) arr.update.emplace_back(std::move(nt.name), std::move(nt.tensor));
+    arr.weight = static_cast<double>(pu.num_samples);
+    arr.control_delta = std::move(next->control_delta);
+    const federation::AsyncEngine::Folded f =
+        async->add(federation::sim_client_id(next->client), next->version, std::move(arr));
+    spdlog::debug("async: client {} arrives at {:.3f} s, staleness {}, weight x {:.4f}", next->client, next->finish,
+                  f.staleness, f.discount);
+    sim_clock = std::max(sim_clock, next->finish);
+    const ClientResult& r = next->result;
+    m.participants.push_back({r.client, r.samples, r.bytes_up, true});
+    m.bytes_up += r.bytes_up;
+    loss_w += r.train_loss * static_cast<double>(r.samples);
+    samples += r.samples;
+    count_participations({r.client});
+    in_flight.erase(std::find_if(in_flight.begin(), in_flight.end(), [&](const auto& x) { return x.get() == next; }));
+    if (!async->due()) async_fill();
+  }
+  async_train();  // the tasks handed out at this version, before the step changes the model
+  if (interrupted) return give_up();
+  m.round = t + 1;
+  m.clients = static_cast<int>(async->buffered());
+  m.train_loss = samples > 0 ? loss_w / static_cast<double>(samples) : kNaN;
+  m.samples = samples * cfg.local_epochs;
+  m.bytes_down = async_down;
+  m.sim_round_s = sim_clock - step_start;
+  m.epsilon = m.clip = kNaN;
+  const uint64_t max_st = async->max_staleness();
+  const double mean_st = async->mean_staleness();
+  aggregation::AggregateStats st;
+  const federation::StepResult sr = async->step(static_cast<double>(cfg.clients), &st);
+  if (!sr.applied) {
+    spdlog::warn("step {}: abandoned, the model is unchanged: {}", t + 1, sr.error);
+    m.abandoned = true;
+  } else if (st.clip > 0) {
+    m.clip = st.clip;
+  }
+  spdlog::info("event=async_step step={} sim_s={:.3f} staleness_max={} staleness_mean={:.3f} in_flight={}", t + 1,
+               sim_clock, max_st, mean_st, in_flight.size());
+  m.epsilon = epsilon_after(t + 1);
+  const bool eval = (cfg.eval_every > 0 && (t + 1) % cfg.eval_every == 0) || t + 1 == cfg.rounds;
+  m.accuracy = m.loss = kNaN;
+  if (eval) {
+    const auto e0 = Clock::now();
+    const int threads = std::min(core::available_cores(), static_cast<int>(workers.size()) * at::get_num_threads());
+    const core::ScopedIntraOpThreads eval_threads(device.is_cpu() ? threads : 1);
+    auto [loss, acc] = workers[0].trainer->evaluate(gm->weights(), test_x, test_y);
+    m.eval_s = seconds_since(e0);
+    m.loss = loss;
+    m.accuracy = acc;
+  }
+  const bool last = t + 1 == cfg.rounds;
+  const bool ckpt = last || (t + 1) % cfg.checkpoint_every == 0 || store->dirty_bytes() > kUnflushedBudget;
+  m.real_s = seconds_since(t0);
+  async_saved = async_save();
+  commit(m);
+  if (ckpt) checkpoint(t + 1, /*wait=*/last);
+  round = t + 1;
+  history.push_back(m);
+  return m;
+}
+
 }  // namespace sparrow::simulator

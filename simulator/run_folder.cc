@@ -43,10 +43,11 @@ std::string csv_row(const RoundMetrics& m) {
 constexpr const char* kDroppedKey = "checkpoint.client_states";
 
 // The store as the simulator keeps it: checkpoint mode (checkpoint.cc).
-std::unique_ptr<state::ClientStateStore> open_store(const std::string& path) {
+std::unique_ptr<state::ClientStateStore> open_store(const std::string& path, const SimConfig& cfg) {
   state::ClientStateStore::Options so;
   so.background = true;
   so.explicit_flush = true;
+  so.encoding = state::parse_encoding(cfg.state_encoding);
   return state::ClientStateStore::open(path, so);
 }
 
@@ -117,7 +118,7 @@ void Simulator::Impl::open_db(bool resume) {
   // Checkpoint mode: client states reach client_state.db only with a
   // checkpoint, in the same transaction as the run state (set_meta), on the
   // store's background thread; see checkpoint().
-  store = open_store(cs.string());
+  store = open_store(cs.string(), cfg);
   if (resume && store->get_meta(kDroppedKey))
     throw ConfigError("resume: " + dir.string() +
                       " finished with keep_client_state = false: its client states were dropped after the last "
@@ -199,13 +200,13 @@ void Simulator::drop_client_states() {
   const fs::path fresh = cs.string() + ".new";
   remove_db_files(fresh);
   s.store.reset();
-  s.store = open_store(fresh.string());
+  s.store = open_store(fresh.string(), s.cfg);
   s.store->set_meta(kDroppedKey, "dropped");
   s.checkpoint(s.round, /*wait=*/true);
   s.store.reset();  // closing merges its -wal into the file
   remove_db_files(cs);
   fs::rename(fresh, cs);
-  s.store = open_store(cs.string());
+  s.store = open_store(cs.string(), s.cfg);
 }
 
 DiskEstimate estimate_disk(const Simulator& sim) {
@@ -230,11 +231,12 @@ DiskEstimate estimate_disk(const Simulator& sim) {
   const std::unique_ptr<compression::Compressor> codec = compression::make_compressor(c.compression);
   state::ClientState probe;
   federation::make_update(1, "0", 1, names, delta, *codec, probe.compressor, ctx, {}, {});
-  const uint64_t empty = state::ClientState{}.serialize().size();
-  const uint64_t with_codec = probe.serialize().size();
+  const state::Encoding enc = state::parse_encoding(c.state_encoding);  // bf16: half of residuals and controls
+  const uint64_t empty = state::ClientState{}.serialize(enc).size();
+  const uint64_t with_codec = probe.serialize(enc).size();
   if (c.algorithm == "scaffold")
     for (const auto& n : names) probe.control[n] = at::zeros_like(w[n]);
-  e.state_per_client = probe.serialize().size();
+  e.state_per_client = probe.serialize(enc).size();
   e.codec_state = with_codec - empty;
   e.control_state = e.state_per_client - with_codec;
 
@@ -283,7 +285,7 @@ std::string disk_estimate_text(const DiskEstimate& e, const SimConfig& cfg) {
   std::ostringstream os;
   os << "disk: about " << b(e.total) << " in " << cfg.out << ": client_state.db " << b(e.client_state_db) << " (about "
      << std::llround(e.clients_with_state) << " of " << cfg.clients << " clients take part x " << b(e.state_per_client)
-     << " of state each";
+     << " of state each" << (cfg.state_encoding == "bf16" ? " in bf16" : "");
   if (e.control_state > 0) os << ": codec " << b(e.codec_state) << ", SCAFFOLD control " << b(e.control_state);
   os << "; checkpoint " << b(e.checkpoint) << "), run.db and metrics.csv " << b(e.history) << "; up to "
      << b(e.checkpoint_wal) << " more in client_state.db-wal while a checkpoint commits";

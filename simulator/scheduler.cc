@@ -125,4 +125,13 @@ Assignment schedule_round_robin(const std::vector<double>& jobs, const CostModel
   return finish(std::move(a));
 }
 
+TaskTime task_time(double speed, double down_bps, double up_bps, int64_t sample_epochs, uint64_t down_bytes,
+                   uint64_t up_bytes) {
+  TaskTime t;
+  t.down_s = static_cast<double>(down_bytes) * 8 / down_bps;
+  t.compute_s = static_cast<double>(sample_epochs) * kSampleSeconds / speed;
+  t.up_s = static_cast<double>(up_bytes) * 8 / up_bps;
+  return t;
+}
+
 }  // namespace sparrow::simulator

@@ -53,4 +53,19 @@ Assignment schedule_lpt(const std::vector<double>& jobs, const CostModel& model)
 // Round-robin baseline: job i to worker i mod W (what a naive simulator does).
 Assignment schedule_round_robin(const std::vector<double>& jobs, const CostModel& model);
 
+// The simulated duration of one client's task in mode = "async"
+// (docs/async.md): download the model, train, upload the update, on the
+// client's profile. Training is `sample_epochs` (samples x local epochs) at
+// kSampleSeconds each on a device of speed 1, divided by the device's speed:
+// deterministic, unlike the synchronous rounds' measured training time,
+// because the arrival order decides which updates share a step and so the
+// model (a run must not depend on the machine's load).
+constexpr double kSampleSeconds = 1e-4;
+struct TaskTime {
+  double down_s = 0, compute_s = 0, up_s = 0;
+  double total() const { return down_s + compute_s + up_s; }
+};
+TaskTime task_time(double speed, double down_bps, double up_bps, int64_t sample_epochs, uint64_t down_bytes,
+                   uint64_t up_bytes);
+
 }  // namespace sparrow::simulator

@@ -94,6 +94,14 @@ Simulator::Simulator(SimConfig cfg, bool resume, Cluster* cluster) : impl_(std::
                                          << " needs clients_per_round >= " << s.sa_params.min_clients());
   }
   s.attack = AttackSpec::parse(s.cfg.attack);
+  if (s.async_mode()) {  // what a simulated asynchronous run cannot do yet (docs/async.md)
+    SPARROW_CHECK_T(ConfigError, !s.distributed(),
+                    "mode: \"async\" runs in one process; run sparrow-sim without mpirun");
+    SPARROW_CHECK_T(ConfigError, s.attack.kind != AttackSpec::Kind::kAlie,
+                    "attack: alie pools a round's honest updates, and mode = \"async\" has no rounds");
+    SPARROW_CHECK_T(ConfigError, !(s.cfg.deadline_s > 0),
+                    "deadline_s: mode = \"async\" has no round deadline (no update is waited for); set deadline_s = 0");
+  }
   if (s.distributed()) {
     SPARROW_CHECK_T(ConfigError, !s.sa_params.enabled,
                     "secagg: not available over MPI ranks yet (the protocol's server runs in one process); run "

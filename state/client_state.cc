@@ -13,7 +13,8 @@ namespace sparrow::state {
 namespace {
 
 constexpr char kMagic[4] = {'S', 'P', 'C', 'L'};
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 1;         // fp32: what every build reads
+constexpr uint32_t kVersionEncoded = 2;  // says its encoding; a stored form per tensor
 constexpr uint32_t kMaxDims = 8;
 // Per-entry bookkeeping counted on top of tensor bytes (map node, TensorImpl,
 // name): keeps a cache of many tiny states from under-counting.
@@ -70,30 +71,143 @@ struct Reader : core::ByteReader {
 
 }  // namespace
 
-std::string ClientState::serialize() const {
+namespace {
+
+constexpr uint8_t kFloatCode = 1;  // kDtypes' float32
+constexpr uint8_t kBf16Code = 4;   // kDtypes' bfloat16
+
+// Whether `encoding` stores this float32 tensor as bf16 (a compressor slot
+// narrowable_slot() names, or a float32 control).
+bool stored_narrow(Encoding encoding, const at::Tensor& t) {
+  return encoding == Encoding::kBf16 && t.scalar_type() == at::kFloat;
+}
+
+// Throws, naming the tensor, when a float32 tensor bf16 would store holds a
+// value bf16 cannot (c: the CPU contiguous tensor).
+void check_fits_bf16(const std::string& what, const at::Tensor& c) {
+  size_t bad = 0;
+  SPARROW_CHECK(
+      fits_bf16(c.data_ptr<float>(), static_cast<size_t>(c.numel()), &bad),
+      "client state: " << what << " holds " << c.data_ptr<float>()[bad] << " at element " << bad
+                       << ", which state_encoding = \"bf16\" cannot store (not finite or beyond bf16's range)");
+}
+
+// Version 2's tensor record: name, u8 dtype (in memory), u8 stored (on disk:
+// the dtype, or bf16 for a float32 stored narrow), u32 dims, i64 shape, data.
+void put_tensor(std::string& out, const std::string& name, const std::string& what, const at::Tensor& t, bool narrow) {
+  const at::Tensor c = t.detach().to(at::kCPU).contiguous();
+  put_name(out, name);
+  put_raw<uint8_t>(out, code_of(c.scalar_type()));
+  put_raw<uint8_t>(out, narrow ? kBf16Code : code_of(c.scalar_type()));
+  put_raw<uint32_t>(out, static_cast<uint32_t>(c.dim()));
+  for (int64_t d : c.sizes()) put_raw<int64_t>(out, d);
+  if (!narrow) {
+    out.append(static_cast<const char*>(c.data_ptr()), c.nbytes());
+    return;
+  }
+  const size_t n = static_cast<size_t>(c.numel());
+  const size_t at = out.size();
+  out.resize(at + 2 * n);
+  size_t bad = 0;
+  if (!to_bf16(c.data_ptr<float>(), reinterpret_cast<uint16_t*>(&out[at]), n, &bad)) check_fits_bf16(what, c);
+}
+
+at::ScalarType type_of(uint8_t code, const std::string& name) {
+  for (const auto& d : kDtypes)
+    if (d.code == code) return d.type;
+  throw FormatError("client state: '" + name + "' has unknown dtype code " + std::to_string(code));
+}
+
+// Shape of a tensor record (v1 control or v2), checked against absurd sizes.
+std::vector<int64_t> read_shape(core::ByteReader& r, const std::string& name, uint64_t* numel) {
+  const uint32_t dims = r.get<uint32_t>();
+  SPARROW_CHECK_T(FormatError, dims <= kMaxDims, "client state: '" << name << "' has " << dims << " dims");
+  std::vector<int64_t> shape(dims);
+  *numel = 1;
+  for (auto& d : shape) {
+    d = r.get<int64_t>();
+    SPARROW_CHECK_T(FormatError, d >= 0 && d < (int64_t{1} << 40),
+                    "client state: '" << name << "' has bad dimension " << d);
+    *numel *= static_cast<uint64_t>(d);
+    SPARROW_CHECK_T(FormatError, *numel < (uint64_t{1} << 40), "client state: '" << name << "' too large");
+  }
+  return shape;
+}
+
+// Data of `numel` elements stored as `stored`, returned as `type`.
+at::Tensor read_data(core::ByteReader& r, const std::vector<int64_t>& shape, uint64_t numel, at::ScalarType type,
+                     at::ScalarType stored) {
+  at::Tensor t = at::empty(shape, at::TensorOptions().dtype(type));
+  const char* data = r.take(numel * at::elementSize(stored));
+  if (numel == 0) return t;
+  if (stored == type)
+    std::memcpy(t.data_ptr(), data, numel * at::elementSize(type));
+  else  // bf16 widened to float32 (the only narrowing read_v2 accepts)
+    from_bf16(reinterpret_cast<const uint16_t*>(data), t.data_ptr<float>(), numel);
+  return t;
+}
+
+// A version 2 tensor record; float32_only: a compressor slot.
+std::pair<std::string, at::Tensor> read_tensor(Reader& r, bool float32_only) {
+  std::string name = r.name();
+  const uint8_t code = r.get<uint8_t>(), stored_code = r.get<uint8_t>();
+  const at::ScalarType type = type_of(code, name), stored = type_of(stored_code, name);
+  SPARROW_CHECK_T(FormatError, stored_code == code || (code == kFloatCode && stored_code == kBf16Code),
+                  "client state: '" << name << "' is " << type << " stored as " << stored);
+  SPARROW_CHECK_T(FormatError, !float32_only || code == kFloatCode,
+                  "client state: compressor slot '" << name << "' is " << type << ", not float32");
+  uint64_t numel = 0;
+  const std::vector<int64_t> shape = read_shape(r, name, &numel);
+  return {std::move(name), read_data(r, shape, numel, type, stored)};
+}
+
+}  // namespace
+
+std::string ClientState::serialize(Encoding encoding) const {
   for (const auto& [name, t] : control) check_storable(name, t);
   std::string out;
   out.reserve(approx_bytes() + 4096);  // tensor bytes plus headers: one allocation, no regrowth
   out.append(kMagic, 4);
-  put_raw<uint32_t>(out, kVersion);
+  if (encoding == Encoding::kFp32) {
+    put_raw<uint32_t>(out, kVersion);
+    put_raw<uint64_t>(out, rng);
+    put_raw<uint64_t>(out, rounds);
+    put_raw<uint32_t>(out, static_cast<uint32_t>(compressor.size()));
+    for (const auto& [name, s] : compressor) {
+      put_name(out, name);
+      const std::string blob = s.serialize();
+      put_raw<uint64_t>(out, blob.size());
+      out += blob;
+    }
+    put_raw<uint32_t>(out, static_cast<uint32_t>(control.size()));
+    for (const auto& [name, t] : control) {
+      at::Tensor c = t.detach().to(at::kCPU).contiguous();
+      put_name(out, name);
+      put_raw<uint8_t>(out, code_of(c.scalar_type()));
+      put_raw<uint32_t>(out, static_cast<uint32_t>(c.dim()));
+      for (int64_t d : c.sizes()) put_raw<int64_t>(out, d);
+      out.append(static_cast<const char*>(c.data_ptr()), c.nbytes());
+    }
+    return out;
+  }
+  put_raw<uint32_t>(out, kVersionEncoded);
+  put_raw<uint8_t>(out, static_cast<uint8_t>(encoding));
   put_raw<uint64_t>(out, rng);
   put_raw<uint64_t>(out, rounds);
   put_raw<uint32_t>(out, static_cast<uint32_t>(compressor.size()));
   for (const auto& [name, s] : compressor) {
     put_name(out, name);
-    const std::string blob = s.serialize();
-    put_raw<uint64_t>(out, blob.size());
-    out += blob;
+    put_raw<uint64_t>(out, s.step);
+    put_raw<int64_t>(out, s.last_round);
+    put_raw<uint32_t>(out, static_cast<uint32_t>(s.tensors.size()));
+    for (const auto& [slot, t] : s.tensors) {
+      check_compressor_tensor(name, slot, t);
+      put_tensor(out, slot, "compressor '" + name + "' slot '" + slot + "'", t,
+                 narrowable_slot(slot) && stored_narrow(encoding, t));
+    }
   }
   put_raw<uint32_t>(out, static_cast<uint32_t>(control.size()));
-  for (const auto& [name, t] : control) {
-    at::Tensor c = t.detach().to(at::kCPU).contiguous();
-    put_name(out, name);
-    put_raw<uint8_t>(out, code_of(c.scalar_type()));
-    put_raw<uint32_t>(out, static_cast<uint32_t>(c.dim()));
-    for (int64_t d : c.sizes()) put_raw<int64_t>(out, d);
-    out.append(static_cast<const char*>(c.data_ptr()), c.nbytes());
-  }
+  for (const auto& [name, t] : control) put_tensor(out, name, "control '" + name + "'", t, stored_narrow(encoding, t));
   return out;
 }
 
@@ -102,53 +216,85 @@ ClientState ClientState::deserialize(const std::string& bytes) {
   SPARROW_CHECK_T(FormatError, bytes.size() >= 4 && std::memcmp(r.take(4), kMagic, 4) == 0,
                   "client state: bad magic (not a client state)");
   const uint32_t version = r.get<uint32_t>();
-  SPARROW_CHECK_T(FormatError, version == kVersion,
-                  "client state: unsupported version " << version << " (this build reads " << kVersion << ")");
+  SPARROW_CHECK_T(FormatError, version == kVersion || version == kVersionEncoded,
+                  "client state: unsupported version " << version << " (this build reads " << kVersion << " and "
+                                                       << kVersionEncoded << ")");
   ClientState s;
+  if (version == kVersionEncoded) {
+    const uint8_t encoding = r.get<uint8_t>();
+    SPARROW_CHECK_T(FormatError, encoding <= static_cast<uint8_t>(Encoding::kBf16),
+                    "client state: unknown encoding " << int(encoding));
+  }
   s.rng = r.get<uint64_t>();
   s.rounds = r.get<uint64_t>();
   const uint32_t n_compressor = r.get<uint32_t>();
   for (uint32_t i = 0; i < n_compressor; ++i) {
     std::string name = r.name();
-    const uint64_t len = r.get<uint64_t>();
-    std::string blob(r.take(len), len);
     compression::State cs;
-    try {
-      cs = compression::State::deserialize(blob);
-    } catch (const FormatError& e) {
-      throw FormatError("client state: compressor '" + name + "': " + e.what());
+    if (version == kVersionEncoded) {
+      cs.step = r.get<uint64_t>();
+      cs.last_round = r.get<int64_t>();
+      SPARROW_CHECK_T(FormatError, cs.last_round >= -1,
+                      "client state: compressor '" << name << "' has bad last round " << cs.last_round);
+      const uint32_t n_slots = r.get<uint32_t>();
+      for (uint32_t j = 0; j < n_slots; ++j) {
+        auto [slot, t] = read_tensor(r, /*float32_only=*/true);
+        SPARROW_CHECK_T(FormatError, cs.tensors.emplace(std::move(slot), std::move(t)).second,
+                        "client state: compressor '" << name << "' has a duplicate slot");
+      }
+    } else {
+      const uint64_t len = r.get<uint64_t>();
+      std::string blob(r.take(len), len);
+      try {
+        cs = compression::State::deserialize(blob);
+      } catch (const FormatError& e) {
+        throw FormatError("client state: compressor '" + name + "': " + e.what());
+      }
     }
     SPARROW_CHECK_T(FormatError, s.compressor.emplace(name, std::move(cs)).second,
                     "client state: duplicate compressor entry '" << name << "'");
   }
   const uint32_t n_control = r.get<uint32_t>();
   for (uint32_t i = 0; i < n_control; ++i) {
-    std::string name = r.name();
-    const uint8_t code = r.get<uint8_t>();
-    at::ScalarType type = at::kFloat;
-    bool known = false;
-    for (const auto& d : kDtypes)
-      if (d.code == code) type = d.type, known = true;
-    SPARROW_CHECK_T(FormatError, known, "client state: control '" << name << "' has unknown dtype code " << int(code));
-    const uint32_t dims = r.get<uint32_t>();
-    SPARROW_CHECK_T(FormatError, dims <= kMaxDims, "client state: control '" << name << "' has " << dims << " dims");
-    std::vector<int64_t> shape(dims);
-    uint64_t numel = 1;
-    for (auto& d : shape) {
-      d = r.get<int64_t>();
-      SPARROW_CHECK_T(FormatError, d >= 0 && d < (int64_t{1} << 40),
-                      "client state: control '" << name << "' has bad dimension " << d);
-      numel *= static_cast<uint64_t>(d);
-      SPARROW_CHECK_T(FormatError, numel < (uint64_t{1} << 40), "client state: control '" << name << "' too large");
+    if (version == kVersionEncoded) {
+      auto [name, t] = read_tensor(r, /*float32_only=*/false);
+      SPARROW_CHECK_T(FormatError, s.control.emplace(std::move(name), std::move(t)).second,
+                      "client state: duplicate control entry");
+      continue;
     }
-    const uint64_t nbytes = numel * at::elementSize(type);
-    const char* data = r.take(nbytes);
-    at::Tensor t = at::empty(shape, at::TensorOptions().dtype(type));
-    if (nbytes) std::memcpy(t.data_ptr(), data, nbytes);
+    std::string name = r.name();
+    const at::ScalarType type = type_of(r.get<uint8_t>(), "control " + name);
+    uint64_t numel = 0;
+    const std::vector<int64_t> shape = read_shape(r, "control " + name, &numel);
+    at::Tensor t = read_data(r, shape, numel, type, type);
     SPARROW_CHECK_T(FormatError, s.control.emplace(std::move(name), t).second, "client state: duplicate control entry");
   }
   SPARROW_CHECK_T(FormatError, r.done(), "client state: trailing bytes");
   return s;
+}
+
+void ClientState::round_to(Encoding encoding) {
+  if (encoding == Encoding::kFp32) return;
+  // The tensors to round and their CPU contiguous float32 views, all checked
+  // before the first one changes.
+  std::vector<std::pair<at::Tensor*, at::Tensor>> narrow;
+  for (auto& [name, cs] : compressor)
+    for (auto& [slot, t] : cs.tensors) {
+      check_compressor_tensor(name, slot, t);
+      if (!narrowable_slot(slot)) continue;
+      narrow.emplace_back(&t, t.detach().to(at::kCPU).contiguous());
+      check_fits_bf16("compressor '" + name + "' slot '" + slot + "'", narrow.back().second);
+    }
+  for (auto& [name, t] : control) {
+    check_storable(name, t);
+    if (!stored_narrow(encoding, t)) continue;
+    narrow.emplace_back(&t, t.detach().to(at::kCPU).contiguous());
+    check_fits_bf16("control '" + name + "'", narrow.back().second);
+  }
+  for (auto& [t, c] : narrow) {
+    round_to_bf16(c.data_ptr<float>(), static_cast<size_t>(c.numel()), nullptr);
+    if (c.data_ptr() != t->data_ptr()) t->copy_(c);  // a GPU or strided tensor: rounded in a copy
+  }
 }
 
 ClientState ClientState::deep_copy() const {

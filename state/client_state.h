@@ -11,6 +11,7 @@
 #include <string>
 
 #include "compression/state.h"
+#include "state/encoding.h"
 
 namespace sparrow::state {
 
@@ -28,9 +29,21 @@ struct ClientState {
   // then (name, compression::State bytes) per compressor entry and
   // (name, dtype, shape, data) per control tensor. Throws sparrow::Error for a
   // tensor it cannot store (unsupported dtype, sparse layout).
-  std::string serialize() const;
-  // Throws FormatError on truncated, malformed or trailing bytes.
+  // kFp32 writes version 1, bit-exact (what every build reads). kBf16 writes
+  // version 2, which says its encoding and, per tensor, how it is stored: the
+  // narrowable compressor slots (narrowable_slot) and float32 controls as
+  // bfloat16, everything else as kFp32 would. Throws sparrow::Error naming the
+  // tensor for a value bf16 cannot hold (NaN, inf, beyond its range).
+  std::string serialize(Encoding encoding = Encoding::kFp32) const;
+  // Reads either version; bf16 tensors come back as float32. Throws
+  // FormatError on truncated, malformed or trailing bytes.
   static ClientState deserialize(const std::string& bytes);
+  // Rounds in place the tensors `encoding` stores narrower to the values a
+  // serialize(encoding) / deserialize() round trip gives, so a state kept in
+  // memory equals the one read back (a resumed run continues bit-exactly).
+  // kFp32: nothing. Checks every tensor first: the same error as serialize(),
+  // and nothing changed then.
+  void round_to(Encoding encoding);
 
   // A copy that shares no tensor storage with this one (CPU, contiguous,
   // detached). Throws sparrow::Error for a tensor serialize() would refuse.

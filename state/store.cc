@@ -115,8 +115,8 @@ struct Batch {
 
 void begin_tx(Conn& c) { c.db->begin(); }
 
-void write_row(Conn& c, int64_t id, const ClientState& state) {
-  const std::string blob = state.serialize();
+void write_row(Conn& c, int64_t id, const ClientState& state, Encoding encoding) {
+  const std::string blob = state.serialize(encoding);
   sqlite::ResetOnExit g(*c.upsert);
   c.upsert->bind(1, id)
       .bind_blob(2, blob)
@@ -137,10 +137,10 @@ void write_meta_and_commit(Conn& c, const std::map<std::string, std::string>& me
 void rollback_if_open(Conn& c) { c.db->rollback(); }
 
 // Writes a batch in one transaction; on failure rolls back and throws.
-void write_batch(Conn& c, const Batch& b) {
+void write_batch(Conn& c, const Batch& b, Encoding encoding) {
   begin_tx(c);
   try {
-    for (const auto& [id, state] : b.rows) write_row(c, id, *state);
+    for (const auto& [id, state] : b.rows) write_row(c, id, *state, encoding);
     write_meta_and_commit(c, b.meta);
   } catch (...) {
     rollback_if_open(c);
@@ -273,7 +273,7 @@ struct ClientStateStore::Impl {
   // failure leaves the batch at the front (retried next time) and throws.
   void drain_here() {
     while (!queue.empty()) {
-      write_batch(fg, queue.front());
+      write_batch(fg, queue.front(), options.encoding);
       finish_front();
     }
   }
@@ -401,7 +401,7 @@ struct ClientStateStore::Impl {
         lock.unlock();
         std::exception_ptr failed;
         try {
-          write_batch(bg, b);
+          write_batch(bg, b, options.encoding);
         } catch (...) {
           failed = std::current_exception();
         }
@@ -448,7 +448,7 @@ struct ClientStateStore::Impl {
       Snapshot state = b.rows.at(id);  // the newest put of this client
       lock.unlock();
       try {
-        write_row(bg, id, *state);
+        write_row(bg, id, *state, options.encoding);
       } catch (...) {
         failed = std::current_exception();
       }
@@ -563,11 +563,15 @@ std::optional<ClientState> ClientStateStore::get(int64_t client) {
 }
 
 void ClientStateStore::put(int64_t client, const ClientState& state) {
-  put_owned(client, std::make_shared<const ClientState>(state.deep_copy()));  // validates before anything changes
+  ClientState copy = state.deep_copy();    // validates before anything changes
+  copy.round_to(impl_->options.encoding);  // bf16: the values the row will hold; throws before any change
+  put_owned(client, std::make_shared<const ClientState>(std::move(copy)));
 }
 
 void ClientStateStore::put(int64_t client, ClientState&& state) {
-  put_owned(client, std::make_shared<const ClientState>(ClientState::into_owned(std::move(state))));
+  ClientState owned = ClientState::into_owned(std::move(state));
+  owned.round_to(impl_->options.encoding);
+  put_owned(client, std::make_shared<const ClientState>(std::move(owned)));
 }
 
 void ClientStateStore::put_owned(int64_t client, std::shared_ptr<const ClientState> copy) {

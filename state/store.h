@@ -53,6 +53,12 @@ class ClientStateStore {
     size_t write_batch = 64;                 // dirty entries that trigger a write-back transaction; >= 1
     bool background = false;                 // write back and prefetch on a background thread
     bool explicit_flush = false;             // dirty entries reach the database only via flush()/flush_async()
+    // How rows are written (state/encoding.h). kBf16: put() rounds the state
+    // it keeps to what a row holds (ClientState::round_to), so get() answers
+    // the same from the cache and from the file, and a resumed run continues
+    // as if it had not stopped. Rows of either encoding are read; only new
+    // writes follow this.
+    Encoding encoding = Encoding::kFp32;
   };
   struct Stats {
     uint64_t hits = 0;          // get() answered from memory (cache or not yet written hand-off)
@@ -84,7 +90,8 @@ class ClientStateStore {
   // decode throws FormatError naming the client; the store stays usable.
   std::optional<ClientState> get(int64_t client);
   // Replaces the client's state (in the cache; see write-back above). Throws
-  // sparrow::Error, changing nothing, for a state serialize() would refuse.
+  // sparrow::Error, changing nothing, for a state serialize() would refuse
+  // (with Options::encoding bf16: a residual or control bf16 cannot hold).
   void put(int64_t client, const ClientState& state);
   // The same, taking the caller's state without a copy where it can
   // (ClientState::into_owned): the caller must not keep tensors of it.

@@ -58,6 +58,8 @@ inline const std::string kFedAvg;
 inline const std::string kDgc = "compression = \"dgc:ratio=0.01\"\n";
 inline const std::string kTcs = "compression = \"tcs:ratio=0.1,keep=0.5,share=mean\"\n";
 inline const std::string kScaffold = "algorithm = \"scaffold\"\n";
+inline const std::string kFedNova = "algorithm = \"fednova\"\n";
+inline const std::string kFedDyn = "algorithm = \"feddyn\"\nfeddyn_alpha = 0.01\n";
 inline const std::string kAcp = "compression = \"acp:rank=2\"\n";
 inline const std::string kPowerSgdDown = "compression = \"powersgd:rank=2\"\ndownlink = \"topk:ratio=0.1\"\n";
 inline const std::string kMultiKrum = "aggregator = \"multikrum:f=0,m=2\"\n";

@@ -133,6 +133,12 @@ TEST_CASE("the in-process service ends with the simulator's model: tcs share=mea
 
 TEST_CASE("the in-process service ends with the simulator's model: scaffold") { check_same("scaffold", kScaffold); }
 
+TEST_CASE("the in-process service ends with the simulator's model: fednova") { check_same("fednova", kFedNova); }
+
+TEST_CASE("the in-process service ends with the simulator's model: feddyn (client state across rounds)") {
+  check_same("feddyn", kFedDyn);
+}
+
 TEST_CASE("the in-process service ends with the simulator's model: acp rank 2") { check_same("acp", kAcp); }
 
 TEST_CASE("the in-process service ends with the simulator's model: powersgd with a compressed downlink") {

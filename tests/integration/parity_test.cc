@@ -70,6 +70,12 @@ TEST_CASE("simulator and service end with the same model: tcs share=mean") { che
 
 TEST_CASE("simulator and service end with the same model: scaffold") { check_same("scaffold", kScaffold); }
 
+TEST_CASE("simulator and service end with the same model: fednova") { check_same("fednova", kFedNova); }
+
+TEST_CASE("simulator and service end with the same model: feddyn (client state across rounds)") {
+  check_same("feddyn", kFedDyn);
+}
+
 TEST_CASE("simulator and service end with the same model: acp rank 2") { check_same("acp", kAcp); }
 
 TEST_CASE("simulator and service end with the same model: powersgd with a compressed downlink") {

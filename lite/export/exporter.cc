@@ -1,0 +1,351 @@
+#include "lite/export/exporter.h"
+
+#include <torch/csrc/jit/ir/constants.h>
+#include <torch/csrc/jit/passes/constant_propagation.h>
+#include <torch/csrc/jit/passes/dead_code_elimination.h>
+#include <torch/csrc/jit/passes/inliner.h>
+#include <torch/script.h>
+
+#include <algorithm>
+#include <set>
+
+#include "core/error.h"
+
+namespace sparrow::lite {
+namespace {
+
+using torch::jit::Node;
+using torch::jit::Value;
+
+std::vector<float> flat(const at::Tensor& t) {
+  at::Tensor c = t.detach().to(at::kCPU, at::kFloat).contiguous();
+  return std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel());
+}
+
+Shape shape_of(const at::Tensor& t) { return t.sizes().vec(); }
+
+// The values of a spec's parameters, looked up by name in order.
+Exported with_values(ModelSpec spec, const std::map<std::string, at::Tensor>& weights, const std::string& model) {
+  Exported e;
+  size_t used = 0;
+  for (LayerSpec& l : spec.layers) {
+    for (size_t i = 0; i < l.param_names.size(); ++i) {
+      auto it = weights.find(l.param_names[i]);
+      SPARROW_CHECK_T(ConfigError, it != weights.end(),
+                      "lite export: the " << model << " weights lack '" << l.param_names[i] << "'");
+      SPARROW_CHECK_T(ConfigError, shape_of(it->second) == l.param_shapes[i],
+                      "lite export: '" << l.param_names[i] << "' has shape " << it->second.sizes() << ", " << model
+                                       << " needs " << shape_str(l.param_shapes[i]));
+      const std::vector<float> v = flat(it->second);
+      e.values.insert(e.values.end(), v.begin(), v.end());
+      ++used;
+    }
+  }
+  SPARROW_CHECK_T(ConfigError, used == weights.size(),
+                  "lite export: " << weights.size() - used << " of the weights are no parameter of " << model);
+  e.spec = std::move(spec);
+  Model check(e.spec);  // the shapes chain
+  return e;
+}
+
+// What the graph walk knows about each op it meets.
+class GraphReader {
+ public:
+  GraphReader(const torch::jit::Module& module, std::shared_ptr<torch::jit::Graph> graph)
+      : module_(module), graph_(std::move(graph)) {}
+
+  Exported read(Shape input_shape) {
+    const auto inputs = graph_->inputs();
+    SPARROW_CHECK_T(ConfigError, inputs.size() == 2,
+                    "lite export: forward must take one input, it takes " << inputs.size() - 1);
+    current_ = inputs[1];
+    for (Node* n : graph_->nodes()) visit(n);
+    const auto outs = graph_->outputs();
+    SPARROW_CHECK_T(ConfigError, outs.size() == 1 && outs[0] == current_,
+                    "lite export: forward must return the output of its last layer");
+    SPARROW_CHECK_T(ConfigError, !spec_.layers.empty(), "lite export: forward has no layer");
+    // The order of the flat vector must be the LibTorch model's.
+    std::vector<std::string> registered;
+    for (const auto& p : module_.named_parameters(/*recurse=*/true)) registered.push_back(p.name);
+    SPARROW_CHECK_T(ConfigError, registered == used_,
+                    "lite export: forward uses the parameters " << join(used_) << " but the module registers "
+                                                                << join(registered)
+                                                                << " (every parameter once, in registration order)");
+    if (input_shape.empty()) input_shape = first_shape_;
+    SPARROW_CHECK_T(ConfigError, !input_shape.empty(),
+                    "lite export: the first layer is a " << kind_name(spec_.layers.front().kind)
+                                                         << ": give the per-sample input shape (--input-shape)");
+    spec_.input_shape = input_shape;
+    Exported e;
+    for (const std::string& name : used_) {
+      const std::vector<float> v = flat(tensor_at(name));
+      e.values.insert(e.values.end(), v.begin(), v.end());
+    }
+    e.spec = std::move(spec_);
+    try {
+      Model check(e.spec);
+    } catch (const Error& err) {
+      throw ConfigError(std::string("lite export: ") + err.what());
+    }
+    return e;
+  }
+
+ private:
+  static std::string join(const std::vector<std::string>& v) {
+    std::string s = "[";
+    for (size_t i = 0; i < v.size(); ++i) s += (i ? ", " : "") + v[i];
+    return s + "]";
+  }
+
+  at::Tensor tensor_at(const std::string& dotted) const {
+    torch::jit::Module m = module_;
+    size_t start = 0;
+    for (size_t dot; (dot = dotted.find('.', start)) != std::string::npos; start = dot + 1)
+      m = m.attr(dotted.substr(start, dot - start)).toModule();
+    return m.attr(dotted.substr(start)).toTensor();
+  }
+
+  // Where in the module an op sits, for messages: "in 'fc1'" or "".
+  static std::string where(const Node* n) {
+    if (auto cs = n->callstack()) {
+      if (auto mi = (*cs)->module_instance()) return " (in module '" + mi->instance_name() + "')";
+    }
+    return "";
+  }
+
+  [[noreturn]] void refuse(const Node* n, const std::string& why) const {
+    throw ConfigError("lite export: unsupported layer " + std::string(n->kind().toQualString()) + where(n) + ": " +
+                      why);
+  }
+
+  // The dotted attribute path of a prim::GetAttr chain from the module itself.
+  std::string attr_path(const Value* v, const Node* user) const {
+    std::vector<std::string> parts;
+    while (v->node()->kind() == c10::prim::GetAttr) {
+      parts.push_back(v->node()->s(c10::attr::name));
+      v = v->node()->input(0);
+    }
+    if (v != graph_->inputs()[0] || parts.empty()) refuse(user, "a weight that is no parameter of the module");
+    std::string s;
+    for (size_t i = parts.size(); i-- > 0;) s += parts[i] + (i ? "." : "");
+    return s;
+  }
+
+  c10::IValue constant(const Node* n, size_t i, const char* what) const {
+    auto v = torch::jit::toIValue(n->input(i));
+    if (!v) refuse(n, std::string(what) + " is not a constant");
+    return *v;
+  }
+  std::pair<int64_t, int64_t> pair(const Node* n, size_t i, const char* what, int64_t if_empty = -1) const {
+    c10::IValue v = constant(n, i, what);
+    if (v.isInt()) return {v.toInt(), v.toInt()};
+    if (v.isIntList()) {
+      auto l = v.toIntVector();
+      if (l.empty() && if_empty >= 0) return {if_empty, if_empty};
+      if (l.size() == 1) return {l[0], l[0]};
+      if (l.size() == 2) return {l[0], l[1]};
+    }
+    refuse(n, std::string(what) + " must be an int or a pair");
+  }
+
+  // Adds a parameter read by input i (weight or bias); false when it is None.
+  bool param(const Node* n, size_t i, LayerSpec& l) {
+    const Value* v = n->input(i);
+    if (v->type()->kind() == c10::TypeKind::NoneType) return false;
+    auto c = torch::jit::toIValue(v);
+    if (c && c->isNone()) return false;
+    const std::string path = attr_path(v, n);
+    const at::Tensor t = tensor_at(path);
+    std::string name = path;
+    std::replace(name.begin(), name.end(), '.', '_');
+    l.param_names.push_back(name);
+    l.param_shapes.push_back(shape_of(t));
+    used_.push_back(path);
+    return true;
+  }
+
+  void add(const Node* n, LayerSpec l) {
+    if (spec_.layers.empty()) {
+      if (l.kind == LayerKind::kLinear) first_shape_ = {l.in};
+    }
+    spec_.layers.push_back(std::move(l));
+    current_ = n->output(0);
+  }
+
+  void visit(Node* n) {
+    const std::string k = n->kind().toQualString();
+    static const std::set<std::string> kInert = {"prim::Constant", "prim::GetAttr", "prim::ListConstruct", "aten::size",
+                                                 "aten::Int",      "aten::dim",     "aten::__getitem__"};
+    if (kInert.count(k)) return;
+    const bool on_data = std::any_of(n->inputs().begin(), n->inputs().end(), [&](Value* v) { return v == current_; });
+    if (!on_data) {
+      if (k.rfind("aten::", 0) == 0 || k.rfind("prim::", 0) == 0) return;  // shape arithmetic
+      refuse(n, "an op the lite runtime does not know");
+    }
+    LayerSpec l;
+    if (k == "aten::linear") {
+      l.kind = LayerKind::kLinear;
+      param(n, 1, l);
+      l.bias = param(n, 2, l) ? 1 : 0;
+      l.out = l.param_shapes[0][0];
+      l.in = l.param_shapes[0][1];
+    } else if (k == "aten::conv2d" || k == "aten::_convolution") {
+      l.kind = LayerKind::kConv2d;
+      param(n, 1, l);
+      l.bias = param(n, 2, l) ? 1 : 0;
+      const Shape& w = l.param_shapes[0];
+      if (w.size() != 4) refuse(n, "the weight is not 4-D");
+      l.out = w[0];
+      l.in = w[1];
+      l.kh = w[2];
+      l.kw = w[3];
+      std::tie(l.sh, l.sw) = pair(n, 3, "stride");
+      if (constant(n, 4, "padding").isString()) refuse(n, "padding given as a string ('same'/'valid')");
+      std::tie(l.ph, l.pw) = pair(n, 4, "padding");
+      if (pair(n, 5, "dilation") != std::pair<int64_t, int64_t>{1, 1}) refuse(n, "dilation other than 1");
+      if (k == "aten::_convolution") {
+        if (constant(n, 6, "transposed").toBool()) refuse(n, "transposed convolution");
+        if (constant(n, 8, "groups").toInt() != 1) refuse(n, "groups other than 1");
+      } else if (constant(n, 6, "groups").toInt() != 1) {
+        refuse(n, "groups other than 1");
+      }
+    } else if (k == "aten::relu" || k == "aten::relu_") {
+      l.kind = LayerKind::kRelu;
+    } else if (k == "aten::gelu" || k == "aten::gelu_") {
+      l.kind = LayerKind::kGelu;
+      if (n->inputs().size() > 1) {
+        const std::string a = constant(n, 1, "approximate").toStringRef();
+        if (a != "none" && a != "tanh") refuse(n, "approximate='" + a + "'");
+        l.flag = a == "tanh" ? 1 : 0;
+      }
+    } else if (k == "aten::max_pool2d" || k == "aten::avg_pool2d") {
+      const bool max = k == "aten::max_pool2d";
+      l.kind = max ? LayerKind::kMaxPool2d : LayerKind::kAvgPool2d;
+      std::tie(l.kh, l.kw) = pair(n, 1, "kernel_size");
+      std::tie(l.sh, l.sw) = pair(n, 2, "stride", 0);
+      if (l.sh == 0) std::tie(l.sh, l.sw) = std::make_pair(l.kh, l.kw);
+      std::tie(l.ph, l.pw) = pair(n, 3, "padding");
+      if (max) {
+        if (pair(n, 4, "dilation") != std::pair<int64_t, int64_t>{1, 1}) refuse(n, "dilation other than 1");
+        if (constant(n, 5, "ceil_mode").toBool()) refuse(n, "ceil_mode=True");
+      } else {
+        if (constant(n, 4, "ceil_mode").toBool()) refuse(n, "ceil_mode=True");
+        if (!constant(n, 5, "count_include_pad").toBool()) refuse(n, "count_include_pad=False");
+        if (!constant(n, 6, "divisor_override").isNone()) refuse(n, "divisor_override");
+      }
+    } else if (k == "aten::flatten") {
+      l.kind = LayerKind::kFlatten;
+      if (constant(n, 1, "start_dim").toInt() != 1 || constant(n, 2, "end_dim").toInt() != -1)
+        refuse(n, "only flatten(x, 1) (start_dim=1, end_dim=-1)");
+    } else if (k == "aten::reshape" || k == "aten::view") {
+      // x.reshape([x.size(0), -1]) is a Flatten; reshape to fixed dims is the input shape.
+      const Node* list = n->input(1)->node();
+      if (list->kind() != c10::prim::ListConstruct || list->inputs().size() < 2) refuse(n, "a reshape to a shape");
+      Shape dims;
+      for (size_t i = 1; i < list->inputs().size(); ++i) {
+        auto v = torch::jit::toIValue(list->input(i));
+        if (!v || !v->isInt()) refuse(n, "a reshape to a shape that is not constant");
+        dims.push_back(v->toInt());
+      }
+      if (dims == Shape{-1}) {
+        l.kind = LayerKind::kFlatten;
+      } else if (spec_.layers.empty() && std::all_of(dims.begin(), dims.end(), [](int64_t d) { return d > 0; })) {
+        first_shape_ = dims;  // the model's own view of its input
+        current_ = n->output(0);
+        return;
+      } else {
+        refuse(n, "a reshape other than to [batch, -1] or, first, to the input shape");
+      }
+    } else if (k == "aten::dropout" || k == "aten::dropout_" || k == "aten::feature_dropout") {
+      if (k == "aten::feature_dropout") refuse(n, "channel dropout (Dropout2d)");
+      l.kind = LayerKind::kDropout;
+      l.p = static_cast<float>(constant(n, 1, "p").toDouble());
+    } else if (k == "aten::layer_norm") {
+      l.kind = LayerKind::kLayerNorm;
+      const auto shape = constant(n, 1, "normalized_shape").toIntVector();
+      l.in = 1;
+      for (int64_t d : shape) l.in *= d;
+      const bool w = param(n, 2, l), b = param(n, 3, l);
+      if (w != b) refuse(n, "a weight without a bias or the reverse");
+      l.bias = w ? 1 : 0;
+      l.eps = static_cast<float>(constant(n, 4, "eps").toDouble());
+    } else if (k == "aten::embedding") {
+      if (n->input(1) != current_) refuse(n, "the data is not the indices");
+      l.kind = LayerKind::kEmbedding;
+      param(n, 0, l);
+      if (constant(n, 2, "padding_idx").toInt() != -1) refuse(n, "padding_idx");
+      if (constant(n, 3, "scale_grad_by_freq").toBool()) refuse(n, "scale_grad_by_freq");
+      l.in = l.param_shapes[0][0];
+      l.out = l.param_shapes[0][1];
+      if (!spec_.layers.empty()) refuse(n, "an embedding that is not the first layer");
+      first_shape_.clear();
+    } else if (k == "aten::to" || k == "aten::long" || k == "aten::contiguous" || k == "aten::clone") {
+      current_ = n->output(0);  // a dtype or layout change: the runtime's data are floats throughout
+      return;
+    } else {
+      refuse(n,
+             "not one of linear, conv2d, relu, gelu, max_pool2d, avg_pool2d, flatten, dropout, layer_norm, "
+             "embedding");
+    }
+    if (n->input(0) != current_ && k != "aten::embedding") refuse(n, "its input is not the previous layer's output");
+    add(n, std::move(l));
+  }
+
+  const torch::jit::Module& module_;
+  std::shared_ptr<torch::jit::Graph> graph_;
+  ModelSpec spec_;
+  Shape first_shape_;
+  std::vector<std::string> used_;
+  Value* current_ = nullptr;
+};
+
+}  // namespace
+
+Exported export_builtin(const std::string& name, const std::map<std::string, at::Tensor>& weights) {
+  SPARROW_CHECK_T(ConfigError, name == "mlp" || name == "cnn" || name == "logreg",
+                  "lite export: no lite form for model '" << name << "' (built-ins: mlp, cnn, logreg)");
+  int64_t in = 0, classes = 10;
+  if (name == "logreg") {
+    auto it = weights.find("fc.weight");
+    SPARROW_CHECK_T(ConfigError, it != weights.end() && it->second.dim() == 2,
+                    "lite export: logreg needs a 2-D 'fc.weight'");
+    classes = it->second.size(0);
+    in = it->second.size(1);
+  }
+  return with_values(builtin_spec(name, in, classes), weights, name);
+}
+
+Exported export_torchscript(const torch::jit::Module& module, Shape input_shape) {
+  std::shared_ptr<torch::jit::Graph> g;
+  try {
+    g = module.get_method("forward").graph()->copy();
+  } catch (const c10::Error&) {
+    throw ConfigError("lite export: the TorchScript module has no forward method");
+  }
+  torch::jit::Inline(*g);
+  torch::jit::ConstantPropagation(g);
+  torch::jit::EliminateDeadCode(g);
+  for (Node* n : g->nodes()) {
+    SPARROW_CHECK_T(ConfigError, n->blocks().empty(),
+                    "lite export: forward has control flow (" << n->kind().toQualString()
+                                                              << "); the lite runtime runs a fixed chain of layers");
+  }
+  return GraphReader(module, g).read(std::move(input_shape));
+}
+
+Exported export_torchscript_file(const std::string& path, Shape input_shape) {
+  torch::jit::Module m;
+  try {
+    m = torch::jit::load(path, torch::kCPU);
+  } catch (const std::exception&) {
+    throw ConfigError("lite export: TorchScript model file '" + path + "' could not be loaded");
+  }
+  m.eval();
+  try {
+    return export_torchscript(m, std::move(input_shape));
+  } catch (const ConfigError& e) {
+    throw ConfigError(std::string(e.what()) + " [" + path + "]");
+  }
+}
+
+}  // namespace sparrow::lite

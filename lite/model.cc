@@ -1,0 +1,152 @@
+#include "lite/model.h"
+
+#include <algorithm>
+#include <set>
+
+#include "core/rng.h"
+
+namespace sparrow::lite {
+
+Model::Model(ModelSpec spec) : spec_(std::move(spec)) {
+  SPARROW_LITE_CHECK(!spec_.input_shape.empty() && numel(spec_.input_shape) > 0,
+                     "model: the input shape " << shape_str(spec_.input_shape) << " is empty");
+  SPARROW_LITE_CHECK(!spec_.layers.empty(), "model: no layers");
+  Shape s = spec_.input_shape;
+  std::set<std::string> names;
+  for (size_t i = 0; i < spec_.layers.size(); ++i) {
+    const LayerSpec& ls = spec_.layers[i];
+    if (ls.kind == LayerKind::kEmbedding) SPARROW_LITE_CHECK(i == 0, "model: embedding must be the first layer");
+    layers_.push_back(make_layer(ls));
+    try {
+      s = layers_.back()->out_shape(s);
+    } catch (const Error& e) {
+      throw Error("model: layer " + std::to_string(i) + " (" + kind_name(ls.kind) + "): " + e.what());
+    }
+    for (Param& p : layers_.back()->params()) {
+      SPARROW_LITE_CHECK(names.insert(p.name).second, "model: two parameters are named '" << p.name << "'");
+      params_.push_back(&p);
+      num_values_ += numel(p.shape);
+    }
+  }
+  SPARROW_LITE_CHECK(s.size() == 1 && s[0] > 0,
+                     "model: the last layer's output must be [classes] logits per sample, got " << shape_str(s));
+  SPARROW_LITE_CHECK(!params_.empty(), "model: no parameters");
+  classes_ = s[0];
+  acts_.resize(layers_.size() + 1);
+}
+
+std::vector<std::string> Model::param_names() const {
+  std::vector<std::string> out;
+  for (const Param* p : params_) out.push_back(p->name);
+  return out;
+}
+
+std::vector<Shape> Model::param_shapes() const {
+  std::vector<Shape> out;
+  for (const Param* p : params_) out.push_back(p->shape);
+  return out;
+}
+
+std::vector<float> Model::get_values() const {
+  std::vector<float> out;
+  out.reserve(static_cast<size_t>(num_values_));
+  for (const Param* p : params_) out.insert(out.end(), p->value.begin(), p->value.end());
+  return out;
+}
+
+void Model::set_values(const std::vector<float>& values) {
+  SPARROW_LITE_CHECK(static_cast<int64_t>(values.size()) == num_values_,
+                     "model: " << values.size() << " parameter values given, the model has " << num_values_);
+  auto it = values.begin();
+  for (Param* p : params_) {
+    std::copy(it, it + static_cast<std::ptrdiff_t>(p->value.size()), p->value.begin());
+    it += static_cast<std::ptrdiff_t>(p->value.size());
+  }
+}
+
+Tensor& Model::input(int64_t batch) {
+  Shape s{batch};
+  s.insert(s.end(), spec_.input_shape.begin(), spec_.input_shape.end());
+  acts_[0].resize(s);
+  return acts_[0];
+}
+
+const Tensor& Model::forward(const ForwardContext& ctx) {
+  ForwardContext c = ctx;
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    c.dropout_key = rng::derive(ctx.dropout_key, i);
+    layers_[i]->forward(acts_[i], acts_[i + 1], c);
+  }
+  return acts_.back();
+}
+
+void Model::backward(const Tensor& dlogits) {
+  const Tensor* dy = &dlogits;
+  for (size_t i = layers_.size(); i-- > 0;) {
+    Tensor* dx = i == 0 ? nullptr : (dy == &grad_a_ ? &grad_b_ : &grad_a_);
+    layers_[i]->backward(acts_[i], acts_[i + 1], *dy, dx);
+    dy = dx;
+  }
+}
+
+namespace {
+
+LayerSpec linear(const std::string& name, int64_t in, int64_t out) {
+  LayerSpec s;
+  s.kind = LayerKind::kLinear;
+  s.in = in;
+  s.out = out;
+  s.param_names = {name + ".weight", name + ".bias"};
+  s.param_shapes = {{out, in}, {out}};
+  return s;
+}
+
+LayerSpec plain(LayerKind kind) {
+  LayerSpec s;
+  s.kind = kind;
+  return s;
+}
+
+LayerSpec conv5x5(const std::string& name, int64_t in, int64_t out) {
+  LayerSpec s;
+  s.kind = LayerKind::kConv2d;
+  s.in = in;
+  s.out = out;
+  s.kh = s.kw = 5;
+  s.ph = s.pw = 2;
+  s.param_names = {name + ".weight", name + ".bias"};
+  s.param_shapes = {{out, in, 5, 5}, {out}};
+  return s;
+}
+
+LayerSpec max_pool2() {
+  LayerSpec s = plain(LayerKind::kMaxPool2d);
+  s.kh = s.kw = s.sh = s.sw = 2;
+  return s;
+}
+
+}  // namespace
+
+ModelSpec builtin_spec(const std::string& name, int64_t input_dim, int64_t classes) {
+  ModelSpec m;
+  if (name == "mlp") {
+    m.input_shape = {784};
+    m.layers = {linear("fc1", 784, 200), plain(LayerKind::kRelu), linear("fc2", 200, 200), plain(LayerKind::kRelu),
+                linear("fc3", 200, 10)};
+  } else if (name == "cnn") {
+    m.input_shape = {1, 28, 28};
+    m.layers = {conv5x5("conv1", 1, 32),    plain(LayerKind::kRelu),  max_pool2(),
+                conv5x5("conv2", 32, 64),   plain(LayerKind::kRelu),  max_pool2(),
+                plain(LayerKind::kFlatten), linear("fc1", 3136, 512), plain(LayerKind::kRelu),
+                linear("fc2", 512, 10)};
+  } else if (name == "logreg") {
+    SPARROW_LITE_CHECK(input_dim > 0 && classes > 0, "model 'logreg' needs the data's feature count and classes");
+    m.input_shape = {input_dim};
+    m.layers = {linear("fc", input_dim, classes)};
+  } else {
+    SPARROW_LITE_CHECK(false, "no built-in lite model '" << name << "' (known: mlp, cnn, logreg)");
+  }
+  return m;
+}
+
+}  // namespace sparrow::lite

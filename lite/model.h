@@ -1,0 +1,73 @@
+#pragma once
+// A lite model: a sequence of layers (lite/layers.h) on a fixed per-sample
+// input shape, ending in [classes] logits. Its parameters are, in order, the
+// LibTorch model's named_parameters() under the same names, so a flat float
+// vector of them is what the LibTorch client's weights flatten to (each tensor
+// row-major, one after another) and the same codecs and wire can carry it.
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "lite/layers.h"
+
+namespace sparrow::lite {
+
+struct ModelSpec {
+  Shape input_shape;  // per sample, e.g. {1, 28, 28}; inputs of the same size are reshaped to it
+  std::vector<LayerSpec> layers;
+};
+
+class Model {
+ public:
+  // Builds the layers (parameters zero) and checks that the shapes chain from
+  // input_shape to [classes] logits: sparrow::Error naming the layer that
+  // does not fit, a duplicated parameter name, or a model without parameters.
+  explicit Model(ModelSpec spec);
+
+  const ModelSpec& spec() const { return spec_; }
+  const Shape& input_shape() const { return spec_.input_shape; }
+  int64_t input_size() const { return numel(spec_.input_shape); }
+  int64_t classes() const { return classes_; }
+
+  // Parameters in model order (= the LibTorch model's named_parameters()).
+  const std::vector<Param*>& params() { return params_; }
+  std::vector<std::string> param_names() const;
+  std::vector<Shape> param_shapes() const;
+  // Elements of all parameters together (the flat vector's length).
+  int64_t num_values() const { return num_values_; }
+  // The flat vector <-> the parameters. sparrow::Error for a wrong length.
+  std::vector<float> get_values() const;
+  void set_values(const std::vector<float>& values);
+
+  // The input buffer of a batch of `batch` samples ([batch, input_shape...]):
+  // the caller fills it, then calls forward().
+  Tensor& input(int64_t batch);
+  // Runs every layer on input(); returns the logits [batch, classes]
+  // (valid until the next call).
+  const Tensor& forward(const ForwardContext& ctx);
+  // Backward of the last forward from dL/dlogits: every parameter's grad.
+  void backward(const Tensor& dlogits);
+
+  // Per layer, for tests and tools.
+  size_t num_layers() const { return layers_.size(); }
+  Layer& layer(size_t i) { return *layers_[i]; }
+
+ private:
+  ModelSpec spec_;
+  std::vector<std::unique_ptr<Layer>> layers_;
+  std::vector<Param*> params_;
+  int64_t classes_ = 0;
+  int64_t num_values_ = 0;
+  std::vector<Tensor> acts_;  // acts_[0] input, acts_[i + 1] output of layer i
+  Tensor grad_a_, grad_b_;    // dL/d(activation), alternating down the layers
+};
+
+// The spec of a built-in model (core/models.h) with these parameter names:
+// "mlp" (784-200-200-10, ReLU), "cnn" (the FedAvg CNN on 1x28x28), and
+// "logreg" (one Linear on `input_dim` features to `classes`, the simulator's).
+// sparrow::Error for another name.
+ModelSpec builtin_spec(const std::string& name, int64_t input_dim = 0, int64_t classes = 10);
+
+}  // namespace sparrow::lite

@@ -1,0 +1,380 @@
+"""The Python layer over _sparrow: Simulation, ServerRun, codecs and hooks."""
+
+import os
+from collections import namedtuple
+
+import numpy as np
+
+from . import _config, _sparrow
+
+# What a Python aggregation rule gets for one round (fn(round, updates)):
+#   rows          one float32 torch.Tensor [d] per update: the client's model
+#                 delta, decoded, its tensors flattened in name order (already
+#                 scaled down to a norm bound when the run has one)
+#   weights       each update's sample weight (list of float)
+#   norms         each update's L2 norm before any clipping (list of float)
+#   total_weight  sum of the weights
+# Rows are in canonical client-id order (the order the built-in rules see).
+Updates = namedtuple("Updates", ["rows", "weights", "norms", "total_weight"])
+
+# Columns of Simulation.metrics() and their dtypes (metrics.csv's figures).
+_COLUMNS = {
+    "round": np.int64, "accuracy": np.float64, "loss": np.float64, "train_loss": np.float64,
+    "bytes_up": np.uint64, "bytes_down": np.uint64, "sim_round_s": np.float64, "real_s": np.float64,
+    "clients": np.int64, "dropped": np.int64, "abandoned": np.bool_, "samples": np.int64,
+    "eval_s": np.float64, "epsilon": np.float64, "clip": np.float64,
+}
+
+
+def _table(rows, columns):
+    """A pandas DataFrame when pandas imports, else a dict of numpy arrays."""
+    data = {c: np.array([r[c] for r in rows], dtype=t) for c, t in columns.items()}
+    try:
+        import pandas
+    except ImportError:
+        return data
+    return pandas.DataFrame(data)
+
+
+class Simulation:
+    """A simulated federated run, as ``sparrow-sim`` runs it.
+
+    ``config``: a dict of config keys (docs/configuration.md) or the path of a
+    TOML file; ``overrides`` are applied after it as ``--set key=value`` is.
+    ``resume=True`` continues the run folder ``config`` names (a path to the
+    folder, as ``sparrow-sim --resume``); ``force=True`` starts afresh in a
+    folder that already holds a run. ``http="127.0.0.1:8080"`` serves the live
+    dashboard while the object lives (``http_token``: the token file needed
+    off loopback).
+
+    With a config dict, ``data=(x, y)`` (numpy arrays or tensors: samples
+    ``[N, ...]``, integer labels ``[N]``) and ``test_data=(x, y)`` are your
+    data set, and ``model=`` may be a ``torch.nn.Module`` (scripted for you);
+    both are written into ``<out>/inputs/`` and checked before the first round.
+    """
+
+    def __init__(self, config, resume=False, force=False, http="", http_token="", data=None, test_data=None,
+                 **overrides):
+        sets = _config.to_overrides(overrides)
+        if isinstance(config, dict):
+            if resume:
+                raise TypeError("resume=True takes the run folder's path, not a dict")
+            merged = dict(config)
+            for key, v in overrides.items():
+                if isinstance(v, dict) and isinstance(merged.get(key), dict):
+                    merged[key] = {**merged[key], **v}
+                else:
+                    merged[key] = v
+            _inputs(merged, data, test_data, force)
+            source, is_path, sets = _config.to_toml(merged), False, []
+        elif isinstance(config, (str, os.PathLike)):
+            if data is not None or test_data is not None or not isinstance(overrides.get("model", ""), str):
+                raise TypeError("data=, test_data= and a torch.nn.Module model= need a config dict")
+            source, is_path = os.fspath(config), True
+        else:
+            raise TypeError(f"config: a dict or a TOML file's path, got {type(config).__name__}")
+        self._names = None  # a torchscript model's parameter names (model())
+        self._sim = _sparrow._Simulation(source, is_path, sets, bool(resume), bool(force), http, http_token)
+
+    @classmethod
+    def resume(cls, out_dir, **overrides):
+        """Continues the run in ``out_dir`` after its last checkpoint (``rounds=N`` extends it)."""
+        return cls(os.fspath(out_dir), resume=True, **overrides)
+
+    # -- running -------------------------------------------------------------
+    def run_round(self):
+        """Runs the next round; its metrics as a dict (``participants``: the ids aggregated)."""
+        return self._sim.run_round()
+
+    def rounds(self):
+        """Yields each remaining round's metrics as it completes."""
+        while not self._sim.done():
+            yield self._sim.run_round()
+
+    def run(self, progress=None):
+        """Runs the remaining rounds (``progress(metrics)`` after each); returns summary()."""
+        for m in self.rounds():
+            if progress is not None:
+                progress(m)
+        return self.summary()
+
+    def checkpoint(self):
+        """Checkpoints the last completed round now (a run also does every checkpoint_every rounds)."""
+        self._sim.checkpoint()
+
+    def close(self):
+        """Closes the run folder now (its databases stay locked while the object lives)."""
+        self._sim.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    # -- inspecting ----------------------------------------------------------
+    @property
+    def done(self):
+        return self._sim.done()
+
+    @property
+    def completed_rounds(self):
+        return self._sim.completed_rounds()
+
+    @property
+    def total_rounds(self):
+        return self._sim.total_rounds()
+
+    @property
+    def out(self):
+        """The run folder (config.toml, metrics.csv, run.db, client_state.db)."""
+        return self._sim.out()
+
+    @property
+    def url(self):
+        """The dashboard's address ("" without ``http=``)."""
+        return self._sim.url()
+
+    def config(self):
+        """The complete effective config as TOML text (what config.toml holds)."""
+        return self._sim.config_toml()
+
+    def model(self):
+        """The global model: {parameter name: torch.Tensor} (copies), named as the module names
+        them (a torchscript model's ``fc1.weight``, which the C++ side calls ``fc1_weight``)."""
+        weights = self._sim.model()
+        name = self._sim.model_name()
+        if not name.startswith("torchscript:"):
+            return weights
+        if self._names is None:
+            import torch
+
+            self._names = {n.replace(".", "_"): n for n, _ in torch.jit.load(name[len("torchscript:"):]).named_parameters()}
+        return {self._names.get(k, k): v for k, v in weights.items()}
+
+    def module(self):
+        """The global model as a ``torch.jit`` module (the model.pt ``sparrow-sim export`` writes)."""
+        return _module(self._sim.model_name(), self._sim.model())
+
+    def metrics(self):
+        """Every completed round's figures: a pandas DataFrame, or a dict of numpy arrays."""
+        return _table(self._sim.history(), _COLUMNS)
+
+    def history(self):
+        """Every completed round's metrics, as run_round() returns them."""
+        return self._sim.history()
+
+    def summary(self):
+        """Totals: rounds, last accuracy and loss, bytes up and down, simulated and real seconds."""
+        return self._sim.summary()
+
+    def selection(self, round):
+        """The client ids round ``round`` (1-based) trains."""
+        return self._sim.selection(round)
+
+
+def _save_arrays(folder, xy, what):
+    try:
+        x, y = xy
+    except (TypeError, ValueError):
+        raise TypeError(f"{what}: a pair (x, y) of arrays or tensors") from None
+    x = x.detach().cpu().numpy() if hasattr(x, "detach") else np.asarray(x)
+    y = y.detach().cpu().numpy() if hasattr(y, "detach") else np.asarray(y)
+    if len(x) != len(y):
+        raise sparrow_config_error(f"{what}: x has {len(x)} samples but y has {len(y)}")
+    if not np.issubdtype(y.dtype, np.integer):
+        raise sparrow_config_error(f"{what}: y must hold integer class labels, not {y.dtype}")
+    os.makedirs(folder, exist_ok=True)
+    np.save(os.path.join(folder, "x.npy"), np.ascontiguousarray(x, dtype=np.float32))
+    np.save(os.path.join(folder, "y.npy"), np.ascontiguousarray(y, dtype=np.int64))
+
+
+def sparrow_config_error(text):
+    return _sparrow.ConfigError(text)
+
+
+def _inputs(cfg, data, test_data, force):
+    """Your arrays and your torch.nn.Module as the files the simulator reads, in <out>/inputs/.
+
+    They are written into the run folder so that resume finds them again. A
+    folder that already holds a run is left alone (the simulator refuses it
+    unless force=True)."""
+    module = cfg.get("model")
+    if data is None and test_data is None and (module is None or isinstance(module, str)):
+        return
+    if test_data is not None and data is None:
+        raise TypeError("test_data= needs data=")
+    out = os.path.abspath(os.fspath(cfg.get("out", "runs/default")))
+    inputs = os.path.join(out, "inputs")
+    write = force or not os.path.exists(os.path.join(out, "run.db"))
+    if data is not None:
+        if write:
+            _save_arrays(inputs, data, "data")
+            if test_data is not None:
+                _save_arrays(os.path.join(inputs, "test"), test_data, "test_data")
+        cfg["dataset"] = "folder:" + inputs
+    if module is not None and not isinstance(module, str):
+        import torch
+
+        path = os.path.join(inputs, "model.pt")
+        if write:
+            if not isinstance(module, torch.jit.ScriptModule):
+                try:
+                    module = torch.jit.script(module)
+                except Exception as e:  # TorchScript's own error type varies by version
+                    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    raise sparrow_config_error(f"model: torch.jit.script cannot compile {type(module).__name__}: "
+                                               f"{first}") from e
+            os.makedirs(inputs, exist_ok=True)
+            module.save(path)
+        cfg["model"] = "torchscript:" + path
+
+
+def _module(model_name, weights):
+    import tempfile
+
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "model.pt")
+        _sparrow._save_torchscript(model_name, weights, path)
+        return torch.jit.load(path)
+
+
+def load_run_model(run_dir):
+    """A run folder's last checkpointed global model: ({name: torch.Tensor}, round)."""
+    return _sparrow.load_run_model(os.fspath(run_dir))
+
+
+class ServerRun:
+    """A sparrow-server database opened read-only, as ``sparrow-server status`` and ``export`` read it."""
+
+    def __init__(self, db_path):
+        self._run = _sparrow._ServerRun(os.fspath(db_path))
+
+    def info(self):
+        """The run's row: run_id, config_hash, config (TOML), created; None for an empty database."""
+        return self._run.run()
+
+    def rounds(self):
+        """One row per completed round: a DataFrame, or a dict of numpy arrays without pandas."""
+        rows = self._run.rounds()
+        cols = {"round": np.int64, "started": np.float64, "finished": np.float64, "seconds": np.float64,
+                "selected": np.int64, "updates": np.int64, "rejected": np.int64, "stale": np.int64,
+                "bytes_in": np.uint64, "bytes_out": np.uint64, "train_loss": np.float64,
+                "eval_loss": np.float64, "eval_accuracy": np.float64}
+        return _table(rows, cols)
+
+    def clients(self):
+        """Every client the server has seen, as a list of dicts."""
+        return self._run.clients()
+
+    def metrics(self, round=None):
+        """The named figures of ``round`` (default: the last completed one)."""
+        return self._run.metrics(self._run.completed_rounds() if round is None else round)
+
+    @property
+    def completed_rounds(self):
+        return self._run.completed_rounds()
+
+    @property
+    def model_name(self):
+        return self._run.model_name()
+
+    def model(self):
+        """The newest intact checkpoint's global model: ({name: torch.Tensor}, round)."""
+        return self._run.model()
+
+    def module(self):
+        """The newest checkpoint's model as a ``torch.jit`` module (``sparrow-server export``'s model.pt)."""
+        return _module(self.model_name, self.model()[0])
+
+    def close(self):
+        self._run.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+
+class Codec:
+    """A codec of the compression library, built from its spec ("dgc:ratio=0.001").
+
+    ``encode(tensor, state=None)`` returns ``(bytes, state)``: the tensor as the
+    wire carries it (one verified message; ``len(bytes)`` is what it costs)
+    and the codec's state after this step (residuals, momentum), which you
+    pass to the next encode of the same tensor. The state passed in is not
+    changed. ``decode(bytes)`` gives the tensor back.
+    """
+
+    def __init__(self, spec, seed=0):
+        self._codec = _sparrow._Codec(spec, seed)
+        self._seed = seed
+
+    @property
+    def spec(self):
+        return self._codec.spec
+
+    @property
+    def method(self):
+        return self._codec.method
+
+    def encode(self, tensor, state=None, round=-1, workers=1, name="x"):
+        return self._codec.encode(tensor, state, round, workers, name)
+
+    def decode(self, data, shape_or_like=None):
+        return decode(data, shape_or_like, self._seed)
+
+    def __repr__(self):
+        return f"sparrow.codec({self.spec!r})"
+
+
+def codec(spec, seed=0):
+    """A Codec for ``spec`` ("topk:ratio=0.01", "qsgd:bits=4", ...); ConfigError for an unknown one."""
+    return Codec(spec, seed)
+
+
+def decode(data, shape_or_like=None, seed=0):
+    """The tensor in ``data`` (any codec's bytes: the format says how to decode).
+
+    ``shape_or_like`` (a shape or a tensor) checks the shape and gives the result that shape."""
+    t = _sparrow._decode(bytes(data), seed)
+    if shape_or_like is None:
+        return t
+    shape = tuple(shape_or_like.shape) if hasattr(shape_or_like, "shape") else tuple(shape_or_like)
+    if t.numel() != int(np.prod(shape, dtype=np.int64)):
+        raise FormatError(f"decode: the bytes hold {t.numel()} values, not a tensor of shape {shape}")
+    return t.reshape(shape)
+
+
+FormatError = _sparrow.FormatError
+
+
+def register_aggregator(name, fn=None, description=""):
+    """Makes ``fn(round, updates) -> aggregate`` the aggregation rule ``aggregator = "name"``.
+
+    ``updates`` is an ``Updates`` (rows, weights, norms, total_weight); the
+    result is the round's aggregate delta, a float32 torch.Tensor or numpy
+    array with the rows' length. Registering a name again replaces its
+    function; a built-in name is refused (sparrow.Error). Usable as a decorator
+    without ``fn``: ``@sparrow.register_aggregator("mymedian")``.
+    """
+    if fn is None:
+        return lambda f: register_aggregator(name, f, description) or f
+    return _sparrow.register_aggregator(name, fn, description)
+
+
+def register_sampler(name, fn=None, description=""):
+    """Makes ``fn(round, candidates, k) -> ids`` the selection rule ``sampler = "name"``.
+
+    ``candidates``: the ids (str) of the clients that can take part this round
+    (1-based), in id order; return at most ``k`` of them (str or int).
+    Registering a name again replaces its function. Usable as a decorator.
+    """
+    if fn is None:
+        return lambda f: register_sampler(name, f, description) or f
+    return _sparrow.register_sampler(name, fn, description)
