@@ -34,6 +34,7 @@
 #include "monitor/board.h"
 #include "monitor/http.h"
 #include "python/bindings.h"
+#include "simulator/board.h"
 #include "simulator/config.h"
 #include "simulator/simulator.h"
 
@@ -133,8 +134,9 @@ class PySimulation {
       throw ConfigError("the run folder " + cfg_.out +
                         " already holds a run (run.db): continue it with Simulation.resume('" + cfg_.out +
                         "'), start it over with force=True, or set another out");
-    board_ = std::make_shared<monitor::Board>();
-    if (!http.empty()) endpoint_ = std::make_unique<monitor::HttpEndpoint>(http, http_token, board_);
+    auto board = std::make_shared<monitor::Board>();
+    board_ = std::make_unique<simulator::SimBoard>(board);
+    if (!http.empty()) endpoint_ = std::make_unique<monitor::HttpEndpoint>(http, http_token, board);
     core::configure_threads(cfg_.workers, cfg_.threads);
     // After configure_threads, as sparrow-sim's rounds (its malloc settings
     // first); the round thread sizes its own OpenMP team, a per-thread setting.
@@ -144,7 +146,7 @@ class PySimulation {
       py::gil_scoped_release nogil;
       sim_ = std::make_unique<Simulator>(cfg_, resume);
     }
-    start_board();
+    board_->start(*sim_);
   }
 
   ~PySimulation() {
@@ -168,7 +170,7 @@ class PySimulation {
     // The selection too runs on the round's thread: a Python sampler is never
     // called on the thread where Python's signal handlers run.
     auto task = std::make_shared<std::packaged_task<RoundMetrics()>>([this, &sim, round] {
-      round_started(round, static_cast<int>(sim.selection(round - 1).size()));
+      board_->round_started(round, static_cast<int>(sim.selection(round - 1).size()));
       return sim.run_round();
     });
     std::future<RoundMetrics> done = task->get_future();
@@ -178,9 +180,7 @@ class PySimulation {
       {
         py::gil_scoped_release nogil;
         if (done.wait_for(std::chrono::milliseconds(100)) == std::future_status::ready) break;
-        board_->update_progress([&](monitor::Progress& p) {
-          if (p.phase == "training") p.received = sim.clients_finished();
-        });
+        board_->received(sim.clients_finished());
       }
       if (!interrupt && PyErr_CheckSignals() != 0) {
         interrupt = std::make_unique<py::error_already_set>();  // fetches (and clears) the error
@@ -189,7 +189,7 @@ class PySimulation {
     }
     set_current_round(0);
     if (interrupt || sim.interrupted()) {
-      board_->update_progress([](monitor::Progress& p) { p.phase = "stopped"; });
+      board_->stopped();
       {
         py::gil_scoped_release nogil;
         sim.checkpoint_now();
@@ -199,7 +199,7 @@ class PySimulation {
       throw Error("the round was stopped; continue with Simulation.resume('" + cfg_.out + "')");
     }
     RoundMetrics m = done.get();  // rethrows the round's exception
-    round_done(m, sim.done());
+    board_->round_done(m, sim.done());
     return round_dict(m);
   }
 
@@ -261,61 +261,8 @@ class PySimulation {
     return *sim_;
   }
 
-  void start_board() {
-    monitor::RunInfo info;
-    info.program = "sparrow-sim";
-    info.run_id = fs::path(cfg_.out).filename().string();
-    info.model = cfg_.model;
-    info.config = simulator::to_toml(cfg_);
-    info.rounds_total = cfg_.rounds;
-    info.started = monitor::unix_now();
-    board_->set_run(std::move(info));
-    for (const auto& m : sim_->history()) board_->add_round(point(m, 0));
-    board_->update_progress([&](monitor::Progress& p) {
-      p.round = p.rounds_completed = sim_->completed_rounds();
-      p.phase = sim_->done() ? "done" : "waiting";
-    });
-  }
-
-  void round_started(int round, int selected) {
-    board_->update_progress([&](monitor::Progress& p) {
-      p.round = round;
-      p.phase = "training";
-      p.selected = p.clients_connected = selected;
-      p.received = 0;
-      p.started = monitor::unix_now();
-      p.deadline = NAN;
-    });
-  }
-
-  void round_done(const RoundMetrics& m, bool last) {
-    board_->add_round(point(m, monitor::unix_now()));
-    board_->update_progress([&](monitor::Progress& p) {
-      p.rounds_completed = m.round;
-      p.received = m.clients - m.dropped;
-      p.phase = last ? "done" : "waiting";
-    });
-  }
-
-  static monitor::RoundPoint point(const RoundMetrics& m, double now) {
-    monitor::RoundPoint p;
-    p.round = m.round;
-    p.finished = now;
-    p.duration_s = m.real_s;
-    p.accuracy = m.accuracy;
-    p.loss = m.loss;
-    p.train_loss = m.train_loss;
-    p.bytes_up = m.bytes_up;
-    p.bytes_down = m.bytes_down;
-    p.selected = m.clients;
-    p.accepted = m.clients - m.dropped;
-    p.dropped = m.dropped;
-    p.epsilon = m.epsilon;
-    return p;
-  }
-
   SimConfig cfg_;
-  std::shared_ptr<monitor::Board> board_;
+  std::unique_ptr<simulator::SimBoard> board_;
   std::unique_ptr<monitor::HttpEndpoint> endpoint_;
   std::unique_ptr<Simulator> sim_;
   std::unique_ptr<RoundThread> rounds_;

@@ -342,6 +342,9 @@ struct Simulator::Impl {
   void open_db(bool resume);
   // Round m's row: to run.db (one transaction), then metrics.csv.
   void commit(const RoundMetrics& m);
+  // A round's (or an async step's) end: epsilon, evaluation, metrics row,
+  // checkpoint; sets `round` (round.cc).
+  void finish_round(int t, RoundMetrics& m, Clock::time_point t0, bool async = false);
   // The history up to the checkpoint of round `upto`: later rows (a crash
   // between a row and its checkpoint) are deleted; FormatError when a row
   // up to it is missing. Rewrites metrics.csv from it.

@@ -230,29 +230,9 @@ RoundMetrics Simulator::Impl::step() {
       }
     }
   }
-  m.epsilon = epsilon_after(t + 1);
-  const bool eval = (cfg.eval_every > 0 && (t + 1) % cfg.eval_every == 0) || t + 1 == cfg.rounds;
-  m.accuracy = m.loss = kNaN;
-  if (eval) {
-    const auto e0 = Clock::now();
-    // The workers are idle: evaluation takes all of their threads (the
-    // CNN's CPU evaluation gives the same bits on any number).
-    const int threads = std::min(core::available_cores(), static_cast<int>(workers.size()) * at::get_num_threads());
-    const core::ScopedIntraOpThreads eval_threads(device.is_cpu() ? threads : 1);
-    auto [loss, acc] = workers[0].trainer->evaluate(gm->weights(), test_x, test_y);
-    m.eval_s = seconds_since(e0);
-    m.loss = loss;
-    m.accuracy = acc;
-  }
   // Client states were put by the workers; they become durable with the
   // next checkpoint (see checkpoint()).
-  const bool last = t + 1 == cfg.rounds;
-  const bool ckpt = last || (t + 1) % cfg.checkpoint_every == 0 || store->dirty_bytes() > kUnflushedBudget;
-  m.real_s = seconds_since(t0);
-  // The metrics row first: a checkpoint of round t+1 never exists without it.
-  commit(m);
-  if (ckpt) checkpoint(t + 1, /*wait=*/last);
-  round = t + 1;
+  finish_round(t, m, t0);
   history.push_back(m);
   return m;
 }
@@ -527,11 +507,22 @@ RoundMetrics Simulator::Impl::async_step() {
   }
   spdlog::info("event=async_step step={} sim_s={:.3f} staleness_max={} staleness_mean={:.3f} in_flight={}", t + 1,
                sim_clock, max_st, mean_st, in_flight.size());
+  finish_round(t, m, t0, /*async=*/true);
+  history.push_back(m);
+  return m;
+}
+
+// The end of a round or an async step, t+1: privacy spent, the evaluation when
+// due, the metrics row and then (when due) the checkpoint, in that order: a
+// checkpoint of round t+1 never exists without its metrics row.
+void Simulator::Impl::finish_round(int t, RoundMetrics& m, Clock::time_point t0, bool async) {
   m.epsilon = epsilon_after(t + 1);
   const bool eval = (cfg.eval_every > 0 && (t + 1) % cfg.eval_every == 0) || t + 1 == cfg.rounds;
   m.accuracy = m.loss = kNaN;
   if (eval) {
     const auto e0 = Clock::now();
+    // The workers are idle: evaluation takes all of their threads (the
+    // CNN's CPU evaluation gives the same bits on any number).
     const int threads = std::min(core::available_cores(), static_cast<int>(workers.size()) * at::get_num_threads());
     const core::ScopedIntraOpThreads eval_threads(device.is_cpu() ? threads : 1);
     auto [loss, acc] = workers[0].trainer->evaluate(gm->weights(), test_x, test_y);
@@ -542,12 +533,10 @@ RoundMetrics Simulator::Impl::async_step() {
   const bool last = t + 1 == cfg.rounds;
   const bool ckpt = last || (t + 1) % cfg.checkpoint_every == 0 || store->dirty_bytes() > kUnflushedBudget;
   m.real_s = seconds_since(t0);
-  async_saved = async_save();
+  if (async) async_saved = async_save();  // the tasks in flight, saved with the checkpoint
   commit(m);
   if (ckpt) checkpoint(t + 1, /*wait=*/last);
   round = t + 1;
-  history.push_back(m);
-  return m;
 }
 
 }  // namespace sparrow::simulator

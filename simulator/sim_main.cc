@@ -46,6 +46,7 @@
 #include "federation/client_pipeline.h"
 #include "simulator/simulator.h"
 #include "monitor/board.h"
+#include "simulator/board.h"
 #include "monitor/http.h"
 
 SPARROW_STOP_HANDLERS_AT_LOAD();
@@ -118,100 +119,6 @@ std::string clock_text(double s) {
     std::snprintf(buf, sizeof buf, "%02ld:%02ld", t / 60, t % 60);
   return buf;
 }
-
-// The dashboard's view of the simulation: rounds, progress and the clients
-// that trained so far (a population of thousands shows those that took part).
-class SimBoard {
- public:
-  explicit SimBoard(std::shared_ptr<sparrow::monitor::Board> b) : board_(std::move(b)) {}
-
-  void start(const sparrow::simulator::Simulator& sim) {
-    const auto& cfg = sim.config();
-    sparrow::monitor::RunInfo info;
-    info.program = "sparrow-sim";
-    info.run_id = std::filesystem::path(cfg.out).filename().string();
-    info.model = cfg.model;
-    std::ifstream in(std::filesystem::path(cfg.out) / "config.toml", std::ios::binary);
-    std::stringstream ss;
-    ss << in.rdbuf();
-    info.config = ss.str();
-    info.rounds_total = cfg.rounds;
-    info.started = sparrow::monitor::unix_now();
-    board_->set_run(std::move(info));
-    for (const auto& m : sim.history()) board_->add_round(point(m, 0));
-    board_->update_progress([&](sparrow::monitor::Progress& p) {
-      p.round = p.rounds_completed = sim.completed_rounds();
-      p.phase = sim.done() ? "done" : "waiting";
-    });
-  }
-
-  void round_started(int round, int selected) {
-    board_->update_progress([&](sparrow::monitor::Progress& p) {
-      p.round = round;
-      p.phase = "training";
-      p.selected = p.clients_connected = selected;
-      p.received = 0;
-      p.started = sparrow::monitor::unix_now();
-      p.deadline = NAN;
-    });
-  }
-
-  void received(int64_t n) {
-    board_->update_progress([&](sparrow::monitor::Progress& p) {
-      if (p.phase == "training") p.received = n;
-    });
-  }
-
-  void round_done(const sparrow::simulator::RoundMetrics& m, bool last) {
-    const double now = sparrow::monitor::unix_now();
-    board_->add_round(point(m, now));
-    const uint64_t down_each = m.clients > 0 ? m.bytes_down / static_cast<uint64_t>(m.clients) : 0;
-    for (auto& [id, c] : clients_) c.connected = false;
-    for (const auto& p : m.participants) {
-      sparrow::monitor::ClientInfo& c = clients_[p.client];
-      c.id = "client-" + std::to_string(p.client);
-      c.connected = true;  // in this round
-      c.last_seen = now;
-      c.rounds += p.kept ? 1 : 0;
-      c.bytes_up += p.bytes_up;
-      c.bytes_down += down_each;
-      c.samples = static_cast<uint64_t>(p.samples);
-    }
-    std::vector<sparrow::monitor::ClientInfo> v;
-    v.reserve(clients_.size());
-    for (const auto& [id, c] : clients_) v.push_back(c);
-    board_->set_clients(std::move(v));
-    board_->update_progress([&](sparrow::monitor::Progress& p) {
-      p.rounds_completed = m.round;
-      p.received = m.clients - m.dropped;
-      p.phase = last ? "done" : "waiting";
-    });
-  }
-
-  void stopped() {
-    board_->update_progress([](sparrow::monitor::Progress& p) { p.phase = "stopped"; });
-  }
-
- private:
-  static sparrow::monitor::RoundPoint point(const sparrow::simulator::RoundMetrics& m, double now) {
-    sparrow::monitor::RoundPoint p;
-    p.round = m.round;
-    p.finished = now;
-    p.duration_s = m.real_s;
-    p.accuracy = m.accuracy;
-    p.loss = m.loss;
-    p.train_loss = m.train_loss;
-    p.bytes_up = m.bytes_up;
-    p.bytes_down = m.bytes_down;
-    p.selected = m.clients;
-    p.accepted = m.clients - m.dropped;
-    p.dropped = m.dropped;
-    p.epsilon = m.epsilon;
-    return p;
-  }
-  std::shared_ptr<sparrow::monitor::Board> board_;
-  std::map<int64_t, sparrow::monitor::ClientInfo> clients_;
-};
 
 }  // namespace
 
@@ -351,7 +258,7 @@ int main(int argc, char** argv) {
       endpoint = std::make_unique<sparrow::monitor::HttpEndpoint>(http, http_token, board);
       spdlog::info("event=dashboard url={} msg=\"dashboard at {}\"", endpoint->url(), endpoint->url());
     }
-    SimBoard sim_board(board);
+    sparrow::simulator::SimBoard sim_board(board);
     sparrow::core::configure_threads(cfg.workers * (ranked ? local_ranks() : 1), cfg.threads);
     spdlog::info("event=threads msg=\"{}\"", sparrow::core::threads_summary(cfg.workers));
     if (ranked) {
