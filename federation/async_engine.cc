@@ -123,17 +123,7 @@ AsyncEngine::Folded AsyncEngine::add(const std::string& client, uint64_t from_ve
   // The sample weight times the discount, one product: with "const" the
   // discount is 1 and the weight is the synchronous fold's, exactly.
   acc_.add(a.update, a.weight * f.discount, contexts_);  // all or nothing
-  for (auto& [k, d] : a.control_delta) {
-    auto it = control_sum_.find(k);
-    if (it == control_sum_.end())
-      control_sum_[k] = d.clone();
-    else
-      it->second.add_(d);
-  }
-  for (const auto& [k, v] : a.metrics) {
-    metric_sum_[k] += a.weight * v;
-    metric_weight_[k] += a.weight;
-  }
+  add_side_sums(a, control_sum_, metric_sum_, metric_weight_);
   ++count_;
   max_staleness_ = std::max(max_staleness_, f.staleness);
   sum_staleness_ += f.staleness;

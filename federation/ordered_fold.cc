@@ -60,19 +60,24 @@ int64_t OrderedFold::bytes_of(const Arrival& a) {
   return b;
 }
 
-void OrderedFold::fold_locked(Arrival& a) {
-  acc_.add(a.update, a.weight, contexts_);  // all or nothing: a refusal changes nothing
-  for (auto& [k, d] : a.control_delta) {
-    auto it = control_sum_.find(k);
-    if (it == control_sum_.end())
-      control_sum_[k] = d.clone();
+void add_side_sums(const Arrival& a, std::map<std::string, at::Tensor>& control_sum,
+                   std::map<std::string, double>& metric_sum, std::map<std::string, double>& metric_weight) {
+  for (const auto& [k, d] : a.control_delta) {
+    auto it = control_sum.find(k);
+    if (it == control_sum.end())
+      control_sum[k] = d.clone();
     else
       it->second.add_(d);
   }
   for (const auto& [k, v] : a.metrics) {
-    metric_sum_[k] += a.weight * v;
-    metric_weight_[k] += a.weight;  // per metric: not every client reports every metric
+    metric_sum[k] += a.weight * v;
+    metric_weight[k] += a.weight;
   }
+}
+
+void OrderedFold::fold_locked(Arrival& a) {
+  acc_.add(a.update, a.weight, contexts_);  // all or nothing: a refusal changes nothing
+  add_side_sums(a, control_sum_, metric_sum_, metric_weight_);
 }
 
 void OrderedFold::advance_locked() {

@@ -42,6 +42,13 @@ struct Arrival {
   std::map<std::string, double> metrics;            // weighted by `weight` in metric_sum()
 };
 
+// Adds an arrival's side sums, kept beside the Accumulator by every fold
+// (OrderedFold, AsyncEngine): SCAFFOLD's Δc summed by name, and each metric
+// weighted by the update's samples (per metric: not every client reports
+// every metric).
+void add_side_sums(const Arrival& a, std::map<std::string, at::Tensor>& control_sum,
+                   std::map<std::string, double>& metric_sum, std::map<std::string, double>& metric_weight);
+
 class OrderedFold {
  public:
   // `slots`: the threads that call add() (each passes its own slot < slots).
