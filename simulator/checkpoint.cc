@@ -119,7 +119,10 @@ void Simulator::Impl::load_checkpoint() {
   SPARROW_CHECK_T(ConfigError, round <= cfg.rounds,
                   "resume: the run already has " << round << " rounds, more than rounds = " << cfg.rounds);
   if (async_mode()) {
-    async_load(blob("async"));  // round.cc: tasks in flight, clock, participations
+    // round.cc: tasks in flight, clock, participations. A stop before the
+    // first step ended saved none: the run starts from its first step.
+    const std::string saved = blob("async");
+    if (round > 0 || !saved.empty()) async_load(saved);
   } else {
     for (int r0 = 0; r0 < round; ++r0) count_participations(select_clients(r0));
   }

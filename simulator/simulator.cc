@@ -188,7 +188,9 @@ int64_t Simulator::clients_finished() const { return impl_->finished.load(); }
 void Simulator::wait_for_checkpoint() { impl_->store->wait_written(); }
 
 void Simulator::checkpoint_now() {
-  if (impl_->round > 0) impl_->checkpoint(impl_->round, /*wait=*/true);
+  // Round 0 too: a run stopped before its first round ends says "continue
+  // with --resume", so the initial model and config must be there to resume.
+  impl_->checkpoint(impl_->round, /*wait=*/true);
 }
 
 bool Simulator::done() const { return impl_->round >= impl_->cfg.rounds; }
