@@ -147,6 +147,7 @@ void Accumulator::reset(double clip) {
   rows_.clear();
   weights_.clear();
   norms_.clear();
+  ids_.clear();
   within_clip_ = clipped_ = count_ = 0;
   weight_ = 0;
 }
@@ -159,7 +160,8 @@ void Accumulator::set_max_update_norm(double bound) {
   max_norm_ = sum_.max_update_norm();
 }
 
-void Accumulator::add(const EncodedUpdate& update, double weight, const ContextMap& contexts) {
+void Accumulator::add(const EncodedUpdate& update, double weight, const ContextMap& contexts,
+                      const std::string& client) {
   if (plain()) {
     sum_.add(update, weight, contexts);
     count_ += 1;
@@ -205,6 +207,7 @@ void Accumulator::add(const EncodedUpdate& update, double weight, const ContextM
   }
   weights_.push_back(weight);
   norms_.push_back(norm);
+  ids_.push_back(client);
   count_ += 1;
   weight_ += weight;
 }
@@ -226,6 +229,7 @@ void Accumulator::merge(const Accumulator& o) {
   }
   weights_.insert(weights_.end(), o.weights_.begin(), o.weights_.end());
   norms_.insert(norms_.end(), o.norms_.begin(), o.norms_.end());
+  ids_.insert(ids_.end(), o.ids_.begin(), o.ids_.end());
   within_clip_ += o.within_clip_;
   clipped_ += o.clipped_;
   count_ += o.count_;
@@ -296,7 +300,7 @@ std::map<std::string, at::Tensor> Aggregator::finish(const Accumulator& all, uin
     // A rule that streams is the weighted mean of its (clipped) rows (AggregationRule::buffers).
     flat = all.flat_sum_ / all.total_weight();
   } else {
-    flat = robust_.rule->combine(RoundRows{all.rows_, all.weights_, all.norms_, all.total_weight()}, st);
+    flat = robust_.rule->combine(RoundRows{all.rows_, all.weights_, all.norms_, all.total_weight(), all.ids_}, st);
     SPARROW_CHECK(flat.defined() && flat.scalar_type() == at::kFloat && flat.numel() == all.numel_,
                   "aggregator '" << robust_.method << "' returned " << (flat.defined() ? flat.numel() : 0)
                                  << " values for a model of " << all.numel_);

@@ -111,7 +111,8 @@ class Accumulator {
   // As StreamingAggregator::add: the whole update is checked (decoded) before
   // anything changes, and a rejected update (FormatError) changes nothing. A
   // decoded update with a non-finite value is a FormatError.
-  void add(const EncodedUpdate& update, double weight, const ContextMap& contexts = {});
+  // `client` names the update for a buffering rule (RoundRows::ids).
+  void add(const EncodedUpdate& update, double weight, const ContextMap& contexts = {}, const std::string& client = {});
   // Admission bound on an update's decoded L2 norm (StreamingAggregator::
   // set_max_update_norm), on every path: above it, add() is a FormatError.
   void set_max_update_norm(double bound);
@@ -139,8 +140,9 @@ class Accumulator {
   at::Tensor flat_sum_;                           // streamed dense path: Σ w·clip(u) (central DP: Σ clip(u))
   std::vector<at::Tensor> rows_;                  // buffering path
   std::vector<double> weights_;
-  std::vector<double> norms_;  // every update's L2 norm before clipping (dense paths)
-  int64_t within_clip_ = 0;    // updates with norm <= clip (adaptive clipping)
+  std::vector<double> norms_;     // every update's L2 norm before clipping (dense paths)
+  std::vector<std::string> ids_;  // every update's client id (dense paths)
+  int64_t within_clip_ = 0;       // updates with norm <= clip (adaptive clipping)
   int64_t clipped_ = 0;
   int64_t count_ = 0;
   double weight_ = 0;

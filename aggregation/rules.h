@@ -33,13 +33,17 @@ struct AggregateStats {
 };
 
 // A round's updates as a buffering rule sees them: every update decoded into
-// one dense float32 row [d] (the model's tensors flattened in name order),
+// one dense float32 row [d] (the model's tensors flattened in its order),
 // already scaled to the rule's clip() when that is > 0.
 struct RoundRows {
   const std::vector<at::Tensor>& rows;
   const std::vector<double>& weights;  // each update's sample weight
   const std::vector<double>& norms;    // each update's L2 norm before any clipping
   double total_weight;                 // Σ weights
+  // Each update's client id, as the fold named it ("" where the caller named
+  // none, e.g. SecAgg+'s one summed update). The built-in rules ignore it; a
+  // rule written in Python is handed it (docs/python.md).
+  const std::vector<std::string>& ids;
 };
 
 // One aggregation rule, built from the `aggregator` spec by its registered

@@ -325,16 +325,23 @@ void ServerOptimizer::step(std::map<std::string, at::Tensor>& weights, const std
     SPARROW_CHECK(state_.size() == weights.size(), "server optimizer: tensor set differs from the optimizer state");
 
   at::NoGradGuard no_grad;
+  impl_->step_model(weights, delta, state_);
+  ++steps_;
+}
+
+void OptimizerMethod::step_model(std::map<std::string, at::Tensor>& weights,
+                                 const std::map<std::string, at::Tensor>& delta,
+                                 std::map<std::string, Slots>& state) const {
+  const bool stateless = moments().empty() && extra_slots().empty();
   for (auto& [name, w] : weights) {
     const at::Tensor d = delta.at(name).contiguous();
-    if (moments.empty() && impl_->extra_slots().empty()) {
+    if (stateless) {
       Slots none;
-      impl_->step(name, w, d, none);
+      step(name, w, d, none);
     } else {
-      impl_->step(name, w, d, state_[name]);
+      step(name, w, d, state[name]);
     }
   }
-  ++steps_;
 }
 
 std::string ServerOptimizer::serialize_state() const {

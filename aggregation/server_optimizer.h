@@ -85,6 +85,14 @@ class OptimizerMethod {
   // A restored tensor's slots, its moments already checked to cover it with one
   // shape: FormatError when an extra slot does not fit.
   virtual void check_slots(const std::string& /*name*/, const Slots& /*slots*/) const {}
+  // The whole model's step at once: weights and delta already checked as for
+  // step() (same names and shapes, float32 CPU, finite), `state` each tensor's
+  // slots. The default calls step() tensor by tensor in name order. A method
+  // that needs every tensor in one call (a Python function) overrides it; it
+  // may throw, and must then leave weights and state as they were. It must
+  // leave moments() defined for every tensor, with the weight's shape.
+  virtual void step_model(std::map<std::string, at::Tensor>& weights, const std::map<std::string, at::Tensor>& delta,
+                          std::map<std::string, Slots>& state) const;
 };
 
 // Builds a method from its spec: reads the keys it knows (the ServerOptimizer

@@ -1,18 +1,22 @@
 #!/usr/bin/env python3
 """Overhead of driving Sparrow from Python (docs/python.md, "Cost"). One JSON line per measurement.
 
-  PYTHONPATH=build/python python3 bench/python_overhead.py [--rounds 20] [--repeat 3] [--cases cli,hook]
+  PYTHONPATH=build/python python3 bench/python_overhead.py [--rounds 20] [--repeat 3] [--cases cli,hook,step]
                                                            [--models mlp,cnn]
 
 cli:  the same run (examples/fedavg_mnist.toml, `rounds` rounds, one worker) started by
       `sparrow-sim` and by sparrow.Simulation, alternately, `repeat` times each:
       {"case":"cli","runner":"sparrow-sim"|"python","wall_s":..,"rounds_s":..,"import_s":..,"same_model":..}
       wall_s: the whole process (start, data, rounds, exit); rounds_s: the sum of the rounds' real_s;
-      import_s: of wall_s, the seconds `import sparrow` took (most of it `import torch`).
+      import_s: of wall_s, the seconds `import sparrow` took (loading LibTorch's libraries, which
+      sparrow-sim loads too; `import sparrow` does not import the torch package).
 hook: the built-in coordinate-wise `median` against the same rule as a Python function (numpy),
       same clients and seed, per model:
       {"case":"hook","model":..,"aggregator":..,"round_s":..,"in_python_s":..,"d":..,"n":..,"same_model":..}
       round_s: mean real_s per round; in_python_s: mean seconds per round inside the Python function.
+step: the built-in server optimiser `fedavg` against the same step as a Python function (numpy
+      w + d), per model: {"case":"step","model":..,"server_optimizer":..,"round_s":..,"in_python_s":..,
+      "same_model":..}
 """
 
 import argparse
@@ -112,17 +116,47 @@ def case_hook(args, tmp):
             sim.close()
 
 
+def case_step(args, tmp):
+    import sparrow
+
+    spent = []
+
+    def py_fedavg(round, weights, aggregate):
+        t = time.perf_counter()
+        out = {n: w.numpy() + aggregate[n].numpy() for n, w in weights.items()}
+        spent.append(time.perf_counter() - t)
+        return out
+
+    sparrow.register_server_optimizer("bench_py_fedavg", py_fedavg)
+    for model in args.models.split(","):
+        models = {}
+        for opt in ("fedavg", "bench_py_fedavg"):
+            spent.clear()
+            sim = sparrow.Simulation(BASE, out=os.path.join(tmp, f"step-{model}-{opt}"), rounds=args.rounds,
+                                     model=model, server_optimizer=opt, workers=1, eval_every=0)
+            sim.run()
+            models[opt] = sim.model()
+            same = None
+            if len(models) == 2:
+                a, b = models["fedavg"], models[opt]
+                same = all(bool((a[k] == b[k]).all()) for k in a)
+            emit(case="step", model=model, server_optimizer=opt, rounds=args.rounds,
+                 round_s=round(statistics.mean(m["real_s"] for m in sim.history()), 4),
+                 in_python_s=round(statistics.mean(spent), 4) if spent else 0.0, same_model=same)
+            sim.close()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--cases", default="cli,hook")
+    p.add_argument("--cases", default="cli,hook,step")
     p.add_argument("--models", default="mlp,cnn")
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="sparrow_pybench_")
     try:
         for case in args.cases.split(","):
-            {"cli": case_cli, "hook": case_hook}[case](args, tmp)
+            {"cli": case_cli, "hook": case_hook, "step": case_step}[case](args, tmp)
     finally:
         shutil.rmtree(tmp, True)
 

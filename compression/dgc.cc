@@ -58,6 +58,7 @@
 #include "core/spec.h"
 
 #if SPARROW_WITH_CUDA
+#include "compression/cuda/device_codec.h"
 #include "compression/cuda/kernels.h"
 #include "compression/cuda/torch_glue.h"
 #endif
@@ -333,19 +334,14 @@ class DgcCompressor final : public Compressor {
   }
 
 #if SPARROW_WITH_CUDA
-  // CUDA tensors: the same selection as select() with u, v on the device
-  // (compression/cuda/kernels.h): the fused update, the strided sample copied to
-  // the host for kth_largest, then {|v| >= thr} by count/scan/scatter (ascending),
-  // the adaptation loop and keep_topk on the host over the selected values. The
-  // provisional-threshold shortcut of the CPU pass is not needed: it only
-  // speeds up computing the same set. Indices and values equal the CPU path's
-  // for the same inputs and state, except with clip > 0, where ||g||2 is an ATen
-  // device reduction whose last bits may differ from l2_norm.
+ public:
+  // CUDA tensors: the whole step on the device (compression/cuda/dgc_device.cu),
+  // then one synchronisation that brings the count, the status and the
+  // (capacity-sized) index and value buffers to pinned host memory.
   Encoded encode_cuda(const at::Tensor& x_in, State& state, const Context& ctx) const {
-    const at::Tensor x = cuda::as_cuda_input(x_in, "dgc");
-    const uint64_t step = state.step;
+    const at::Tensor x = cuda::as_cuda_tensor(x_in, "dgc");
     if (x.dim() == 0 || (x.dim() == 1 && dense1d_)) {
-      const at::Tensor h = x.cpu();
+      const at::Tensor h = as_input(x.cpu(), "dgc");
       Encoded e;
       e.format = Format::kDense;
       e.shape = shape_of(h);
@@ -354,90 +350,99 @@ class DgcCompressor final : public Compressor {
       ++state.step;
       return e;
     }
+    const cuda::DeviceEncoded d = encode_device(x, state, ctx);
+    const int64_t cap = d.capacity;
+    const at::TensorOptions pinned = at::TensorOptions().pinned_memory(true);
+    at::Tensor hc = at::empty({2}, pinned.dtype(at::kLong));
+    at::Tensor hi = at::empty({cap}, pinned.dtype(at::kLong));
+    at::Tensor hv = at::empty({cap}, pinned.dtype(at::kFloat));
+    hc.zero_();
+    void* stream = cuda::current_stream();
+    cuda::copy_to_host_async(hc.data_ptr<int64_t>(), d.count.data_ptr<int64_t>(), sizeof(int64_t), stream);
+    cuda::copy_to_host_async(hc.data_ptr<int64_t>() + 1, d.status.data_ptr<int32_t>(), sizeof(int32_t), stream);
+    cuda::copy_to_host_async(hi.data_ptr<int64_t>(), d.indices.data_ptr<int64_t>(),
+                             static_cast<size_t>(cap) * sizeof(int64_t), stream);
+    cuda::copy_to_host_async(hv.data_ptr<float>(), d.values.data_ptr<float>(), static_cast<size_t>(cap) * sizeof(float),
+                             stream);
+    cuda::stream_synchronize(stream);  // the one wait of the call
+    const int64_t count = hc.data_ptr<int64_t>()[0];
+    if (static_cast<int32_t>(hc.data_ptr<int64_t>()[1]) != 0) {
+      --state.step;  // as on the CPU, a rejected input is not a step (u and v were not written)
+      SPARROW_CHECK(false, "dgc: input contains NaN or infinity");
+    }
+    SPARROW_CHECK(count >= 0 && count <= cap, "dgc: device selection returned " << count << " of at most " << cap);
+    return make_sparse(d.shape, hi.data_ptr<int64_t>(), hv.data_ptr<float>(), static_cast<uint64_t>(count), vt_, 0.0f,
+                       index_);
+  }
+
+  // The step of select() on the device, decided there (select_rule.h): no host
+  // copy and no synchronisation. The selected set, the values and u, v equal
+  // the CPU path's for the same inputs and state, except with clip > 0, where
+  // ||g||2 is an ATen device reduction whose last bits may differ from l2_norm.
+  cuda::DeviceEncoded encode_device(const at::Tensor& x_in, State& state, const Context& ctx,
+                                    bool check_finite = true) const {
+    const at::Tensor x = cuda::as_cuda_tensor(x_in, "dgc");
+    cuda::DeviceEncoded d;
+    d.shape = shape_of(x);
+    if (x.dim() == 0 || (x.dim() == 1 && dense1d_)) {
+      d.dense = true;
+      d.values = x.reshape({-1});
+      d.capacity = x.numel();
+      ++state.step;
+      return d;
+    }
+    const uint64_t step = state.step;
     const int64_t n = x.numel();
     age_state(state, ctx, stale_, {"u", "v"});
     at::Tensor& ut = cuda::device_slot(state, "u", x, "dgc");
     at::Tensor& vt = cuda::device_slot(state, "v", x, "dgc");
-    void* stream = cuda::current_stream();
-    std::vector<int64_t> idx;
-    std::vector<float> vals;
-    if (n > 0) select_cuda(x, ut, vt, step, ctx, stream, idx, vals);
-    if (!idx.empty()) {
-      const at::Tensor di = at::from_blob(idx.data(), {static_cast<int64_t>(idx.size())}, at::kLong)
-                                .to(x.device(), /*non_blocking=*/false);
-      cuda::zero_at(ut.data_ptr<float>(), vt.data_ptr<float>(), di.data_ptr<int64_t>(), di.numel(), stream);
-    }
-    Encoded e = make_sparse(shape_of(x), idx.data(), vals.data(), idx.size(), vt_, 0.0f, index_);
-    ++state.step;
-    return e;
-  }
-
-  void select_cuda(const at::Tensor& x, at::Tensor& ut, at::Tensor& vt, uint64_t step, const Context& ctx, void* stream,
-                   std::vector<int64_t>& idx, std::vector<float>& vals) const {
-    const int64_t n = x.numel();
     const double density = dgc_density(ctx.round >= 0 ? static_cast<uint64_t>(ctx.round) : step, warmup_, ratio_);
-    const DgcSamplePlan plan = dgc_sample_plan(n, density, sample_);
-    const float m = static_cast<float>(momentum_);
-    float coef = 1.0f;
+    const DgcSamplePlan plan = n > 0 ? dgc_sample_plan(n, density, sample_) : DgcSamplePlan{};
+    d.capacity = n > 0 ? plan.k : 0;
+    d.indices = at::empty({d.capacity}, x.options().dtype(at::kLong));
+    d.values = at::empty({d.capacity}, x.options());
+    if (n == 0 || d.capacity == 0) {
+      d.count = at::zeros({1}, x.options().dtype(at::kLong));
+      d.status = at::zeros({1}, x.options().dtype(at::kInt));
+      ++state.step;
+      return d;
+    }
+    d.count = at::empty({1}, x.options().dtype(at::kLong));  // written by the step's last scan, always
+    d.status = at::empty({1}, x.options().dtype(at::kInt));
+    cuda::DgcDeviceStep s;
+    s.n = n;
+    s.momentum = static_cast<float>(momentum_);
+    at::Tensor coef;  // clip > 0: min(1, max_norm / (||g||2 + 1e-6)) as float32, computed on the device
     if (clip_ > 0.0) {
       SPARROW_CHECK(ctx.num_workers >= 1, "dgc: Context::num_workers must be >= 1, got " << ctx.num_workers);
       const double max_norm = clip_ / std::sqrt(static_cast<double>(ctx.num_workers));
-      const double c = max_norm / (x.to(at::kDouble).norm().item<double>() + 1e-6);
-      if (c < 1.0) coef = static_cast<float>(c);
+      const at::Tensor denom = x.to(at::kDouble).norm() + 1e-6;  // torch.nn.utils.clip_grad_norm_
+      coef = at::scalar_tensor(max_norm, denom.options()).div(denom).clamp_max(1.0).to(at::kFloat).contiguous();
+      s.coef_device = coef.data_ptr<float>();
     }
-    float* v = vt.data_ptr<float>();
-    cuda::dgc_update(x.data_ptr<float>(), ut.data_ptr<float>(), v, n, m, coef, stream);
-
-    const at::Tensor flat = vt.view({-1});
-    const int64_t offset = plan.exact() ? 0 : dgc_sample_offset(step_key(ctx, step), plan.stride);
-    const at::Tensor sampled = flat.slice(0, offset, n, plan.stride).abs().cpu();
-    std::vector<float> samples(sampled.data_ptr<float>(), sampled.data_ptr<float>() + sampled.numel());
-    float thr = kth_largest(samples, plan.top_k_samples);
-
-    at::Tensor ws = cuda::scratch_bytes(cuda::select_workspace_bytes(n), x);
-    auto collect = [&](float t) {
-      const int64_t c = cuda::select_abs_ge_count(v, n, t, ws.data_ptr(), stream);
-      idx.assign(static_cast<size_t>(c), 0);
-      vals.assign(static_cast<size_t>(c), 0.0f);
-      if (c == 0) return;
-      at::Tensor di = at::empty({c}, x.options().dtype(at::kLong));
-      at::Tensor dv = at::empty({c}, x.options());
-      cuda::select_abs_ge_scatter(v, n, t, ws.data_ptr(), di.data_ptr<int64_t>(), dv.data_ptr<float>(), stream);
-      const at::Tensor hi = di.cpu(), hv = dv.cpu();
-      std::copy(hi.data_ptr<int64_t>(), hi.data_ptr<int64_t>() + c, idx.begin());
-      std::copy(hv.data_ptr<float>(), hv.data_ptr<float>() + c, vals.begin());
-    };
-    collect(thr);
-    if (!plan.exact()) {
-      const double k = static_cast<double>(plan.k);
-      for (int it = 0; it < kMaxAdaptationIters; ++it) {
-        const double found = static_cast<double>(idx.size());
-        if (found > k) {
-          if (found > k * kUpperBound) {
-            // keep_topk over the selected values: local positions are ascending
-            // exactly when the indices are, so ties resolve as on the CPU.
-            std::vector<int64_t> local(idx.size());
-            for (size_t j = 0; j < local.size(); ++j) local[j] = static_cast<int64_t>(j);
-            keep_topk(vals.data(), local, static_cast<uint64_t>(plan.k));
-            for (size_t j = 0; j < local.size(); ++j) {
-              idx[j] = idx[static_cast<size_t>(local[j])];
-              vals[j] = vals[static_cast<size_t>(local[j])];
-            }
-            idx.resize(local.size());
-            vals.resize(local.size());
-          }
-          break;
-        }
-        if (!(found < kLowerBound * k)) break;
-        thr = thr * kLowerBoundF;
-        collect(thr);
-      }
+    if (plan.exact()) {
+      s.sample_offset = 0;
+      s.sample_stride = 1;
+      s.sample_count = n;
+      s.exact = true;
+    } else {
+      s.sample_offset = dgc_sample_offset(step_key(ctx, step), plan.stride);
+      s.sample_stride = plan.stride;
+      s.sample_count = (n - s.sample_offset - 1) / plan.stride + 1;
     }
-    if (static_cast<int64_t>(idx.size()) > plan.k) {
-      idx.resize(static_cast<size_t>(plan.k));
-      vals.resize(static_cast<size_t>(plan.k));
-    }
+    // kth_largest clamps its rank to [1, size] (rank <= 0 means the maximum).
+    s.sample_rank = std::min(std::max<int64_t>(plan.top_k_samples, 1), s.sample_count);
+    s.k = plan.k;
+    s.check_finite = check_finite;
+    at::Tensor ws = cuda::scratch_bytes(cuda::dgc_device_workspace_bytes(n, s.sample_count), x);
+    cuda::dgc_encode_device(x.data_ptr<float>(), ut.data_ptr<float>(), vt.data_ptr<float>(), s, ws.data_ptr(),
+                            d.indices.data_ptr<int64_t>(), d.values.data_ptr<float>(), d.count.data_ptr<int64_t>(),
+                            d.status.data_ptr<int32_t>(), cuda::current_stream());
+    ++state.step;
+    return d;
   }
+
+ private:
 #endif
 
   double ratio_, momentum_, clip_;
@@ -473,3 +478,30 @@ void register_dgc() {
 }
 
 }  // namespace sparrow::compression::detail
+
+#if SPARROW_WITH_CUDA
+namespace sparrow::compression::cuda {
+
+DeviceEncoded encode_device(const Compressor& codec, const at::Tensor& x, State& state, const Context& ctx,
+                            bool check_finite) {
+  const auto* dgc = dynamic_cast<const detail::DgcCompressor*>(&codec);
+  SPARROW_CHECK(dgc != nullptr, "encode_device: only the dgc codec encodes on the device, got " << codec.method());
+  return dgc->encode_device(x, state, ctx, check_finite);
+}
+
+void fold_device(const DeviceEncoded& e, float weight, at::Tensor& dense) {
+  SPARROW_CHECK(dense.is_cuda() && dense.scalar_type() == at::kFloat && dense.is_contiguous(),
+                "fold_device: the accumulator must be a contiguous float32 CUDA tensor");
+  SPARROW_CHECK(dense.numel() == detail::numel_of(e.shape), "fold_device: accumulator has "
+                                                                << dense.numel() << " elements, the update "
+                                                                << detail::numel_of(e.shape));
+  if (e.dense) {
+    dense.view({-1}).add_(e.values, weight);
+    return;
+  }
+  fold_sparse(e.indices.data_ptr<int64_t>(), e.values.data_ptr<float>(), e.count.data_ptr<int64_t>(), e.capacity,
+              weight, dense.data_ptr<float>(), current_stream());
+}
+
+}  // namespace sparrow::compression::cuda
+#endif

@@ -75,8 +75,8 @@ void add_side_sums(const Arrival& a, std::map<std::string, at::Tensor>& control_
   }
 }
 
-void OrderedFold::fold_locked(Arrival& a) {
-  acc_.add(a.update, a.weight, contexts_);  // all or nothing: a refusal changes nothing
+void OrderedFold::fold_locked(const std::string& client, Arrival& a) {
+  acc_.add(a.update, a.weight, contexts_, client);  // all or nothing: a refusal changes nothing
   add_side_sums(a, control_sum_, metric_sum_, metric_weight_);
 }
 
@@ -88,7 +88,7 @@ void OrderedFold::advance_locked() {
     held_bytes_ -= held_size_[next_];
     state_[next_] = State::kDone;
     try {
-      fold_locked(a);
+      fold_locked(order_[next_], a);
     } catch (const std::exception&) {  // checked when it came: only an unchecked one, or memory
       late_failures_.push_back(order_[next_]);
     }
@@ -102,7 +102,7 @@ void OrderedFold::flush_locked() {
     held_[i].reset();
     state_[i] = State::kDone;
     try {
-      fold_locked(a);
+      fold_locked(order_[i], a);
     } catch (const std::exception&) {
       late_failures_.push_back(order_[i]);
     }
@@ -120,7 +120,7 @@ void OrderedFold::add(size_t slot, const std::string& client, Arrival a, bool ch
     i = it->second;
     SPARROW_CHECK(state_[i] == State::kPending, "client '" << client << "' already sent this round");
     if (i == next_ || relaxed_) {
-      fold_locked(a);
+      fold_locked(client, a);
       state_[i] = State::kDone;
       advance_locked();
       return;
@@ -143,7 +143,7 @@ void OrderedFold::add(size_t slot, const std::string& client, Arrival a, bool ch
   std::lock_guard<std::mutex> g(mu_);
   SPARROW_CHECK(state_[i] == State::kPending, "client '" << client << "' already sent this round");
   if (i == next_ || relaxed_) {  // its turn came while it was checked
-    fold_locked(a);
+    fold_locked(client, a);
     state_[i] = State::kDone;
     advance_locked();
     return;

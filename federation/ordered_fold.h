@@ -94,7 +94,7 @@ class OrderedFold {
 
  private:
   enum class State : uint8_t { kPending, kHeld, kDone };
-  void fold_locked(Arrival& a);
+  void fold_locked(const std::string& client, Arrival& a);
   void advance_locked();
   void flush_locked();
   static int64_t bytes_of(const Arrival& a);

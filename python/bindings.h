@@ -7,6 +7,8 @@
 #include <ATen/core/Tensor.h>
 #include <pybind11/pybind11.h>
 
+#include "compression/compressor.h"
+
 #include <string>
 
 namespace sparrow::python {
@@ -25,7 +27,15 @@ at::Tensor from_python(py::handle obj, const char* what);
 void set_current_round(int round);
 int current_round();
 
+// sparrow.CodecContext: what a codec encodes and decodes one tensor with
+// (its name, the seed, the round, the number of clients, ACP's shared factor,
+// TCS's mask).
+struct PyContext {
+  compression::Context ctx;
+};
+
 void init_simulation(py::module_& m);
-void init_extras(py::module_& m);
+void init_extras(py::module_& m);        // codecs, contexts, a server's database
+void init_codec_server(py::module_& m);  // codec_server.cc; after init_extras
 
 }  // namespace sparrow::python

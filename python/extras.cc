@@ -12,10 +12,12 @@
 #include <vector>
 
 #include "compression/compressor.h"
+#include "compression/mask.h"
 #include "compression/state.h"
 #include "core/error.h"
 #include "core/export.h"
 #include "core/paths.h"
+#include "federation/client_pipeline.h"
 #include "python/bindings.h"
 #include "server/config.h"
 #include "server/store.h"
@@ -43,26 +45,23 @@ class PyCodec {
       : spec_(spec), seed_(seed), codec_(compression::make_compressor(spec)) {}
 
   // (wire bytes of a one-tensor ModelUpdate, the state after this step). The
-  // state passed in is left as it was.
-  py::tuple encode(py::handle tensor, const PyCodecState* state, int64_t round, int workers, const std::string& name) {
+  // state passed in is left as it was. `context`: the tensor's name, seed,
+  // round, clients, and ACP's shared factor or TCS's mask when it has them.
+  py::tuple encode(py::handle tensor, const PyCodecState* state, const PyContext& context) {
     at::Tensor x = from_python(tensor, "encode");
     SPARROW_CHECK_T(ConfigError, x.is_floating_point(), "encode: a floating-point tensor is needed, got " << x.dtype());
     x = x.detach().to(at::kCPU, at::kFloat).contiguous();
     auto next = std::make_unique<PyCodecState>();
     if (state) next->state = deep_copy(state->state);
-    compression::Context ctx;
-    ctx.name = name;
-    ctx.seed = seed_;
-    ctx.num_workers = workers;
-    ctx.round = round;
+    const compression::Context& ctx = context.ctx;
     std::string bytes;
     {
       py::gil_scoped_release nogil;
       wire::ModelUpdate u;
-      u.round = round > 0 ? static_cast<uint64_t>(round) : 0;
+      u.round = ctx.round > 0 ? static_cast<uint64_t>(ctx.round) : 0;
       u.client_id = "python";
       u.num_samples = 1;
-      u.tensors.push_back({name, codec_->encode(x, next->state, ctx)});
+      u.tensors.push_back({ctx.name, codec_->encode(x, next->state, ctx)});
       bytes = wire::serialize(wire::Message{wire::kProtocolMajor, wire::kProtocolMinor, std::move(u)});
     }
     return py::make_tuple(py::bytes(bytes), py::cast(next.release(), py::return_value_policy::take_ownership));
@@ -70,6 +69,8 @@ class PyCodec {
 
   std::string spec() const { return spec_; }
   std::string method() const { return codec_->method(); }
+  uint64_t seed() const { return seed_; }
+  double mask_ratio() const { return codec_->mask_ratio(); }
 
  private:
   std::string spec_;
@@ -78,19 +79,33 @@ class PyCodec {
 };
 
 // Any codec's bytes (the format is self-describing): the tensor, verified as
-// a server verifies an update (FormatError for bad bytes).
-at::Tensor decode_bytes(const py::bytes& data, uint64_t seed) {
+// a server verifies an update (FormatError for bad bytes). With a context,
+// decoded with it (ACP's factor, TCS's mask); else with the message's tensor
+// name and `seed`.
+at::Tensor decode_bytes(const py::bytes& data, const PyContext* context, uint64_t seed) {
   std::string bytes = data;
+  compression::Context ctx;
+  if (context) ctx = context->ctx;
   py::gil_scoped_release nogil;
   wire::Message msg = wire::parse(bytes);
   auto* u = std::get_if<wire::ModelUpdate>(&msg.body);
   SPARROW_CHECK_T(FormatError, u && u->tensors.size() == 1,
                   "decode: the bytes are not one encoded tensor (sparrow.codec(...).encode makes them)");
-  compression::Context ctx;
-  ctx.name = u->tensors[0].name;
-  ctx.seed = seed;
+  if (!context) {
+    ctx.name = u->tensors[0].name;
+    ctx.seed = seed;
+  }
+  compression::check_mask(u->tensors[0].tensor, ctx);
   return compression::decode(u->tensors[0].tensor, ctx);
 }
+
+// An optional tensor argument: undefined for None.
+at::Tensor optional_tensor(py::handle obj, const char* what, at::ScalarType type) {
+  if (obj.is_none()) return {};
+  return from_python(obj, what).detach().to(at::kCPU, type).contiguous().clone();
+}
+
+py::object tensor_or_none(const at::Tensor& t) { return t.defined() ? to_torch(t.clone()) : py::object(py::none()); }
 
 py::dict round_row(const server::RoundRow& r) {
   py::dict d;
@@ -197,15 +212,56 @@ void init_extras(py::module_& m) {
         s->state = compression::State::deserialize(std::string(b));
         return s;
       });
+  py::class_<PyContext>(m, "CodecContext",
+                        "what a codec encodes and decodes one tensor with; CodecServer.open() gives a round's")
+      .def(py::init([](const std::string& name, uint64_t seed, int64_t round, int workers, py::object shared,
+                       py::object mask, bool share_mean) {
+             SPARROW_CHECK_T(ConfigError, workers >= 1, "CodecContext: workers must be >= 1, got " << workers);
+             PyContext c;
+             c.ctx.name = name;
+             c.ctx.seed = seed;
+             c.ctx.round = round;
+             c.ctx.num_workers = workers;
+             c.ctx.shared_factor = optional_tensor(shared, "shared", at::kFloat);
+             c.ctx.mask = optional_tensor(mask, "mask", at::kLong);
+             c.ctx.share_mean = share_mean;
+             return c;
+           }),
+           py::arg("name") = "x", py::arg("seed") = 0, py::arg("round") = -1, py::arg("workers") = 1,
+           py::arg("shared") = py::none(), py::arg("mask") = py::none(), py::arg("share_mean") = false)
+      .def_property_readonly("name", [](const PyContext& c) { return c.ctx.name; })
+      .def_property_readonly("seed", [](const PyContext& c) { return c.ctx.seed; })
+      .def_property_readonly("round", [](const PyContext& c) { return c.ctx.round; })
+      .def_property_readonly("workers", [](const PyContext& c) { return c.ctx.num_workers; })
+      .def_property_readonly("shared", [](const PyContext& c) { return tensor_or_none(c.ctx.shared_factor); })
+      .def_property_readonly("mask", [](const PyContext& c) { return tensor_or_none(c.ctx.mask); })
+      .def_property_readonly("share_mean", [](const PyContext& c) { return c.ctx.share_mean; })
+      // What client `id` encodes with: the round's context with its task's
+      // seed, as the simulator's and the service's clients do.
+      .def("for_client",
+           [](const PyContext& c, const std::string& id) {
+             const uint64_t round = c.ctx.round > 0 ? static_cast<uint64_t>(c.ctx.round) : 0;
+             return PyContext{federation::client_context(c.ctx, federation::task_seed(c.ctx.seed, round, id),
+                                                         static_cast<uint32_t>(c.ctx.num_workers))};
+           })
+      .def("__repr__", [](const PyContext& c) {
+        return "CodecContext(name='" + c.ctx.name + "', round=" + std::to_string(c.ctx.round) +
+               ", workers=" + std::to_string(c.ctx.num_workers) + (c.ctx.shared_factor.defined() ? ", shared" : "") +
+               (c.ctx.mask.defined() ? ", mask" : "") + ")";
+      });
   py::class_<PyCodec>(m, "_Codec")
       .def(py::init<const std::string&, uint64_t>(), py::arg("spec"), py::arg("seed") = 0)
-      .def("encode", &PyCodec::encode, py::arg("tensor"), py::arg("state") = nullptr, py::arg("round") = -1,
-           py::arg("workers") = 1, py::arg("name") = "x")
+      .def("encode", &PyCodec::encode, py::arg("tensor"), py::arg("state"), py::arg("context"))
       .def_property_readonly("spec", &PyCodec::spec)
-      .def_property_readonly("method", &PyCodec::method);
+      .def_property_readonly("method", &PyCodec::method)
+      .def_property_readonly("seed", &PyCodec::seed)
+      .def_property_readonly("mask_ratio", &PyCodec::mask_ratio);
   m.def(
-      "_decode", [](const py::bytes& b, uint64_t seed) { return to_torch(decode_bytes(b, seed)); }, py::arg("data"),
-      py::arg("seed") = 0);
+      "_decode",
+      [](const py::bytes& b, const PyContext* context, uint64_t seed) {
+        return to_torch(decode_bytes(b, context, seed));
+      },
+      py::arg("data"), py::arg("context") = nullptr, py::arg("seed") = 0);
   m.def("codec_names", [] { return compression::registered_methods(); });
   // The TorchScript module of `model` with `weights` at `path` (what export writes as model.pt).
   m.def("_save_torchscript", [](const std::string& model, const py::dict& weights, const std::string& path) {

@@ -1,7 +1,9 @@
 // Tensors across the language boundary: LibTorch's own Python wrappers
 // (libtorch_python, the one python3-torch uses), so a torch.Tensor and an
-// at::Tensor share one storage. `import torch` must have run first (the
-// package's __init__.py does): it registers torch.Tensor's type.
+// at::Tensor share one storage. `import torch` must have run first (it
+// registers torch.Tensor's type): both functions import it on their first
+// call, so `import sparrow` does not pay for torch's Python modules (most of
+// a second) until a tensor crosses.
 
 #include <torch/csrc/autograd/python_variable.h>
 
@@ -11,9 +13,23 @@
 
 namespace sparrow::python {
 
-py::object to_torch(const at::Tensor& t) { return py::reinterpret_steal<py::object>(THPVariable_Wrap(t)); }
+namespace {
+// Guarded by the GIL, which both callers hold.
+void ensure_torch() {
+  static bool imported = false;
+  if (imported) return;
+  py::module_::import("torch");
+  imported = true;
+}
+}  // namespace
+
+py::object to_torch(const at::Tensor& t) {
+  ensure_torch();
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(t));
+}
 
 at::Tensor from_python(py::handle obj, const char* what) {
+  ensure_torch();
   if (THPVariable_Check(obj.ptr())) return THPVariable_Unpack(obj.ptr());
   py::object torch = py::module_::import("torch");
   py::object np = py::module_::import("numpy");

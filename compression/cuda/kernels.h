@@ -46,6 +46,53 @@ void gather(const float* a, const int64_t* idx, int64_t k, float* out, void* str
 // a[idx[j]] = 0 and b[idx[j]] = 0 for j in [0, k) (DGC's momentum factor masking; b may be null).
 void zero_at(float* a, float* b, const int64_t* idx, int64_t k, void* stream);
 
+// ---- DGC on the device, no host synchronisation (dgc_device.cu) ------------------
+
+// One DGC step's host-side numbers (dgc.cc fills them from dgc_sample_plan).
+struct DgcDeviceStep {
+  int64_t n = 0;
+  float momentum = 0.0f;
+  float coef = 1.0f;                   // clipping factor when coef_device is null
+  const float* coef_device = nullptr;  // clip > 0: the factor as one float on the device
+  int64_t sample_offset = 0;           // samples |v| at sample_offset + j·sample_stride, j < sample_count
+  int64_t sample_stride = 1;
+  int64_t sample_count = 0;
+  int64_t sample_rank = 1;  // thr0 = the sample_rank-th largest sample, 1 <= rank <= sample_count
+  int64_t k = 0;            // the most indices sent: the outputs' capacity
+  bool exact = false;       // every element sampled: no adaptation
+  bool check_finite = true;
+};
+
+// Device workspace for dgc_encode_device, in bytes (counts per 4096-element
+// tile and level, scans, samples, a control block). Contents need no
+// initialisation; it must not be shared by calls in flight on other streams.
+size_t dgc_device_workspace_bytes(int64_t n, int64_t sample_count);
+
+// The whole DGC step on the device, asynchronous on `stream`, no host copy:
+// samples |v_new| (before writing), finds thr0 by radix select, updates u and v
+// while counting |v| >= thr_j at the 11 levels, chooses the level (or the exact
+// top-k) on the device, then writes the selected indices (ascending) and values
+// v[i] to idx[0..count) and val[0..count) and zeroes u[i], v[i] (momentum factor
+// masking). idx and val hold step.k entries; *count (one int64) is <= step.k.
+// With check_finite and a NaN or infinity in g, *status (one int32) is 1 and
+// nothing else is written: u, v unchanged, *count = 0; otherwise *status = 0.
+// The selected set equals dgc.cc's CPU path (select()) for the same state: see
+// select_rule.h.
+void dgc_encode_device(const float* g, float* u, float* v, const DgcDeviceStep& step, void* workspace, int64_t* idx,
+                       float* val, int64_t* count, int32_t* status, void* stream);
+
+// dense[idx[j]] += weight·val[j] for j < *count (count read on the device; the
+// kernel is sized for `capacity` entries). Indices must be distinct (one encoded
+// update); successive folds on one stream add in launch order. weight = 1
+// adds the values exactly.
+void fold_sparse(const int64_t* idx, const float* val, const int64_t* count, int64_t capacity, float weight,
+                 float* dense, void* stream);
+
+// Asynchronous device-to-host copy (host memory should be pinned for overlap)
+// and a synchronisation of `stream`: the one wait of dgc's encode().
+void copy_to_host_async(void* host, const void* device, size_t bytes, void* stream);
+void stream_synchronize(void* stream);
+
 // ---- sign (sign.cc) ------------------------------------------------------------
 
 // Workspace for sum_abs over n elements, in bytes.

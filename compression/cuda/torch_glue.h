@@ -56,4 +56,12 @@ inline at::Tensor as_cuda_input(const at::Tensor& x, const char* method) {
   return c;
 }
 
+// Contiguous float32 CUDA input, without the finiteness check (which would
+// wait for the device): dgc's device path checks on the device instead.
+inline at::Tensor as_cuda_tensor(const at::Tensor& x, const char* method) {
+  SPARROW_CHECK(x.defined() && x.is_cuda(), method << ": the device path needs a CUDA tensor");
+  SPARROW_CHECK(x.scalar_type() == at::kFloat, method << ": input must be float32, got " << x.scalar_type());
+  return x.contiguous();
+}
+
 }  // namespace sparrow::compression::cuda

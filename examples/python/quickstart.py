@@ -47,20 +47,45 @@ def round_robin(round, candidates, k):
     return (candidates[start:] + candidates[:start])[:k]
 
 
+# 4. Your own server step: server momentum (FedAvgM), its momentum kept per tensor in
+#    `state`, which checkpoints save and a resume restores.
+@sparrow.register_server_optimizer("my_momentum", slots=("m",))
+def my_momentum(round, weights, aggregate, state):
+    for name, w in weights.items():
+        m = state[name].get("m", torch.zeros_like(w)).mul_(0.5).add_(aggregate[name])
+        state[name]["m"] = m
+        w += m
+    return weights
+
+
 robust = sparrow.Simulation(dict(config, aggregator="my_trimmed_mean", sampler="round_robin",
-                                 compression="topk:ratio=0.05", out=os.path.join(out, "robust")), force=True)
+                                 server_optimizer="my_momentum", compression="topk:ratio=0.05",
+                                 out=os.path.join(out, "robust")), force=True)
 robust.run()
-print("trimmed mean + round robin + top-5%:", f"accuracy {robust.summary()['accuracy']:.3f},",
+print("trimmed mean + round robin + momentum + top-5%:", f"accuracy {robust.summary()['accuracy']:.3f},",
       f"{int(np.sum(robust.metrics()['bytes_up']))} bytes up in all")
 
-# 4. A codec on its own: what DGC sends for a tensor, and what arrives.
+# 5. A codec on its own: what DGC sends for a tensor, and what arrives.
 codec = sparrow.codec("dgc:ratio=0.01")
 grad = torch.randn(200, 784)
 data, state = codec.encode(grad)  # keep `state` (DGC's residual) for the next step
 back = codec.decode(data, grad)
 print(f"dgc: {grad.numel() * 4} bytes -> {len(data)}; {int((back != 0).sum())} values sent")
 
-# 5. The trained model as TorchScript, for use anywhere.
+# 6. ACP needs the aggregator's shared factor: CodecServer plays the aggregator as the
+#    simulator does (two clients, two rounds; ACP alternates which factor travels).
+acp = sparrow.codec("acp:rank=4")
+server = sparrow.CodecServer("acp:rank=4", {"w": torch.zeros(200, 784)}, seed=1)
+states = {"a": None, "b": None}
+for r in (1, 2):
+    ctx = server.open(r, list(states))
+    for cid in states:
+        data, states[cid] = acp.encode(torch.randn(200, 784), states[cid], context=ctx["w"].for_client(cid))
+        server.add(cid, [data], weight=1.0)
+    server.step()
+    print(f"acp round {r}: {len(data)} bytes a client, shared factor {tuple(server.factors['w'].shape)}")
+
+# 7. The trained model as TorchScript, for use anywhere.
 net = sim.module()
 x = torch.randn(1, 1, 28, 28)
 print("logits:", net(x).detach().numpy().round(2))

@@ -11,12 +11,13 @@ aggregation rule or client selector, over the C++ libraries (docs/python.md).
     sim.model()            # {name: torch.Tensor}
 """
 
-# torch first: the extension's tensors are torch's own (libtorch_python), so
-# its types must be registered before a tensor crosses.
-import torch  # noqa: F401
-
+# Neither torch nor numpy is imported here: the extension links LibTorch's C++
+# libraries (as sparrow-sim does) and imports the `torch` package the first time
+# a tensor crosses to Python (model(), codecs, hooks), so a run started from
+# Python pays no more than the same run from sparrow-sim.
 from . import _sparrow
 from ._sparrow import (  # noqa: F401
+    CodecContext,
     CodecState,
     ConfigError,
     Error,
@@ -24,27 +25,28 @@ from ._sparrow import (  # noqa: F401
     aggregator_names,
     codec_names,
     sampler_names,
+    server_optimizer_names,
     set_log_level,
 )
 # Shown as sparrow.ConfigError in tracebacks, the name users catch.
-for _cls in (Error, ConfigError, FormatError, CodecState):
+for _cls in (Error, ConfigError, FormatError, CodecState, CodecContext):
     _cls.__module__ = "sparrow"
 del _cls
 
+from ._codec import Codec, CodecServer, codec, decode  # noqa: F401
 from ._simulation import (  # noqa: F401
-    Codec,
     ServerRun,
     Simulation,
     Updates,
-    codec,
-    decode,
     load_run_model,
     register_aggregator,
     register_sampler,
+    register_server_optimizer,
 )
 
 __all__ = [
-    "Simulation", "ServerRun", "Updates", "Codec", "CodecState", "codec", "decode", "load_run_model",
-    "register_aggregator", "register_sampler", "aggregator_names", "sampler_names", "codec_names",
-    "set_log_level", "Error", "ConfigError", "FormatError",
+    "Simulation", "ServerRun", "Updates", "Codec", "CodecContext", "CodecServer", "CodecState", "codec",
+    "decode", "load_run_model", "register_aggregator", "register_sampler", "register_server_optimizer",
+    "aggregator_names", "sampler_names", "server_optimizer_names", "codec_names", "set_log_level", "Error",
+    "ConfigError", "FormatError",
 ]

@@ -1,33 +1,38 @@
-"""The Python layer over _sparrow: Simulation, ServerRun, codecs and hooks."""
+"""The Python layer over _sparrow: Simulation, ServerRun and the hooks.
+
+numpy (and torch, through the extension) are imported by the calls that need
+them, not by ``import sparrow``: a run started from Python costs what the same
+run costs from sparrow-sim (docs/python.md, "Cost")."""
 
 import os
 from collections import namedtuple
-
-import numpy as np
 
 from . import _config, _sparrow
 
 # What a Python aggregation rule gets for one round (fn(round, updates)):
 #   rows          one float32 torch.Tensor [d] per update: the client's model
-#                 delta, decoded, its tensors flattened in name order (already
+#                 delta, decoded, its tensors flattened in the model's parameter order (already
 #                 scaled down to a norm bound when the run has one)
 #   weights       each update's sample weight (list of float)
 #   norms         each update's L2 norm before any clipping (list of float)
 #   total_weight  sum of the weights
+#   client_ids    each update's client id (str), the row's sender
 # Rows are in canonical client-id order (the order the built-in rules see).
-Updates = namedtuple("Updates", ["rows", "weights", "norms", "total_weight"])
+Updates = namedtuple("Updates", ["rows", "weights", "norms", "total_weight", "client_ids"])
 
 # Columns of Simulation.metrics() and their dtypes (metrics.csv's figures).
 _COLUMNS = {
-    "round": np.int64, "accuracy": np.float64, "loss": np.float64, "train_loss": np.float64,
-    "bytes_up": np.uint64, "bytes_down": np.uint64, "sim_round_s": np.float64, "real_s": np.float64,
-    "clients": np.int64, "dropped": np.int64, "abandoned": np.bool_, "samples": np.int64,
-    "eval_s": np.float64, "epsilon": np.float64, "clip": np.float64,
+    "round": "int64", "accuracy": "float64", "loss": "float64", "train_loss": "float64",
+    "bytes_up": "uint64", "bytes_down": "uint64", "sim_round_s": "float64", "real_s": "float64",
+    "clients": "int64", "dropped": "int64", "abandoned": "bool", "samples": "int64",
+    "eval_s": "float64", "epsilon": "float64", "clip": "float64",
 }
 
 
 def _table(rows, columns):
     """A pandas DataFrame when pandas imports, else a dict of numpy arrays."""
+    import numpy as np
+
     data = {c: np.array([r[c] for r in rows], dtype=t) for c, t in columns.items()}
     try:
         import pandas
@@ -175,6 +180,8 @@ class Simulation:
 
 
 def _save_arrays(folder, xy, what):
+    import numpy as np
+
     try:
         x, y = xy
     except (TypeError, ValueError):
@@ -260,10 +267,10 @@ class ServerRun:
     def rounds(self):
         """One row per completed round: a DataFrame, or a dict of numpy arrays without pandas."""
         rows = self._run.rounds()
-        cols = {"round": np.int64, "started": np.float64, "finished": np.float64, "seconds": np.float64,
-                "selected": np.int64, "updates": np.int64, "rejected": np.int64, "stale": np.int64,
-                "bytes_in": np.uint64, "bytes_out": np.uint64, "train_loss": np.float64,
-                "eval_loss": np.float64, "eval_accuracy": np.float64}
+        cols = {"round": "int64", "started": "float64", "finished": "float64", "seconds": "float64",
+                "selected": "int64", "updates": "int64", "rejected": "int64", "stale": "int64",
+                "bytes_in": "uint64", "bytes_out": "uint64", "train_loss": "float64",
+                "eval_loss": "float64", "eval_accuracy": "float64"}
         return _table(rows, cols)
 
     def clients(self):
@@ -301,63 +308,10 @@ class ServerRun:
         return False
 
 
-class Codec:
-    """A codec of the compression library, built from its spec ("dgc:ratio=0.001").
-
-    ``encode(tensor, state=None)`` returns ``(bytes, state)``: the tensor as the
-    wire carries it (one verified message; ``len(bytes)`` is what it costs)
-    and the codec's state after this step (residuals, momentum), which you
-    pass to the next encode of the same tensor. The state passed in is not
-    changed. ``decode(bytes)`` gives the tensor back.
-    """
-
-    def __init__(self, spec, seed=0):
-        self._codec = _sparrow._Codec(spec, seed)
-        self._seed = seed
-
-    @property
-    def spec(self):
-        return self._codec.spec
-
-    @property
-    def method(self):
-        return self._codec.method
-
-    def encode(self, tensor, state=None, round=-1, workers=1, name="x"):
-        return self._codec.encode(tensor, state, round, workers, name)
-
-    def decode(self, data, shape_or_like=None):
-        return decode(data, shape_or_like, self._seed)
-
-    def __repr__(self):
-        return f"sparrow.codec({self.spec!r})"
-
-
-def codec(spec, seed=0):
-    """A Codec for ``spec`` ("topk:ratio=0.01", "qsgd:bits=4", ...); ConfigError for an unknown one."""
-    return Codec(spec, seed)
-
-
-def decode(data, shape_or_like=None, seed=0):
-    """The tensor in ``data`` (any codec's bytes: the format says how to decode).
-
-    ``shape_or_like`` (a shape or a tensor) checks the shape and gives the result that shape."""
-    t = _sparrow._decode(bytes(data), seed)
-    if shape_or_like is None:
-        return t
-    shape = tuple(shape_or_like.shape) if hasattr(shape_or_like, "shape") else tuple(shape_or_like)
-    if t.numel() != int(np.prod(shape, dtype=np.int64)):
-        raise FormatError(f"decode: the bytes hold {t.numel()} values, not a tensor of shape {shape}")
-    return t.reshape(shape)
-
-
-FormatError = _sparrow.FormatError
-
-
 def register_aggregator(name, fn=None, description=""):
     """Makes ``fn(round, updates) -> aggregate`` the aggregation rule ``aggregator = "name"``.
 
-    ``updates`` is an ``Updates`` (rows, weights, norms, total_weight); the
+    ``updates`` is an ``Updates`` (rows, weights, norms, total_weight, client_ids); the
     result is the round's aggregate delta, a float32 torch.Tensor or numpy
     array with the rows' length. Registering a name again replaces its
     function; a built-in name is refused (sparrow.Error). Usable as a decorator
@@ -378,3 +332,26 @@ def register_sampler(name, fn=None, description=""):
     if fn is None:
         return lambda f: register_sampler(name, f, description) or f
     return _sparrow.register_sampler(name, fn, description)
+
+
+def register_server_optimizer(name, fn=None, slots=(), description=""):
+    """Makes ``fn`` the server optimiser ``server_optimizer = "name"``: the global model's step.
+
+    ``fn(round, weights, aggregate)`` (``fn(round, weights, aggregate, state)``
+    with ``slots``) gets the global model and the round's aggregate (the mean
+    update, what the built-in ``fedavg`` adds), both ``{name: float32
+    torch.Tensor}`` copies, and returns the new weights ``{name: tensor or
+    numpy array}``, every tensor of the model. ``slots=("m", "v")``: the
+    per-tensor tensors the optimiser keeps between rounds, in
+    ``state[name][slot]`` (empty dicts before the first step): set every slot
+    of every tensor, with the weight's shape. They are the optimiser's state
+    that checkpoints save and a resume restores; without ``slots`` the
+    function is stateless (Python variables it keeps are not checkpointed).
+    Registering a name again replaces its function; a built-in name is
+    refused (sparrow.Error). Usable as a decorator.
+    """
+    if fn is None:
+        return lambda f: register_server_optimizer(name, f, slots, description) or f
+    if isinstance(slots, str):
+        slots = (slots,)
+    return _sparrow.register_server_optimizer(name, fn, list(slots), description)

@@ -16,6 +16,15 @@ def py_median(round, updates):
     return np.median(np.stack([r.numpy() for r in updates.rows]), axis=0)
 
 
+IDS = []
+
+
+@sparrow.register_aggregator("py_median_ids")
+def py_median_ids(round, updates):
+    IDS.append((round, list(updates.client_ids)))
+    return np.median(np.stack([r.numpy() for r in updates.rows]), axis=0)
+
+
 def evens(round, candidates, k):
     return [c for c in candidates if int(c) % 2 == 0][:k]
 
@@ -52,6 +61,23 @@ class HooksTest(ScratchTest):
         sim = sparrow.Simulation(tiny(self.path("zero"), aggregator="py_first", rounds=1))
         sim.run()
         self.assertEqual(float(sim.model()["fc.weight"].abs().sum()), 0.0)  # logreg starts at zero
+
+    def test_client_ids_are_the_updates_senders(self):
+        # A slow uplink and a deadline drop some of each round's selection
+        # (deterministically: the bytes and bandwidths are the seed's).
+        IDS.clear()
+        sim = sparrow.Simulation(tiny(self.path("ids"), aggregator="py_median_ids", rounds=4, deadline_s=2.0,
+                                      profiles={"uplink_mbps": 0.01, "downlink_mbps": 1000}))
+        dropped = 0
+        for m in sim.rounds():
+            r, ids = IDS[-1]
+            self.assertEqual(r, m["round"])
+            self.assertEqual(ids, [str(c) for c in m["participants"]])  # the updates aggregated, in order
+            self.assertTrue(set(ids) <= {str(c) for c in sim.selection(r)})
+            self.assertEqual(ids, sorted(ids, key=int))  # canonical: "9" before "11"
+            dropped += m["dropped"]
+        self.assertGreater(dropped, 0)  # so the ids are not simply the selection
+        self.assertEqual(len(IDS), 4)
 
     def test_sampler(self):
         sim = sparrow.Simulation(tiny(self.path("evens"), sampler="py_evens", clients_per_round=4))
