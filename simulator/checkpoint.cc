@@ -3,7 +3,9 @@
 // state, the broadcast model) committed as meta of client_state.db together
 // with the client states of the rounds since the last one, in one
 // transaction; a resume loads it, after checking that the config is the one
-// it was taken under, and the history up to it (run_folder.cc).
+// it was taken under, and the history up to it (run_folder.cc). Over MPI
+// ranks the other ranks commit their clients' states first (ranks.cc).
+#include <cstdlib>
 #include <optional>
 
 #include "core/error.h"
@@ -28,7 +30,21 @@ std::optional<int> checkpoint_round(state::ClientStateStore& store, const char* 
 
 }  // namespace
 
+std::unique_ptr<state::ClientStateStore> open_store(const std::string& path, const SimConfig& cfg) {
+  state::ClientStateStore::Options so;
+  so.background = true;
+  so.explicit_flush = true;
+  so.encoding = state::parse_encoding(cfg.state_encoding);
+  return state::ClientStateStore::open(path, so);
+}
+
 void Simulator::Impl::checkpoint(int completed, bool wait) {
+  // Over ranks, one coordinated checkpoint: every other rank commits its
+  // clients' states at `completed` first (ranks.cc), then this commit names
+  // the round. A crash between the two leaves ranks ahead of
+  // client_state.db, which a resume refuses (join_ranks).
+  checkpoint_ranks(completed);
+  if (distributed()) store->set_meta("checkpoint.ranks", std::to_string(cluster->size()));
   store->set_meta("checkpoint.round", std::to_string(completed));
   // The whole effective config, so that a resume can refuse an edited
   // config.toml (check_resume_config); committed with the checkpoint.
@@ -105,6 +121,23 @@ void Simulator::Impl::load_checkpoint() {
     return *v;
   };
   round = *saved;
+  // Client states are sharded by owner rank (ranks.cc): a run continues on
+  // the rank count it was checkpointed on.
+  const std::optional<std::string> ranks_meta = store->get_meta("checkpoint.ranks");
+  const int saved_ranks = ranks_meta ? std::atoi(ranks_meta->c_str()) : 1;
+  const int ranks = distributed() ? cluster->size() : 1;
+  if (saved_ranks != ranks) {
+    const std::string how = saved_ranks > 1 ? "mpirun -np " + std::to_string(saved_ranks) + " sparrow-sim --resume"
+                                            : std::string("sparrow-sim --resume, without mpirun (or with -np 1)");
+    throw ConfigError(
+        "resume: " + dir.string() + " was checkpointed " +
+        (saved_ranks > 1 ? "on " + std::to_string(saved_ranks) + " MPI ranks" : std::string("in one process")) +
+        (saved_ranks > 1 ? ", each keeping the client states it owns (client_state.db and client_state.rank<r>.db)"
+                         : std::string()) +
+        ", and its client states cannot move to " +
+        (ranks > 1 ? std::to_string(ranks) + " ranks" : std::string("one process")) + ": continue it with " + how +
+        " " + dir.string());
+  }
   federation::GlobalState st;
   st.weights = blob("global");
   st.server_opt = blob("server_opt");

@@ -135,10 +135,9 @@ void Simulator::Impl::run_worker(int w, int t, const std::vector<int64_t>& ids, 
       const int64_t c = ids[j];
       ClientResult& r = *out[j];
       r.client = c;
-      if (store) {  // rank 0 (or one process); other ranks got the state with their task
-        std::optional<state::ClientState> got = store->get(c);
-        r.state = got ? std::move(*got) : state::ClientState{};
-      }
+      // From this process's store: over ranks, c's owner rank trains it (ranks.cc).
+      std::optional<state::ClientState> got = store->get(c);
+      r.state = got ? std::move(*got) : state::ClientState{};
       const int64_t n = client_idx[c].numel();
       client::ClientJob job;
       job.x = train_x.narrow(0, client_off[c], n);  // views: the data is client-major
@@ -220,9 +219,9 @@ void Simulator::Impl::finish_client(Worker& wk, int t, ClientResult& r, const cl
   }
   r.state.rounds += 1;
   // To the store now: its writer streams it into the open checkpoint
-  // transaction while the next clients train. Over ranks, rank 0 puts it
-  // when it folds the round (fold_ranked).
-  if (!distributed()) store->put(c, std::move(r.state));
+  // transaction while the next clients train. Over ranks this is the
+  // owner's store: the state never leaves the rank that trains the client.
+  store->put(c, std::move(r.state));
   r.bytes_up = bytes.size();
   const Profile& p = profiles[c];
   r.sim_s = static_cast<double>(model_bytes) * 8 / p.down_bps + r.train_s / p.speed +

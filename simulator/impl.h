@@ -8,7 +8,7 @@
 //   round.cc         driving one round of the engine (federation::RoundEngine, the
 //                    server's): selection, scheduling, the global step, its metrics
 //   secagg_round.cc  SecAgg+ with its messages handed over in memory
-//   ranks.cc         MPI ranks: rank 0's task and result messages, the other ranks' loop
+//   ranks.cc         MPI ranks: client owners, rank 0's messages, the other ranks' loop
 //   run_folder.cc    run.db, metrics.csv and config.toml: the history of the rounds
 //   checkpoint.cc    checkpoints in client_state.db, resume and its checks
 // Threads: run_worker() runs on one thread per worker; what it touches
@@ -96,6 +96,10 @@ struct Worker {
   size_t slot = 0;                                  // its slot in the round's OrderedFold
   std::vector<Deferred> deferred;                   // ALIE adversaries of this round
 };
+
+// The client-state store as the simulator keeps it: checkpoint mode
+// (background writer, explicit flushes), the run's state_encoding.
+std::unique_ptr<state::ClientStateStore> open_store(const std::string& path, const SimConfig& cfg);
 
 struct Simulator::Impl {
   SimConfig cfg;
@@ -306,31 +310,63 @@ struct Simulator::Impl {
 
   // ---- MPI ranks (ranks.cc) ----
 
-  // Over MPI ranks (docs/simulator.md): rank 0 holds the store, the run
-  // folder and the global step; the other ranks train what it sends them.
+  // Over MPI ranks (docs/simulator.md): rank 0 holds the run folder, the
+  // checkpoints and the global step; client c's state lives on its owner
+  // rank, owner(c) = c mod ranks, in that rank's own store (every rank trains
+  // the clients it owns, rank 0 included).
   Cluster* cluster = nullptr;
   bool distributed() const { return cluster != nullptr && cluster->size() > 1; }
   bool remote() const { return distributed() && cluster->rank() != 0; }
-  std::vector<uint64_t> rank_sent;  // the last round's bytes sent by each rank
-  // Message buffers kept across rounds (tens of MB with model-sized client
-  // states: fresh ones would page-fault every round).
+  std::vector<uint64_t> rank_sent;   // the last round's bytes sent by each rank
+  std::vector<uint64_t> rank_dirty;  // rank 0: each rank's unflushed store bytes (its last results)
+  // Message buffers kept across rounds (tens of MB with dense updates: fresh
+  // ones would page-fault every round).
   std::string msg_out;
   std::string msg_in;
 
+  // The rank that keeps client c's state and trains it (0 in one process).
+  int owner(int64_t c) const;
+  // Of `ids`, the clients this process owns (all of them in one process).
+  std::vector<int64_t> owned(const std::vector<int64_t>& ids) const;
+  // Rank `rank`'s client-state store in the run folder: client_state.db for
+  // rank 0 (and one process), client_state.rank<r>.db for the others.
+  fs::path rank_store_path(int rank) const;
+  // schedule_lpt with each client on one of its owner rank's worker slots.
+  Assignment schedule_owners(const std::vector<int64_t>& ids, const std::vector<double>& jobs) const;
+  // Rank 0, once its run folder is open (and a resume loaded): every rank
+  // opens its store (a resume checks it is at the checkpoint's round);
+  // ConfigError naming the file when one cannot.
+  void start_ranks(bool resume);
+  // Rank 0: one answer from every other rank; the first error is thrown, as
+  // a ConfigError when `refusal` (a run folder the ranks cannot start from).
+  void collect_acks(bool refusal);
   // Rank 0: the round's model to every rank, then each rank its clients
-  // (slots r*workers .. (r+1)*workers-1) with their states from the store.
+  // (slots r*workers .. (r+1)*workers-1), ids only.
   void send_round(int t, int n_sel, const std::vector<std::vector<int64_t>>& wids);
   // Rank 0: every other rank's results, into their slots.
   void receive_round(const std::vector<std::vector<int64_t>>& wids,
                      const std::vector<std::vector<ClientResult*>>& wout);
-  // Rank 0: the round's client states to the store and their updates into
-  // the engine's round (summed in client-id order, so the model does not
-  // depend on the number of ranks or workers, or on timing).
+  // Rank 0: the round's updates into the engine's round (summed in client-id
+  // order, so the model does not depend on the number of ranks or workers,
+  // or on timing).
   void fold_ranked(std::vector<ClientResult>& results);
-  // Ranks other than 0: one round's task from rank 0, trained on this rank's
-  // workers, the results back. False when rank 0 ends the run.
+  // A round given up (a stop): this process's store back to the round's
+  // start, and every rank's.
+  void rollback_round();
+  // Rank 0, before its own checkpoint of `completed` rounds: every rank
+  // commits its store at that round and answers.
+  void checkpoint_ranks(int completed);
+  // The most unflushed client-state bytes any rank holds (a checkpoint is
+  // taken early beyond kUnflushedBudget).
+  size_t unflushed_bytes() const;
+  // Ranks other than 0, in the constructor: rank 0's start message, this
+  // rank's store opened (and checked, resuming), the answer sent.
+  void join_ranks();
+  // Ranks other than 0: one message from rank 0 (a round to train, a
+  // checkpoint to commit, a round to give up). False when rank 0 ends the run.
   bool serve_round();
-  // Rank 0, at the end: the other ranks' serve() returns.
+  // Rank 0, at the end: the other ranks' serve() returns (and, with
+  // keep_client_state = false after the last round, their stores go).
   void end_ranks();
 
   // ---- the run folder (run_folder.cc) ----
@@ -352,6 +388,8 @@ struct Simulator::Impl {
 
   // ---- checkpoints and resume (checkpoint.cc) ----
 
+  // This process's client-state store: every client's in one process, the
+  // clients this rank owns over MPI ranks (rank_store_path).
   std::unique_ptr<state::ClientStateStore> store;
   // Client states put since the last checkpoint stay in memory (the store
   // serves them until the checkpoint commits): checkpoint early beyond this.

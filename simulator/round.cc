@@ -104,12 +104,13 @@ RoundMetrics Simulator::Impl::step() {
   store->mark();
   const std::vector<int64_t> ids = select_clients(t);
   count_participations(ids);
-  store->prefetch(ids);  // loaded on the store's thread while the first clients train
+  store->prefetch(owned(ids));  // loaded on the store's thread while the first clients train
   std::vector<ClientResult> results(ids.size());
   finished.store(0);
   std::vector<double> jobs;
   for (int64_t c : ids) jobs.push_back(static_cast<double>(client_idx[c].numel()));
-  const Assignment as = schedule_lpt(jobs, cost);
+  // Over ranks each client goes to a slot of the rank that keeps its state (ranks.cc).
+  const Assignment as = distributed() ? schedule_owners(ids, jobs) : schedule_lpt(jobs, cost);
   const size_t slots = static_cast<size_t>(cost.workers());  // workers x ranks
   std::vector<int> worker_of(ids.size(), 0);
   std::vector<std::vector<int64_t>> wids(slots);
@@ -147,7 +148,7 @@ RoundMetrics Simulator::Impl::step() {
     // Stopped in the middle: the round did not happen. The client states
     // its clients put are forgotten, so a checkpoint now is the state after
     // round t (and --resume runs round t + 1 as an uninterrupted run would).
-    store->rollback_to_mark();
+    rollback_round();  // every rank's store
     engine->abandon();
     sa.reset();
     interrupted = true;
@@ -531,7 +532,7 @@ void Simulator::Impl::finish_round(int t, RoundMetrics& m, Clock::time_point t0,
     m.accuracy = acc;
   }
   const bool last = t + 1 == cfg.rounds;
-  const bool ckpt = last || (t + 1) % cfg.checkpoint_every == 0 || store->dirty_bytes() > kUnflushedBudget;
+  const bool ckpt = last || (t + 1) % cfg.checkpoint_every == 0 || unflushed_bytes() > kUnflushedBudget;
   m.real_s = seconds_since(t0);
   if (async) async_saved = async_save();  // the tasks in flight, saved with the checkpoint
   commit(m);

@@ -42,15 +42,6 @@ std::string csv_row(const RoundMetrics& m) {
 // of the run (keep_client_state = false): a resume refuses it.
 constexpr const char* kDroppedKey = "checkpoint.client_states";
 
-// The store as the simulator keeps it: checkpoint mode (checkpoint.cc).
-std::unique_ptr<state::ClientStateStore> open_store(const std::string& path, const SimConfig& cfg) {
-  state::ClientStateStore::Options so;
-  so.background = true;
-  so.explicit_flush = true;
-  so.encoding = state::parse_encoding(cfg.state_encoding);
-  return state::ClientStateStore::open(path, so);
-}
-
 void remove_db_files(const fs::path& p) {
   for (const char* ext : {"", "-wal", "-shm"}) fs::remove(p.string() + ext);
 }

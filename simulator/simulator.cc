@@ -129,13 +129,17 @@ Simulator::Simulator(SimConfig cfg, bool resume, Cluster* cluster) : impl_(std::
   s.stage_data();
   s.build_population();
   s.build_workers();
-  if (s.remote()) return;  // no run folder: rank 0 keeps it
+  if (s.remote()) {  // rank 0 keeps the run folder; this rank its clients' store (ranks.cc)
+    s.join_ranks();
+    return;
+  }
   s.open_db(resume);
   if (resume) {
     s.check_resume_config();
     s.load_checkpoint();
     std::ofstream(s.dir / "config.toml") << to_toml(s.cfg);  // records a changed `rounds`
   }
+  if (s.distributed()) s.start_ranks(resume);
 }
 
 Simulator::~Simulator() {

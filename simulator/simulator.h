@@ -98,12 +98,13 @@ struct RoundMetrics {
   double clip = 0;      // the norm bound the aggregator applied (central DP, normclip); NaN if none
   std::vector<Participant> participants;  // by client id; not persisted, empty on rounds a resume reloads
   // Over MPI ranks: the bytes each rank sent this round (rank 0: the round's
-  // model to every rank and each rank's clients with their states; rank r:
-  // its clients' updates and states). Empty in one process; not persisted.
+  // model to every rank and each rank the ids of its clients; rank r: its
+  // clients' updates; client states stay on their owner rank). Empty in one
+  // process; not persisted.
   std::vector<uint64_t> rank_bytes;
   // Over MPI ranks, rank 0's seconds this round: sending the round (model,
-  // clients and their states), waiting for the other ranks after training its
-  // own clients, folding every update and state in id order. Not persisted.
+  // client ids), waiting for the other ranks after training its own clients,
+  // folding every update in id order. Not persisted.
   double rank0_send_s = 0, rank0_wait_s = 0, rank0_fold_s = 0;
 };
 
