@@ -99,6 +99,7 @@ struct PlotSpec {
   std::vector<Series> series;
   bool fraction = true;  // y in [0, 1] (accuracy): the axis never leaves it
   bool bytes_y = false;  // y is a byte count: ticks labelled "2 MB"
+  bool whole_x = true;   // a linear x in whole steps (rounds); false for seconds
 };
 
 // The y axis around the data (a 6% margin), not 0..1 whatever the data: a run
@@ -134,8 +135,9 @@ std::string render(const PlotSpec& spec) {
   if (spec.log_x) {
     xt = empty ? log_byte_ticks(1e3, 1e6) : log_byte_ticks(xmin, xmax);
   } else {
-    // Rounds: start the axis at 0 (or below, for odd data) with whole-number steps.
-    xt = empty ? linear_ticks(0, 1, 6, 1) : linear_ticks(std::min(0.0, xmin), xmax, 6, 1);
+    // Rounds (or seconds): start the axis at 0 (or below, for odd data); rounds step by whole numbers.
+    const double min_step = spec.whole_x ? 1 : 0;
+    xt = empty ? linear_ticks(0, 1, 6, min_step) : linear_ticks(std::min(0.0, xmin), xmax, 6, min_step);
   }
   std::vector<Tick> yt;
   if (empty) {
@@ -294,6 +296,7 @@ std::vector<MetricsRow> read_metrics(const std::string& run_dir) {
     if (eps_col != header.size() && !parse_cell(path, line_no, "epsilon", cells[eps_col], true, true, &r.epsilon))
       r.epsilon = NAN;
     SPARROW_CHECK_T(FormatError, r.bytes_up >= 0 && r.bytes_down >= 0, at(path, line_no) << "negative byte count");
+    SPARROW_CHECK_T(FormatError, r.sim_round_s >= 0, at(path, line_no) << "negative sim_round_s");
     rows.push_back(r);
   }
   SPARROW_CHECK_T(FormatError, !f.bad(), path << ": read error");
@@ -368,8 +371,28 @@ struct RunRow {
   size_t rounds = 0;
   double final_accuracy = NAN, best_accuracy = NAN;
   double up = 0, down = 0;
+  double sim_s = 0;                                           // the simulated seconds of every row
+  std::vector<std::pair<double, double>> by_time;             // (simulated seconds so far, accuracy) per evaluation
+  double reach_s = NAN;                                       // when the first run's final accuracy was reached
   std::vector<std::pair<std::string, std::string>> settings;  // compression, downlink, then the differing keys
 };
+
+// The simulated time of the first evaluation at or above `target` (NaN: never,
+// or no target). Ties to the first crossing, not a smoothed curve: what a user
+// watching the run would have seen.
+double time_to_reach(const std::vector<std::pair<double, double>>& by_time, double target) {
+  if (std::isnan(target)) return NAN;
+  for (const auto& [t, acc] : by_time)
+    if (acc >= target) return t;
+  return NAN;
+}
+
+std::string seconds(double v) {
+  if (std::isnan(v)) return "-";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f", v);
+  return buf;
+}
 
 std::string percent(double v) {
   if (std::isnan(v)) return "-";
@@ -386,9 +409,12 @@ std::string runs_markdown(const std::vector<RunRow>& rows, const std::vector<std
       if (ch == '|' || ch == '\n') ch = ' ';
     return v;
   };
+  const double target = rows.empty() ? NAN : rows.front().final_accuracy;
   std::ostringstream o;
   o << "| run | compression | downlink | rounds | final accuracy | best accuracy | uplink | downlink bytes | "
-       "total bytes | differing settings |\n|---|---|---|---|---|---|---|---|---|---|\n";
+       "total bytes | simulated s | simulated s to "
+    << (std::isnan(target) ? std::string("the first run's final accuracy") : percent(target))
+    << " | differing settings |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   for (const RunRow& r : rows) {
     std::string diff;
     for (size_t i = 2; i < r.settings.size(); ++i)
@@ -396,8 +422,12 @@ std::string runs_markdown(const std::vector<RunRow>& rows, const std::vector<std
     o << "| " << cell(r.name) << " | `" << cell(r.settings[0].second) << "` | `" << cell(r.settings[1].second) << "` | "
       << r.rounds << " | " << percent(r.final_accuracy) << " | " << percent(r.best_accuracy) << " | "
       << format_bytes(r.up) << " | " << format_bytes(r.down) << " | " << format_bytes(r.up + r.down) << " | "
-      << (diff.empty() ? "-" : cell(diff)) << " |\n";
+      << seconds(r.sim_s) << " | " << seconds(r.reach_s) << " | " << (diff.empty() ? "-" : cell(diff)) << " |\n";
   }
+  o << "\nSimulated seconds are the sum of `sim_round_s` (the simulated clock: device and network profiles, "
+       "rounds or asynchronous steps). The time to reach "
+    << (std::isnan(target) ? std::string("the first run's final accuracy") : percent(target))
+    << " (the first run's final accuracy) is that of the first evaluation at or above it; `-`: never reached.\n";
   if (rows.size() > 1) {
     o << "\nThe runs differ in ";
     if (differing.empty()) o << "no setting";
@@ -460,6 +490,8 @@ std::vector<std::string> write_report(const std::string& run_dir, const std::vec
                     "accuracy",
                     true,
                     {}};
+  PlotSpec by_time{"Accuracy vs simulated time", "simulated time (s)", "accuracy", false, {}};
+  by_time.whole_x = false;
   PlotSpec loss{"Loss vs round (solid: test, dashed: training)", "round", "loss", false, {}};
   loss.fraction = false;
   PlotSpec bytes{
@@ -474,15 +506,16 @@ std::vector<std::string> write_report(const std::string& run_dir, const std::vec
     std::vector<MetricsRow> rows = read_metrics(dir);
     page_runs.push_back(report_run(dir, rows));
     configs.push_back(config_keys(page_runs.back().run.config));
-    Series r{run_label(dir), {}, "", -1}, b{r.label, {}, "", -1}, tot{r.label, {}, "", -1};
+    Series r{run_label(dir), {}, "", -1}, b{r.label, {}, "", -1}, tot{r.label, {}, "", -1}, t{r.label, {}, "", -1};
     Series test{r.label + " test", {}, "", color}, train{r.label + " train", {}, kDashed, color};
     Series up{r.label + " up", {}, "", color}, down{r.label + " down", {}, kDashed, color},
         total{r.label + " total", {}, kDotted, color};
     RunRow row_sum;
     row_sum.name = r.label;
     row_sum.rounds = rows.size();
-    double cumulative = 0, cumulative_down = 0;
+    double cumulative = 0, cumulative_down = 0, clock = 0;
     for (const MetricsRow& row : rows) {
+      clock += row.sim_round_s;  // a row's evaluation is of the model at the end of its round or step
       cumulative += row.bytes_up;
       cumulative_down += row.bytes_down;
       up.points.emplace_back(row.round, cumulative);
@@ -494,12 +527,16 @@ std::vector<std::string> write_report(const std::string& run_dir, const std::vec
       row_sum.final_accuracy = row.accuracy;
       if (!(row.accuracy <= row_sum.best_accuracy)) row_sum.best_accuracy = row.accuracy;  // NaN at first
       r.points.emplace_back(row.round, row.accuracy);
+      t.points.emplace_back(clock, row.accuracy);
       if (cumulative > 0) b.points.emplace_back(cumulative, row.accuracy);  // log axis: nothing at 0 bytes
       if (cumulative + cumulative_down > 0) tot.points.emplace_back(cumulative + cumulative_down, row.accuracy);
     }
     row_sum.up = cumulative;
     row_sum.down = cumulative_down;
+    row_sum.sim_s = clock;
+    row_sum.by_time = t.points;
     table.push_back(std::move(row_sum));
+    by_time.series.push_back(std::move(t));
     by_round.series.push_back(std::move(r));
     by_bytes.series.push_back(std::move(b));
     by_total.series.push_back(std::move(tot));
@@ -513,6 +550,7 @@ std::vector<std::string> write_report(const std::string& run_dir, const std::vec
   // The settings each run shows: what compresses each way, then every key in
   // which the runs differ.
   const std::vector<std::string> differing = differing_keys(configs);
+  for (RunRow& row : table) row.reach_s = time_to_reach(row.by_time, table.front().final_accuracy);
   for (size_t i = 0; i < table.size(); ++i) {
     for (const char* key : kMethodKeys) table[i].settings.emplace_back(key, setting(configs[i], key));
     for (const std::string& key : differing)
@@ -523,6 +561,7 @@ std::vector<std::string> write_report(const std::string& run_dir, const std::vec
     by_round.title += " (" + by_round.series[0].label + ")";
     by_bytes.title += " (" + by_bytes.series[0].label + ")";
     by_total.title += " (" + by_total.series[0].label + ")";
+    by_time.title += " (" + by_time.series[0].label + ")";
   }
   const fs::path out = out_dir.empty() ? fs::path(run_dir) : fs::path(out_dir);
   if (!out_dir.empty()) {
@@ -536,7 +575,8 @@ std::vector<std::string> write_report(const std::string& run_dir, const std::vec
                                                                   {"dashboard.html", monitor::report_page(page_runs)},
                                                                   {"accuracy_vs_total_bytes.svg", render(by_total)},
                                                                   {"bytes_vs_round.svg", render(bytes)},
-                                                                  {"runs.md", runs_markdown(table, differing)}};
+                                                                  {"runs.md", runs_markdown(table, differing)},
+                                                                  {"accuracy_vs_sim_time.svg", render(by_time)}};
   std::vector<std::string> paths;
   for (const auto& [name, text] : files) {
     paths.push_back((out / name).string());

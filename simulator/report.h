@@ -16,10 +16,14 @@
 //    accuracy_vs_total_bytes.svg (x = cumulative uplink + downlink bytes),
 //    bytes_vs_round.svg (cumulative uplink solid, downlink dashed, total
 //    dotted) and runs.md (a Markdown table: each run's compression, downlink,
-//    rounds, final and best accuracy, uplink, downlink and total bytes, and
-//    its values of the config keys in which the runs differ, `out` aside; read
-//    from each run's config.toml), and returns their paths in that order. The
-//    page's runs table shows the same columns. Each run is one polyline through its
+//    rounds, final and best accuracy, uplink, downlink and total bytes, the
+//    simulated seconds (sum of sim_round_s) and those at which the run's first
+//    evaluation reached the first run's final accuracy, and its values of the
+//    config keys in which the runs differ, `out` aside; read from each run's
+//    config.toml), then accuracy_vs_sim_time.svg (x = cumulative sim_round_s,
+//    the simulated clock, so a synchronous and an asynchronous run compare on
+//    one axis), and returns their paths in that order. The page's runs table
+//    shows the settings columns. Each run is one polyline through its
 //    evaluated rounds with a marker per point; rows with an empty accuracy cell
 //    are skipped. The y axis is scaled to the data (accuracy stays within [0, 1]).
 //  - All inputs are read and checked before anything is written, so bad input
@@ -27,7 +31,8 @@
 //    wrong folder); a malformed one (empty, missing header columns, wrong field
 //    count, bad or non-finite numbers) throws FormatError "path:line: why".
 //    Loss columns may be nan/inf (a diverged run is still worth plotting); the
-//    plotted and counted columns must be finite, and bytes non-negative.
+//    plotted and counted columns must be finite, bytes and sim_round_s
+//    non-negative.
 //  - Hand-written SVG 1.1, valid XML; labels are escaped. No dependencies.
 
 #include <cstdint>

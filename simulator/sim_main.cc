@@ -143,7 +143,7 @@ int main(int argc, char** argv) {
   sparrow::cli::add_common_options(app, "sparrow-sim", &log_level);
   std::string report_dir;
   std::vector<std::string> compare;
-  auto* report = app.add_subcommand("report", "plot accuracy against rounds and against uplink bytes (SVG)");
+  auto* report = app.add_subcommand("report", "plot accuracy against rounds, bytes and simulated time (SVG)");
   report->add_option("run_dir", report_dir, "the run folder (holds metrics.csv)")->required();
   report->add_option("--compare", compare, "other run folders to overlay")->take_all();
   std::string report_out;

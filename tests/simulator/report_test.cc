@@ -158,7 +158,7 @@ TEST_CASE("report writes two well-formed plots of one run") {
   TempRun run("single");
   run.write(synthetic_csv(10, 2, 250000));  // 5 evaluated rounds, 250 KB .. 2.5 MB cumulative
   std::vector<std::string> paths = write_report(run.str());
-  REQUIRE(paths.size() == 7);
+  REQUIRE(paths.size() == 8);
   CHECK(paths[0] == (run.dir / "accuracy_vs_round.svg").string());
   CHECK(paths[1] == (run.dir / "accuracy_vs_bytes.svg").string());
   CHECK(paths[2] == (run.dir / "loss_vs_round.svg").string());
@@ -329,7 +329,7 @@ TEST_CASE("report: loss plot (test and training), y axis scaled to the data, --o
   run.write(o.str());
   const fs::path out = run.dir / "plots";
   std::vector<std::string> paths = write_report(run.str(), {}, out.string());
-  REQUIRE(paths.size() == 7);
+  REQUIRE(paths.size() == 8);
   for (const std::string& p : paths) CHECK(fs::path(p).parent_path() == out);
   CHECK_FALSE(fs::exists(run.dir / "accuracy_vs_round.svg"));  // only in --out
   const std::string acc = slurp(paths[0]), loss = slurp(paths[2]);
@@ -358,7 +358,7 @@ TEST_CASE("report: uplink, downlink and total bytes, and a runs table with the s
          "compression = \"dgc:ratio=0.01\"\ndownlink = \"none\"\nout = \"runs/dgc\"\n"
          "\n[profiles]\nuplink_mbps = 5\n";
   const std::vector<std::string> paths = write_report(dense.str(), {dgc.str()});
-  REQUIRE(paths.size() == 7);
+  REQUIRE(paths.size() == 8);
   CHECK(paths[4] == (dense.dir / "accuracy_vs_total_bytes.svg").string());
   CHECK(paths[5] == (dense.dir / "bytes_vs_round.svg").string());
   CHECK(paths[6] == (dense.dir / "runs.md").string());
@@ -379,13 +379,13 @@ TEST_CASE("report: uplink, downlink and total bytes, and a runs table with the s
   INFO(md);
   CHECK(contains(md,
                  "| run | compression | downlink | rounds | final accuracy | best accuracy | uplink | "
-                 "downlink bytes | total bytes | differing settings |"));
+                 "downlink bytes | total bytes | simulated s | simulated s to 90.00% | differing settings |"));
   CHECK(contains(md,
-                 "| dense | `none` | `none` | 4 | 90.00% | 90.00% | 4 KB | 16 KB | 20 KB | lr = 0.1, "
+                 "| dense | `none` | `none` | 4 | 90.00% | 90.00% | 4 KB | 16 KB | 20 KB | 2.0 | 2.0 | lr = 0.1, "
                  "profiles.uplink_mbps = 10 |"));
   CHECK(contains(md,
-                 "| dgc | `dgc:ratio=0.01` | `none` | 4 | 90.00% | 90.00% | 40 B | 160 B | 200 B | lr = 0.05, "
-                 "profiles.uplink_mbps = 5 |"));
+                 "| dgc | `dgc:ratio=0.01` | `none` | 4 | 90.00% | 90.00% | 40 B | 160 B | 200 B | 2.0 | 2.0 | "
+                 "lr = 0.05, profiles.uplink_mbps = 5 |"));
   CHECK(contains(md, "The runs differ in `lr`, `compression`, `profiles.uplink_mbps` (besides `out`)."));
   CHECK_FALSE(contains(md, "seed ="));
   // The page carries the same settings for its runs table.
@@ -393,4 +393,108 @@ TEST_CASE("report: uplink, downlink and total bytes, and a runs table with the s
   CHECK(contains(page,
                  "\"settings\":[[\"compression\",\"none\"],[\"downlink\",\"none\"],[\"lr\",\"0.1\"],"
                  "[\"profiles.uplink_mbps\",\"10\"]]"));
+}
+
+namespace {
+
+// (x position, value) of each x tick label, in document order.
+std::vector<std::pair<double, double>> x_tick_labels(const std::string& svg) {
+  std::vector<std::pair<double, double>> out;
+  const size_t g = svg.find("<g class=\"x-ticks\"");
+  const size_t end = svg.find("</g>", g);
+  for (size_t p = svg.find("<text x=\"", g); p != std::string::npos && p < end; p = svg.find("<text x=\"", p + 1)) {
+    const size_t v = svg.find('>', p) + 1;
+    out.emplace_back(std::atof(svg.c_str() + p + 9), std::atof(svg.c_str() + v));
+  }
+  return out;
+}
+
+// The x values of a polyline's points, mapped back through the axis ticks.
+std::vector<double> x_values(const std::string& svg, const std::string& points) {
+  const auto ticks = x_tick_labels(svg);
+  REQUIRE(ticks.size() >= 2);
+  const double scale = (ticks.back().second - ticks.front().second) / (ticks.back().first - ticks.front().first);
+  std::vector<double> xs;
+  std::istringstream in(points);
+  for (std::string pt; in >> pt;)
+    xs.push_back(ticks.front().second + (std::atof(pt.c_str()) - ticks.front().first) * scale);
+  return xs;
+}
+
+}  // namespace
+
+TEST_CASE("report: accuracy against simulated time puts a synchronous and an asynchronous run on one clock") {
+  TempRun sync("sync"), async("async"), slow("slow");
+  // Sync: 3 rounds of 10 simulated seconds, accuracy 0.5, 0.6, 0.7 at 10, 20, 30 s.
+  sync.write(std::string(kHeader) +
+             "1,0.5,1,1,100,100,10,0.01,10,0\n2,0.6,1,1,100,100,10,0.01,10,0\n"
+             "3,0.7,1,1,100,100,10,0.01,10,0\n");
+  // Async: 6 steps of 2.5 s, evaluated every second step: 0.55, 0.72, 0.8 at 5, 10, 15 s.
+  std::ostringstream a;
+  a << kHeader;
+  const double acc[] = {0.55, 0.72, 0.8};
+  for (int s = 1; s <= 6; ++s) {
+    a << s << ",";
+    if (s % 2 == 0)
+      a << acc[s / 2 - 1] << ",0.9";
+    else
+      a << ",";
+    a << ",1,100,100,2.5,0.01,10,0\n";
+  }
+  async.write(a.str());
+  // Never reaches the synchronous run's final accuracy.
+  slow.write(std::string(kHeader) + "1,0.3,1,1,100,100,20,0.01,10,0\n2,0.4,1,1,100,100,20,0.01,10,0\n");
+
+  const std::vector<std::string> paths = write_report(sync.str(), {async.str(), slow.str()});
+  REQUIRE(paths.size() == 8);
+  CHECK(paths[7] == (sync.dir / "accuracy_vs_sim_time.svg").string());
+  const std::string svg = slurp(paths[7]);
+  std::string why;
+  CHECK_MESSAGE(well_formed(svg, &why), why);
+  CHECK(contains(svg, ">simulated time (s)</text>"));
+  CHECK(contains(svg, ">sync</text>"));
+  CHECK(contains(svg, ">async</text>"));
+  const std::vector<std::string> lines = polylines(svg);
+  REQUIRE(lines.size() == 3);
+  const std::vector<double> xs_sync = x_values(svg, lines[0]), xs_async = x_values(svg, lines[1]),
+                            xs_slow = x_values(svg, lines[2]);
+  const std::vector<double> want_sync{10, 20, 30}, want_async{5, 10, 15}, want_slow{20, 40};
+  REQUIRE(xs_sync.size() == want_sync.size());
+  REQUIRE(xs_async.size() == want_async.size());
+  REQUIRE(xs_slow.size() == want_slow.size());
+  for (size_t i = 0; i < want_sync.size(); ++i) CHECK(xs_sync[i] == doctest::Approx(want_sync[i]).epsilon(1e-3));
+  for (size_t i = 0; i < want_async.size(); ++i) CHECK(xs_async[i] == doctest::Approx(want_async[i]).epsilon(1e-3));
+  for (size_t i = 0; i < want_slow.size(); ++i) CHECK(xs_slow[i] == doctest::Approx(want_slow[i]).epsilon(1e-3));
+  // The round plot keeps rounds and steps on its own axis: the async run's last point is at step 6.
+  const std::string by_round = slurp(paths[0]);
+  CHECK(x_values(by_round, polylines(by_round)[1]).back() == doctest::Approx(6).epsilon(1e-3));
+
+  // The runs table: total simulated time and when each run first reached the sync run's final 70%.
+  const std::string md = slurp(paths[6]);
+  INFO(md);
+  CHECK(contains(md, "| simulated s | simulated s to 70.00% |"));
+  CHECK(contains(md, "| sync | `?` | `?` | 3 | 70.00% | 70.00% | 300 B | 300 B | 600 B | 30.0 | 30.0 | - |"));
+  CHECK(contains(md, "| async | `?` | `?` | 6 | 80.00% | 80.00% | 600 B | 600 B | 1.2 KB | 15.0 | 10.0 | - |"));
+  CHECK(contains(md, "| slow | `?` | `?` | 2 | 40.00% | 40.00% | 200 B | 200 B | 400 B | 40.0 | - | - |"));
+}
+
+TEST_CASE("report: a short run's simulated-time axis is not forced to whole seconds, and negative time is refused") {
+  TempRun run("subsecond");
+  run.write(std::string(kHeader) +
+            "1,0.5,1,1,100,100,0.1,0.01,10,0\n2,0.6,1,1,100,100,0.1,0.01,10,0\n"
+            "3,0.7,1,1,100,100,0.1,0.01,10,0\n");
+  const std::vector<std::string> paths = write_report(run.str());
+  const std::string svg = slurp(paths[7]);
+  CHECK(contains(svg, "Accuracy vs simulated time (subsecond)"));
+  const auto ticks = x_tick_labels(svg);
+  REQUIRE(ticks.size() >= 3);
+  CHECK(ticks.back().second == doctest::Approx(0.3).epsilon(1e-6));  // not stretched to 1 s
+  const std::vector<double> xs = x_values(svg, polylines(svg).at(0));
+  REQUIRE(xs.size() == 3);
+  CHECK(xs[2] == doctest::Approx(0.3).epsilon(1e-3));
+
+  TempRun bad("negative_time");
+  bad.write(std::string(kHeader) + "1,0.5,1,1,100,100,-1,0.01,10,0\n");
+  CHECK(contains(error_of<sparrow::FormatError>([&] { write_report(bad.str()); }), "sim_round_s"));
+  CHECK_FALSE(fs::exists(bad.dir / "accuracy_vs_sim_time.svg"));
 }
