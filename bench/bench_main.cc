@@ -187,6 +187,10 @@ int bench_compress(int64_t n, int repeat, const std::string& only) {
 // in memory), plus 4 for the finiteness check of g and 4 for the selection's
 // second read of v (its threshold is known only after the whole update): 28,
 // 3.5x the copy, plus a few microseconds per launch (about 17 per call).
+// dgc_device_fused is encode_device(..., fused = true): one pass reads g, u, v
+// and writes the new u, v to a second pair of buffers with the finiteness flag
+// and the candidates above the sampled threshold (20 bytes per element, 2.5x
+// the copy, plus the candidates), the selection reading only the candidates.
 int bench_compress_cuda(int64_t n, int repeat, const std::string& only) {
 #if SPARROW_WITH_CUDA
   if (!at::hasCUDA()) {
@@ -243,8 +247,9 @@ int bench_compress_cuda(int64_t n, int repeat, const std::string& only) {
     const at::Tensor& x2 = x;
     auto compressor = compression::make_compressor(dgc_spec);
     constexpr int kCalls = 20;
-    for (const int variant : {0, 1, 2}) {  // dgc_device, dgc_device_fold, dgc_device_unchecked
-      const bool fold = variant == 1, check = variant != 2;
+    // dgc_device, dgc_device_fold, dgc_device_unchecked, dgc_device_fused
+    for (const int variant : {0, 1, 2, 3}) {
+      const bool fold = variant == 1, check = variant != 2, fused = variant == 3;
       compression::State state;
       compression::Context ctx;
       ctx.name = "grad";
@@ -252,7 +257,8 @@ int bench_compress_cuda(int64_t n, int repeat, const std::string& only) {
       const double ms = timed(repeat,
                               [&] {
                                 for (int c = 0; c < kCalls; ++c) {
-                                  const auto d = compression::cuda::encode_device(*compressor, x2, state, ctx, check);
+                                  const auto d =
+                                      compression::cuda::encode_device(*compressor, x2, state, ctx, check, fused);
                                   if (fold) compression::cuda::fold_device(d, 1.0f, acc);
                                 }
                               }) /
@@ -260,6 +266,7 @@ int bench_compress_cuda(int64_t n, int repeat, const std::string& only) {
       std::cout << "{\"bench\":\"compress\",\"device\":\"cuda\",\"case\":\""
                 << (variant == 0 ? "dgc_device"
                     : fold       ? "dgc_device_fold"
+                    : fused      ? "dgc_device_fused"
                                  : "dgc_device_unchecked")
                 << "\",\"spec\":\"" << dgc_spec << "\",\"elements\":" << n << ",\"calls\":" << kCalls
                 << ",\"encode_ms\":" << json_number(ms) << ratios(ms) << "}" << std::endl;

@@ -21,6 +21,9 @@
 // dashboard (--http) and 4 simulated browser tabs polling its endpoints
 // without pause; the round times side by side and each endpoint's latency.
 //
+// "async": the service in mode = "async" under the same clients
+// (server_async_bench.cc).
+//
 // "dense": one client sends one dense fp32 update of 25M parameters (100 MB);
 // mb_per_s = update bytes / (send -> Ack), median of `repeat` rounds, over
 // plain TCP and over CURVE.
@@ -720,8 +723,8 @@ int bench_server(const ServerBenchOptions& o) {
   {
     std::stringstream ss(o.cases);
     for (std::string c; std::getline(ss, c, ',');)
-      SPARROW_CHECK_T(ConfigError, c == "ingest" || c == "dense" || c == "dashboard",
-                      "--cases: unknown case '" << c << "' (ingest, dense, dashboard)");
+      SPARROW_CHECK_T(ConfigError, c == "ingest" || c == "dense" || c == "dashboard" || c == "async",
+                      "--cases: unknown case '" << c << "' (ingest, dense, dashboard, async)");
   }
   raise_nofile();
   // 1,000 Hellos would log 1,000 lines; SPARROW_BENCH_DEBUG=1 shows them.
@@ -731,6 +734,11 @@ int bench_server(const ServerBenchOptions& o) {
   const std::string cases = "," + o.cases + ",";
   if (cases.find(",ingest,") != std::string::npos) rc |= bench_ingest(o, dir.path);
   if (cases.find(",dense,") != std::string::npos) rc |= bench_dense(o, dir.path);
+  if (cases.find(",async,") != std::string::npos) {
+    TempDir a(o.tmp), b(o.tmp);
+    rc |= bench_async(o, a.path, std::max(1, o.clients / 10));
+    rc |= bench_async(o, b.path, o.clients);
+  }
   if (cases.find(",dashboard,") != std::string::npos) {
     // The same ingest without the dashboard, with it and 20 tabs polling at
     // the page's cadence, and with 4 tabs polling without pause: what

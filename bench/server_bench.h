@@ -1,6 +1,7 @@
 #pragma once
 // sparrow-bench server (see server_bench.cc and docs/performance.md, "Server").
 
+#include <filesystem>
 #include <string>
 
 namespace sparrow::bench {
@@ -15,7 +16,11 @@ struct ServerBenchOptions {
 };
 
 // Runs a real sparrow::server::Server in-process on 127.0.0.1 and a load
-// generator against it; prints one JSON line per case ("ingest", "dense").
+// generator against it; prints one JSON line per case ("ingest", "dense",
+// "dashboard", "async").
 int bench_server(const ServerBenchOptions& opts);
+// The "async" case (server_async_bench.cc): mode = "async" with `buffer`
+// under `clients` CURVE clients, keys and database in `dir`; one JSON line.
+int bench_async(const ServerBenchOptions& opts, const std::filesystem::path& dir, int buffer);
 
 }  // namespace sparrow::bench

@@ -379,8 +379,8 @@ class DgcCompressor final : public Compressor {
   // copy and no synchronisation. The selected set, the values and u, v equal
   // the CPU path's for the same inputs and state, except with clip > 0, where
   // ||g||2 is an ATen device reduction whose last bits may differ from l2_norm.
-  cuda::DeviceEncoded encode_device(const at::Tensor& x_in, State& state, const Context& ctx,
-                                    bool check_finite = true) const {
+  cuda::DeviceEncoded encode_device(const at::Tensor& x_in, State& state, const Context& ctx, bool check_finite = true,
+                                    bool fused = false) const {
     const at::Tensor x = cuda::as_cuda_tensor(x_in, "dgc");
     cuda::DeviceEncoded d;
     d.shape = shape_of(x);
@@ -434,10 +434,25 @@ class DgcCompressor final : public Compressor {
     s.sample_rank = std::min(std::max<int64_t>(plan.top_k_samples, 1), s.sample_count);
     s.k = plan.k;
     s.check_finite = check_finite;
-    at::Tensor ws = cuda::scratch_bytes(cuda::dgc_device_workspace_bytes(n, s.sample_count), x);
+    // Fused: the new state goes to a second pair of buffers, which become the
+    // slots (a rejected input leaves copies of the old values there).
+    at::Tensor u_next, v_next;
+    if (fused) {
+      u_next = at::empty_like(ut);
+      v_next = at::empty_like(vt);
+      s.u_out = u_next.data_ptr<float>();
+      s.v_out = v_next.data_ptr<float>();
+    }
+    at::Tensor ws = cuda::scratch_bytes(cuda::dgc_device_workspace_bytes(s), x);
     cuda::dgc_encode_device(x.data_ptr<float>(), ut.data_ptr<float>(), vt.data_ptr<float>(), s, ws.data_ptr(),
                             d.indices.data_ptr<int64_t>(), d.values.data_ptr<float>(), d.count.data_ptr<int64_t>(),
                             d.status.data_ptr<int32_t>(), cuda::current_stream());
+    if (fused) {
+      cuda::retire_on_current_stream(ut);  // still read by the queued kernels
+      cuda::retire_on_current_stream(vt);
+      ut = u_next;
+      vt = v_next;
+    }
     ++state.step;
     return d;
   }
@@ -483,10 +498,10 @@ void register_dgc() {
 namespace sparrow::compression::cuda {
 
 DeviceEncoded encode_device(const Compressor& codec, const at::Tensor& x, State& state, const Context& ctx,
-                            bool check_finite) {
+                            bool check_finite, bool fused) {
   const auto* dgc = dynamic_cast<const detail::DgcCompressor*>(&codec);
   SPARROW_CHECK(dgc != nullptr, "encode_device: only the dgc codec encodes on the device, got " << codec.method());
-  return dgc->encode_device(x, state, ctx, check_finite);
+  return dgc->encode_device(x, state, ctx, check_finite, fused);
 }
 
 void fold_device(const DeviceEncoded& e, float weight, at::Tensor& dense) {

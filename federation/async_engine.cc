@@ -122,7 +122,7 @@ AsyncEngine::Folded AsyncEngine::add(const std::string& client, uint64_t from_ve
   f.discount = staleness_(f.staleness);
   // The sample weight times the discount, one product: with "const" the
   // discount is 1 and the weight is the synchronous fold's, exactly.
-  acc_.add(a.update, a.weight * f.discount, contexts_);  // all or nothing
+  acc_.add(a.update, a.weight * f.discount, contexts_, client);  // all or nothing
   add_side_sums(a, control_sum_, metric_sum_, metric_weight_);
   ++count_;
   max_staleness_ = std::max(max_staleness_, f.staleness);

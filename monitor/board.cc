@@ -142,7 +142,13 @@ std::string Board::progress_json() const {
     << ",\"rounds_total\":" << total << ",\"clients_connected\":" << p.clients_connected
     << ",\"min_clients\":" << min_clients << ",\"quorum\":" << quorum << ",\"accuracy\":" << json_number(accuracy, 9)
     << ",\"accuracy_round\":" << accuracy_round << ",\"bytes_up_total\":" << up << ",\"bytes_down_total\":" << down
-    << ",\"eta_s\":" << json_number(eta, 9) << ",\"now\":" << time_json(unix_now()) << '}';
+    << ",\"eta_s\":" << json_number(eta, 9) << ",\"now\":" << time_json(unix_now());
+  if (p.async)
+    o << ",\"async\":{\"version\":" << p.version << ",\"staleness_max\":" << json_number(p.staleness_max, 9)
+      << ",\"staleness_mean\":" << json_number(p.staleness_mean, 9)
+      << ",\"updates_per_min\":" << json_number(p.updates_per_min, 9) << ",\"in_flight\":" << p.in_flight
+      << ",\"tasks_expired\":" << p.tasks_expired << '}';
+  o << '}';
   return o.str();
 }
 

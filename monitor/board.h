@@ -11,6 +11,7 @@
 // The JSON renderers are the dashboard's API (docs/monitoring.md lists every
 // field); prometheus() is the text exposition format 0.0.4.
 
+#include <cmath>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -55,6 +56,14 @@ struct Progress {
   double deadline = 0;  // unix seconds; NaN = none
   int64_t rounds_completed = 0;
   int64_t clients_connected = 0;
+  // mode = "async" (docs/async.md): a round is a step of the model version.
+  bool async = false;
+  int64_t version = 0;         // steps taken: the model version tasks carry
+  double staleness_max = NAN;  // of the last step's buffer
+  double staleness_mean = NAN;
+  double updates_per_min = NAN;  // accepted updates over the last minute
+  int64_t in_flight = 0;         // tasks out now
+  int64_t tasks_expired = 0;     // tasks given up (deadline, disconnect) since start
 };
 
 struct ClientInfo {

@@ -69,14 +69,19 @@ const std::vector<std::string> kIdentityKeys = {"model",
                                                 "clients_per_round",
                                                 "clients",
                                                 "sampler",
-                                                "feddyn_alpha"};  // (*)
+                                                "feddyn_alpha",
+                                                "mode",
+                                                "buffer",
+                                                "staleness"};  // (*)
 
 // Identity keys added after runs existed: part of the identity only when set,
 // so databases of earlier versions keep their hash.
 bool default_identity(const std::string& key, const std::string& value) {
   return (key == "aggregator" && value == "\"mean\"") || (key == "dp" && value == "\"none\"") ||
          (key == "secagg" && value == "\"none\"") || (key == "clients" && value == "0") ||
-         (key == "sampler" && value == "\"auto\"") || (key == "feddyn_alpha" && (value == "0" || value == "0.0"));
+         (key == "sampler" && value == "\"auto\"") || (key == "feddyn_alpha" && (value == "0" || value == "0.0")) ||
+         (key == "mode" && value == "\"sync\"") || (key == "buffer" && value == "0") ||
+         (key == "staleness" && value == "\"poly:a=0.5\"");
 }
 
 // "key = value" lines of `c`: every key in bind order, or the identity keys.
@@ -130,8 +135,17 @@ void validate(const ServerConfig& c) {
   // ZeroMQ keeps the heartbeat TTL (3 x heartbeat_ms) in deciseconds below 2^16.
   if (c.heartbeat_ms < 10 || c.heartbeat_ms > 600000) bad("heartbeat_ms", "must be in [10, 600000]");
   // What a deployment refuses that a simulation takes.
-  if (c.mode == "async")
-    bad("mode", "\"async\" runs in sparrow-sim only for now (docs/async.md); sparrow-server runs mode = \"sync\"");
+  // mode = "async" (docs/async.md): what the shared engine refuses is
+  // federation::validate's (check_async, as in sparrow-sim); these are the
+  // service's own. round_deadline_s is each task's deadline there.
+  if (c.mode == "async") {
+    const char* why =
+        "has no effect with mode = \"async\" (there are no rounds to close: a step is taken every "
+        "`buffer` updates)";
+    if (c.quorum != ServerConfig{}.quorum) bad("quorum", why);
+    if (c.max_round_wait_s != 0) bad("max_round_wait_s", why);
+    if (c.gateway()) bad("upstream", "a gateway relays synchronous rounds of its root; it cannot run mode = \"async\"");
+  }
   if (aggregation::DpSpec::parse(c.dp).mode == aggregation::DpSpec::Mode::kLocal)
     bad("dp", "local DP is each client's own setting (sparrow-client's `dp` key); the server takes none or central");
   const secagg::Params sa = secagg::Params::parse(c.secagg);
@@ -152,7 +166,7 @@ void validate(const ServerConfig& c) {
     bad("quorum", "must be in [1, " + std::to_string(most) +
                       "] (no more than the clients a round may select: min(clients_per_round, min_clients))");
   if (const aggregation::RobustSpec robust = aggregation::RobustSpec::parse(c.aggregator);
-      robust.min_updates() > c.quorum)
+      c.mode != "async" && robust.min_updates() > c.quorum)  // async: check_async holds it against `buffer`
     bad("aggregator", "'" + c.aggregator + "' needs at least " + std::to_string(robust.min_updates()) +
                           " updates per round: raise quorum (now " + std::to_string(c.quorum) + ") or lower f");
   // Below 0.1 s no client can train and answer: every round would be abandoned.

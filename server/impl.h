@@ -12,6 +12,9 @@
 //   round.cc          driving the round (federation::RoundEngine, the simulator's
 //                     engine): selection, tasks, deadlines and quorum, closing,
 //                     the global step, the round's record
+//   async_round.cc    mode = "async" (federation::AsyncEngine, the simulator's
+//                     engine): tasks to free clients, the fold with its durable
+//                     record before the Ack, the step every `buffer` updates
 //   secagg_round.cc   SecAgg+ orchestration: setup, the four exchanges, offenders,
 //                     the unmasked sum folded into the aggregate
 //   checkpoint.cc     the server database: open, resume, checkpoint contents;
@@ -49,6 +52,7 @@
 #include "core/datasets.h"
 #include "core/models.h"
 #include "core/refusal_log.h"
+#include "federation/async_engine.h"
 #include "federation/global_model.h"
 #include "federation/round_engine.h"
 #include "monitor/board.h"
@@ -316,6 +320,9 @@ struct Server::Impl {
   void handle_update(size_t w, const std::string& rid, wire::ModelUpdate u, size_t frame_bytes);
   // Verifies and adds one update from worker w; all-or-nothing.
   void fold(size_t w, wire::ModelUpdate& u);
+  // The update as the engines fold it (SCAFFOLD's control delta checked,
+  // FedNova's weight); FormatError for a bad control delta. Moves u's tensors.
+  federation::Arrival arrival_of(wire::ModelUpdate& u);
 
   // ---- the round (round.cc, round thread) -----------------------------------------
 
@@ -361,6 +368,70 @@ struct Server::Impl {
   // transaction, and publishes it.
   void record_round(const OpenedRound& o, double weight, const aggregation::AggregateStats& ast, Merged& m,
                     std::map<std::string, double>& metrics);
+
+  // ---- mode = "async" (async_round.cc, docs/async.md) -----------------------------
+  //
+  // No round barrier: the round thread hands the current model version to
+  // free clients (at most max_concurrency tasks out); a worker folds an
+  // update (AsyncEngine::add), writes it to the database and only then Acks
+  // it; the worker whose update fills the buffer takes the step, records it
+  // as round version + 1 (metrics row, checkpoint) and publishes the next
+  // version's task. A task's `round` is version + 1 and its update echoes it:
+  // the version it started from. Lock order: async_mu, then mu.
+
+  bool async_mode() const { return cfg.mode == "async"; }
+  // A client's task out: the round it carries, when it left, whether its
+  // update is being folded (then neither expired nor replaced).
+  struct AsyncTask {
+    uint64_t round = 0;
+    Clock::time_point sent;
+    bool folding = false;
+  };
+  std::map<std::string, AsyncTask> async_tasks;  // client id -> its task out (mu)
+  std::map<std::string, uint64_t> async_last;    // client id -> round of its last task (mu)
+  std::deque<Clock::time_point> async_arrivals;  // accepted updates of the last minute (mu)
+  uint64_t async_expired = 0;                    // tasks given up at their deadline or disconnect (mu)
+  Clock::time_point async_since;                 // run_async began (mu)
+  bool async_stepping = false;                   // the buffer is full, its step not yet published (mu)
+  // Under async_mu: the engine and the step's record.
+  std::mutex async_mu;
+  // An update folded and staged for its durable write; its Ack waits for it.
+  struct PendingAck {
+    std::string rid, cid;
+    uint64_t round = 0;
+    size_t frame_bytes = 0;
+    AsyncUpdateRow row;
+  };
+  std::mutex pending_mu;                  // a leaf lock: async_pending only
+  std::vector<PendingAck> async_pending;  // staged in fold order (pending_mu)
+  std::mutex store_mu;                    // the store's writes: the round thread's batches, a worker's step
+  std::atomic<size_t> async_buffered{0};  // updates in the buffer (the dashboard)
+  std::unique_ptr<federation::AsyncEngine> async;
+  OpenedRound async_open;          // the step being filled: its start, its clients, the byte counters then
+  std::exception_ptr async_error;  // a step that could not be recorded: run() rethrows it
+
+  // init(): the engine at the resumed version, with the acknowledged updates
+  // of the unfinished buffer folded again in their order (store.h).
+  void init_async();
+  // run(): the round thread until the rounds are done or stop().
+  void run_async();
+  // Under mu: tasks to free live clients, least recently handed one first.
+  void async_hand_out(Clock::time_point now);
+  // Under async_mu: the task contents of the current version, published under mu.
+  void publish_async_context();
+  // Worker: checks the update against its client's task, folds it, stages
+  // its durable record (the round thread writes and Acks it), and steps when
+  // the buffer is full.
+  void handle_async_update(const std::string& rid, wire::ModelUpdate u, size_t frame_bytes);
+  // Under async_mu and store_mu: the global step of the full buffer and its record.
+  void async_step();
+  // Round thread (group commit): the staged updates written in one
+  // transaction, then acknowledged (or refused when the write failed).
+  void flush_async_pending();
+  // Frees the slots of `batch` and answers Ack (durable) or Error.
+  void ack_async(const std::vector<PendingAck>& batch, bool durable);
+  // The progress line's async figures (dashboard).
+  void publish_async_progress();
 
   // ---- secure aggregation (secagg_round.cc, docs/security.md) ---------------------
 

@@ -80,6 +80,9 @@ void Server::Impl::send_task(const std::string& rid, Session& s, const RoundCont
   if (auto it = sa_setup.find(s.client_id); it != sa_setup.end()) t.secagg = it->second;
   // A gateway's round 1 model is the root's B_0: sent in full (the client's
   // own seed-built model follows this server's model_seed, not the root's).
+  // By what the client holds, in both modes: in mode = "async" (round =
+  // version + 1) a client whose last task was of the version before gets the
+  // downlink's delta, one with an older model the whole model.
   if (s.last_round && *s.last_round == r - 1 && !(rc.relay_train && r == 1)) {
     t.model_encoding = wire::ModelEncoding::kDelta;
     t.base_round = r - 1;
@@ -365,9 +368,11 @@ void Server::Impl::record_round(const OpenedRound& o, double weight, const aggre
   std::vector<ClientRow> dirty;
   {
     std::lock_guard<std::mutex> g(mu);
-    row.updates = round_accepted;
+    // An async step: its buffer's updates; the refusals since the last step.
+    row.updates = async_mode() ? static_cast<int64_t>(o.chosen.size()) : round_accepted;
     row.rejected = round_rejected;
     row.stale = round_stale;
+    if (async_mode()) round_accepted = round_rejected = round_stale = 0;
     for (const auto& cid : dirty_clients) dirty.push_back(clients[cid]);
     dirty_clients.clear();
   }

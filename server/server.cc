@@ -91,6 +91,7 @@ void Server::Impl::init(Weights initial) {
     spdlog::info("event=http url={} token={}", http->url(), cfg.http_token.empty() ? 0 : 1);
   }
   open_store();
+  if (async_mode()) init_async();  // after the resume: the engine at its version
   publish_history();
   spdlog::info("event=listening endpoint={} curve={} run_id={} model={} digest={} round={}", endpoint,
                cfg.insecure ? 0 : 1, run_id, cfg.model, digest, completed.load());
@@ -164,8 +165,11 @@ void Server::run() {
   s.ran = true;
   s.start_threads();
   try {
-    while (!s.stop.load() && s.completed.load() < s.cfg.rounds)
-      if (!s.run_round()) break;
+    if (s.async_mode())
+      s.run_async();  // async_round.cc
+    else
+      while (!s.stop.load() && s.completed.load() < s.cfg.rounds)
+        if (!s.run_round()) break;
   } catch (...) {
     s.stop_threads();
     throw;

@@ -127,6 +127,15 @@ void Server::Impl::handle_hello(const std::string& rid, const std::string& key, 
   reply(rid, msg(w));
   spdlog::info("event=hello client={} samples={} last_round={} software=\"{}\" sessions={}", h.client_id, h.num_samples,
                h.last_round ? std::to_string(*h.last_round) : "none", core::printable(h.software), sessions.size());
+  // Async: a task out to this client is given up (it restarted, or its
+  // connection did); the next hand-out gives it the current version.
+  if (async_mode()) {
+    auto t = async_tasks.find(h.client_id);
+    if (t != async_tasks.end() && !t->second.folding) {
+      async_tasks.erase(t);
+      async_last.erase(h.client_id);
+    }
+  }
   // Selected in the open round and still owing its update: (re)send the task.
   if (round_open) {
     auto sel = selected.find(h.client_id);
@@ -155,7 +164,9 @@ void Server::Impl::sweep() {
   const auto limit = std::chrono::milliseconds(3 * cfg.heartbeat_ms);
   for (auto it = sessions.begin(); it != sessions.end();) {
     const Session& s = it->second;
-    bool owes = false;
+    // A client training an async task sends nothing until its update: the
+    // task's deadline governs it.
+    bool owes = async_tasks.count(s.client_id) > 0;
     if (round_open) {
       auto sel = selected.find(s.client_id);
       owes = sel != selected.end() && sel->second != Status::kDone;

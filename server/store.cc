@@ -9,7 +9,9 @@
 namespace sparrow::server {
 namespace {
 
-constexpr int kSchemaVersion = 4;  // 2: checkpoints.aggregator; 3: checkpoints.checksum; 4: clients.bytes_up/down
+// 2: checkpoints.aggregator; 3: checkpoints.checksum; 4: clients.bytes_up/down;
+// 5: async_updates (mode = "async": the acknowledged updates of the open buffer)
+constexpr int kSchemaVersion = 5;
 
 const char* kSchema =
     "CREATE TABLE IF NOT EXISTS runs(run_id TEXT PRIMARY KEY, config_hash TEXT NOT NULL, config TEXT NOT NULL, "
@@ -24,7 +26,9 @@ const char* kSchema =
     "num_samples INTEGER, software TEXT, bytes_up INTEGER DEFAULT 0, bytes_down INTEGER DEFAULT 0);"
     "CREATE TABLE IF NOT EXISTS checkpoints(round INTEGER PRIMARY KEY, weights BLOB NOT NULL, server_opt BLOB, "
     "control BLOB, broadcast BLOB, downlink_state BLOB, downlink_last BLOB, acp BLOB, rng TEXT, aggregator BLOB, "
-    "checksum INTEGER);";
+    "checksum INTEGER);"
+    "CREATE TABLE IF NOT EXISTS async_updates(seq INTEGER PRIMARY KEY, step INTEGER NOT NULL, "
+    "client_id TEXT NOT NULL, body BLOB NOT NULL);";
 
 // Creates the tables of a new file; older files gain the columns their tables
 // lack (version 2: checkpoints.aggregator; 3: checkpoints.checksum, NULL for
@@ -152,8 +156,35 @@ void ServerStore::commit_round(const RoundRow& r, const std::map<std::string, do
     s.bind(1, std::max(1, keep));
     s.step();
   }
+  {
+    // Mode "async": the updates of this step's buffer are in the checkpoint now.
+    // (Rows of step r written after this step's checkpoint, by a batch that
+    // was taken before it, are dropped at the next resume and commit.)
+    sqlite::Stmt s(impl_->db, "DELETE FROM async_updates WHERE step <= ?");
+    s.bind(1, r.round);
+    s.step();
+  }
   write_clients(clients);
   t.commit();  // the destructor rolls back whatever failed before
+}
+
+void ServerStore::put_async_updates(const std::vector<const AsyncUpdateRow*>& rows) {
+  sqlite::Transaction t(impl_->db);
+  sqlite::Stmt s(impl_->db, "INSERT INTO async_updates(step, client_id, body) VALUES(?,?,?)");
+  for (const AsyncUpdateRow* r : rows) {
+    s.bind(1, r->step).bind_text(2, r->client_id).bind_blob(3, r->body);
+    s.step("write an acknowledged update");
+    s.reset();
+  }
+  t.commit();
+}
+
+std::vector<AsyncUpdateRow> ServerStore::async_updates() {
+  std::vector<AsyncUpdateRow> out;
+  if (!impl_->db.has_column("async_updates", "seq")) return out;  // a read-only open of an older file
+  sqlite::Stmt s(impl_->db, "SELECT seq, step, client_id, body FROM async_updates ORDER BY seq");
+  while (s.step()) out.push_back({s.i64(0), s.i64(1), s.blob(2), s.blob(3)});
+  return out;
 }
 
 void ServerStore::put_clients(const std::vector<ClientRow>& clients) {

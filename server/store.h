@@ -10,13 +10,16 @@
 //           rejects, num_samples, software, bytes_up, bytes_down)   one row per client ever seen
 //   checkpoints(round, weights, server_opt, control, broadcast, downlink_state, downlink_last,
 //               acp, rng)                                 the newest keep_checkpoints rounds
+//   async_updates(seq, step, client_id, body)             mode = "async": the acknowledged updates
+//                                                         of the buffer not yet stepped (docs/async.md)
 //
 // commit_round() writes the round row, its metrics, the checkpoint and the
 // changed client rows in ONE transaction: after a crash at any moment the
 // database holds either all of round r or none of it, and the newest
 // checkpoint is the state after the last completed round.
 //
-// Not thread-safe: one thread (the server's round thread) uses a store.
+// Not thread-safe: one thread at a time (the server's round thread; in mode =
+// "async" the worker that holds the async fold lock) uses a store.
 
 #include <cstdint>
 #include <map>
@@ -53,6 +56,15 @@ struct ClientRow {
   std::string software;
   uint64_t bytes_up = 0;    // frames of its accepted updates
   uint64_t bytes_down = 0;  // frames of the tasks queued to it (sent unless its connection failed)
+};
+
+// One acknowledged update of an asynchronous step not yet taken: `body` is
+// the wire ModelUpdate as folded (its round says the version it started from).
+struct AsyncUpdateRow {
+  int64_t seq = 0;   // the fold order
+  int64_t step = 0;  // the step (round) whose buffer holds it
+  std::string client_id;
+  std::string body;
 };
 
 // Everything needed to continue after round `round` with identical results.
@@ -101,6 +113,15 @@ class ServerStore {
   // the database, and the store stays usable.
   void commit_round(const RoundRow& round, const std::map<std::string, double>& metrics, const Checkpoint& ckpt,
                     const std::vector<ClientRow>& clients, int keep);
+  // Mode "async": acknowledged updates (their `step`, `client_id`, `body`;
+  // `seq` is assigned in this order), durable (one synced transaction) when
+  // this returns; their Acks are sent after. commit_round of their step
+  // deletes them in the transaction that writes the checkpoint holding them,
+  // so a crash at any moment finds every acknowledged update either in the
+  // newest checkpoint or here.
+  void put_async_updates(const std::vector<const AsyncUpdateRow*>& rows);
+  // The rows of put_async_updates in fold order (seq).
+  std::vector<AsyncUpdateRow> async_updates();
   // Client rows outside a round (shutdown; new clients' key bindings).
   void put_clients(const std::vector<ClientRow>& clients);
 

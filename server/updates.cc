@@ -17,6 +17,7 @@
 namespace sparrow::server {
 
 void Server::Impl::handle_update(size_t w, const std::string& rid, wire::ModelUpdate u, size_t frame_bytes) {
+  if (async_mode()) return handle_async_update(rid, std::move(u), frame_bytes);  // async_round.cc
   {
     std::unique_lock<std::mutex> g(mu);
     auto it = sessions.find(rid);
@@ -110,6 +111,12 @@ void Server::Impl::handle_update(size_t w, const std::string& rid, wire::ModelUp
 }
 
 void Server::Impl::fold(size_t w, wire::ModelUpdate& u) {
+  // Summed in client-id order (an early one is checked now and held until
+  // its turn): the round engine sparrow-sim folds with.
+  engine->add(w, u.client_id, arrival_of(u));
+}
+
+federation::Arrival Server::Impl::arrival_of(wire::ModelUpdate& u) {
   SPARROW_CHECK_T(FormatError, u.num_samples > 0, "num_samples must be > 0");
   // SCAFFOLD control deltas: decoded and checked before anything is added.
   Weights cdelta;
@@ -123,15 +130,13 @@ void Server::Impl::fold(size_t w, wire::ModelUpdate& u) {
       cdelta[nt.name] = d;
     }
   }
-  // Summed in client-id order (an early one is checked now and held until
-  // its turn): the round engine sparrow-sim folds with.
   federation::Arrival a;
   a.update.reserve(u.tensors.size());
   for (auto& nt : u.tensors) a.update.emplace_back(std::move(nt.name), std::move(nt.tensor));
   a.control_delta = std::move(cdelta);
   federation::fold_terms(cfg, u.num_samples, a);  // the weight (FedNova's n / a_i) and its sums
   for (const auto& [k, v] : u.metrics) a.metrics[k] += v;
-  engine->add(w, u.client_id, std::move(a));
+  return a;
 }
 
 }  // namespace sparrow::server

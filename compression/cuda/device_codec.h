@@ -37,8 +37,13 @@ struct DeviceEncoded {
 // CPU tensor. check_finite = false skips the pass over x that detects NaN and
 // infinity (4 of the 28 bytes per element the step moves) for callers that
 // know x is finite; a non-finite x then ends up in u and v.
+// fused = true runs the fused variant (docs/gpu.md): one pass reads x, u, v and
+// writes the new u, v to fresh buffers that replace the state's slots, with
+// the finiteness check in that pass (check_finite is then ignored: always on)
+// and the selection reading only the candidates above the sampled threshold
+// when that threshold is kept. Same results as the plain variant.
 DeviceEncoded encode_device(const Compressor& codec, const at::Tensor& x, State& state, const Context& ctx,
-                            bool check_finite = true);
+                            bool check_finite = true, bool fused = false);
 
 // dense (float32, same device, numel = the encoded tensor's) += weight · e,
 // scattered at e's indices with its count read on the device (a dense e adds

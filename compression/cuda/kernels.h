@@ -61,12 +61,21 @@ struct DgcDeviceStep {
   int64_t k = 0;            // the most indices sent: the outputs' capacity
   bool exact = false;       // every element sampled: no adaptation
   bool check_finite = true;
+  // Fused variant (both set): one pass reads g, u, v and writes the new state
+  // to u_out, v_out (n floats each, not aliasing u, v), flags NaN/inf and keeps
+  // the candidates |v_new| >= thr0 per tile; check_finite is then implied and
+  // free. With a non-finite g, u_out, v_out receive copies of u, v, so the
+  // caller may take them as the state either way.
+  float* u_out = nullptr;
+  float* v_out = nullptr;
 };
 
 // Device workspace for dgc_encode_device, in bytes (counts per 4096-element
 // tile and level, scans, samples, a control block). Contents need no
 // initialisation; it must not be shared by calls in flight on other streams.
 size_t dgc_device_workspace_bytes(int64_t n, int64_t sample_count);
+// The same for any step, the fused variant included (its candidate slots).
+size_t dgc_device_workspace_bytes(const DgcDeviceStep& step);
 
 // The whole DGC step on the device, asynchronous on `stream`, no host copy:
 // samples |v_new| (before writing), finds thr0 by radix select, updates u and v

@@ -47,6 +47,17 @@ inline at::Tensor& device_slot(State& state, const char* name, const at::Tensor&
   return t;
 }
 
+// A device tensor about to be dropped while kernels queued on the current
+// stream still read it: tells ATen's caching allocator not to hand its memory
+// to another stream before those kernels are done.
+inline void retire_on_current_stream(const at::Tensor& t) {
+#if defined(SPARROW_HAVE_C10_CUDA)
+  t.record_stream(c10::cuda::getCurrentCUDAStream().unwrap());
+#else
+  (void)t;  // legacy default stream: every stream waits for it
+#endif
+}
+
 // Contiguous float32 CUDA input with no NaN or infinity (the CPU codecs'
 // as_input contract); throws sparrow::Error before any state is touched.
 inline at::Tensor as_cuda_input(const at::Tensor& x, const char* method) {

@@ -595,7 +595,9 @@
     setText('progress-text', progressText(p, phase, round, of, sel, rec, done, total, sim));
     setBar('progress-bar', phase === 'done' ? 1 : (sel > 0 ? rec / sel : 0));
     // The deadline only while a round collects updates; a finished run is done.
-    if (phase === 'done') {
+    if (p.async && typeof p.async === 'object' && phase !== 'done' && phase !== 'stopped') {
+      setText('progress-deadline', asyncText(p.async));
+    } else if (phase === 'done') {
       setText('progress-deadline', 'done');
     } else if (phase === 'stopped') {
       setText('progress-deadline', 'stopped');
@@ -617,6 +619,19 @@
     renderRunTime();
   }
 
+  // mode = "async": no round deadline; the model version, the last step's
+  // staleness and the rate of accepted updates instead.
+  function asyncText(a) {
+    var parts = ['model version ' + (isNum(a.version) ? a.version : '?')];
+    if (isNum(a.updates_per_min)) parts.push(a.updates_per_min.toFixed(1) + ' updates/min');
+    if (isNum(a.staleness_mean) && isNum(a.staleness_max)) {
+      parts.push('staleness of the last step: mean ' + a.staleness_mean.toFixed(2) + ', max ' + a.staleness_max);
+    }
+    if (isNum(a.in_flight)) parts.push(a.in_flight + (a.in_flight === 1 ? ' task' : ' tasks') + ' out');
+    if (isNum(a.tasks_expired) && a.tasks_expired > 0) parts.push(a.tasks_expired + ' expired');
+    return parts.join(' ' + EM + ' ');
+  }
+
   // The progress line says what the round waits for: the clients it needs to
   // start (min_clients), the updates received of those selected and, when the
   // deadline closes a round with fewer, the quorum.
@@ -635,6 +650,7 @@
       return head + 'waiting for clients';
     }
     if (sim && phase === 'training') return head + 'training: ' + rec + ' of ' + sel + ' clients trained';
+    if (p.async && phase === 'training') return 'Step ' + round + of + ' ' + EM + ' ' + rec + ' of ' + sel + ' updates buffered';
     var text = head + phase + ': ' + rec + ' of ' + sel + ' updates received';
     if (phase === 'training' && quorum > 0 && quorum < sel) text += ', ' + quorum + ' close the round at its deadline';
     return text;

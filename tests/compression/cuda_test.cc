@@ -470,3 +470,77 @@ TEST_CASE("cuda: dgc rejects a non-finite input and leaves its state as it was")
   CHECK(a.values == b.values);
 #endif
 }
+
+// The fused variant (encode_device(..., fused = true)) against the CPU codec and
+// the plain device variant on the same states: the selection from the
+// candidates (threshold kept, the exact top-k among them) and both fallbacks
+// to the full pass over v (a lowered threshold; a tile with more candidates
+// than its slots), over several steps so the swapped state buffers are reused.
+TEST_CASE("cuda: the fused device step equals the CPU and the plain device step") {
+  if (!cuda_ready()) return;
+#if SPARROW_WITH_CUDA
+  Context ctx;
+  ctx.name = "w";
+  auto run = [&](const std::string& spec, const at::Tensor& u0, const at::Tensor& v0, const at::Tensor& g0, int steps) {
+    auto codec = make_compressor(spec);
+    State cpu, plain, fused;
+    for (State* s : {&cpu, &plain, &fused}) {
+      s->tensors["u"] = u0.clone();
+      s->tensors["v"] = v0.clone();
+    }
+    for (int step = 0; step < steps; ++step) {
+      CAPTURE(step);
+      const at::Tensor g = step == 0 ? g0 : at::randn(g0.sizes());
+      const Encoded a = codec->encode(g, cpu, ctx);
+      const cuda::DeviceEncoded p = cuda::encode_device(*codec, on_gpu(g), plain, ctx);
+      const cuda::DeviceEncoded f = cuda::encode_device(*codec, on_gpu(g), fused, ctx, true, true);
+      REQUIRE_FALSE(f.dense);
+      const int64_t cnt = host_vec<int64_t>(f.count)[0];
+      CHECK(host_vec<int32_t>(f.status)[0] == 0);
+      CHECK(cnt == static_cast<int64_t>(a.count));
+      REQUIRE(host_vec<int64_t>(p.count)[0] == cnt);
+      CHECK(host_vec<int64_t>(f.indices.slice(0, 0, cnt)) == host_vec<int64_t>(p.indices.slice(0, 0, cnt)));
+      CHECK(same_bits(f.values.slice(0, 0, cnt), p.values.slice(0, 0, cnt)));
+      at::Tensor acc = at::zeros(g.sizes(), at::TensorOptions().device(at::kCUDA));
+      cuda::fold_device(f, 1.0f, acc);
+      CHECK(same_bits(acc, codec->decode(a, ctx)));
+      CHECK(same_bits(cpu.tensors.at("u"), fused.tensors.at("u")));
+      CHECK(same_bits(cpu.tensors.at("v"), fused.tensors.at("v")));
+      CHECK(cpu.step == fused.step);
+    }
+  };
+  for (const DgcFixture& f : dgc_fixtures()) {
+    CAPTURE(f.name);
+    run(f.spec, f.u, f.v, f.g, 3);
+  }
+  at::manual_seed(23);
+  const int64_t rows = 200, cols = 1000, n = rows * cols;
+  {  // The sampled positions shrunk: count_0 is about 2k (the exact top-k), spread thinly over the tiles.
+    INFO("top-k among the candidates");
+    const at::Tensor v = at::randn({n});
+    const at::Tensor shrunk = at::where(sampled_mask(n, 0.01, 0), v * 0.9f, v).reshape({rows, cols});
+    run("dgc:ratio=0.01", at::zeros({rows, cols}), shrunk, at::zeros({rows, cols}), 2);
+  }
+  {  // Every large value in the first tile: more candidates there than slots.
+    INFO("clustered: a tile overflows");
+    at::Tensor v = at::randn({n}) * 0.01f;
+    v.slice(0, 0, 4096).mul_(1000.0f);
+    run("dgc:ratio=0.01", at::zeros({rows, cols}), v.reshape({rows, cols}), at::zeros({rows, cols}), 2);
+  }
+  run("dgc:ratio=0.001,momentum=0.9", at::zeros({512, 1000}), at::zeros({512, 1000}), at::randn({512, 1000}), 4);
+
+  // A non-finite input: status 1, nothing selected, the state as it was.
+  auto codec = make_compressor("dgc:ratio=0.01,momentum=0.9");
+  State gpu;
+  cuda::encode_device(*codec, on_gpu(at::randn({100, 500})), gpu, ctx, true, true);
+  const at::Tensor u = gpu.tensors.at("u").cpu(), v = gpu.tensors.at("v").cpu();
+  at::Tensor bad = at::randn({100, 500});
+  bad.view({-1})[777] = std::nanf("");
+  const cuda::DeviceEncoded d = cuda::encode_device(*codec, on_gpu(bad), gpu, ctx, true, true);
+  CHECK(host_vec<int32_t>(d.status)[0] == 1);
+  CHECK(host_vec<int64_t>(d.count)[0] == 0);
+  CHECK(same_bits(gpu.tensors.at("u"), u));
+  CHECK(same_bits(gpu.tensors.at("v"), v));
+  CHECK_THROWS(codec->encode(on_gpu(bad), gpu, ctx));  // encode keeps the plain variant
+#endif
+}
