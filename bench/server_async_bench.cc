@@ -40,37 +40,17 @@ namespace sparrow::bench {
 namespace {
 using Clock = std::chrono::steady_clock;
 double seconds(Clock::time_point a, Clock::time_point b) { return std::chrono::duration<double>(b - a).count(); }
-wire::Message message(wire::Body body) {
-  wire::Message m;
-  m.body = std::move(body);
-  return m;
-}
 }  // namespace
 
 int bench_async(const ServerBenchOptions& o, const std::filesystem::path& dir, int buffer) {
   const int C = o.clients;
   const int steps = std::max(1, o.rounds * C / buffer);  // as many updates as the ingest case's rounds
-  at::manual_seed(3);
-  server::Weights weights{{"w", at::randn({1000, 1000}) * 0.01}};
-  std::map<std::string, std::vector<int64_t>> shapes_map{{"w", {1000, 1000}}};
-  compression::register_builtins();
   const char* uplink = "dgc:ratio=0.001";
   const char* downlink = "topk:ratio=0.001";
-  auto dgc = compression::make_compressor(uplink);
-  compression::State st;
-  compression::Context ctx;
-  ctx.name = "w";
-  ctx.seed = 1;
-  ctx.num_workers = buffer;
-  std::vector<wire::NamedTensor> tensors{{"w", dgc->encode(at::randn({1000, 1000}), st, ctx)}};
+  const BenchModel model = bench_model(uplink, buffer);
+  const std::vector<wire::NamedTensor>& tensors = model.update;
+  const std::vector<net::KeyPair> keys = write_bench_keys(dir, C);
 
-  net::KeyPair server_keys = net::generate_keypair();
-  net::write_keypair(dir.string(), "server", server_keys);
-  std::vector<net::KeyPair> keys(static_cast<size_t>(C));
-  for (size_t i = 0; i < keys.size(); ++i) {
-    keys[i] = net::generate_keypair();
-    net::write_keypair((dir / "allow").string(), "client-" + std::to_string(i), keys[i]);
-  }
   server::ServerConfig cfg;
   cfg.listen = "tcp://127.0.0.1:*";
   cfg.model = "bench-plain";
@@ -89,35 +69,14 @@ int bench_async(const ServerBenchOptions& o, const std::filesystem::path& dir, i
   cfg.workers = o.workers;
   cfg.max_message_mb = 64;
 
-  RunningServer srv(cfg, weights);
-  const uint64_t digest = core::model_digest(shapes_map);
+  RunningServer srv(cfg, model.weights);
+  const uint64_t digest = model.digest;
   SPARROW_CHECK(digest == srv.get().model_digest(), "model digest differs from the server's");
   zmq::context_t cctx(1);
-  cctx.set(zmq::ctxopt::max_sockets, C + 64);
-  std::vector<zmq::socket_t> socks;
-  socks.reserve(static_cast<size_t>(C));
-  std::vector<std::string> ids(static_cast<size_t>(C));
-  for (int i = 0; i < C; ++i) {
-    socks.emplace_back(cctx, zmq::socket_type::dealer);
-    zmq::socket_t& s = socks.back();
-    net::make_curve_client(s, keys[static_cast<size_t>(i)], srv.get().public_key());
-    net::set_limits(s, cfg.max_message_bytes());
-    s.connect(srv.get().endpoint());
-    char id[32];
-    std::snprintf(id, sizeof(id), "bench-%05d", i);
-    ids[static_cast<size_t>(i)] = id;
-    wire::Hello h;
-    h.client_id = id;
-    h.num_samples = 100;
-    h.model = cfg.model;
-    h.model_digest = digest;
-    h.last_round = 0;
-    h.software = "sparrow-bench";
-    net::send(s, message(h));
-  }
-  std::vector<zmq::pollitem_t> items(static_cast<size_t>(C));
-  for (int i = 0; i < C; ++i)
-    items[static_cast<size_t>(i)] = {static_cast<void*>(socks[static_cast<size_t>(i)]), 0, ZMQ_POLLIN, 0};
+  BenchClients clients = connect_bench_clients(cctx, srv.get(), keys, cfg.max_message_bytes(), cfg.model, digest);
+  std::vector<zmq::socket_t>& socks = clients.socks;
+  const std::vector<std::string>& ids = clients.ids;
+  std::vector<zmq::pollitem_t>& items = clients.items;
   uint64_t sent = 0, acked = 0, errors = 0, tasks = 0, full_tasks = 0;
   uint64_t task_bytes = 0;
   size_t update_bytes = 0;

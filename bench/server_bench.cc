@@ -69,6 +69,68 @@
 #include "wire/wire.h"
 
 namespace sparrow::bench {
+
+wire::Message message(wire::Body body) {
+  wire::Message m;
+  m.body = std::move(body);
+  return m;
+}
+
+BenchModel bench_model(const std::string& uplink, int num_workers) {
+  BenchModel out;
+  at::manual_seed(3);
+  out.weights = {{"w", at::randn({1000, 1000}) * 0.01}};
+  out.digest = core::model_digest(std::map<std::string, std::vector<int64_t>>{{"w", {1000, 1000}}});
+  compression::register_builtins();
+  auto dgc = compression::make_compressor(uplink);
+  compression::State st;
+  out.context.name = "w";
+  out.context.seed = 1;
+  out.context.num_workers = num_workers;
+  out.update = {{"w", dgc->encode(at::randn({1000, 1000}), st, out.context)}};
+  return out;
+}
+
+std::vector<net::KeyPair> write_bench_keys(const std::filesystem::path& dir, int clients) {
+  net::write_keypair(dir.string(), "server", net::generate_keypair());
+  std::vector<net::KeyPair> keys(static_cast<size_t>(clients));
+  for (size_t i = 0; i < keys.size(); ++i) {
+    keys[i] = net::generate_keypair();
+    net::write_keypair((dir / "allow").string(), "client-" + std::to_string(i), keys[i]);
+  }
+  return keys;
+}
+
+BenchClients connect_bench_clients(zmq::context_t& ctx, server::Server& srv, const std::vector<net::KeyPair>& keys,
+                                   uint64_t max_message_bytes, const std::string& model, uint64_t digest) {
+  const size_t n = keys.size();
+  ctx.set(zmq::ctxopt::max_sockets, static_cast<int>(n) + 64);
+  BenchClients out;
+  out.socks.reserve(n);
+  out.ids.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    out.socks.emplace_back(ctx, zmq::socket_type::dealer);
+    zmq::socket_t& s = out.socks.back();
+    net::make_curve_client(s, keys[i], srv.public_key());
+    net::set_limits(s, max_message_bytes);
+    s.connect(srv.endpoint());
+    char id[32];
+    std::snprintf(id, sizeof(id), "bench-%05d", static_cast<int>(i));
+    out.ids[i] = id;
+    wire::Hello h;
+    h.client_id = id;
+    h.num_samples = 100;
+    h.model = model;
+    h.model_digest = digest;
+    h.last_round = 0;
+    h.software = "sparrow-bench";
+    net::send(s, message(h));
+  }
+  out.items.resize(n);
+  for (size_t i = 0; i < n; ++i) out.items[i] = {static_cast<void*>(out.socks[i]), 0, ZMQ_POLLIN, 0};
+  return out;
+}
+
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -112,12 +174,6 @@ struct TempDir {
     fs::remove_all(path, ec);
   }
 };
-
-wire::Message message(wire::Body body) {
-  wire::Message m;
-  m.body = std::move(body);
-  return m;
-}
 
 server::ServerConfig base_config(const fs::path& dir, const std::string& name, bool curve) {
   server::ServerConfig c;
@@ -239,31 +295,10 @@ double g_median_round_s = 0;
 int bench_ingest(const ServerBenchOptions& o, const fs::path& dir, int tabs = -1, bool flood = false) {
   // tabs < 0: no dashboard; >= 0: the dashboard on, with that many polling tabs.
   const int C = o.clients;
-  // The model: one 1000 x 1000 matrix (2-D, so DGC sparsifies it).
-  at::manual_seed(3);
-  server::Weights weights{{"w", at::randn({1000, 1000}) * 0.01}};
-  std::map<std::string, std::vector<int64_t>> shapes_map{{"w", {1000, 1000}}};
-
-  // The update every client sends: DGC of a random gradient.
-  compression::register_builtins();
-  auto dgc = compression::make_compressor(kUplink);
-  compression::State st;
-  compression::Context ctx;
-  ctx.name = "w";
-  ctx.seed = 1;
-  ctx.num_workers = C;
-  std::vector<wire::NamedTensor> tensors{{"w", dgc->encode(at::randn({1000, 1000}), st, ctx)}};
-
-  // Keys: the server's and one per client, the allow-list as a file of keys.
-  net::KeyPair server_keys = net::generate_keypair();
-  net::write_keypair(dir.string(), "server", server_keys);
-  // (A directory of certificates: a Z85 key may contain '#', which a list file
-  // reads as a comment.)
-  std::vector<net::KeyPair> keys(static_cast<size_t>(C));
-  for (size_t i = 0; i < keys.size(); ++i) {
-    keys[i] = net::generate_keypair();
-    net::write_keypair((dir / "allow").string(), "client-" + std::to_string(i), keys[i]);
-  }
+  const BenchModel model = bench_model(kUplink, C);
+  const server::Weights& weights = model.weights;
+  const std::vector<wire::NamedTensor>& tensors = model.update;
+  const std::vector<net::KeyPair> keys = write_bench_keys(dir, C);
   server::ServerConfig cfg = base_config(dir, "ingest", /*curve=*/true);
   cfg.server_key = (dir / "server.key_secret").string();
   cfg.allow = (dir / "allow").string();
@@ -285,37 +320,15 @@ int bench_ingest(const ServerBenchOptions& o, const fs::path& dir, int tabs = -1
     const std::string url = srv.get().dashboard_url();  // http://127.0.0.1:PORT/
     load = std::make_unique<DashboardLoad>(std::stoi(url.substr(url.rfind(':') + 1)), tabs, flood);
   }
-  const uint64_t digest = core::model_digest(shapes_map);
+  const uint64_t digest = model.digest;
   SPARROW_CHECK(digest == srv.get().model_digest(), "model digest differs from the server's");
 
   zmq::context_t cctx(1);
-  cctx.set(zmq::ctxopt::max_sockets, C + 64);
-  std::vector<zmq::socket_t> socks;
-  socks.reserve(static_cast<size_t>(C));
-  std::vector<std::string> ids(static_cast<size_t>(C));
   const auto t_connect = Clock::now();
-  for (int i = 0; i < C; ++i) {
-    socks.emplace_back(cctx, zmq::socket_type::dealer);
-    zmq::socket_t& s = socks.back();
-    net::make_curve_client(s, keys[static_cast<size_t>(i)], srv.get().public_key());
-    net::set_limits(s, cfg.max_message_bytes());
-    s.connect(srv.get().endpoint());
-    char id[32];
-    std::snprintf(id, sizeof(id), "bench-%05d", i);
-    ids[static_cast<size_t>(i)] = id;
-    wire::Hello h;
-    h.client_id = id;
-    h.num_samples = 100;
-    h.model = kModel;
-    h.model_digest = digest;
-    h.last_round = 0;  // holds W_0: round 1's Task is an empty Delta
-    h.software = "sparrow-bench";
-    net::send(s, message(h));
-  }
-
-  std::vector<zmq::pollitem_t> items(static_cast<size_t>(C));
-  for (int i = 0; i < C; ++i)
-    items[static_cast<size_t>(i)] = {static_cast<void*>(socks[static_cast<size_t>(i)]), 0, ZMQ_POLLIN, 0};
+  BenchClients clients = connect_bench_clients(cctx, srv.get(), keys, cfg.max_message_bytes(), kModel, digest);
+  std::vector<zmq::socket_t>& socks = clients.socks;
+  const std::vector<std::string>& ids = clients.ids;
+  std::vector<zmq::pollitem_t>& items = clients.items;
   std::map<uint64_t, RoundStats> rounds;
   uint64_t welcomed = 0, errors = 0, sent = 0, acked = 0;
   size_t update_bytes = 0;
@@ -390,7 +403,7 @@ int bench_ingest(const ServerBenchOptions& o, const fs::path& dir, int tabs = -1
   }();
   aggregation::StreamingAggregator agg({{"w", {1000, 1000}}});
   aggregation::ContextMap contexts;
-  contexts["w"] = ctx;
+  contexts["w"] = model.context;
   contexts["w"].round = 1;
   aggregation::EncodedUpdate eu{{"w", tensors[0].tensor}};
   wire::ParseLimits plimits;

@@ -177,20 +177,9 @@ void Server::Impl::handle_async_update(const std::string& rid, wire::ModelUpdate
   std::string cid;
   {
     std::unique_lock<std::mutex> g(mu);
-    auto it = sessions.find(rid);
-    if (it == sessions.end()) {
-      n.unknown++;
-      g.unlock();
-      reply_error(rid, ErrorCode::kRejected, "unknown client: send Hello", u.round);
-      return;
-    }
-    Session& s = it->second;
-    s.last_seen = Clock::now();
-    if (u.client_id != s.client_id) {
-      g.unlock();
-      reply_error(rid, ErrorCode::kRejected, "client_id '" + u.client_id + "' is not this connection's", u.round);
-      return;
-    }
+    Session* sp = update_session(g, rid, u);
+    if (!sp) return;
+    Session& s = *sp;
     cid = s.client_id;
     auto t = async_tasks.find(cid);
     std::string why;

@@ -315,6 +315,11 @@ struct Server::Impl {
 
   // ---- updates (updates.cc, worker threads) ---------------------------------------
 
+  // Under mu (held by g): the session an update arrives on, its last_seen
+  // refreshed. Null, with g unlocked and the client answered with an Error,
+  // when rid has no session or u names another client. Shared by the
+  // synchronous and the async admission so both refuse alike.
+  Session* update_session(std::unique_lock<std::mutex>& g, const std::string& rid, const wire::ModelUpdate& u);
   // Admits an update into the open round (or refuses it as stale), folds it
   // (RoundEngine::add, from worker slot w) and answers Ack or Error.
   void handle_update(size_t w, const std::string& rid, wire::ModelUpdate u, size_t frame_bytes);

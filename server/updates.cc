@@ -16,24 +16,32 @@
 
 namespace sparrow::server {
 
+Session* Server::Impl::update_session(std::unique_lock<std::mutex>& g, const std::string& rid,
+                                      const wire::ModelUpdate& u) {
+  auto it = sessions.find(rid);
+  if (it == sessions.end()) {
+    n.unknown++;
+    g.unlock();
+    reply_error(rid, ErrorCode::kRejected, "unknown client: send Hello", u.round);
+    return nullptr;
+  }
+  Session& s = it->second;
+  s.last_seen = Clock::now();
+  if (u.client_id != s.client_id) {
+    g.unlock();
+    reply_error(rid, ErrorCode::kRejected, "client_id '" + u.client_id + "' is not this connection's", u.round);
+    return nullptr;
+  }
+  return &s;
+}
+
 void Server::Impl::handle_update(size_t w, const std::string& rid, wire::ModelUpdate u, size_t frame_bytes) {
   if (async_mode()) return handle_async_update(rid, std::move(u), frame_bytes);  // async_round.cc
   {
     std::unique_lock<std::mutex> g(mu);
-    auto it = sessions.find(rid);
-    if (it == sessions.end()) {
-      n.unknown++;
-      g.unlock();
-      reply_error(rid, ErrorCode::kRejected, "unknown client: send Hello", u.round);
-      return;
-    }
-    Session& s = it->second;
-    s.last_seen = Clock::now();
-    if (u.client_id != s.client_id) {
-      g.unlock();
-      reply_error(rid, ErrorCode::kRejected, "client_id '" + u.client_id + "' is not this connection's", u.round);
-      return;
-    }
+    Session* sp = update_session(g, rid, u);
+    if (!sp) return;
+    Session& s = *sp;
     std::string why;
     auto sel = selected.find(s.client_id);
     if (!round_open || u.round != round)

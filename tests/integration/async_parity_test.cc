@@ -4,17 +4,13 @@
 // arrive, so each client's update is delayed to arrive in the order the
 // simulator's clock produced (its step's participants, in fold order).
 #include "tests/integration/fixtures.h"
+#include "tests/integration/inproc_service.h"
 #include "tests/integration/parity_cases.h"
 
 #include <algorithm>
-#include <atomic>
-#include <exception>
-#include <thread>
 
 #include <ATen/Parallel.h>
 
-#include "client/data_folder.h"
-#include "client/session.h"
 #include "compression/state.h"
 #include "server/config.h"
 #include "server/server.h"
@@ -53,51 +49,13 @@ SimRun run_simulator(const std::string& dir, int steps) {
 
 // The service, client i's update sent delay_ms[i] after it trained.
 Weights run_service(const std::string& dir, int steps, const std::vector<int>& delay_ms) {
-  net::write_keypair(dir + "/keys", "server", net::generate_keypair());
-  net::write_client_keys(dir + "/keys", kClients);
-  const std::string ep = "mem://async_parity_" + std::to_string(steps) + "_" + std::to_string(::getpid());
-  sparrow::server::Server server(sparrow::server::parse_server_config(
-      "listen = \"" + ep + "\"\nkey = \"" + dir + "/keys/server.key_secret\"\nallow = \"" + dir +
-      "/keys/allow.txt\"\ndb = \"" + dir + "/server.db\"\nmodel = \"mlp\"\n" + kShared + kAsync +
-      "rounds = " + std::to_string(steps) + "\n" + kServerKeys));
-  std::vector<std::unique_ptr<sparrow::client::ClientSession>> sessions;
-  for (int i = 0; i < kClients; ++i) {
-    sparrow::client::SessionConfig c = sparrow::client::parse_session_config(
-        "server = \"" + ep + "\"\nserver_key = \"" + dir + "/keys/server.key\"\nkey = \"" + dir + "/keys/client" +
-        std::to_string(i + 1) + ".key_secret\"\n" + client_keys(i) + "state_db = \"" + dir + "/client" +
-        std::to_string(i) + ".db\"\n");
-    c.update_delay_ms = delay_ms[static_cast<size_t>(i)];
-    sparrow::core::Dataset data = sparrow::client::load_client_data(c.data, c.model);
-    sessions.push_back(std::make_unique<sparrow::client::ClientSession>(c, std::move(data)));
-  }
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> failed(kClients);
-  std::atomic<int> done{0};
-  for (int i = 0; i < kClients; ++i)
-    threads.emplace_back([&, i] {
-      try {
-        sessions[static_cast<size_t>(i)]->run();
-      } catch (...) {
-        failed[static_cast<size_t>(i)] = std::current_exception();
-      }
-      ++done;
-    });
-  std::exception_ptr server_failed;
-  try {
-    server.run();
-  } catch (...) {
-    server_failed = std::current_exception();
-  }
-  const auto until = std::chrono::steady_clock::now() + 20s;
-  while (done.load() < kClients && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(10ms);
-  for (auto& s : sessions) s->stop();
-  for (auto& t : threads) t.join();
-  if (server_failed) std::rethrow_exception(server_failed);
-  for (auto& f : failed)
-    if (f) std::rethrow_exception(f);
-  REQUIRE(server.completed_rounds() == steps);
-  CHECK(server.counters().updates_accepted == static_cast<uint64_t>(kClients * steps));
-  return server.global_weights();
+  const InprocRun run =
+      run_inproc_service(dir, "mem://async_parity_" + std::to_string(steps) + "_" + std::to_string(::getpid()),
+                         kShared + kAsync + "rounds = " + std::to_string(steps) + "\n" + kServerKeys,
+                         [&](int i) { return delay_ms[static_cast<size_t>(i)]; });
+  REQUIRE(run.completed_rounds == steps);
+  CHECK(run.updates_accepted == static_cast<uint64_t>(kClients * steps));
+  return run.global;
 }
 
 // Delays that make the clients' updates arrive in `order` (the first at once).

@@ -5,17 +5,13 @@
 // proves the service over mem:// equal to the simulator, so the round
 // engine's tests can run many clients in one process without sockets.
 #include "tests/integration/fixtures.h"
+#include "tests/integration/inproc_service.h"
 #include "tests/integration/parity_cases.h"
 
 #include <algorithm>
-#include <atomic>
-#include <exception>
-#include <thread>
 
 #include <ATen/Parallel.h>
 
-#include "client/data_folder.h"
-#include "client/session.h"
 #include "federation/sampler.h"
 #include "server/config.h"
 #include "server/server.h"
@@ -41,60 +37,14 @@ Weights run_simulator(const std::string& dir, const std::string& keys) {
   return copy(sim.global());
 }
 
-// The service in this process: the server on the calling thread, each client
-// on its own; the final global model.
+// The service in this process over mem://; the final global model.
 Weights run_service(const std::string& dir, const std::string& name, const std::string& keys, int rounds) {
-  net::write_keypair(dir + "/keys", "server", net::generate_keypair());
-  net::write_client_keys(dir + "/keys", kClients);
-  const std::string ep = "mem://parity_" + name + "_" + std::to_string(::getpid());
-  sparrow::server::Server server(sparrow::server::parse_server_config(
-      "listen = \"" + ep + "\"\nkey = \"" + dir + "/keys/server.key_secret\"\nallow = \"" + dir +
-      "/keys/allow.txt\"\ndb = \"" + dir + "/server.db\"\nmodel = \"mlp\"\n" + kShared + with_round_size(keys) +
-      kServerKeys));
-  REQUIRE(server.endpoint() == ep);
-
-  std::vector<std::unique_ptr<sparrow::client::ClientSession>> sessions;
-  for (int i = 0; i < kClients; ++i) {
-    sparrow::client::SessionConfig c = sparrow::client::parse_session_config(
-        "server = \"" + ep + "\"\nserver_key = \"" + dir + "/keys/server.key\"\nkey = \"" + dir + "/keys/client" +
-        std::to_string(i + 1) + ".key_secret\"\n" + client_keys(i) + "state_db = \"" + dir + "/client" +
-        std::to_string(i) + ".db\"\n");
-    c.update_delay_ms = update_delay_ms(i);
-    sparrow::core::Dataset data = sparrow::client::load_client_data(c.data, c.model);
-    sessions.push_back(std::make_unique<sparrow::client::ClientSession>(c, std::move(data)));
-  }
-  std::vector<std::thread> threads;
-  std::vector<std::exception_ptr> failed(kClients);
-  std::atomic<int> finished{0}, done{0};
-  for (int i = 0; i < kClients; ++i)
-    threads.emplace_back([&, i] {
-      try {
-        if (sessions[i]->run()) ++finished;
-      } catch (...) {
-        failed[i] = std::current_exception();
-      }
-      ++done;
-    });
-  std::exception_ptr server_failed;
-  try {
-    server.run();
-  } catch (...) {
-    server_failed = std::current_exception();
-  }
-  // The clients leave on the server's Bye "run finished"; any still running
-  // after a while is stopped (and the test fails below).
-  const auto until = std::chrono::steady_clock::now() + 20s;
-  while (done.load() < kClients && std::chrono::steady_clock::now() < until) std::this_thread::sleep_for(10ms);
-  for (auto& s : sessions) s->stop();
-  for (auto& t : threads) t.join();
-  if (server_failed) std::rethrow_exception(server_failed);
-  for (auto& f : failed)
-    if (f) std::rethrow_exception(f);
-  CHECK(finished.load() == kClients);
-  REQUIRE(server.completed_rounds() == rounds);
-  const sparrow::server::Counters n = server.counters();
-  CHECK(n.updates_accepted == static_cast<uint64_t>(server.config().clients_per_round * rounds));
-  return server.global_weights();
+  const InprocRun run = run_inproc_service(dir, "mem://parity_" + name + "_" + std::to_string(::getpid()),
+                                           kShared + with_round_size(keys) + kServerKeys, update_delay_ms);
+  CHECK(run.finished == kClients);
+  REQUIRE(run.completed_rounds == rounds);
+  CHECK(run.updates_accepted == static_cast<uint64_t>(run.clients_per_round * rounds));
+  return run.global;
 }
 
 struct Result {

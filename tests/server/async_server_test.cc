@@ -1,7 +1,7 @@
 // sparrow-server in mode = "async" (docs/async.md): the shared
 // federation::AsyncEngine driven over ZeroMQ by hand-written clients, so that
 // the arrival order is the test's.
-#include "tests/sparrow_test.h"
+#include "tests/server/server_fixture.h"
 
 #include <signal.h>
 
@@ -28,14 +28,9 @@
 using namespace sparrow;
 using namespace sparrow::server;
 namespace fs = std::filesystem;
+using namespace sparrow::server_fixture;
 
 namespace {
-
-std::string fresh_db(const std::string& name) {
-  const std::string p = "async_server_test_" + name + ".db";
-  for (const char* s : {"", "-wal", "-shm"}) fs::remove(p + s);
-  return p;
-}
 
 ServerConfig base_config(const std::string& name, int clients) {
   ServerConfig c;
@@ -47,7 +42,7 @@ ServerConfig base_config(const std::string& name, int clients) {
   c.round_deadline_s = 30;
   c.heartbeat_ms = 10000;  // the fake clients never heartbeat
   c.workers = 2;
-  c.db = fresh_db(name);
+  c.db = fresh_db_file("async_server_test_", name);
   return c;
 }
 
@@ -61,106 +56,11 @@ ServerConfig async_config(const std::string& name, int clients, int buffer, int 
   return c;
 }
 
-Weights tiny_weights() {
-  Weights w;
-  w["fc.weight"] = at::arange(12, at::kFloat).reshape({4, 3}) / 10;
-  w["fc.bias"] = at::ones({4});
-  return w;
-}
-
-compression::Encoded dense(const at::Tensor& t) {
-  at::Tensor c = t.contiguous().to(at::kFloat);
-  compression::Encoded e;
-  e.shape = c.sizes().vec();
-  e.values.resize(static_cast<size_t>(c.numel()) * 4);
-  std::memcpy(e.values.data(), c.data_ptr<float>(), e.values.size());
-  return e;
-}
-
-wire::Message message(wire::Body b) {
-  wire::Message m;
-  m.body = std::move(b);
-  return m;
-}
-
-struct Running {
-  Server& server;
-  std::thread thread;
-  std::exception_ptr error;
-  explicit Running(Server& s) : server(s) {
-    thread = std::thread([this] {
-      try {
-        server.run();
-      } catch (...) {
-        error = std::current_exception();
-      }
-    });
-  }
-  void join() {
-    if (thread.joinable()) thread.join();
-  }
-  ~Running() {
-    server.stop();
-    join();
-  }
-};
-
-// A DEALER speaking the protocol by hand.
-struct FakeClient {
-  zmq::socket_t s;
-  std::string id;
-  std::string model = "tiny";
-  FakeClient(zmq::context_t& ctx, const std::string& endpoint, std::string client_id)
-      : s(ctx, zmq::socket_type::dealer), id(std::move(client_id)) {
-    s.set(zmq::sockopt::linger, 0);
-    s.connect(endpoint);
-  }
-  void send(const wire::Message& m) { net::send(s, m); }
-  std::optional<wire::Message> next(int ms = 10000) {
-    const auto end = std::chrono::steady_clock::now() + std::chrono::milliseconds(ms);
-    for (;;) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - std::chrono::steady_clock::now());
-      if (left.count() <= 0) return std::nullopt;
-      auto m = net::receive(s, static_cast<int>(left.count()));
-      if (!m) return std::nullopt;
-      if (std::holds_alternative<wire::Heartbeat>(m->body)) continue;
-      return m;
-    }
-  }
-  template <class T>
-  T expect(int ms = 10000) {
-    auto m = next(ms);
-    REQUIRE_MESSAGE(m.has_value(), id << ": nothing received");
-    if (auto* e = std::get_if<wire::ErrorBody>(&m->body)) FAIL_CHECK(id << ": unexpected Error: " << e->message);
-    REQUIRE_MESSAGE(std::holds_alternative<T>(m->body), id << ": got " << std::string(wire::body_name(m->body)));
-    return std::get<T>(m->body);
-  }
-  wire::ErrorBody expect_error(int ms = 10000) {
-    auto m = next(ms);
-    REQUIRE_MESSAGE(m.has_value(), id << ": no Error received");
-    REQUIRE_MESSAGE(std::holds_alternative<wire::ErrorBody>(m->body),
-                    id << ": got " << std::string(wire::body_name(m->body)));
-    return std::get<wire::ErrorBody>(m->body);
-  }
-  // No last_round: the first task carries the whole model.
-  void hello(uint64_t digest, uint64_t samples) {
-    wire::Hello h;
-    h.client_id = id;
-    h.num_samples = samples;
-    h.model = model;
-    h.model_digest = digest;
-    h.software = "fake";
-    send(message(h));
-    expect<wire::Welcome>();
-  }
-  void update(uint64_t round, const Weights& delta, uint64_t samples) {
-    wire::ModelUpdate u;
-    u.round = round;
-    u.client_id = id;
-    u.num_samples = samples;
-    for (const auto& [k, v] : delta) u.tensors.push_back({k, dense(v)});
-    u.metrics = {{"train_loss", 1.0}};
-    send(message(u));
+// The async tests wait longer: a step folds, records and checkpoints first.
+struct AsyncClient : FakeClient {
+  AsyncClient(zmq::context_t& ctx, const std::string& endpoint, std::string client_id)
+      : FakeClient(ctx, endpoint, std::move(client_id)) {
+    wait_ms = 10000;
   }
 };
 
@@ -193,10 +93,10 @@ TEST_CASE("async server: buffer = clients, max_concurrency = clients, const stal
   auto drive = [&](ServerConfig cfg, bool async) {
     Server server(cfg, tiny_weights());
     zmq::context_t ctx;
-    std::vector<std::unique_ptr<FakeClient>> cl;
-    for (const char* id : {"a", "b", "c"}) cl.push_back(std::make_unique<FakeClient>(ctx, server.endpoint(), id));
+    std::vector<std::unique_ptr<AsyncClient>> cl;
+    for (const char* id : {"a", "b", "c"}) cl.push_back(std::make_unique<AsyncClient>(ctx, server.endpoint(), id));
     Running run(server);
-    for (size_t i = 0; i < cl.size(); ++i) cl[i]->hello(server.model_digest(), samples[i]);
+    for (size_t i = 0; i < cl.size(); ++i) cl[i]->hello(server.model_digest(), samples[i], std::nullopt);
     for (uint64_t r = 1; r <= 2; ++r) {
       for (size_t i = 0; i < cl.size(); ++i) {
         const wire::Task t = cl[i]->expect<wire::Task>();
@@ -229,13 +129,13 @@ TEST_CASE("async server: staleness weights, stale and malformed updates, version
   const std::string db = cfg.db;
   Server server(cfg, tiny_weights());
   zmq::context_t ctx;
-  FakeClient a(ctx, server.endpoint(), "a"), b(ctx, server.endpoint(), "b"), c(ctx, server.endpoint(), "c");
+  AsyncClient a(ctx, server.endpoint(), "a"), b(ctx, server.endpoint(), "b"), c(ctx, server.endpoint(), "c");
   Running run(server);
-  a.hello(server.model_digest(), 1);
-  b.hello(server.model_digest(), 2);
-  c.hello(server.model_digest(), 4);
+  a.hello(server.model_digest(), 1, std::nullopt);
+  b.hello(server.model_digest(), 2, std::nullopt);
+  c.hello(server.model_digest(), 4, std::nullopt);
   const Weights w0 = tiny_weights();
-  for (FakeClient* x : {&a, &b, &c}) {
+  for (AsyncClient* x : {&a, &b, &c}) {
     const wire::Task t = x->expect<wire::Task>();
     CHECK(t.round == 1);  // version 0
     const Weights m = decode_all(t.weights);
@@ -363,12 +263,12 @@ TEST_CASE("async server: kill -9 mid-buffer and restart loses no acknowledged up
     auto server = start("server1.log");
     const std::string ep = endpoint_of(*server);
     zmq::context_t ctx;
-    FakeClient a(ctx, ep, "a"), b(ctx, ep, "b"), c(ctx, ep, "c");
-    for (FakeClient* x : {&a, &b, &c}) {
+    AsyncClient a(ctx, ep, "a"), b(ctx, ep, "b"), c(ctx, ep, "c");
+    for (AsyncClient* x : {&a, &b, &c}) {
       x->model = "mlp";
-      x->hello(digest, 10);
+      x->hello(digest, 10, std::nullopt);
     }
-    for (FakeClient* x : {&a, &b, &c}) CHECK(x->expect<wire::Task>(30000).round == 1);
+    for (AsyncClient* x : {&a, &b, &c}) CHECK(x->expect<wire::Task>(30000).round == 1);
     a.update(1, da, 10);
     CHECK(a.expect<wire::Ack>(30000).round == 1);
     b.update(1, db_, 10);
@@ -381,10 +281,10 @@ TEST_CASE("async server: kill -9 mid-buffer and restart loses no acknowledged up
   const std::string ep = endpoint_of(*server);
   CHECK(server->wait_for_log("event=async_buffer_restored step=1 updates=2", std::chrono::seconds(10)));
   zmq::context_t ctx;
-  FakeClient a(ctx, ep, "a"), b(ctx, ep, "b"), c(ctx, ep, "c");
-  for (FakeClient* x : {&a, &b, &c}) {
+  AsyncClient a(ctx, ep, "a"), b(ctx, ep, "b"), c(ctx, ep, "c");
+  for (AsyncClient* x : {&a, &b, &c}) {
     x->model = "mlp";
-    x->hello(digest, 10);
+    x->hello(digest, 10, std::nullopt);
   }
   // a and b are in the buffer of this version already: only c gets a task.
   CHECK(c.expect<wire::Task>(30000).round == 1);
