@@ -1,58 +1,82 @@
 #include "lite/gemm.h"
 
-#include <Eigen/Core>
+#include <cstdlib>
 
 #include "lite/tensor.h"
 
+#define SPARROW_LITE_GEMM_FN gemm_base
+#include "lite/gemm_eigen.h"
+
 namespace sparrow::lite {
+namespace detail {
+#if defined(SPARROW_LITE_GEMM_AVX512)
+// gemm_avx512.cc; called only where cpu_has_avx512().
+void gemm_avx512(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, const float* b,
+                 float beta, float* c);
+#endif
+}  // namespace detail
+
 namespace {
 
-using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
-using Map = Eigen::Map<RowMat>;
-using CMap = Eigen::Map<const RowMat>;
+using GemmFn = void (*)(bool, bool, int64_t, int64_t, int64_t, float, const float*, const float*, float, float*);
 
-template <typename A, typename B>
-void run(const A& a, const B& b, float alpha, float beta, Map& c) {
-  if (beta == 0.0f) {
-    if (alpha == 1.0f)
-      c.noalias() = a * b;
-    else
-      c.noalias() = alpha * (a * b);
-  } else {
-    if (beta != 1.0f) c *= beta;
-    if (alpha == 1.0f)
-      c.noalias() += a * b;
-    else
-      c.noalias() += alpha * (a * b);
-  }
+bool cpu_has_avx512() {
+#if defined(SPARROW_LITE_GEMM_AVX512)
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+           __builtin_cpu_supports("avx512dq");
+  }();
+  return yes;
+#else
+  return false;
+#endif
+}
+
+GemmFn pick(const std::string& name) {
+#if defined(SPARROW_LITE_GEMM_AVX512)
+  if ((name.empty() || name == "avx512") && cpu_has_avx512()) return detail::gemm_avx512;
+#endif
+  if (name.empty() || name == "base") return detail::gemm_base;
+  std::string known;
+  for (const std::string& v : gemm_variants()) known += (known.empty() ? "" : ", ") + v;
+  SPARROW_LITE_CHECK(false, "no GEMM variant '" << name << "' on this build and CPU (available: " << known << ")");
+  return nullptr;
+}
+
+// Read on every call; set once from SPARROW_LITE_SIMD, then by set_gemm_variant.
+GemmFn& active() {
+  static GemmFn fn = [] {
+    const char* env = std::getenv("SPARROW_LITE_SIMD");
+    return pick(env && std::string(env) == "base" ? "base" : "");
+  }();
+  return fn;
 }
 
 }  // namespace
 
 void gemm(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a, const float* b, float beta,
           float* c) {
-  Map cm(c, m, n);
   if (m == 0 || n == 0) return;
   if (k == 0) {
-    if (beta == 0.0f)
-      cm.setZero();
-    else
-      cm *= beta;
+    for (int64_t i = 0; i < m * n; ++i) c[i] = beta == 0.0f ? 0.0f : beta * c[i];
     return;
   }
-  CMap am(a, ta ? k : m, ta ? m : k);
-  CMap bm(b, tb ? n : k, tb ? k : n);
-  if (ta && tb)
-    run(am.transpose(), bm.transpose(), alpha, beta, cm);
-  else if (ta)
-    run(am.transpose(), bm, alpha, beta, cm);
-  else if (tb)
-    run(am, bm.transpose(), alpha, beta, cm);
-  else
-    run(am, bm, alpha, beta, cm);
+  active()(ta, tb, m, n, k, alpha, a, b, beta, c);
 }
 
+std::vector<std::string> gemm_variants() {
+  std::vector<std::string> v{"base"};
+  if (cpu_has_avx512()) v.emplace_back("avx512");
+  return v;
+}
+
+void set_gemm_variant(const std::string& name) { active() = pick(name); }
+
 const char* simd_name() {
+#if defined(SPARROW_LITE_GEMM_AVX512)
+  if (active() == detail::gemm_avx512) return "AVX-512";
+#endif
 #if defined(__AVX512F__)
   return "AVX-512";
 #elif defined(__AVX2__) && defined(__FMA__)

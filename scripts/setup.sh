@@ -9,6 +9,9 @@
 #   scripts/setup.sh --fuzz    also clang (libFuzzer, ASan, UBSan) for scripts/fuzz.sh
 #   scripts/setup.sh --browser also chromium, for the dashboard's browser tests
 #                              (scripts/test.sh --slow and --all install it)
+#   scripts/setup.sh --arm64   also the arm64 cross compiler and qemu-user, for the
+#                              lite runtime's arm64 test (docs/lite.md; about 68 MB
+#                              to fetch, 320 MB installed; --slow and --all install it)
 set -euo pipefail
 
 PACKAGES=(
@@ -48,6 +51,7 @@ if [[ "${1:-}" == "--bench" ]]; then PACKAGES+=(python3-torch); fi
 if [[ "${1:-}" == "--python" ]]; then PACKAGES+=(pybind11-dev python3-pybind11 python3-dev python3-torch); fi
 if [[ "${1:-}" == "--fuzz" ]]; then PACKAGES+=(clang); fi
 if [[ "${1:-}" == "--browser" ]]; then PACKAGES+=(chromium); fi
+if [[ "${1:-}" == "--arm64" ]]; then PACKAGES+=(g++-aarch64-linux-gnu qemu-user); fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do

@@ -12,8 +12,9 @@ mode=${1:-default}
 scripts/setup.sh
 # The Python package's tests (docs/python.md) need pybind11 and python3-torch.
 scripts/setup.sh --python
-# The browser tests (labelled slow) drive a headless Chromium.
-if [[ "$mode" == --slow || "$mode" == --all ]]; then scripts/setup.sh --browser; fi
+# The browser tests (labelled slow) drive a headless Chromium; the lite
+# runtime's arm64 test (slow) a cross compiler and qemu-user.
+if [[ "$mode" == --slow || "$mode" == --all ]]; then scripts/setup.sh --browser; scripts/setup.sh --arm64; fi
 if [[ "$mode" == --sanitize ]]; then
   cxx=g++
   if command -v clang++ >/dev/null; then cxx=clang++; fi
