@@ -4,6 +4,7 @@
 #include <set>
 
 #include "core/rng.h"
+#include "lite/layer_specs.h"
 
 namespace sparrow::lite {
 
@@ -91,39 +92,14 @@ void Model::backward(const Tensor& dlogits) {
 
 namespace {
 
-LayerSpec linear(const std::string& name, int64_t in, int64_t out) {
-  LayerSpec s;
-  s.kind = LayerKind::kLinear;
-  s.in = in;
-  s.out = out;
-  s.param_names = {name + ".weight", name + ".bias"};
-  s.param_shapes = {{out, in}, {out}};
-  return s;
-}
-
-LayerSpec plain(LayerKind kind) {
-  LayerSpec s;
-  s.kind = kind;
-  return s;
-}
+using spec::linear;
+using spec::plain;
 
 LayerSpec conv5x5(const std::string& name, int64_t in, int64_t out) {
-  LayerSpec s;
-  s.kind = LayerKind::kConv2d;
-  s.in = in;
-  s.out = out;
-  s.kh = s.kw = 5;
-  s.ph = s.pw = 2;
-  s.param_names = {name + ".weight", name + ".bias"};
-  s.param_shapes = {{out, in, 5, 5}, {out}};
-  return s;
+  return spec::conv2d(name, in, out, 5, 5, 1, 1, 2, 2);
 }
 
-LayerSpec max_pool2() {
-  LayerSpec s = plain(LayerKind::kMaxPool2d);
-  s.kh = s.kw = s.sh = s.sw = 2;
-  return s;
-}
+LayerSpec max_pool2() { return spec::pool(LayerKind::kMaxPool2d, 2, 2, 0); }
 
 }  // namespace
 

@@ -3,6 +3,7 @@
 // the largest reference value).
 #include "tests/sparrow_test.h"
 // sparrow_test.h first: it drops glog's CHECK macros before doctest's.
+#include "lite/layer_specs.h"
 #include "lite/layers.h"
 #include "tests/lite/lite_test_util.h"
 
@@ -60,57 +61,15 @@ void check_layer(const LayerSpec& spec, const Shape& x_shape, const TorchOp& op,
   }
 }
 
-LayerSpec linear(int64_t in, int64_t out, bool bias) {
-  LayerSpec s;
-  s.kind = LayerKind::kLinear;
-  s.in = in;
-  s.out = out;
-  s.bias = bias;
-  s.param_names = {"fc.weight"};
-  s.param_shapes = {{out, in}};
-  if (bias) {
-    s.param_names.push_back("fc.bias");
-    s.param_shapes.push_back({out});
-  }
-  return s;
-}
+LayerSpec linear(int64_t in, int64_t out, bool bias) { return spec::linear("fc", in, out, bias); }
 
 LayerSpec conv(int64_t c, int64_t o, int64_t kh, int64_t kw, int64_t sh, int64_t sw, int64_t ph, int64_t pw,
                bool bias) {
-  LayerSpec s;
-  s.kind = LayerKind::kConv2d;
-  s.in = c;
-  s.out = o;
-  s.kh = kh;
-  s.kw = kw;
-  s.sh = sh;
-  s.sw = sw;
-  s.ph = ph;
-  s.pw = pw;
-  s.bias = bias;
-  s.param_names = {"conv.weight"};
-  s.param_shapes = {{o, c, kh, kw}};
-  if (bias) {
-    s.param_names.push_back("conv.bias");
-    s.param_shapes.push_back({o});
-  }
-  return s;
+  return spec::conv2d("conv", c, o, kh, kw, sh, sw, ph, pw, bias);
 }
 
-LayerSpec pool(LayerKind kind, int64_t k, int64_t s, int64_t p) {
-  LayerSpec l;
-  l.kind = kind;
-  l.kh = l.kw = k;
-  l.sh = l.sw = s;
-  l.ph = l.pw = p;
-  return l;
-}
-
-LayerSpec plain(LayerKind kind) {
-  LayerSpec l;
-  l.kind = kind;
-  return l;
-}
+using spec::plain;
+using spec::pool;
 
 }  // namespace
 

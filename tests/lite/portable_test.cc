@@ -15,6 +15,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "lite/layer_specs.h"
 #include "lite/model_file.h"
 #include "lite/trainer.h"
 
@@ -22,65 +23,15 @@ namespace {
 
 using namespace sparrow::lite;
 
-LayerSpec plain(LayerKind kind) {
-  LayerSpec s;
-  s.kind = kind;
-  return s;
-}
-
-LayerSpec linear(const std::string& name, int64_t in, int64_t out) {
-  LayerSpec s;
-  s.kind = LayerKind::kLinear;
-  s.in = in;
-  s.out = out;
-  s.param_names = {name + ".weight", name + ".bias"};
-  s.param_shapes = {{out, in}, {out}};
-  return s;
-}
+using spec::embedding;
+using spec::gelu;
+using spec::layer_norm;
+using spec::linear;
+using spec::plain;
+using spec::pool;
 
 LayerSpec conv(const std::string& name, int64_t in, int64_t out, int64_t kh, int64_t kw, int64_t stride, int64_t pad) {
-  LayerSpec s;
-  s.kind = LayerKind::kConv2d;
-  s.in = in;
-  s.out = out;
-  s.kh = kh;
-  s.kw = kw;
-  s.sh = s.sw = stride;
-  s.ph = s.pw = pad;
-  s.param_names = {name + ".weight", name + ".bias"};
-  s.param_shapes = {{out, in, kh, kw}, {out}};
-  return s;
-}
-
-LayerSpec pool(LayerKind kind, int64_t k, int64_t stride, int64_t pad) {
-  LayerSpec s = plain(kind);
-  s.kh = s.kw = k;
-  s.sh = s.sw = stride;
-  s.ph = s.pw = pad;
-  return s;
-}
-
-LayerSpec layer_norm(const std::string& name, int64_t n) {
-  LayerSpec s = plain(LayerKind::kLayerNorm);
-  s.in = n;
-  s.param_names = {name + ".weight", name + ".bias"};
-  s.param_shapes = {{n}, {n}};
-  return s;
-}
-
-LayerSpec gelu(bool tanh_approx) {
-  LayerSpec s = plain(LayerKind::kGelu);
-  s.flag = tanh_approx ? 1 : 0;
-  return s;
-}
-
-LayerSpec embedding(const std::string& name, int64_t num, int64_t dim) {
-  LayerSpec s = plain(LayerKind::kEmbedding);
-  s.in = num;
-  s.out = dim;
-  s.param_names = {name + ".weight"};
-  s.param_shapes = {{num, dim}};
-  return s;
+  return spec::conv2d(name, in, out, kh, kw, stride, stride, pad, pad);
 }
 
 // Deterministic values in [-scale, scale) from the project's counter-based
