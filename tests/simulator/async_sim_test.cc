@@ -16,19 +16,14 @@
 #include "simulator/config.h"
 #include "simulator/scheduler.h"
 #include "simulator/simulator.h"
+#include "tests/simulator/sim_test_util.h"
 
 using namespace sparrow::simulator;
 namespace fs = std::filesystem;
 
 namespace {
 
-struct TempDir {
-  std::string path;
-  explicit TempDir(const std::string& name) : path("async_sim_test_" + name + "_" + std::to_string(getpid())) {
-    fs::remove_all(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
+using testing::TempDir;
 
 SimConfig tiny_async(const std::string& out) {
   SimConfig c;

@@ -16,38 +16,16 @@
 #include "simulator/config.h"
 #include "simulator/simulator.h"
 #include "state/store.h"
+#include "tests/simulator/sim_test_util.h"
 
 using namespace sparrow::simulator;
 namespace fs = std::filesystem;
 
 namespace {
 
-struct TempDir {
-  std::string path;
-  explicit TempDir(const std::string& name) : path("disk_use_test_" + name + "_" + std::to_string(getpid())) {
-    fs::remove_all(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
+using testing::TempDir;
 
-// A data folder for the MLP: x.npy [n, 784] and y.npy, made once per process.
-std::string mlp_data() {
-  static const std::string dir = "disk_use_test_data_" + std::to_string(getpid());
-  if (!fs::exists(dir + "/y.npy")) {
-    fs::create_directories(dir);
-    const int64_t n = 360;
-    const at::Tensor y = at::arange(n, at::kFloat).fmod(10);
-    const at::Tensor x =
-        (at::arange(n * 784, at::kFloat).reshape({n, 784}).mul(0.01).sin() * 0.1 + y.unsqueeze(1) / 10).contiguous();
-    sparrow::npy::write(dir + "/x.npy", {n, 784}, x.data_ptr<float>());
-    sparrow::npy::write(dir + "/y.npy", {n}, y.data_ptr<float>());
-  }
-  return dir;
-}
-
-struct RemoveData {
-  ~RemoveData() { fs::remove_all("disk_use_test_data_" + std::to_string(getpid())); }
-} remove_data;
+std::string mlp_data() { return testing::mlp_data("disk_use_test_data", 0.01, false); }
 
 // A small stateful run: DGC keeps a residual and a momentum per tensor (two
 // model-sized tensors per client), over an MLP large enough that the states,

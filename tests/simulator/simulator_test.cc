@@ -23,20 +23,14 @@
 #include "simulator/config.h"
 #include "simulator/simulator.h"
 #include "tests/integration/process.h"
+#include "tests/simulator/sim_test_util.h"
 
 using namespace sparrow::simulator;
 namespace fs = std::filesystem;
 
 namespace {
 
-// A run folder unique to this test and process, removed on scope exit.
-struct TempDir {
-  std::string path;
-  explicit TempDir(const std::string& name) : path("simulator_test_" + name + "_" + std::to_string(getpid())) {
-    fs::remove_all(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
+using testing::TempDir;
 
 // A tiny synthetic experiment: 6 clients, 3 per round, logistic regression.
 SimConfig tiny(const std::string& out) {

@@ -12,38 +12,16 @@
 #include "simulator/config.h"
 #include "simulator/simulator.h"
 #include "state/store.h"
+#include "tests/simulator/sim_test_util.h"
 
 using namespace sparrow::simulator;  // NOLINT(google-build-using-namespace)
 namespace fs = std::filesystem;
 
 namespace {
 
-struct TempDir {
-  std::string path;
-  explicit TempDir(const std::string& name) : path("state_encoding_test_" + name + "_" + std::to_string(getpid())) {
-    fs::remove_all(path);
-  }
-  ~TempDir() { fs::remove_all(path); }
-};
+using testing::TempDir;
 
-// x.npy [n, 784] and y.npy for the MLP, made once per process.
-std::string mlp_data() {
-  static const std::string dir = "state_encoding_test_data_" + std::to_string(getpid());
-  if (!fs::exists(dir + "/y.npy")) {
-    fs::create_directories(dir);
-    const int64_t n = 360;
-    const at::Tensor y = at::arange(n, at::kFloat).fmod(10);
-    const at::Tensor x =
-        (at::arange(n * 784, at::kFloat).reshape({n, 784}).mul(0.013).cos() * 0.1 + y.unsqueeze(1) / 10).contiguous();
-    sparrow::npy::write(dir + "/x.npy", {n, 784}, x.data_ptr<float>());
-    sparrow::npy::write(dir + "/y.npy", {n}, y.data_ptr<float>());
-  }
-  return dir;
-}
-
-struct RemoveData {
-  ~RemoveData() { fs::remove_all("state_encoding_test_data_" + std::to_string(getpid())); }
-} remove_data;
+std::string mlp_data() { return testing::mlp_data("state_encoding_test_data", 0.013, true); }
 
 // DGC keeps u and v per tensor: a state made of residual-like tensors.
 SimConfig dgc_run(const std::string& out, const std::string& encoding) {
