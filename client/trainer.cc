@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "core/rng.h"
+#include "core/train_checks.h"
 #include "core/spec.h"
 #include "client/train_common.h"
 
@@ -148,14 +149,7 @@ void validate(const TrainConfig& cfg) {
                   cfg.algorithm == "fedavg" || cfg.algorithm == "fedprox" || cfg.algorithm == "scaffold" ||
                       cfg.algorithm == "fednova" || cfg.algorithm == "feddyn",
                   "unknown training algorithm '" << cfg.algorithm << "' (known: " << kAlgorithms << ")");
-  SPARROW_CHECK_T(ConfigError, cfg.local_epochs >= 1, "local_epochs must be >= 1, got " << cfg.local_epochs);
-  SPARROW_CHECK_T(ConfigError, cfg.batch_size >= 1, "batch_size must be >= 1, got " << cfg.batch_size);
-  SPARROW_CHECK_T(ConfigError, std::isfinite(cfg.lr) && cfg.lr > 0, "lr must be finite and > 0, got " << cfg.lr);
-  SPARROW_CHECK_T(ConfigError, cfg.momentum >= 0 && cfg.momentum < 1,
-                  "momentum must be in [0, 1), got " << cfg.momentum);
-  SPARROW_CHECK_T(ConfigError, std::isfinite(cfg.weight_decay) && cfg.weight_decay >= 0,
-                  "weight_decay must be finite and >= 0, got " << cfg.weight_decay);
-  SPARROW_CHECK_T(ConfigError, std::isfinite(cfg.mu) && cfg.mu >= 0, "mu must be finite and >= 0, got " << cfg.mu);
+  core::check_training_numbers(cfg);
   SPARROW_CHECK_T(ConfigError, cfg.mu == 0 || cfg.algorithm == "fedprox" || cfg.algorithm == "feddyn",
                   "mu = " << cfg.mu << " is only used by fedprox and feddyn (its alpha), not " << cfg.algorithm);
   SPARROW_CHECK_T(ConfigError, cfg.mu > 0 || cfg.algorithm != "feddyn",

@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "core/rng.h"
+#include "core/train_checks.h"
 
 namespace sparrow::lite {
 namespace {
@@ -17,14 +18,7 @@ constexpr uint64_t kDropoutTag = 0x6c6974652d64726full;  // "lite-dro"
 void validate(const TrainConfig& cfg) {
   SPARROW_CHECK_T(ConfigError, cfg.algorithm == "fedavg" || cfg.algorithm == "fedprox" || cfg.algorithm == "scaffold",
                   "unknown training algorithm '" << cfg.algorithm << "' (known: fedavg, fedprox, scaffold)");
-  SPARROW_CHECK_T(ConfigError, cfg.local_epochs >= 1, "local_epochs must be >= 1, got " << cfg.local_epochs);
-  SPARROW_CHECK_T(ConfigError, cfg.batch_size >= 1, "batch_size must be >= 1, got " << cfg.batch_size);
-  SPARROW_CHECK_T(ConfigError, std::isfinite(cfg.lr) && cfg.lr > 0, "lr must be finite and > 0, got " << cfg.lr);
-  SPARROW_CHECK_T(ConfigError, cfg.momentum >= 0 && cfg.momentum < 1,
-                  "momentum must be in [0, 1), got " << cfg.momentum);
-  SPARROW_CHECK_T(ConfigError, std::isfinite(cfg.weight_decay) && cfg.weight_decay >= 0,
-                  "weight_decay must be finite and >= 0, got " << cfg.weight_decay);
-  SPARROW_CHECK_T(ConfigError, std::isfinite(cfg.mu) && cfg.mu >= 0, "mu must be finite and >= 0, got " << cfg.mu);
+  core::check_training_numbers(cfg);
   SPARROW_CHECK_T(ConfigError, cfg.mu == 0 || cfg.algorithm == "fedprox",
                   "mu = " << cfg.mu << " is only used by fedprox, not " << cfg.algorithm);
 }
