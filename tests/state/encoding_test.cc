@@ -18,6 +18,7 @@
 #include "state/client_state.h"
 #include "state/encoding.h"
 #include "state/store.h"
+#include "tests/state/temp_db.h"
 
 using sparrow::state::ClientState;
 using sparrow::state::ClientStateStore;
@@ -25,22 +26,7 @@ using sparrow::state::Encoding;
 
 namespace {
 
-// A database path of this test case's own, removed with its -wal/-shm.
-class TempDb {
- public:
-  explicit TempDb(const std::string& name)
-      : path_("sparrow_encoding_test_" + name + "_" + std::to_string(::getpid()) + ".db") {
-    remove_all();
-  }
-  ~TempDb() { remove_all(); }
-  const std::string& path() const { return path_; }
-
- private:
-  void remove_all() {
-    for (const char* suffix : {"", "-wal", "-shm", "-journal"}) std::remove((path_ + suffix).c_str());
-  }
-  std::string path_;
-};
+using sparrow::state::testing::TempDb;
 
 uint16_t bf16_of(float f) {
   uint16_t b = 0;

@@ -19,29 +19,14 @@
 #include "state/client_state.h"
 #include "state/store.h"
 #include "tests/core/full_disk_vfs.h"
+#include "tests/state/temp_db.h"
 
 using sparrow::state::ClientState;
 using sparrow::state::ClientStateStore;
 
 namespace {
 
-// A database path unique to one test case (test cases run in parallel in one
-// directory), removed with its -wal/-shm files before and after.
-class TempDb {
- public:
-  explicit TempDb(const std::string& name)
-      : path_("sparrow_state_test_" + name + "_" + std::to_string(::getpid()) + ".db") {
-    remove_all();
-  }
-  ~TempDb() { remove_all(); }
-  const std::string& path() const { return path_; }
-
- private:
-  void remove_all() {
-    for (const char* suffix : {"", "-wal", "-shm", "-journal"}) std::remove((path_ + suffix).c_str());
-  }
-  std::string path_;
-};
+using sparrow::state::testing::TempDb;
 
 std::string read_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
