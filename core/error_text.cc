@@ -1,16 +1,18 @@
 #include "core/error_text.h"
 
-#include <c10/util/Exception.h>
-
 namespace sparrow::core {
 
+// LibTorch's c10::Error::what() is its message (and context) followed by
+// "\nException raised from ... (most recent call first):" and the frames: the
+// first part is what_without_backtrace(). Cut textually, so that this file
+// (sparrow_base, linked by the lite client) needs no LibTorch header.
 std::string error_text(const std::exception& e) {
-  if (const auto* c10 = dynamic_cast<const c10::Error*>(&e)) {
-    std::string text = c10->what_without_backtrace();
-    while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
-    return text;
-  }
-  return e.what();
+  std::string text = e.what();
+  const size_t cut = text.find("\nException raised from ");
+  if (cut == std::string::npos) return text;
+  text.erase(cut);
+  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.pop_back();
+  return text;
 }
 
 namespace {
