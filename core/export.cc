@@ -26,7 +26,11 @@ const at::Tensor& need(const Weights& w, const std::string& name, const std::vec
   return it->second;
 }
 
-at::Tensor param(const at::Tensor& t) { return t.detach().to(at::kCPU, at::kFloat).contiguous().clone(); }
+// A trainable parameter, as nn.Module's are: the exported file is also a model
+// users train further (`model = "torchscript:FILE"`), which needs gradients.
+at::Tensor param(const at::Tensor& t) {
+  return t.detach().to(at::kCPU, at::kFloat).contiguous().clone().requires_grad_(true);
+}
 
 // A submodule holding weight and bias with a forward of the given body.
 torch::jit::Module layer(const std::string& kind, const at::Tensor& weight, const at::Tensor& bias,

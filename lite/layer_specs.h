@@ -5,7 +5,10 @@
 // every field against the parameters' shapes.
 
 #include <cstdint>
+#include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "lite/layers.h"
 
@@ -82,6 +85,28 @@ inline LayerSpec embedding(const std::string& name, int64_t num, int64_t dim) {
   s.out = dim;
   s.param_names = {name + ".weight"};
   s.param_shapes = {{num, dim}};
+  return s;
+}
+
+inline FrozenTensor frozen(const std::string& name, Shape shape, std::vector<float> value) {
+  return FrozenTensor{name, std::move(shape), std::make_shared<const std::vector<float>>(std::move(value))};
+}
+
+// LoRA on a frozen Linear: `weight` [out, in] and `bias` [out] (empty: no
+// bias) frozen as `name.weight` / `name.bias`, parameters `name.lora_A`
+// [r, in] and `name.lora_B` [out, r]; the update is scaled by alpha / r.
+inline LayerSpec lora_linear(const std::string& name, int64_t in, int64_t out, int64_t r, float alpha,
+                             std::vector<float> weight, std::vector<float> bias = {}) {
+  LayerSpec s = plain(LayerKind::kLoraLinear);
+  s.in = in;
+  s.out = out;
+  s.flag = r;
+  s.p = alpha;
+  s.bias = bias.empty() ? 0 : 1;
+  s.frozen.push_back(frozen(name + ".weight", {out, in}, std::move(weight)));
+  if (s.bias) s.frozen.push_back(frozen(name + ".bias", {out}, std::move(bias)));
+  s.param_names = {name + ".lora_A", name + ".lora_B"};
+  s.param_shapes = {{r, in}, {out, r}};
   return s;
 }
 

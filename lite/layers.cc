@@ -40,6 +40,8 @@ std::string kind_name(LayerKind kind) {
       return "layer_norm";
     case LayerKind::kEmbedding:
       return "embedding";
+    case LayerKind::kLoraLinear:
+      return "lora_linear";
   }
   return "layer kind " + std::to_string(static_cast<uint32_t>(kind));
 }
@@ -91,6 +93,62 @@ class Linear final : public Layer {
       gemm(false, false, rows, spec_.in, spec_.out, 1.0f, dy.ptr(), w.value.data(), 0.0f, dx->ptr());
     }
   }
+};
+
+// LoRA on a frozen Linear (Hu et al., 2021), as PyTorch computes
+//   F.linear(x, W, b) + (x @ A.t() @ B.t()) * scale,  scale = alpha / r.
+// Only A and B are parameters; W and b come from the spec (frozen). The
+// rank-r activation h = x A^T is kept for the backward.
+class LoraLinear final : public Layer {
+ public:
+  explicit LoraLinear(LayerSpec spec)
+      : Layer(std::move(spec)), r_(spec_.flag), scale_(spec_.p / static_cast<float>(spec_.flag)) {}
+  Shape out_shape(const Shape& in) const override {
+    SPARROW_LITE_CHECK(!in.empty() && in.back() == spec_.in,
+                       kind_name(spec_.kind) << " layer '" << spec_.param_names[0] << "' takes " << spec_.in
+                                             << " features, its input is " << shape_str(in));
+    Shape s = in;
+    s.back() = spec_.out;
+    return s;
+  }
+  void forward(const Tensor& x, Tensor& y, const ForwardContext&) override {
+    Shape s = x.shape;
+    s.back() = spec_.out;
+    y.resize(s);
+    const int64_t rows = rows_of(x, spec_.in);
+    gemm(false, true, rows, spec_.out, spec_.in, 1.0f, x.ptr(), weight(), 0.0f, y.ptr());
+    if (spec_.bias) {
+      const float* b = spec_.frozen[1].value->data();
+      for (int64_t i = 0; i < rows; ++i) {
+        float* yr = y.ptr() + i * spec_.out;
+        for (int64_t j = 0; j < spec_.out; ++j) yr[j] += b[j];
+      }
+    }
+    h_.resize(static_cast<size_t>(rows * r_));
+    gemm(false, true, rows, r_, spec_.in, 1.0f, x.ptr(), params_[0].value.data(), 0.0f, h_.data());
+    gemm(false, true, rows, spec_.out, r_, scale_, h_.data(), params_[1].value.data(), 1.0f, y.ptr());
+  }
+  void backward(const Tensor& x, const Tensor&, const Tensor& dy, Tensor* dx) override {
+    const int64_t rows = rows_of(x, spec_.in);
+    Param& a = params_[0];
+    Param& b = params_[1];
+    // dB = scale dy^T h; dh = scale dy B; dA = dh^T x.
+    gemm(true, false, spec_.out, r_, rows, scale_, dy.ptr(), h_.data(), 0.0f, b.grad.data());
+    dh_.resize(static_cast<size_t>(rows * r_));
+    gemm(false, false, rows, r_, spec_.out, scale_, dy.ptr(), b.value.data(), 0.0f, dh_.data());
+    gemm(true, false, r_, spec_.in, rows, 1.0f, dh_.data(), x.ptr(), 0.0f, a.grad.data());
+    if (dx) {  // dx = dy W + dh A
+      dx->resize(x.shape);
+      gemm(false, false, rows, spec_.in, spec_.out, 1.0f, dy.ptr(), weight(), 0.0f, dx->ptr());
+      gemm(false, false, rows, spec_.in, r_, 1.0f, dh_.data(), a.value.data(), 1.0f, dx->ptr());
+    }
+  }
+
+ private:
+  const float* weight() const { return spec_.frozen[0].value->data(); }
+  const int64_t r_;
+  const float scale_;
+  std::vector<float> h_, dh_;
 };
 
 class Elementwise : public Layer {
@@ -347,7 +405,28 @@ void check_params(const LayerSpec& s, const std::vector<Shape>& want) {
   }
 }
 
+// The frozen tensors against the shapes the layer needs.
+void check_frozen(const LayerSpec& s, const std::vector<Shape>& want) {
+  const std::string name = kind_name(s.kind);
+  SPARROW_LITE_CHECK(s.frozen.size() == want.size(),
+                     name << " layer needs " << want.size() << " frozen tensors, the spec has " << s.frozen.size());
+  for (size_t i = 0; i < want.size(); ++i) {
+    const FrozenTensor& f = s.frozen[i];
+    SPARROW_LITE_CHECK(!f.name.empty(), name << " layer: frozen tensor " << i << " has no name");
+    SPARROW_LITE_CHECK(f.shape == want[i], name << " layer: frozen '" << f.name << "' has shape " << shape_str(f.shape)
+                                                << ", the layer needs " << shape_str(want[i]));
+    SPARROW_LITE_CHECK(f.value && static_cast<int64_t>(f.value->size()) == numel(f.shape),
+                       name << " layer: frozen '" << f.name << "' holds " << (f.value ? f.value->size() : 0)
+                            << " values for shape " << shape_str(f.shape));
+  }
+}
+
 }  // namespace
+
+size_t frozen_count(LayerKind kind, int64_t bias) {
+  if (kind == LayerKind::kLoraLinear) return bias ? 2 : 1;
+  return 0;
+}
 
 std::unique_ptr<Layer> make_layer(const LayerSpec& s) {
   const std::string name = kind_name(s.kind);
@@ -400,9 +479,21 @@ std::unique_ptr<Layer> make_layer(const LayerSpec& s) {
       want = {{s.in, s.out}};
       layer = std::make_unique<Embedding>(s);
       break;
+    case LayerKind::kLoraLinear: {
+      SPARROW_LITE_CHECK(s.in > 0 && s.out > 0, name << " layer needs in, out > 0, got " << s.in << ", " << s.out);
+      SPARROW_LITE_CHECK(s.flag > 0, name << " layer: rank (flag) must be > 0, got " << s.flag);
+      SPARROW_LITE_CHECK(std::isfinite(s.p), name << " layer: alpha must be finite");
+      std::vector<Shape> frozen = {{s.out, s.in}};
+      if (s.bias) frozen.push_back({s.out});
+      check_frozen(s, frozen);
+      want = {{s.flag, s.in}, {s.out, s.flag}};
+      layer = std::make_unique<LoraLinear>(s);
+      break;
+    }
     default:
       SPARROW_LITE_CHECK(false, "unknown " << name);
   }
+  if (s.kind != LayerKind::kLoraLinear) check_frozen(s, {});
   check_params(s, want);
   for (size_t i = 0; i < want.size(); ++i) {
     Param p;

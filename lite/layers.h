@@ -19,20 +19,35 @@ namespace sparrow::lite {
 
 // Stored in model files as u32: never renumber, only add.
 enum class LayerKind : uint32_t {
-  kLinear = 1,     // in -> out features on the last dimension; weight [out, in], bias [out]
-  kConv2d = 2,     // [C, H, W] -> [O, Ho, Wo]; weight [O, C, kh, kw], bias [O]; groups = 1, dilation 1
-  kRelu = 3,       //
-  kGelu = 4,       // flag 0: exact (erf), flag 1: tanh approximation
-  kMaxPool2d = 5,  // kernel, stride, padding (padded cells never win); dilation 1, floor mode
-  kAvgPool2d = 6,  // kernel, stride, padding; padded cells count (count_include_pad), floor mode
-  kFlatten = 7,    // every per-sample dimension into one (torch.flatten(x, 1))
-  kDropout = 8,    // p; identity outside training
-  kLayerNorm = 9,  // over the trailing `in` elements; weight and bias of that shape when bias = 1
-  kEmbedding = 10  // float indices [L] -> [L, out]; weight [in, out]
+  kLinear = 1,      // in -> out features on the last dimension; weight [out, in], bias [out]
+  kConv2d = 2,      // [C, H, W] -> [O, Ho, Wo]; weight [O, C, kh, kw], bias [O]; groups = 1, dilation 1
+  kRelu = 3,        //
+  kGelu = 4,        // flag 0: exact (erf), flag 1: tanh approximation
+  kMaxPool2d = 5,   // kernel, stride, padding (padded cells never win); dilation 1, floor mode
+  kAvgPool2d = 6,   // kernel, stride, padding; padded cells count (count_include_pad), floor mode
+  kFlatten = 7,     // every per-sample dimension into one (torch.flatten(x, 1))
+  kDropout = 8,     // p; identity outside training
+  kLayerNorm = 9,   // over the trailing `in` elements; weight and bias of that shape when bias = 1
+  kEmbedding = 10,  // float indices [L] -> [L, out]; weight [in, out]
+  // LoRA: a frozen Linear plus a trainable low-rank update on the last dimension,
+  // y = x W^T + b + (alpha / r) (x A^T) B^T. W [out, in] and b [out] (when
+  // bias = 1) are LayerSpec::frozen; A [r, in] and B [out, r] the parameters.
+  // flag = r, p = alpha.
+  kLoraLinear = 11
 };
 
 // "linear", "conv2d", ...; "layer kind N" for an unknown value.
 std::string kind_name(LayerKind kind);
+
+// A tensor a layer reads but never trains (a LoRA layer's base weight and
+// bias): part of the architecture, stored in the model file, not in the flat
+// parameter vector, so it is neither trained nor sent. The value is shared
+// and immutable: copies of a spec (the model's, each layer's) hold one array.
+struct FrozenTensor {
+  std::string name;  // as the LibTorch model names the buffer ('.' as '_'), for messages
+  Shape shape;
+  std::shared_ptr<const std::vector<float>> value;
+};
 
 // One layer's architecture. Fields a kind does not use stay at their defaults.
 struct LayerSpec {
@@ -41,15 +56,23 @@ struct LayerSpec {
   int64_t out = 0;  // Linear out_features, Conv2d out_channels, Embedding embedding_dim
   int64_t kh = 1, kw = 1, sh = 1, sw = 1, ph = 0, pw = 0;  // Conv2d and pools
   int64_t bias = 1;   // Linear, Conv2d: has a bias; LayerNorm: has weight and bias (elementwise_affine)
-  int64_t flag = 0;   // GELU: 1 = tanh approximation
-  float p = 0.0f;     // Dropout probability, in [0, 1)
+  int64_t flag = 0;   // GELU: 1 = tanh approximation; LoRA linear: the rank r
+  float p = 0.0f;     // Dropout probability, in [0, 1); LoRA linear: alpha (the update is scaled by alpha / r)
   float eps = 1e-5f;  // LayerNorm epsilon
   // The parameters' names (weight first, then bias), as the LibTorch model's
   // state_dict names them: what updates on the wire are keyed by.
   std::vector<std::string> param_names;
   // The parameters' shapes, same order; make_layer checks them against the fields.
   std::vector<Shape> param_shapes;
+  // Frozen tensors (LoRA linear: weight, then bias when bias = 1); empty for
+  // every other kind. make_layer checks their count, shapes and sizes.
+  std::vector<FrozenTensor> frozen;
 };
+
+// How many frozen tensors a layer of this kind and bias flag holds (LoRA
+// linear: 1 or 2, every other kind 0): the model file's leading tensors of
+// the layer that are not parameters.
+size_t frozen_count(LayerKind kind, int64_t bias);
 
 // What a forward pass needs beyond its input.
 struct ForwardContext {

@@ -4,6 +4,8 @@
 // LibTorch model's named_parameters() under the same names, so a flat float
 // vector of them is what the LibTorch client's weights flatten to (each tensor
 // row-major, one after another) and the same codecs and wire can carry it.
+// A LoRA layer's frozen base is part of the spec (LayerSpec::frozen), as the
+// LibTorch model's buffers are: in no flat vector.
 
 #include <cstdint>
 #include <memory>

@@ -109,15 +109,33 @@ std::vector<uint8_t> encode_model_file(const ModelSpec& spec, const std::vector<
     for (int64_t v : {l.in, l.out, l.kh, l.kw, l.sh, l.sw, l.ph, l.pw, l.bias, l.flag}) w.put<int64_t>(v);
     w.put<float>(l.p);
     w.put<float>(l.eps);
-    w.put<uint32_t>(static_cast<uint32_t>(l.param_names.size()));
+    // Frozen tensors first (a LoRA layer's weight and bias), then the parameters.
+    w.put<uint32_t>(static_cast<uint32_t>(l.frozen.size() + l.param_names.size()));
+    for (const FrozenTensor& f : l.frozen) {
+      w.put<uint32_t>(static_cast<uint32_t>(f.name.size()));
+      w.bytes(f.name.data(), f.name.size());
+      w.shape(f.shape);
+    }
     for (size_t i = 0; i < l.param_names.size(); ++i) {
       w.put<uint32_t>(static_cast<uint32_t>(l.param_names[i].size()));
       w.bytes(l.param_names[i].data(), l.param_names[i].size());
       w.shape(l.param_shapes[i]);
     }
   }
-  w.put<uint64_t>(values.size());
-  w.bytes(values.data(), values.size() * sizeof(float));
+  // Every tensor listed above, in that order: the flat vector's values with
+  // each layer's frozen values before its parameters'.
+  uint64_t total = values.size();
+  for (const LayerSpec& l : spec.layers)
+    for (const FrozenTensor& f : l.frozen) total += f.value->size();
+  w.put<uint64_t>(total);
+  size_t at = 0;
+  for (const LayerSpec& l : spec.layers) {
+    for (const FrozenTensor& f : l.frozen) w.bytes(f.value->data(), f.value->size() * sizeof(float));
+    size_t n = 0;
+    for (const Shape& s : l.param_shapes) n += static_cast<size_t>(numel(s));
+    w.bytes(values.data() + at, n * sizeof(float));
+    at += n;
+  }
   w.put<uint64_t>(fnv1a(w.out.data(), w.out.size()));
   return std::move(w.out);
 }
@@ -151,23 +169,46 @@ ModelFile decode_model_file(const uint8_t* data, size_t size, const std::string&
     }
     l.p = r.get<float>("layer p");
     l.eps = r.get<float>("layer eps");
+    // The kind says how many of the leading tensors are frozen (LoRA's weight
+    // and bias); a file that lists fewer fails the model check below.
+    const size_t frozen = frozen_count(l.kind, l.bias);
     const uint32_t params = r.count("parameter count", kMaxParams);
     for (uint32_t j = 0; j < params; ++j) {
       const uint32_t len = r.count("parameter name length", kMaxName);
       const uint8_t* name = r.take(len, "parameter name");
-      l.param_names.emplace_back(reinterpret_cast<const char*>(name), len);
-      l.param_shapes.push_back(r.shape("parameter shape", true));
-      expected += numel(l.param_shapes.back());
+      std::string text(reinterpret_cast<const char*>(name), len);
+      Shape shape = r.shape("parameter shape", true);
+      expected += numel(shape);
       r.fail_if(expected > kMaxDim, "more than 2^31 parameter values");
+      if (j < frozen) {
+        l.frozen.push_back(FrozenTensor{std::move(text), std::move(shape), nullptr});
+      } else {
+        l.param_names.push_back(std::move(text));
+        l.param_shapes.push_back(std::move(shape));
+      }
     }
     f.spec.layers.push_back(std::move(l));
   }
   const auto count = r.get<uint64_t>("value count");
   r.fail_if(count != static_cast<uint64_t>(expected),
             "holds " + std::to_string(count) + " values, its layers need " + std::to_string(expected));
-  const uint8_t* vals = r.take(count * sizeof(float), "values");
-  f.values.resize(count);
-  std::memcpy(f.values.data(), vals, count * sizeof(float));
+  const uint8_t* vals = r.take(count * sizeof(float), "values");  // not aligned for float: memcpy only
+  // Frozen values go to their layer's spec; the parameters' make the flat vector.
+  f.values.reserve(static_cast<size_t>(count));
+  for (LayerSpec& l : f.spec.layers) {
+    for (FrozenTensor& t : l.frozen) {
+      auto v = std::make_shared<std::vector<float>>(static_cast<size_t>(numel(t.shape)));
+      std::memcpy(v->data(), vals, v->size() * sizeof(float));
+      vals += v->size() * sizeof(float);
+      t.value = std::move(v);
+    }
+    for (const Shape& s : l.param_shapes) {
+      const auto n = static_cast<size_t>(numel(s));
+      f.values.resize(f.values.size() + n);
+      std::memcpy(f.values.data() + f.values.size() - n, vals, n * sizeof(float));
+      vals += n * sizeof(float);
+    }
+  }
   r.fail_if(r.offset() + 8 != size, std::to_string(size - r.offset() - 8) + " unexpected bytes after the values");
   try {
     Model check(f.spec);

@@ -6,10 +6,17 @@
 //   magic "SPRWLITE" | u32 version (1) | u32 flags (0)
 //   u32 input rank | i64 input dims...
 //   u32 layer count | per layer: u32 kind, i64 in, out, kh, kw, sh, sw, ph, pw,
-//     bias, flag, f32 p, eps, u32 parameter count, per parameter:
+//     bias, flag, f32 p, eps, u32 tensor count, per tensor:
 //     u32 name length, name bytes, u32 rank, i64 dims...
-//   u64 value count | f32 values (every parameter, in order, row-major)
+//   u64 value count | f32 values (every tensor, in order, row-major)
 //   u64 FNV-1a 64 of every byte before it
+//
+// A layer's tensors are its parameters, preceded by its frozen tensors
+// (frozen_count: a LoRA layer's weight and bias), whose values the reader
+// puts into the spec (LayerSpec::frozen), not into the flat vector. Files
+// without LoRA layers are byte for byte what readers before LoRA wrote and
+// read; such a reader refuses a LoRA file as a model that does not build
+// ("unknown layer kind 11"), so the version stays 1.
 //
 // A reader refuses, with a FormatError naming the file, anything that is not
 // exactly this: another magic or version, a truncated file, trailing bytes,
@@ -27,8 +34,8 @@ namespace sparrow::lite {
 constexpr uint32_t kModelFileVersion = 1;
 
 struct ModelFile {
-  ModelSpec spec;
-  std::vector<float> values;  // Model::get_values() order
+  ModelSpec spec;             // frozen tensors included
+  std::vector<float> values;  // Model::get_values() order: parameters only
 };
 
 std::vector<uint8_t> encode_model_file(const ModelSpec& spec, const std::vector<float>& values);

@@ -7,6 +7,8 @@
 #include <torch/script.h>
 
 #include <algorithm>
+#include <cmath>
+#include <map>
 #include <set>
 
 #include "core/error.h"
@@ -23,6 +25,20 @@ std::vector<float> flat(const at::Tensor& t) {
 }
 
 Shape shape_of(const at::Tensor& t) { return t.sizes().vec(); }
+
+// Sparrow's name of a TorchScript model's tensor (core/models.h): '.' -> '_'.
+std::string flat_name(std::string dotted) {
+  std::replace(dotted.begin(), dotted.end(), '.', '_');
+  return dotted;
+}
+
+// A LoRA layer found in the graph: the value it reads, its trainable A and
+// B (dotted paths) and its spec, frozen values included.
+struct Lora {
+  const Value* x = nullptr;
+  std::string a_path, b_path;
+  LayerSpec spec;
+};
 
 // The values of a spec's parameters, looked up by name in order.
 Exported with_values(ModelSpec spec, const std::map<std::string, at::Tensor>& weights, const std::string& model) {
@@ -52,24 +68,29 @@ Exported with_values(ModelSpec spec, const std::map<std::string, at::Tensor>& we
 class GraphReader {
  public:
   GraphReader(const torch::jit::Module& module, std::shared_ptr<torch::jit::Graph> graph)
-      : module_(module), graph_(std::move(graph)) {}
+      : module_(module), graph_(std::move(graph)) {
+    // What the LibTorch side sends and aggregates is every parameter,
+    // requires_grad=False ones too (core/models.cc registers them all); only
+    // buffers stay out of the flat vector, so only buffers may be frozen here.
+    for (const auto& p : module_.named_parameters(/*recurse=*/true)) trainable_.push_back(p.name);
+    for (const auto& b : module_.named_buffers(/*recurse=*/true)) frozen_.insert(b.name);
+  }
 
   Exported read(Shape input_shape) {
     const auto inputs = graph_->inputs();
     SPARROW_CHECK_T(ConfigError, inputs.size() == 2,
                     "lite export: forward must take one input, it takes " << inputs.size() - 1);
     current_ = inputs[1];
+    for (Node* n : graph_->nodes()) find_lora(n);
     for (Node* n : graph_->nodes()) visit(n);
     const auto outs = graph_->outputs();
     SPARROW_CHECK_T(ConfigError, outs.size() == 1 && outs[0] == current_,
                     "lite export: forward must return the output of its last layer");
     SPARROW_CHECK_T(ConfigError, !spec_.layers.empty(), "lite export: forward has no layer");
     // The order of the flat vector must be the LibTorch model's.
-    std::vector<std::string> registered;
-    for (const auto& p : module_.named_parameters(/*recurse=*/true)) registered.push_back(p.name);
-    SPARROW_CHECK_T(ConfigError, registered == used_,
+    SPARROW_CHECK_T(ConfigError, trainable_ == used_,
                     "lite export: forward uses the parameters " << join(used_) << " but the module registers "
-                                                                << join(registered)
+                                                                << join(trainable_)
                                                                 << " (every parameter once, in registration order)");
     if (input_shape.empty()) input_shape = first_shape_;
     SPARROW_CHECK_T(ConfigError, !input_shape.empty(),
@@ -97,13 +118,14 @@ class GraphReader {
     return s + "]";
   }
 
-  at::Tensor tensor_at(const std::string& dotted) const {
+  c10::IValue attr_at(const std::string& dotted) const {
     torch::jit::Module m = module_;
     size_t start = 0;
     for (size_t dot; (dot = dotted.find('.', start)) != std::string::npos; start = dot + 1)
       m = m.attr(dotted.substr(start, dot - start)).toModule();
-    return m.attr(dotted.substr(start)).toTensor();
+    return m.attr(dotted.substr(start));
   }
+  at::Tensor tensor_at(const std::string& dotted) const { return attr_at(dotted).toTensor(); }
 
   // Where in the module an op sits, for messages: "in 'fc1'" or "".
   static std::string where(const Node* n) {
@@ -118,17 +140,156 @@ class GraphReader {
                       why);
   }
 
-  // The dotted attribute path of a prim::GetAttr chain from the module itself.
-  std::string attr_path(const Value* v, const Node* user) const {
+  // The dotted attribute path of a prim::GetAttr chain from the module
+  // itself; empty when v is not one.
+  std::string attr_path_of(const Value* v) const {
     std::vector<std::string> parts;
     while (v->node()->kind() == c10::prim::GetAttr) {
       parts.push_back(v->node()->s(c10::attr::name));
       v = v->node()->input(0);
     }
-    if (v != graph_->inputs()[0] || parts.empty()) refuse(user, "a weight that is no parameter of the module");
+    if (v != graph_->inputs()[0] || parts.empty()) return "";
     std::string s;
     for (size_t i = parts.size(); i-- > 0;) s += parts[i] + (i ? "." : "");
     return s;
+  }
+  std::string attr_path(const Value* v, const Node* user) const {
+    std::string s = attr_path_of(v);
+    if (s.empty()) refuse(user, "a weight that is no parameter of the module");
+    return s;
+  }
+
+  static bool is_none(const Value* v) {
+    if (v->type()->kind() == c10::TypeKind::NoneType) return true;
+    auto c = torch::jit::toIValue(v);
+    return c && c->isNone();
+  }
+  bool is_trainable(const std::string& path) const {
+    return std::find(trainable_.begin(), trainable_.end(), path) != trainable_.end();
+  }
+
+  // LoRA on a frozen Linear (lite/layers.h, kLoraLinear), recognised from the
+  // ops, not from names:
+  //   base + delta  or  delta + base, where
+  //   base   = aten::linear(x, W, b)   W and b (or None) buffers of the module
+  //   delta  = aten::mul(branch, s)    s a float: a constant or a module attribute
+  //   branch = aten::matmul(aten::matmul(x, aten::t(A)), aten::t(B))
+  //            or aten::linear(aten::linear(x, A, None), B, None)
+  // A and B parameters, and every intermediate used once. An add of
+  // a linear and a product that breaks one of these rules is refused here,
+  // naming the rule; any other add is left to visit, which refuses it.
+  void find_lora(Node* n) {
+    if (n->kind() != c10::aten::add || n->inputs().size() != 3) return;
+    Node* base = nullptr;
+    Node* delta = nullptr;
+    for (size_t i = 0; i < 2 && !base; ++i) {
+      if (n->input(i)->node()->kind() == c10::aten::linear && n->input(1 - i)->node()->kind() == c10::aten::mul) {
+        base = n->input(i)->node();
+        delta = n->input(1 - i)->node();
+      }
+    }
+    if (!base) return;
+    auto why = [&](const std::string& text) { refuse(n, "LoRA: " + text); };
+    const auto alpha = torch::jit::toIValue(n->input(2));
+    if (!alpha || !((alpha->isInt() && alpha->toInt() == 1) || (alpha->isDouble() && alpha->toDouble() == 1.0)))
+      why("an add with alpha other than 1");
+    // The scale: the product's one non-tensor operand.
+    const bool t0 = delta->input(0)->type()->cast<c10::TensorType>() != nullptr;
+    const bool t1 = delta->input(1)->type()->cast<c10::TensorType>() != nullptr;
+    if (t0 == t1) why("the update must be scaled by a float (a constant or a module attribute), not a tensor");
+    const Value* sv = delta->input(t0 ? 1 : 0);
+    c10::IValue sc;  // plain: assigning an IValue to a std::optional<IValue> held None (IValue converting ctors)
+    if (auto c = torch::jit::toIValue(sv)) {
+      sc = *c;
+    } else {
+      const std::string path = attr_path_of(sv);
+      if (path.empty()) why("the scale is neither a constant nor a module attribute");
+      sc = attr_at(path);
+    }
+    if (!sc.isDouble() && !sc.isInt()) why("the scale is not a number");
+    const double scale = sc.isDouble() ? sc.toDouble() : static_cast<double>(sc.toInt());
+    if (!std::isfinite(scale)) why("the scale is not finite");
+    // The low-rank branch.
+    Node* br = delta->input(t0 ? 0 : 1)->node();
+    std::vector<const Node*> inner{base, delta, br};
+    const Value* x = nullptr;
+    const Value* va = nullptr;
+    const Value* vb = nullptr;
+    if (br->kind() == c10::aten::matmul) {
+      Node* h = br->input(0)->node();
+      Node* tb = br->input(1)->node();
+      if (h->kind() == c10::aten::matmul && tb->kind() == c10::aten::t && h->input(1)->node()->kind() == c10::aten::t) {
+        x = h->input(0);
+        va = h->input(1)->node()->input(0);
+        vb = tb->input(0);
+        inner.insert(inner.end(), {h, tb, h->input(1)->node()});
+      }
+    } else if (br->kind() == c10::aten::linear) {
+      Node* h = br->input(0)->node();
+      if (h->kind() == c10::aten::linear && is_none(br->input(2)) && is_none(h->input(2))) {
+        x = h->input(0);
+        va = h->input(1);
+        vb = br->input(1);
+        inner.push_back(h);
+      }
+    }
+    if (x && x != base->input(0)) {
+      const std::string k = x->node()->kind().toQualString();
+      if (k.find("dropout") != std::string::npos) why("dropout on the update's input is not supported (remove it)");
+      why("the update and the frozen linear read different inputs");
+    }
+    if (!x) why("the update must be (x @ A.t() @ B.t()) * s or F.linear(F.linear(x, A), B) * s");
+    for (const Node* m : inner) {  // the layer's result is the add's alone
+      if (m->outputs().size() != 1 || m->output(0)->uses().size() != 1) why("an intermediate result is used elsewhere");
+    }
+    // Frozen base (buffers), trainable A and B, shapes that chain.
+    auto frozen_path = [&](const Value* v, const char* what) {
+      const std::string path = attr_path_of(v);
+      if (path.empty()) why(std::string("the base ") + what + " is no buffer of the module");
+      if (!frozen_.count(path))
+        why(std::string("the base ") + what + " '" + path +
+            "' must be a buffer (register_buffer): Sparrow trains and sends every parameter of a TorchScript "
+            "model, requires_grad=False ones too, so a frozen parameter would be in the LibTorch client's "
+            "update and not in the lite client's");
+      return path;
+    };
+    const std::string w_path = frozen_path(base->input(1), "weight");
+    const std::string b_path = is_none(base->input(2)) ? std::string() : frozen_path(base->input(2), "bias");
+    const std::string a_path = attr_path_of(va), b2_path = attr_path_of(vb);
+    for (const std::string* p : {&a_path, &b2_path}) {
+      if (p->empty() || !is_trainable(*p))
+        why((p->empty() ? std::string("A and B") : "'" + *p + "'") + " must be a parameter of the module");
+    }
+    const at::Tensor w = tensor_at(w_path), a = tensor_at(a_path), b = tensor_at(b2_path);
+    if (w.dim() != 2 || a.dim() != 2 || b.dim() != 2 || a.size(1) != w.size(1) || b.size(0) != w.size(0) ||
+        b.size(1) != a.size(0))
+      why("shapes weight " + shape_str(shape_of(w)) + ", A " + shape_str(shape_of(a)) + ", B " +
+          shape_str(shape_of(b)) + " are not [out, in], [r, in], [out, r]");
+    Lora lora;
+    lora.x = x;
+    lora.a_path = a_path;
+    lora.b_path = b2_path;
+    LayerSpec& l = lora.spec;
+    l.kind = LayerKind::kLoraLinear;
+    l.out = w.size(0);
+    l.in = w.size(1);
+    l.flag = a.size(0);
+    l.p = static_cast<float>(scale * static_cast<double>(l.flag));  // alpha
+    l.bias = b_path.empty() ? 0 : 1;
+    l.frozen.push_back(frozen_tensor(w_path, w));
+    if (l.bias) {
+      const at::Tensor bias = tensor_at(b_path);
+      if (shape_of(bias) != Shape{l.out}) why("the base bias is not [out]");
+      l.frozen.push_back(frozen_tensor(b_path, bias));
+    }
+    l.param_names = {flat_name(a_path), flat_name(b2_path)};
+    l.param_shapes = {shape_of(a), shape_of(b)};
+    for (const Node* m : inner) lora_inner_.insert(m);
+    lora_.emplace(n, std::move(lora));
+  }
+
+  static FrozenTensor frozen_tensor(const std::string& path, const at::Tensor& t) {
+    return FrozenTensor{flat_name(path), shape_of(t), std::make_shared<const std::vector<float>>(flat(t))};
   }
 
   c10::IValue constant(const Node* n, size_t i, const char* what) const {
@@ -155,10 +316,10 @@ class GraphReader {
     auto c = torch::jit::toIValue(v);
     if (c && c->isNone()) return false;
     const std::string path = attr_path(v, n);
+    if (frozen_.count(path))
+      refuse(n, "'" + path + "' is a buffer; the lite runtime keeps weights frozen only in LoRA layers");
     const at::Tensor t = tensor_at(path);
-    std::string name = path;
-    std::replace(name.begin(), name.end(), '.', '_');
-    l.param_names.push_back(name);
+    l.param_names.push_back(flat_name(path));
     l.param_shapes.push_back(shape_of(t));
     used_.push_back(path);
     return true;
@@ -166,13 +327,21 @@ class GraphReader {
 
   void add(const Node* n, LayerSpec l) {
     if (spec_.layers.empty()) {
-      if (l.kind == LayerKind::kLinear) first_shape_ = {l.in};
+      if (l.kind == LayerKind::kLinear || l.kind == LayerKind::kLoraLinear) first_shape_ = {l.in};
     }
     spec_.layers.push_back(std::move(l));
     current_ = n->output(0);
   }
 
   void visit(Node* n) {
+    if (lora_inner_.count(n)) return;  // read by find_lora; its add becomes the layer
+    if (auto it = lora_.find(n); it != lora_.end()) {
+      if (it->second.x != current_) refuse(n, "LoRA: its input is not the previous layer's output");
+      used_.push_back(it->second.a_path);
+      used_.push_back(it->second.b_path);
+      add(n, std::move(it->second.spec));
+      return;
+    }
     const std::string k = n->kind().toQualString();
     static const std::set<std::string> kInert = {"prim::Constant", "prim::GetAttr", "prim::ListConstruct", "aten::size",
                                                  "aten::Int",      "aten::dim",     "aten::__getitem__"};
@@ -293,6 +462,10 @@ class GraphReader {
 
   const torch::jit::Module& module_;
   std::shared_ptr<torch::jit::Graph> graph_;
+  std::vector<std::string> trainable_;  // the parameters, dotted, in registration order
+  std::set<std::string> frozen_;        // the buffers, dotted
+  std::map<const Node*, Lora> lora_;    // by the add that ends the pattern
+  std::set<const Node*> lora_inner_;    // the pattern's other ops
   ModelSpec spec_;
   Shape first_shape_;
   std::vector<std::string> used_;

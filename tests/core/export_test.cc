@@ -46,6 +46,8 @@ TEST_CASE("export: mlp and cnn as TorchScript compute what Sparrow computes, and
     const at::Tensor want = m->forward(x);
     const at::Tensor got = loaded.forward({x}).toTensor();
     CHECK(at::allclose(got, want, 1e-4, 1e-5));
+    // Trainable as `torchscript:FILE`: every parameter takes gradients.
+    for (const auto& p : loaded.named_parameters(true)) CHECK_MESSAGE(p.value.requires_grad(), p.name);
     // The .npy files hold the same numbers.
     const auto a = sparrow::npy::read(dir + "/weights/fc1.weight.npy");
     CHECK(a.shape == w.at("fc1.weight").sizes().vec());
