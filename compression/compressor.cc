@@ -2,10 +2,13 @@
 
 #include <ATen/ATen.h>
 
+#include <cstring>
 #include <map>
 #include <mutex>
 
+#include "compression/codec_util.h"
 #include "compression/formats.h"
+#include "compression/torch_codec.h"
 #include "core/error.h"
 #include "core/spec.h"
 
@@ -35,7 +38,7 @@ void decode_into(const Encoded& e, at::Tensor& out, float weight, const Context&
     case Format::kDense:
       return detail::decode_dense_add(e, o, weight);
     case Format::kSparse:
-      return detail::decode_sparse_add(e, o, weight, ctx);
+      return detail::decode_sparse_add(e, o, weight, detail::view_of(ctx));
     case Format::kQuantized:
       return detail::decode_quantized_add(e, o, weight);
     case Format::kTernary:
@@ -53,7 +56,7 @@ void decode_into(const Encoded& e, at::Tensor& out, float weight, const Context&
 
 }  // namespace
 
-bool decodes_late(Format f) { return f == Format::kQuantized || f == Format::kTernary || f == Format::kSign; }
+bool decodes_late(Format f) { return detail::format_decodes_late(f); }
 
 bool all_finite(const at::Tensor& t) {
   if (t.numel() == 0) return true;
@@ -116,6 +119,18 @@ void decode_fill_pair(const Encoded& held, float held_weight, const Encoded& e, 
   detail::fill_dense_f32_pair(held, held_weight, e, weight, out.data_ptr<float>());
 }
 
+Encoded dense_encoded(const at::Tensor& t) {
+  const at::Tensor c = t.to(at::kCPU, at::kFloat).contiguous();
+  Encoded e;
+  e.format = Format::kDense;
+  e.shape = c.sizes().vec();
+  e.value_type = ValueType::kF32;
+  const size_t bytes = static_cast<size_t>(c.numel()) * sizeof(float);
+  e.values.resize_uninitialized(bytes);
+  if (bytes) std::memcpy(e.values.data(), c.data_ptr<float>(), bytes);
+  return e;
+}
+
 void register_compressor(const std::string& name, Factory factory) {
   std::lock_guard<std::mutex> lock(registry_mutex());
   registry()[name] = std::move(factory);
@@ -124,10 +139,10 @@ void register_compressor(const std::string& name, Factory factory) {
 void register_builtins() {
   static std::once_flag once;
   std::call_once(once, [] {
-    detail::register_dense();
-    detail::register_sparsifiers();
+    detail::use_aten_parallel_for();
+    detail::register_kernel_codecs();
     detail::register_dgc();
-    detail::register_quantizers();
+    detail::register_sign();
     detail::register_lowrank();
   });
 }

@@ -1,30 +1,28 @@
 // none (fp32), fp16, bf16: dense casts. fp16/bf16 round to nearest even.
-#include <ATen/ATen.h>
-
 #include <cstdint>
 #include <cstring>
 
-#include "compression/codec_util.h"
-#include "compression/formats.h"
+#include "compression/codec_bits.h"
+#include "compression/codec_kernel.h"
+#include "compression/decoders.h"
 #include "core/simd.h"
 #include "core/spec.h"
 
 namespace sparrow::compression::detail {
 namespace {
 
-class DenseCompressor final : public Compressor {
+class DenseKernel final : public Kernel {
  public:
-  DenseCompressor(std::string method, ValueType vt) : method_(std::move(method)), vt_(vt) {}
+  DenseKernel(std::string method, ValueType vt) : method_(std::move(method)), vt_(vt) {}
   std::string method() const override { return method_; }
 
-  Encoded encode(const at::Tensor& x_in, State& state, const Context&) const override {
-    const at::Tensor x = as_input(x_in, method_.c_str());
+  Encoded encode(const float* x, const std::vector<int64_t>& shape, Slots& slots, const CodecView&) const override {
     Encoded e;
     e.format = Format::kDense;
-    e.shape = shape_of(x);
+    e.shape = shape;
     e.value_type = vt_;
-    pack_values(x.data_ptr<float>(), static_cast<uint64_t>(x.numel()), vt_, e.values);
-    ++state.step;
+    pack_values(x, static_cast<uint64_t>(numel_of(shape)), vt_, e.values);
+    ++slots.step();
     return e;
   }
 
@@ -116,29 +114,11 @@ void decode_dense_add(const Encoded& e, float* out, float weight) {
   }
 }
 
-void register_dense() {
-  for (auto [name, vt] :
-       {std::pair{"none", ValueType::kF32}, std::pair{"fp16", ValueType::kF16}, std::pair{"bf16", ValueType::kBF16}}) {
-    const std::string method = name;
-    const ValueType type = vt;
-    register_compressor(method, [method, type](Spec&) { return std::make_unique<DenseCompressor>(method, type); });
-  }
+std::unique_ptr<Kernel> make_dense_kernel(const std::string& method, Spec&) {
+  if (method == "none") return std::make_unique<DenseKernel>(method, ValueType::kF32);
+  if (method == "fp16") return std::make_unique<DenseKernel>(method, ValueType::kF16);
+  if (method == "bf16") return std::make_unique<DenseKernel>(method, ValueType::kBF16);
+  return nullptr;
 }
 
 }  // namespace sparrow::compression::detail
-
-namespace sparrow::compression {
-
-Encoded dense_encoded(const at::Tensor& t) {
-  const at::Tensor c = t.to(at::kCPU, at::kFloat).contiguous();
-  Encoded e;
-  e.format = Format::kDense;
-  e.shape = c.sizes().vec();
-  e.value_type = ValueType::kF32;
-  const size_t bytes = static_cast<size_t>(c.numel()) * sizeof(float);
-  e.values.resize_uninitialized(bytes);
-  if (bytes) std::memcpy(e.values.data(), c.data_ptr<float>(), bytes);
-  return e;
-}
-
-}  // namespace sparrow::compression

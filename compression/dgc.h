@@ -2,13 +2,13 @@
 // Internals of the sparsifying codecs, exposed so tests can check them and
 // transcribe DGC independently: the selection kernels that topk, threshold and
 // dgc share (defined in sparse.cc), and DGC's warm-up schedule and sampling plan
-// (defined in dgc.cc). Internal to compression/: not part of the public interface.
-
-#include <ATen/Parallel.h>
+// (defined in dgc_cpu.cc). Internal to compression/: not part of the public interface.
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
+
+#include "compression/codec_bits.h"
 
 namespace sparrow::compression::detail {
 
@@ -17,7 +17,8 @@ namespace sparrow::compression::detail {
 // Elements per scan block. Fixed, so the work split never depends on the thread count.
 constexpr int64_t kScanBlock = int64_t{1} << 15;
 
-// Runs fn(begin, end, part) over [0, n) in kScanBlock-sized blocks, in parallel.
+// Runs fn(begin, end, part) over [0, n) in kScanBlock-sized blocks, in parallel
+// (detail::parallel_for).
 // fn appends the indices it selects from its block to `part` in ascending order;
 // a thread's consecutive blocks share one part, and the parts are concatenated in
 // block order into `out` (appended). The result is therefore ascending and
@@ -27,7 +28,7 @@ void scan_blocks(int64_t n, std::vector<int64_t>& out, const Fn& fn) {
   if (n <= 0) return;
   const int64_t blocks = (n + kScanBlock - 1) / kScanBlock;
   std::vector<std::vector<int64_t>> parts(static_cast<size_t>(blocks));
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  parallel_for(0, blocks, [&](int64_t b0, int64_t b1) {
     std::vector<int64_t>& part = parts[static_cast<size_t>(b0)];
     for (int64_t b = b0; b < b1; ++b) fn(b * kScanBlock, std::min(n, (b + 1) * kScanBlock), part);
   });
@@ -58,7 +59,7 @@ void keep_topk(const float* a, std::vector<int64_t>& cand, uint64_t k);
 // fewer than k entries are not NaN.
 std::vector<int64_t> topk_abs_indices(const float* a, int64_t n, int64_t k);
 
-// ---- DGC (dgc.cc) --------------------------------------------------------------
+// ---- DGC (dgc_cpu.cc) --------------------------------------------------------------
 
 // Density at 0-based step `step`: with warmup K > 0 and step < K it is
 // max(0.25^(floor(4·step/K) + 1), ratio), i.e. 25%, 6.25%, 1.5625%, 0.390625% over

@@ -6,8 +6,8 @@
 #include <functional>
 #include <limits>
 
-#include "compression/codec_util.h"
-#include "compression/formats.h"
+#include "compression/codec_bits.h"
+#include "compression/decoders.h"
 #include "core/error.h"
 #include "core/simd.h"
 

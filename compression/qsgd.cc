@@ -21,15 +21,13 @@
 // decodable with one count-trailing-zeros). The stream ends with < 8 zero
 // padding bits. Level 0 costs one bit, level 1 four bits; on Gaussian data with
 // S = 16, B = 512 this averages about 2.55 bits per element (12.3x below fp32).
-#include <ATen/ATen.h>
-#include <ATen/Parallel.h>
-
 #include <cmath>
 #include <cstring>
 #include <vector>
 
-#include "compression/codec_util.h"
-#include "compression/formats.h"
+#include "compression/codec_bits.h"
+#include "compression/codec_kernel.h"
+#include "compression/decoders.h"
 #include "compression/quantizers.h"
 #include "core/rng.h"
 #include "core/spec.h"
@@ -78,35 +76,39 @@ class WordWriter {
   int fill_ = 0;
 };
 
-class QsgdCompressor final : public Compressor {
+class QsgdKernel final : public Kernel {
  public:
-  QsgdCompressor(uint32_t levels, uint32_t bucket) : levels_(levels), bucket_(bucket) {}
+  QsgdKernel(uint32_t levels, uint32_t bucket) : levels_(levels), bucket_(bucket) {}
   std::string method() const override { return "qsgd"; }
 
-  Encoded encode(const at::Tensor& x_in, State& state, const Context& ctx) const override {
-    const at::Tensor x = as_input(x_in, "qsgd");
-    const float* v = x.data_ptr<float>();
-    const int64_t n = x.numel();
-    const int64_t bucket = bucket_;
-    const int64_t buckets = (n + bucket - 1) / bucket;
-    const uint64_t key = step_key(ctx, state.step);
-    const double levels = static_cast<double>(levels_);
-    const uint64_t max_level = levels_;
+  Encoded encode(const float* x, const std::vector<int64_t>& shape, Slots& slots, const CodecView& ctx) const override {
+    const int64_t n_all = numel_of(shape);
+    const int64_t bucket_all = bucket_;
+    const int64_t buckets_all = (n_all + bucket_all - 1) / bucket_all;
+    const uint64_t key_all = step_key(ctx, slots.step());
+    const double levels_all = static_cast<double>(levels_);
+    const uint64_t max_level_all = levels_;
 
     Encoded e;
     e.format = Format::kQuantized;
-    e.shape = shape_of(x);
+    e.shape = shape;
     e.params = {levels_, bucket_};
-    e.scales.assign(static_cast<size_t>(buckets), 0.0f);
+    e.scales.assign(static_cast<size_t>(buckets_all), 0.0f);
 
     // Each chunk of whole buckets gets its own bit stream, built in parallel;
     // the streams are then spliced with shifts. The chunking only changes where
     // the work is split, never the bits produced.
-    const int64_t chunk_buckets = std::max<int64_t>(1, kBlock / bucket);
-    const int64_t chunks = (buckets + chunk_buckets - 1) / chunk_buckets;
+    const int64_t chunk_all = std::max<int64_t>(1, kBlock / bucket_all);
+    const int64_t chunks = (buckets_all + chunk_all - 1) / chunk_all;
     std::vector<WordWriter> writers(static_cast<size_t>(chunks));
-    float* norms = e.scales.data();
-    at::parallel_for(0, chunks, 1, [&](int64_t c0, int64_t c1) {
+    float* const norms_out = e.scales.data();
+    parallel_for(0, chunks, [&](int64_t c0, int64_t c1) {
+      // Locals: the writers' 64-bit stores could otherwise alias the captures.
+      const float* const v = x;
+      float* const norms = norms_out;
+      const int64_t n = n_all, bucket = bucket_all, buckets = buckets_all, chunk_buckets = chunk_all;
+      const uint64_t key = key_all, max_level = max_level_all;
+      const double levels = levels_all;
       for (int64_t c = c0; c < c1; ++c) {
         WordWriter& w = writers[static_cast<size_t>(c)];
         const int64_t b_end = std::min(buckets, (c + 1) * chunk_buckets);
@@ -166,7 +168,7 @@ class QsgdCompressor final : public Compressor {
     }
     e.values.resize((total + 7) / 8);
     if (!e.values.empty()) std::memcpy(e.values.data(), out.data(), e.values.size());  // little-endian hosts
-    ++state.step;
+    ++slots.step();
     return e;
   }
 
@@ -248,20 +250,16 @@ void decode_quantized_add(const Encoded& e, float* out, float weight) {
                   "qsgd: nonzero padding bits");
 }
 
-void register_quantizers() {
-  register_compressor("qsgd", [](Spec& spec) -> std::unique_ptr<Compressor> {
-    SPARROW_CHECK_T(sparrow::ConfigError, spec.has("levels"),
-                    "spec '" << spec.text() << "': qsgd needs levels=S (an integer >= 1), e.g. qsgd:levels=16");
-    const int64_t levels = spec.get_int("levels", 0);
-    const int64_t bucket = spec.get_int("bucket", kDefaultBucket);
-    SPARROW_CHECK_T(sparrow::ConfigError, levels >= 1 && levels <= kMaxLevels,
-                    "spec '" << spec.text() << "': qsgd levels must be in [1, " << kMaxLevels << "], got " << levels);
-    SPARROW_CHECK_T(sparrow::ConfigError, bucket >= 1 && bucket <= kMaxBucket,
-                    "spec '" << spec.text() << "': qsgd bucket must be in [1, " << kMaxBucket << "], got " << bucket);
-    return std::make_unique<QsgdCompressor>(static_cast<uint32_t>(levels), static_cast<uint32_t>(bucket));
-  });
-  register_terngrad();
-  register_sign();
+std::unique_ptr<Kernel> make_qsgd_kernel(Spec& spec) {
+  SPARROW_CHECK_T(sparrow::ConfigError, spec.has("levels"),
+                  "spec '" << spec.text() << "': qsgd needs levels=S (an integer >= 1), e.g. qsgd:levels=16");
+  const int64_t levels = spec.get_int("levels", 0);
+  const int64_t bucket = spec.get_int("bucket", kDefaultBucket);
+  SPARROW_CHECK_T(sparrow::ConfigError, levels >= 1 && levels <= kMaxLevels,
+                  "spec '" << spec.text() << "': qsgd levels must be in [1, " << kMaxLevels << "], got " << levels);
+  SPARROW_CHECK_T(sparrow::ConfigError, bucket >= 1 && bucket <= kMaxBucket,
+                  "spec '" << spec.text() << "': qsgd bucket must be in [1, " << kMaxBucket << "], got " << bucket);
+  return std::make_unique<QsgdKernel>(static_cast<uint32_t>(levels), static_cast<uint32_t>(bucket));
 }
 
 }  // namespace sparrow::compression::detail

@@ -1,18 +1,14 @@
 #pragma once
-// Internal to compression/: what the three quantizing codecs (qsgd.cc,
-// terngrad.cc, sign.cc) share. detail::register_quantizers(), defined in
-// qsgd.cc, registers qsgd itself and calls the two functions below.
-
-#include <ATen/Parallel.h>
+// Internal to compression/: the fixed-block loops the three quantizing
+// kernels (qsgd.cc, terngrad.cc, sign_cpu.cc) share. Torch-free.
 
 #include <algorithm>
 #include <cstdint>
 #include <vector>
 
-namespace sparrow::compression::detail {
+#include "compression/codec_bits.h"
 
-void register_terngrad();  // terngrad (terngrad.cc)
-void register_sign();      // sign     (sign.cc)
+namespace sparrow::compression::detail {
 
 // Elements per block of the parallel reductions and packing loops. It is fixed,
 // not derived from the thread count, so floating-point sums (and with them every
@@ -27,7 +23,7 @@ template <typename T, typename F>
 std::vector<T> per_block(int64_t n, const F& fn) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
   std::vector<T> out(static_cast<size_t>(blocks));
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  parallel_for(0, blocks, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) out[static_cast<size_t>(b)] = fn(b * kBlock, std::min(n, (b + 1) * kBlock));
   });
   return out;
@@ -37,7 +33,7 @@ std::vector<T> per_block(int64_t n, const F& fn) {
 template <typename F>
 void for_blocks(int64_t n, const F& fn) {
   const int64_t blocks = (n + kBlock - 1) / kBlock;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  parallel_for(0, blocks, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) fn(b * kBlock, std::min(n, (b + 1) * kBlock));
   });
 }

@@ -9,8 +9,6 @@
 //                                                    time-correlated sparsification (Ozfatura et al. 2021):
 //                                                    values on the server's mask plus the client's own top-E
 // plus the selection kernels DGC shares (declared in dgc.h).
-#include <ATen/ATen.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -20,9 +18,9 @@
 #include <emmintrin.h>
 #endif
 
-#include "compression/codec_util.h"
+#include "compression/codec_bits.h"
+#include "compression/codec_kernel.h"
 #include "compression/dgc.h"
-#include "compression/formats.h"
 #include "core/rng.h"
 #include "core/spec.h"
 
@@ -198,10 +196,9 @@ uint64_t content_key(const float* p, int64_t n) {
 // the compensated tensor in place (r += x),
 // and after encoding the decoded values are subtracted at the sent indices,
 // which leaves r = compensated - decode(e), the error-feedback residual.
-float* compensate_in_place(const at::Tensor& x, State& state) {
-  float* r = residual_data(state, x);
-  const float* xp = x.data_ptr<float>();
-  for (int64_t i = 0, n = x.numel(); i < n; ++i) r[i] += xp[i];
+float* compensate_in_place(const float* x, const std::vector<int64_t>& shape, Slots& slots) {
+  float* r = slots.slot("residual", shape);
+  for (int64_t i = 0, n = numel_of(shape); i < n; ++i) r[i] += x[i];
   return r;
 }
 
@@ -242,17 +239,16 @@ SparseOptions parse_sparse_options(Spec& spec, const char* method, bool ef, cons
 // Top-k of the (error-compensated) input. `ternary` is STC: the kept values are
 // replaced by sign · mean |kept| before packing (with values=sign that is the
 // format itself: one bit per value and one magnitude per tensor).
-class TopKCompressor final : public Compressor {
+class TopKKernel final : public Kernel {
  public:
-  TopKCompressor(const char* method, SparseOptions o, bool ternary) : method_(method), o_(o), ternary_(ternary) {}
+  TopKKernel(const char* method, SparseOptions o, bool ternary) : method_(method), o_(o), ternary_(ternary) {}
   std::string method() const override { return method_; }
 
-  Encoded encode(const at::Tensor& x_in, State& state, const Context& ctx) const override {
-    const at::Tensor x = as_input(x_in, method_);
-    const int64_t n = x.numel();
-    if (o_.ef) age_state(state, ctx, o_.stale, {"residual"});
-    float* res = o_.ef ? compensate_in_place(x, state) : nullptr;
-    const float* src = o_.ef ? res : x.data_ptr<float>();
+  Encoded encode(const float* x, const std::vector<int64_t>& shape, Slots& slots, const CodecView& ctx) const override {
+    const int64_t n = numel_of(shape);
+    if (o_.ef) age_state(slots, ctx, o_.stale, {"residual"});
+    float* res = o_.ef ? compensate_in_place(x, shape, slots) : nullptr;
+    const float* src = o_.ef ? res : x;
     std::vector<int64_t> idx = topk_abs_indices(src, n, n == 0 ? 0 : count_for(o_.ratio, n));
     // STC sends ±mu: an exact zero among the top k (fewer than k nonzeros) would be
     // sent as +mu, so it is not sent at all.
@@ -265,9 +261,9 @@ class TopKCompressor final : public Compressor {
       mu = static_cast<float>(sum / static_cast<double>(vals.size()));
       for (float& v : vals) v = v < 0.0f ? -mu : mu;
     }
-    Encoded e = make_sparse(shape_of(x), idx.data(), vals.data(), idx.size(), o_.vt, mu, o_.index);
+    Encoded e = make_sparse(shape, idx.data(), vals.data(), idx.size(), o_.vt, mu, o_.index);
     if (o_.ef) subtract_sent(res, e, idx.data());
-    ++state.step;
+    ++slots.step();
     return e;
   }
 
@@ -285,31 +281,30 @@ class TopKCompressor final : public Compressor {
 // residual memory): error feedback needs a contractive compressor,
 // ||C(x) - x|| < ||x||, and the n/k-scaled estimate is not one — its residual
 // grows without bound (measured: 4e5x the input after 30 steps at ratio 0.05).
-class RandomKCompressor final : public Compressor {
+class RandomKKernel final : public Kernel {
  public:
-  RandomKCompressor(double ratio, bool ef) : ratio_(ratio), ef_(ef) {}
+  RandomKKernel(double ratio, bool ef) : ratio_(ratio), ef_(ef) {}
   std::string method() const override { return "randomk"; }
 
-  Encoded encode(const at::Tensor& x_in, State& state, const Context& ctx) const override {
-    const at::Tensor x = as_input(x_in, "randomk");
-    const int64_t n = x.numel();
-    float* res = ef_ ? compensate_in_place(x, state) : nullptr;
-    const float* src = ef_ ? res : x.data_ptr<float>();
+  Encoded encode(const float* x, const std::vector<int64_t>& shape, Slots& slots, const CodecView& ctx) const override {
+    const int64_t n = numel_of(shape);
+    float* res = ef_ ? compensate_in_place(x, shape, slots) : nullptr;
+    const float* src = ef_ ? res : x;
     const int64_t k = n == 0 ? 0 : count_for(ratio_, n);
-    const uint64_t key = step_key(ctx, state.step);
+    const uint64_t key = step_key(ctx, slots.step());
     const std::vector<int64_t> idx = seeded_indices(key, static_cast<uint64_t>(k), n);
     const float scale = (k == 0 || ef_) ? 1.0f : static_cast<float>(static_cast<double>(n) / static_cast<double>(k));
     const std::vector<float> vals = gather(src, idx, scale);
     Encoded e;
     e.format = Format::kSparse;
-    e.shape = shape_of(x);
+    e.shape = shape;
     e.value_type = ValueType::kF32;
     e.index_coding = IndexCoding::kSeeded;
     e.count = static_cast<uint64_t>(k);
     e.seed = key;
     pack_values(vals.data(), vals.size(), ValueType::kF32, e.values);
     if (ef_) subtract_sent(res, e, idx.data());
-    ++state.step;
+    ++slots.step();
     return e;
   }
 
@@ -322,28 +317,24 @@ class RandomKCompressor final : public Compressor {
 // |r| >= tau is sent as ±tau (one sign bit, ValueType::kSign with magnitude tau)
 // and tau·sign is subtracted from r. Without ef there is no memory: a plain
 // ±tau quantiser of the elements of x above tau.
-class ThresholdCompressor final : public Compressor {
+class ThresholdKernel final : public Kernel {
  public:
-  ThresholdCompressor(float tau, bool ef) : tau_(tau), ef_(ef) {}
+  ThresholdKernel(float tau, bool ef) : tau_(tau), ef_(ef) {}
   std::string method() const override { return "threshold"; }
 
-  Encoded encode(const at::Tensor& x_in, State& state, const Context&) const override {
-    const at::Tensor x = as_input(x_in, "threshold");
-    const int64_t n = x.numel();
+  Encoded encode(const float* x, const std::vector<int64_t>& shape, Slots& slots, const CodecView&) const override {
+    const int64_t n = numel_of(shape);
     float* res = nullptr;
-    const float* src = x.data_ptr<float>();
+    const float* src = x;
     if (ef_) {
-      at::Tensor& r = state.slot("residual", x);
-      SPARROW_CHECK(r.scalar_type() == at::kFloat, "residual state must be float32");
-      if (!r.is_contiguous()) r = r.contiguous();
-      res = r.data_ptr<float>();
+      res = slots.slot("residual", shape);
       src = res;
     }
     std::vector<int64_t> idx;
     const float tau = tau_;
     if (ef_) {
       // One pass: r += x and collect |r| >= tau .
-      const float* xs = x.data_ptr<float>();
+      const float* xs = x;
       scan_blocks(n, idx, [res, xs, tau](int64_t b, int64_t e, std::vector<int64_t>& part) {
         for (int64_t i = b; i < e; ++i) res[i] += xs[i];
         collect_abs_ge_range(res, b, e, tau, part);
@@ -352,10 +343,10 @@ class ThresholdCompressor final : public Compressor {
       collect_abs_ge(src, n, tau, idx);
     }
     const std::vector<float> vals = gather(src, idx);
-    Encoded e = make_sparse(shape_of(x), idx.data(), vals.data(), idx.size(), ValueType::kSign, tau);
+    Encoded e = make_sparse(shape, idx.data(), vals.data(), idx.size(), ValueType::kSign, tau);
     if (ef_)
       for (size_t j = 0; j < idx.size(); ++j) res[idx[j]] -= vals[j] < 0.0f ? -tau : tau;
-    ++state.step;
+    ++slots.step();
     return e;
   }
 
@@ -380,10 +371,10 @@ class ThresholdCompressor final : public Compressor {
 // ceil(P·m) of the m mask positions only, a different share per update, so a
 // mask can cover far more positions than one update has bits for: at the same
 // bytes a large mask sampled beats a small one sent whole (docs/results.md).
-class TcsCompressor final : public Compressor {
+class TcsKernel final : public Kernel {
  public:
-  TcsCompressor(double ratio, double extra, bool ef, ValueType vt, int64_t block, StalePolicy stale, double keep,
-                bool share_mean)
+  TcsKernel(double ratio, double extra, bool ef, ValueType vt, int64_t block, StalePolicy stale, double keep,
+            bool share_mean)
       : ratio_(ratio),
         extra_(extra),
         ef_(ef),
@@ -396,20 +387,19 @@ class TcsCompressor final : public Compressor {
   double mask_ratio() const override { return ratio_; }
   bool share_mean() const override { return share_mean_; }
 
-  Encoded encode(const at::Tensor& x_in, State& state, const Context& ctx) const override {
-    const at::Tensor x = as_input(x_in, "tcs");
-    const int64_t n = x.numel();
+  Encoded encode(const float* x, const std::vector<int64_t>& shape, Slots& slots, const CodecView& ctx) const override {
+    const int64_t n = numel_of(shape);
     std::vector<float> copy;
     float* src = nullptr;
     if (ef_) {
-      age_state(state, ctx, stale_, {"residual"});
-      src = compensate_in_place(x, state);
+      age_state(slots, ctx, stale_, {"residual"});
+      src = compensate_in_place(x, shape, slots);
     } else {
-      copy.assign(x.data_ptr<float>(), x.data_ptr<float>() + n);
+      copy.assign(x, x + n);
       src = copy.data();
     }
     const int64_t* mk = mask_data(ctx, n);
-    const int64_t m = mk ? ctx.mask.numel() : 0;
+    const int64_t m = mk ? ctx.mask_size : 0;
     SPARROW_CHECK(m < (int64_t{1} << 32), "tcs: a mask of " << m << " positions does not fit the format");
     // keep < 1: the values at a random share of the mask only, which entries a
     // key sent with the update says (seeded_indices); keyed by the step and the
@@ -424,7 +414,7 @@ class TcsCompressor final : public Compressor {
     uint64_t key = 0;
     if (m > 0 && keep_ < 1.0) {
       kept = count_for(keep_, m);
-      key = rng::derive(step_key(ctx, state.step), content_key(src, n));
+      key = rng::derive(step_key(ctx, slots.step()), content_key(src, n));
       pick = seeded_indices(key, static_cast<uint64_t>(kept), m);
     }
     auto mask_pos = [&](int64_t j) { return mk[pick.empty() ? j : pick[static_cast<size_t>(j)]]; };
@@ -460,7 +450,7 @@ class TcsCompressor final : public Compressor {
 
     Encoded e;
     e.format = Format::kSparse;
-    e.shape = shape_of(x);
+    e.shape = shape;
     e.value_type = vt_;
     const RiceChoice rice = best_rice(own.data(), own.size());
     encode_indices_rice(own.data(), own.size(), rice.b, e);
@@ -505,7 +495,7 @@ class TcsCompressor final : public Compressor {
       for (int64_t j = 0; j < kept; ++j) src[mask_pos(j)] -= sent[static_cast<size_t>(j)];
       for (size_t j = 0; j < own.size(); ++j) src[own[j]] -= sent[static_cast<size_t>(kept) + j];
     }
-    ++state.step;
+    ++slots.step();
     return e;
   }
 
@@ -522,14 +512,12 @@ class TcsCompressor final : public Compressor {
 
 }  // namespace
 
-void register_sparsifiers() {
-  register_compressor("topk", [](Spec& spec) {
-    return std::make_unique<TopKCompressor>("topk", parse_sparse_options(spec, "topk", false, "fp32", "auto"), false);
-  });
-  register_compressor("stc", [](Spec& spec) {
-    return std::make_unique<TopKCompressor>("stc", parse_sparse_options(spec, "stc", true, "sign", "rice"), true);
-  });
-  register_compressor("tcs", [](Spec& spec) {
+std::unique_ptr<Kernel> make_sparse_kernel(const std::string& method, Spec& spec) {
+  if (method == "topk")
+    return std::make_unique<TopKKernel>("topk", parse_sparse_options(spec, "topk", false, "fp32", "auto"), false);
+  if (method == "stc")
+    return std::make_unique<TopKKernel>("stc", parse_sparse_options(spec, "stc", true, "sign", "rice"), true);
+  if (method == "tcs") {
     const double ratio = parse_ratio(spec, "tcs", 0.01);
     const double extra = spec.get_double("extra", ratio / 5.0);
     SPARROW_CHECK_T(ConfigError, extra > 0.0 && extra <= 1.0, "tcs: extra=" << extra << " must be in (0, 1]");
@@ -550,21 +538,22 @@ void register_sparsifiers() {
         "tcs: share=" << share << " must be sum (scaled by m/kept, summed) or mean (averaged per position)");
     SPARROW_CHECK_T(ConfigError, share == "sum" || keep < 1.0,
                     "tcs: share=mean needs keep < 1 (with the whole mask every update carries every position)");
-    return std::make_unique<TcsCompressor>(ratio, extra, ef, v, block, stale, keep, share == "mean");
-  });
-  register_compressor("randomk", [](Spec& spec) {
+    return std::make_unique<TcsKernel>(ratio, extra, ef, v, block, stale, keep, share == "mean");
+  }
+  if (method == "randomk") {
     const double ratio = parse_ratio(spec, "randomk", 0.01);
     const bool ef = spec.get_bool("ef", false);
-    return std::make_unique<RandomKCompressor>(ratio, ef);
-  });
-  register_compressor("threshold", [](Spec& spec) {
+    return std::make_unique<RandomKKernel>(ratio, ef);
+  }
+  if (method == "threshold") {
     const double tau = spec.require_double("tau");
     const auto tau_f = static_cast<float>(tau);
     SPARROW_CHECK_T(ConfigError, tau > 0.0 && tau_f > 0.0f && std::isfinite(tau_f),
                     "threshold: tau=" << tau << " must be a positive float32");
     const bool ef = spec.get_bool("ef", true);
-    return std::make_unique<ThresholdCompressor>(tau_f, ef);
-  });
+    return std::make_unique<ThresholdKernel>(tau_f, ef);
+  }
+  return nullptr;
 }
 
 }  // namespace sparrow::compression::detail

@@ -15,15 +15,14 @@
 // Wire (Format::kTernary): scales[0] = s; values = 2 bits per element, LSB
 // first, element i in bits 2(i mod 4).. of byte i/4: 0 = zero, 1 = +s, 2 = −s.
 // Code 3 and nonzero padding bits are rejected (FormatError).
-#include <ATen/ATen.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
 
-#include "compression/codec_util.h"
-#include "compression/formats.h"
+#include "compression/codec_bits.h"
+#include "compression/codec_kernel.h"
+#include "compression/decoders.h"
 #include "compression/quantizers.h"
 #include "core/rng.h"
 #include "core/spec.h"
@@ -38,18 +37,17 @@ struct Moments {
   bool finite = true;
 };
 
-class TernGradCompressor final : public Compressor {
+class TernGradKernel final : public Kernel {
  public:
-  explicit TernGradCompressor(double clip) : clip_(clip) {}
+  explicit TernGradKernel(double clip) : clip_(clip) {}
   std::string method() const override { return "terngrad"; }
 
-  Encoded encode(const at::Tensor& x_in, State& state, const Context& ctx) const override {
-    const at::Tensor x = as_input(x_in, "terngrad");
-    const float* g = x.data_ptr<float>();
-    const int64_t n = x.numel();
+  Encoded encode(const float* x, const std::vector<int64_t>& shape, Slots& slots, const CodecView& ctx) const override {
+    const int64_t n = numel_of(shape);
     const bool clip = clip_ > 0.0;
 
     const std::vector<Moments> parts = per_block<Moments>(n, [&](int64_t lo, int64_t hi) {
+      const float* const g = x;
       Moments m;
       for (int64_t i = lo; i < hi; ++i) {
         const float a = std::fabs(g[i]);
@@ -79,28 +77,33 @@ class TernGradCompressor final : public Compressor {
       bound = static_cast<float>(clip_ * std::sqrt(var));
     }
     const float s = std::min(all.max_abs, bound);
-    const uint64_t key = step_key(ctx, state.step);
+    const uint64_t key = step_key(ctx, slots.step());
 
     Encoded e;
     e.format = Format::kTernary;
-    e.shape = shape_of(x);
+    e.shape = shape;
     e.scales = {s};
     e.values.assign(static_cast<size_t>((2 * n + 7) / 8), 0);
     if (s > 0.0f) {
-      uint8_t* out = e.values.data();
+      uint8_t* const codes = e.values.data();
       // kBlock is a multiple of 4, so blocks never share a byte.
       for_blocks(n, [&](int64_t lo, int64_t hi) {
+        // Locals: the byte stores below may alias anything in memory.
+        const float* const g = x;
+        uint8_t* const out = codes;
+        const float bound_l = bound, s_l = s;
+        const uint64_t key_l = key;
         for (int64_t i = lo; i < hi; ++i) {
-          const float a = std::min(std::fabs(g[i]), bound);
+          const float a = std::min(std::fabs(g[i]), bound_l);
           if (a == 0.0f) continue;
-          if (rng::uniform01(key, static_cast<uint64_t>(i)) * s < a) {
+          if (rng::uniform01(key_l, static_cast<uint64_t>(i)) * s_l < a) {
             const unsigned code = g[i] < 0.0f ? 2u : 1u;
             out[i >> 2] |= static_cast<uint8_t>(code << (2 * (i & 3)));
           }
         }
       });
     }
-    ++state.step;
+    ++slots.step();
     return e;
   }
 
@@ -136,18 +139,20 @@ void decode_ternary_add(const Encoded& e, float* out, float weight) {
   const float m = weight * e.scales[0];
   const float table[4] = {0.0f, m, -m, 0.0f};
   for_blocks(n, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) out[i] += table[(bytes[i >> 2] >> (2 * (i & 3))) & 3];
+    // Locals: the float stores below could otherwise alias the table.
+    const float t[4] = {table[0], table[1], table[2], table[3]};
+    const uint8_t* const in = bytes;
+    float* const o = out;
+    for (int64_t i = lo; i < hi; ++i) o[i] += t[(in[i >> 2] >> (2 * (i & 3))) & 3];
   });
 }
 
-void register_terngrad() {
-  register_compressor("terngrad", [](Spec& spec) -> std::unique_ptr<Compressor> {
-    const double clip = spec.get_double("clip", 0.0);
-    SPARROW_CHECK_T(
-        ConfigError, clip >= 0.0,
-        "spec '" << spec.text() << "': terngrad clip must be >= 0 (0 = off; the paper uses 2.5), got " << clip);
-    return std::make_unique<TernGradCompressor>(clip);
-  });
+std::unique_ptr<Kernel> make_terngrad_kernel(Spec& spec) {
+  const double clip = spec.get_double("clip", 0.0);
+  SPARROW_CHECK_T(
+      ConfigError, clip >= 0.0,
+      "spec '" << spec.text() << "': terngrad clip must be >= 0 (0 = off; the paper uses 2.5), got " << clip);
+  return std::make_unique<TernGradKernel>(clip);
 }
 
 }  // namespace sparrow::compression::detail

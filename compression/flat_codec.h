@@ -1,0 +1,84 @@
+#pragma once
+// The codecs without LibTorch: the same spec strings, the same Encoded bytes,
+// over plain float buffers. What the lite client (sparrow-client-lite) encodes
+// its updates and decodes the server's models with, linking no LibTorch
+// (target sparrow_codec_core). The LibTorch codecs (compression/compressor.h)
+// run the same CPU code through this layer, so both give the same bytes for the
+// same input, state and context (tests/compression/flat_codec_test.cc).
+//
+// Methods: those `flat_methods()` lists (every registered method but powersgd
+// and acp). A spec naming powersgd or acp is a ConfigError saying they need
+// the LibTorch client. Encoding runs on the calling thread.
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "compression/encoded.h"
+
+namespace sparrow::compression::flat {
+
+// One float32 tensor, row-major.
+struct Tensor {
+  std::vector<int64_t> shape;
+  std::vector<float> data;
+};
+
+// A codec's per-tensor state (residual, DGC's u and v, ...): compression::State
+// without LibTorch. serialize() writes the same bytes as compression::State's
+// (magic "SPST", version 2) for the same contents, and deserialize() reads
+// both versions, so a client's state file is the same either way.
+struct State {
+  uint64_t step = 0;
+  int64_t last_round = -1;
+  std::map<std::string, Tensor> tensors;
+
+  bool has(const std::string& key) const { return tensors.count(key) != 0; }
+  // The named slot, created as zeros of `shape` when missing or when its shape
+  // differs (a changed model resets that slot), as compression::State::slot.
+  Tensor& slot(const std::string& key, const std::vector<int64_t>& shape);
+  std::string serialize() const;
+  static State deserialize(const std::string& bytes);  // FormatError on bad bytes
+};
+
+// compression::Context without LibTorch.
+struct Context {
+  std::string name;
+  uint64_t seed = 0;
+  int num_workers = 1;
+  int64_t round = -1;
+  // TCS: the server's shared mask (ascending positions); has_mask false: none.
+  bool has_mask = false;
+  std::vector<int64_t> mask;
+  bool share_mean = false;
+};
+
+class Codec {
+ public:
+  virtual ~Codec() = default;
+  virtual std::string method() const = 0;
+  // Compresses x (n = product of shape values, row-major float32). Reads and
+  // updates state in place; increments state.step. sparrow::Error on a
+  // non-finite input (the LibTorch codec's message), before any state changes.
+  // Immutable: encode may run concurrently on different states.
+  virtual Encoded encode(const float* x, const std::vector<int64_t>& shape, State& state, const Context& ctx) const = 0;
+  virtual double mask_ratio() const { return 0.0; }
+  virtual bool share_mean() const { return false; }
+};
+
+// Builds a codec from a spec string ("dgc:ratio=0.001"); ConfigError for an
+// unknown method or key, or a method that needs LibTorch.
+std::unique_ptr<Codec> make_codec(const std::string& spec);
+std::vector<std::string> flat_methods();
+
+// out[0, n) += weight · decode(e). Validates e first (FormatError, out
+// unchanged, on a malformed e or n != e.numel()); bit-stream formats decode
+// into scratch first, so a stream found bad half way leaves out unchanged too.
+// The low-rank formats (kLowRank, kLowRankFactor, kLowRankSparse: their
+// factors are multiplied with ATen) are a FormatError here. A kMask update
+// needs the round's mask in ctx (has_mask, mask), as compression::decode_add.
+void decode_add(const Encoded& e, float* out, int64_t n, float weight, const Context& ctx = {});
+
+}  // namespace sparrow::compression::flat
