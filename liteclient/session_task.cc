@@ -1,0 +1,286 @@
+// Session::Impl's Tasks and state file: the broadcast model B_{r-1} (Full, or
+// a Delta against what the client holds, decoded with flat::decode_add), the
+// Task's settings checked, training through the SessionTrainer, the update
+// encoded tensor by tensor with the task's codec (compression/flat_codec.h,
+// the same bytes as sparrow-client's federation::make_update), and the state
+// committed with it.
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+
+#include "core/error.h"
+#include "compression/codec_bits.h"
+#include "core/peer_text.h"
+#include "liteclient/session_impl.h"
+
+namespace sparrow::liteclient {
+
+// ---- the state file ---------------------------------------------------------
+
+void Session::Impl::open_state() {
+  if (auto s = load_state(cfg.state_file)) {
+    SPARROW_CHECK_T(ConfigError, s->client_id == cfg.client_id,
+                    "state_file: '" << cfg.state_file << "' belongs to client '" << core::printable(s->client_id)
+                                    << "', not '" << cfg.client_id << "'");
+    SPARROW_CHECK_T(
+        ConfigError, s->digest == digest,
+        "state_file: '" << cfg.state_file << "' was written for another model than '" << cfg.model_file << "'");
+    st = std::move(*s);
+    if (st.holds_model && static_cast<int64_t>(st.held.size()) != layout.total) {
+      spdlog::warn("state_file: the held model does not match the model; holding none");
+      st.holds_model = false;
+      st.held.clear();
+    }
+    if (!st.control.empty() && static_cast<int64_t>(st.control.size()) != layout.total) st.control.clear();
+    if (!st.prev_control.empty() && static_cast<int64_t>(st.prev_control.size()) != layout.total)
+      st.prev_control.clear();
+    for (const auto& [name, bytes] : st.codec) codec_states[name] = flat::State::deserialize(bytes);
+    for (const auto& [name, bytes] : st.prev_codec) prev_codec_states[name] = flat::State::deserialize(bytes);
+    if (st.holds_model)
+      spdlog::info("state: holding the broadcast model of round {} (run '{}')", st.held_round,
+                   core::printable(st.run_id));
+  } else {
+    st.client_id = cfg.client_id;
+    st.digest = digest;
+    save();
+  }
+}
+
+void Session::Impl::save() {
+  st.codec.clear();
+  for (const auto& [name, s] : codec_states) st.codec[name] = s.serialize();
+  st.prev_codec.clear();
+  for (const auto& [name, s] : prev_codec_states) st.prev_codec[name] = s.serialize();
+  save_state(cfg.state_file, st);
+}
+
+void Session::Impl::answered(uint64_t round) {
+  if (st.committed_round != round || st.answered) return;
+  st.answered = true;
+  save();
+}
+
+void Session::Impl::reset_state(const std::string& run_id) {
+  st = ClientState{};
+  st.client_id = cfg.client_id;
+  st.digest = digest;
+  st.run_id = run_id;
+  codec_states.clear();
+  prev_codec_states.clear();
+  save();
+}
+
+void Session::Impl::persist_held(uint64_t round, const std::vector<float>& w) {
+  st.holds_model = true;
+  st.held_round = round;
+  st.held = w;
+  st.run_id = welcome.run_id;
+  save();
+}
+
+// ---- tasks ------------------------------------------------------------------
+
+void Session::Impl::check_tensors(const std::vector<wire::NamedTensor>& ts, const char* what, bool exact) const {
+  std::map<std::string, int> seen;
+  for (const auto& t : ts) {
+    const int64_t k = layout.find(t.name);
+    SPARROW_CHECK_T(Error, k >= 0, what << ": '" << t.name << "' is not a parameter of " << cfg.model);
+    SPARROW_CHECK_T(Error, ++seen[t.name] == 1, what << ": '" << t.name << "' appears twice");
+    const auto& shape = layout.shapes[static_cast<size_t>(k)];
+    SPARROW_CHECK_T(
+        Error, t.tensor.shape == shape,
+        what << ": '" << t.name << "' has shape " << shape_text(t.tensor.shape) << ", the model " << shape_text(shape));
+  }
+  SPARROW_CHECK_T(Error, !exact || seen.size() == layout.names.size(),
+                  what << ": " << seen.size() << " of the model's " << layout.names.size() << " parameters");
+}
+
+void Session::Impl::decode_into(const std::vector<wire::NamedTensor>& ts, std::vector<float>& out) const {
+  for (const auto& t : ts) {
+    const auto k = static_cast<size_t>(layout.find(t.name));
+    flat::decode_add(t.tensor, out.data() + layout.offsets[k], layout.sizes[k], 1.0f);
+  }
+}
+
+void Session::Impl::on_task(const wire::Task& task) {
+  const uint64_t r = task.round;
+  spdlog::info("round {}: task received", r);
+  try {
+    std::optional<std::vector<float>> base = broadcast_model(task);
+    if (!base) return;  // answered with a re-Hello
+    if (task.secagg)
+      start_secagg(task, *base);
+    else
+      train_and_send(task, *base);
+  } catch (const std::exception& e) {
+    ++n.tasks_refused;
+    spdlog::warn("round {}: task refused: {}", r, core::printable(e.what()));
+    wire::Message reply;
+    reply.body = wire::error_for(e, r);
+    send(reply);
+  }
+}
+
+std::optional<std::vector<float>> Session::Impl::broadcast_model(const wire::Task& task) {
+  const uint64_t r = task.round;
+  SPARROW_CHECK_T(Error, r >= 1, "task: round must be >= 1");
+  if (task.model_encoding == wire::ModelEncoding::kFull) {
+    check_tensors(task.weights, "task weights", /*exact=*/true);
+    std::vector<float> w(static_cast<size_t>(layout.total), 0.0f);
+    decode_into(task.weights, w);
+    return w;
+  }
+  check_tensors(task.weights, "task delta", /*exact=*/false);
+  const uint64_t b = task.base_round;
+  if (task.weights.empty())
+    SPARROW_CHECK_T(Error, b + 1 == r, "task: an empty Delta of round " << r << " needs base_round " << r - 1);
+  else
+    SPARROW_CHECK_T(Error, b + 2 == r, "task: a Delta with tensors in round " << r << " needs base_round " << r - 2);
+  if (!st.holds_model || st.held_round != b) {
+    SPARROW_CHECK_T(Error, rehello_round != r,
+                    "task: cannot apply a Delta against round "
+                        << b << ": this client holds "
+                        << (st.holds_model ? "round " + std::to_string(st.held_round) : std::string("no model")));
+    rehello_round = r;
+    ++n.tasks_refused;
+    spdlog::warn("round {}: Delta against round {} but holding {}: sending Hello again", r, b,
+                 st.holds_model ? "round " + std::to_string(st.held_round) : std::string("no model"));
+    send_hello();
+    return std::nullopt;
+  }
+  std::vector<float> w = st.held;
+  decode_into(task.weights, w);
+  return w;
+}
+
+Session::Impl::Prepared Session::Impl::prepare(const wire::Task& task, const std::vector<float>& base) {
+  Prepared p;
+  trainer->check(task.train);
+  const bool stateful = trainer->stateful(task.train.algorithm);
+  p.codec = flat::make_codec(task.compression);  // ConfigError for a codec that needs LibTorch
+  if (p.codec->mask_ratio() > 0) {
+    // tcs: each entry is the server's mask of a parameter, a sparse tensor of
+    // its shape whose positions are the mask (compression::mask_positions).
+    check_tensors(task.shared, "task shared", /*exact=*/false);
+    for (const auto& nt : task.shared) {
+      SPARROW_CHECK_T(
+          Error,
+          nt.tensor.format == compression::Format::kSparse && nt.tensor.index_coding != compression::IndexCoding::kMask,
+          "task: the mask of '" << nt.name << "' is not a sparse tensor with its own positions");
+      compression::validate(nt.tensor);
+      p.masks[nt.name] = compression::detail::decode_indices(nt.tensor);
+    }
+  } else {
+    SPARROW_CHECK_T(Error, task.shared.empty(),
+                    "task: compression '" << task.compression
+                                          << "' comes with shared factors, which sparrow-client-lite does not "
+                                             "support; use sparrow-client");
+  }
+  SPARROW_CHECK_T(Error, task.control.empty() || stateful,
+                  "task: control variates with algorithm '" << task.train.algorithm << "'");
+  check_tensors(task.control, "task control", /*exact=*/!task.control.empty());
+  if (!task.control.empty()) {
+    p.server_control.assign(static_cast<size_t>(layout.total), 0.0f);
+    decode_into(task.control, p.server_control);
+  }
+  if (task.secagg) secagg::check_compatible(task.compression, "mean", "none", task.train.algorithm);
+  // The Task is acceptable: we now hold B_{r-1}.
+  persist_held(task.round - 1, base);
+  rehello_round.reset();
+  return p;
+}
+
+Session::Impl::Trained Session::Impl::train(const wire::Task& task, const std::vector<float>& base, Prepared& p) {
+  const bool stateful = trainer->stateful(task.train.algorithm);
+  Trained t;
+  // Work on copies: a failure below leaves the persisted state as it was.
+  // The round whose update was committed last and never answered, asked
+  // again (the update never reached the server: the client died, or the
+  // connection closed, right after committing it): trained again from the
+  // state before it, so the same update goes out. (An asynchronous server
+  // may give an answered client a new task of the same round: that one is
+  // trained from the current state.)
+  t.replay = st.committed_round == task.round && st.committed_round > 0 && !st.answered;
+  if (t.replay)
+    spdlog::info("round {}: asked again for the round last committed: training it from the state before it",
+                 task.round);
+  t.next_control = t.replay ? st.prev_control : st.control;
+  t.next_codec = t.replay ? prev_codec_states : codec_states;
+  const auto t0 = Clock::now();
+  t.update = trainer->train(task.train, base, task.seed, stateful ? &t.next_control : nullptr,
+                            stateful ? &p.server_control : nullptr);
+  SPARROW_CHECK_T(Error, t.update.num_samples > 0 && static_cast<int64_t>(t.update.delta.size()) == layout.total,
+                  "task: the trainer returned no samples or an update of the wrong size");
+  t.secs = std::chrono::duration<double>(Clock::now() - t0).count();
+  t.metrics = {{"train_loss", t.update.mean_loss}, {"train_seconds", t.secs}};
+  if (ldp.on) {
+    // The noise must be unknown to the server: drawn from this device's own
+    // entropy, never from the task's seed (as sparrow-client).
+    const uint64_t key = (static_cast<uint64_t>(entropy()) << 32) ^ entropy();
+    const double norm = local_dp_update(layout, t.update.delta, ldp.clip, ldp.noise, key);
+    spdlog::info("event=local_dp round={} norm={:.4g} clip={} noise={} participations={} delta={}", task.round, norm,
+                 ldp.clip, ldp.noise, st.rounds + (t.replay ? 0 : 1), ldp.delta);
+  }
+  return t;
+}
+
+void Session::Impl::commit_and_send(uint64_t r, Trained& t, const std::string& bytes) {
+  const uint64_t limit = welcome.max_message_bytes > 0 ? std::min(welcome.max_message_bytes, max_bytes) : max_bytes;
+  SPARROW_CHECK_T(Error, bytes.size() <= limit,
+                  "update of " << bytes.size() << " bytes exceeds max_message_bytes " << limit);
+  // Error feedback is committed with the update it produced, before sending
+  // (as sparrow-client): a crash after this point does not replay the residual.
+  // The state before it is kept for a Task of this round asked again (train()).
+  if (!t.replay) {
+    st.prev_control = std::move(st.control);
+    prev_codec_states = std::move(codec_states);
+    st.rounds += 1;
+  }
+  st.control = std::move(t.next_control);
+  codec_states = std::move(t.next_codec);
+  st.committed_round = r;
+  st.answered = false;
+  save();
+  ++n.tasks_done;
+  pending_round = r;
+  spdlog::info("round {}: trained {} samples in {:.2f} s (loss {:.4f}), sending {} bytes", r, t.update.num_samples,
+               t.secs, t.update.mean_loss, bytes.size());
+  if (!send_bytes(bytes)) spdlog::warn("round {}: the update could not be queued", r);
+}
+
+void Session::Impl::train_and_send(const wire::Task& task, const std::vector<float>& base) {
+  const uint64_t r = task.round;
+  Prepared p = prepare(task, base);
+  Trained t = train(task, base, p);
+  // federation::make_update's encoding: tensor by tensor in model order, each
+  // with its own state and the context client_context() gives it.
+  wire::ModelUpdate u;
+  u.round = r;
+  u.client_id = cfg.client_id;
+  u.num_samples = static_cast<uint64_t>(t.update.num_samples);
+  u.metrics = t.metrics;
+  for (size_t k = 0; k < layout.names.size(); ++k) {
+    flat::Context ctx;
+    ctx.name = layout.names[k];
+    ctx.round = static_cast<int64_t>(r);
+    ctx.seed = task.seed;
+    ctx.num_workers = static_cast<int>(std::max<uint32_t>(task.clients, 1));
+    if (auto it = p.masks.find(layout.names[k]); it != p.masks.end()) {
+      ctx.has_mask = true;
+      ctx.mask = it->second;
+    }
+    u.tensors.push_back({layout.names[k], p.codec->encode(t.update.delta.data() + layout.offsets[k], layout.shapes[k],
+                                                          t.next_codec[layout.names[k]], ctx)});
+  }
+  if (!t.update.control_delta.empty()) {
+    const auto dense = flat::make_codec("none");
+    for (size_t k = 0; k < layout.names.size(); ++k) {
+      flat::State scratch;
+      u.control_delta.push_back({layout.names[k], dense->encode(t.update.control_delta.data() + layout.offsets[k],
+                                                                layout.shapes[k], scratch, {})});
+    }
+  }
+  commit_and_send(r, t, wire::serialize(message(std::move(u))));
+}
+
+}  // namespace sparrow::liteclient
