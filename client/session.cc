@@ -189,6 +189,7 @@ ClientSession::Impl::Outcome ClientSession::Impl::handle(wire::Message& m) {
     if (pending_round && *pending_round == a->round) {
       ++n.updates_acked;
       pending_round.reset();
+      answered(a->round);
       spdlog::info("round {}: update acknowledged", a->round);
     }
     return Outcome::kContinue;
@@ -251,6 +252,7 @@ ClientSession::Impl::Outcome ClientSession::Impl::on_error(const wire::ErrorBody
     ++n.updates_rejected;
     spdlog::warn("round {}: update rejected ({}): {}", *pending_round, wire::error_code_name(e.code),
                  core::printable(e.message));
+    answered(*pending_round);
     pending_round.reset();
   } else {
     spdlog::warn("server error ({}): {}", wire::error_code_name(e.code), core::printable(e.message));

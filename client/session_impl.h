@@ -48,6 +48,10 @@ using Clock = std::chrono::steady_clock;
 
 inline constexpr const char* kSoftware = "sparrow-client 0.1.0";
 inline constexpr int64_t kStateKey = 0;  // one client per state database
+// The state from before the last committed update, while the server has not
+// answered it (an empty state once it has): a Task of that round asked again
+// is trained from it (ClientSession::Impl::train).
+inline constexpr int64_t kKeptStateKey = 1;
 
 // Meta keys of the state database (state/store.h set_meta).
 inline constexpr const char* kMetaClientId = "client.id";
@@ -55,6 +59,10 @@ inline constexpr const char* kMetaDigest = "client.digest";
 inline constexpr const char* kMetaHeldRound = "held.round";
 inline constexpr const char* kMetaHeldRun = "held.run_id";
 inline constexpr const char* kMetaHeldWeights = "held.weights";
+// The round of the last update committed ("0" or missing: none) and whether
+// the server answered it ("1") or not ("0"), written with kKeptStateKey.
+inline constexpr const char* kMetaCommitRound = "commit.round";
+inline constexpr const char* kMetaCommitAnswered = "commit.answered";
 
 inline Weights clone_weights(const Weights& w) {
   Weights out;
@@ -96,6 +104,10 @@ struct ClientSession::Impl {
   state::ClientState st;  // the persisted state, key kStateKey
   Weights held;           // B_{held_round} on the CPU; empty: the seed-built model (held_round 0)
   std::string held_run_id;
+  // The last committed update's round (0: none) and whether the server
+  // answered it; the state before it is kKeptStateKey in the database.
+  uint64_t committed_round = 0;
+  bool committed_answered = true;
   Weights initial;  // W_0 from initial_seed (built on first need)
   std::optional<uint64_t> initial_seed;
 
@@ -142,6 +154,7 @@ struct ClientSession::Impl {
     std::vector<std::pair<std::string, double>> metrics;
     Weights outgoing;         // the delta, local DP noise added when configured
     state::ClientState next;  // committed when the update is sent
+    bool replay = false;      // the committed, unanswered round again: trained from the kept state
   };
   // The open SecAgg+ round: its Task, the model it trains, and the protocol
   // state (keys, shares held). In memory only: a restarted client is a
@@ -199,6 +212,9 @@ struct ClientSession::Impl {
   void persist_held(uint64_t round, const Weights& w);
   // W_0 of the run's model_seed (a Delta against round 0 applies to it).
   const Weights& initial_model(uint64_t seed);
+  // The server answered (Ack, or an Error naming it) the update of `round`:
+  // the state kept from before it is dropped.
+  void answered(uint64_t round);
 
   // ---- tasks (session_task.cc) ----
 

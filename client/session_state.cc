@@ -1,7 +1,8 @@
 // ClientSession::Impl's local state (state/store.h, key 0): the database
 // bound to one client id and model, the broadcast model B_h the client holds
 // with its round and run (so the next Hello reports h and a Delta against B_h
-// applies after a restart), and W_0 built from the run's model_seed.
+// applies after a restart), the state from before an update the server has
+// not answered yet (key 1), and W_0 built from the run's model_seed.
 #include <spdlog/spdlog.h>
 
 #include "client/session_impl.h"
@@ -34,6 +35,15 @@ void ClientSession::Impl::open_state() {
     }
   }
   held_run_id = store->get_meta(kMetaHeldRun).value_or("");
+  if (auto c = store->get_meta(kMetaCommitRound); c && !c->empty()) {
+    try {
+      committed_round = std::stoull(*c);
+    } catch (const std::exception&) {
+      throw FormatError("state_db: bad committed round '" + *c + "' in " + cfg.state_db);
+    }
+  }
+  // A database without the flag (an older client's) has no kept state.
+  committed_answered = store->get_meta(kMetaCommitAnswered).value_or("1") != "0";
   if (round > 0) {
     held = deserialize_weights(store->get_meta(kMetaHeldWeights).value_or(""));
     bool ok = held.size() == shapes.size();
@@ -56,6 +66,11 @@ void ClientSession::Impl::reset_state() {
   held.clear();
   self.held_round_.store(0);
   store->put(kStateKey, st);
+  committed_round = 0;
+  committed_answered = true;
+  store->put(kKeptStateKey, state::ClientState{});
+  store->set_meta(kMetaCommitRound, "0");
+  store->set_meta(kMetaCommitAnswered, "1");
   store->set_meta(kMetaHeldRound, "0");
   store->set_meta(kMetaHeldWeights, "");
   store->set_meta(kMetaHeldRun, "");
@@ -69,6 +84,14 @@ void ClientSession::Impl::persist_held(uint64_t round, const Weights& w) {
   store->set_meta(kMetaHeldRound, std::to_string(round));
   store->set_meta(kMetaHeldRun, held_run_id);
   store->set_meta(kMetaHeldWeights, serialize_weights(w));
+  store->flush();
+}
+
+void ClientSession::Impl::answered(uint64_t round) {
+  if (committed_round != round || committed_answered) return;
+  committed_answered = true;
+  store->put(kKeptStateKey, state::ClientState{});
+  store->set_meta(kMetaCommitAnswered, "1");
   store->flush();
 }
 

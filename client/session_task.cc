@@ -153,7 +153,23 @@ ClientSession::Impl::Trained ClientSession::Impl::train(const wire::Task& task, 
     trainer = std::make_unique<LocalTrainer>(replica, p.tc);
   Trained t;
   // Work on a copy: a failure below leaves the persisted state as it was.
-  t.next = st.deep_copy();
+  // The round whose update was committed last and never answered, asked
+  // again (the update never reached the server: the client died, or the
+  // connection closed, right after committing it; the server re-sends the
+  // Task of its open round on the next Hello): trained again from the state
+  // before it, so the update that goes out is the lost one and no residual
+  // or c_i step is applied twice. (An answered round asked again, e.g. by a
+  // server resumed from an older checkpoint, trains from the current state.)
+  t.replay = committed_round == r && r > 0 && !committed_answered;
+  std::optional<state::ClientState> kept;
+  if (t.replay) kept = store->get(kKeptStateKey);
+  if (t.replay && !kept) {
+    spdlog::warn("round {}: the state from before the last update is missing: training from the current state", r);
+    t.replay = false;
+  }
+  if (t.replay)
+    spdlog::info("round {}: asked again for the round last committed: training from the state before it", r);
+  t.next = t.replay ? std::move(*kept) : st.deep_copy();
   // The model received, on data it was never trained on (federated evaluation).
   std::optional<std::pair<double, double>> held;
   if (holdout.size() > 0) held = trainer->evaluate(base, holdout.x, holdout.y);
@@ -195,12 +211,20 @@ void ClientSession::Impl::commit_and_send(uint64_t r, const Trained& t, const st
   const uint64_t limit = welcome.max_message_bytes > 0 ? std::min(welcome.max_message_bytes, max_bytes) : max_bytes;
   SPARROW_CHECK_T(Error, bytes.size() <= limit,
                   "update of " << bytes.size() << " bytes exceeds max_message_bytes " << limit);
-  // Error feedback is committed with the update it produced, before sending:
-  // a lost update loses its information either way, a crash after this
-  // point does not replay the residual.
-  st = t.next.deep_copy();
-  st.round_to(state::parse_encoding(cfg.state_encoding));  // what state_db keeps: a restart continues the same
-  store->put(kStateKey, st);
+  // Error feedback is committed with the update it produced, before sending
+  // (a crash after this point does not replay the residual), and the state
+  // before it is kept, in the same transaction, until the server answers: a
+  // Task of this round asked again is trained from it (train()).
+  // In this order, a state the store refuses changes nothing.
+  state::ClientState next = t.next.deep_copy();
+  next.round_to(state::parse_encoding(cfg.state_encoding));  // what state_db keeps: a restart continues the same
+  if (!t.replay) store->put(kKeptStateKey, st);
+  store->put(kStateKey, next);
+  st = std::move(next);
+  committed_round = r;
+  committed_answered = false;
+  store->set_meta(kMetaCommitRound, std::to_string(r));
+  store->set_meta(kMetaCommitAnswered, "0");
   store->flush();
   ++n.tasks_done;
   pending_round = r;
