@@ -46,6 +46,8 @@ class Slots {
   virtual float* slot(const char* name, const std::vector<int64_t>& shape) = 0;
   // The named slot's data and element count, or nullptr when there is none.
   virtual float* find(const char* name, int64_t* n) = 0;
+  // Removes the named slot (a no-op when there is none).
+  virtual void erase(const char* name) = 0;
   virtual uint64_t& step() = 0;
   virtual int64_t& last_round() = 0;
 

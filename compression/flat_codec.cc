@@ -8,6 +8,7 @@
 #include "compression/codec_bits.h"
 #include "compression/codec_kernel.h"
 #include "compression/decoders.h"
+#include "compression/lowrank_kernel.h"
 #include "core/bytes.h"
 #include "core/error.h"
 #include "core/spec.h"
@@ -24,11 +25,13 @@ std::unique_ptr<Kernel> make_kernel(Spec& spec) {
   if (m == "qsgd") return make_qsgd_kernel(spec);
   if (m == "terngrad") return make_terngrad_kernel(spec);
   if (m == "sign") return make_sign_kernel(spec.get_bool("ef", true));
+  if (m == "powersgd") return make_powersgd_kernel(spec);
   return nullptr;
 }
 
 std::vector<std::string> kernel_methods() {
-  return {"bf16", "dgc", "fp16", "none", "qsgd", "randomk", "sign", "stc", "tcs", "terngrad", "threshold", "topk"};
+  return {"bf16", "dgc", "fp16", "none",     "powersgd",  "qsgd", "randomk",
+          "sign", "stc", "tcs",  "terngrad", "threshold", "topk"};
 }
 
 }  // namespace detail
@@ -40,7 +43,7 @@ constexpr char kMagic[4] = {'S', 'P', 'S', 'T'};
 constexpr uint32_t kVersion = 2;  // as compression::State (state.cc): 2 adds last_round; 1 is still read
 
 // The methods registered only with LibTorch (compressor.h): named in the refusal.
-bool needs_libtorch(const std::string& method) { return method == "powersgd" || method == "acp"; }
+bool needs_libtorch(const std::string& method) { return method == "acp"; }
 
 int64_t checked_numel(const std::vector<int64_t>& shape, const char* what) {
   int64_t n = 1;
@@ -79,6 +82,7 @@ class FlatSlots final : public detail::Slots {
     *n = static_cast<int64_t>(it->second.data.size());
     return it->second.data.data();
   }
+  void erase(const char* name) override { state_.tensors.erase(name); }
   uint64_t& step() override { return state_.step; }
   int64_t& last_round() override { return state_.last_round; }
 
@@ -179,7 +183,7 @@ std::unique_ptr<Codec> make_codec(const std::string& text) {
   Spec spec = Spec::parse(text);
   if (needs_libtorch(spec.method()))
     throw ConfigError(spec.method() + " needs the LibTorch client: sparrow-client-lite encodes with " +
-                      "none, fp16, bf16, topk, stc, randomk, threshold, tcs, dgc, qsgd, terngrad or sign");
+                      "none, fp16, bf16, topk, stc, randomk, threshold, tcs, dgc, qsgd, terngrad, sign or powersgd");
   std::unique_ptr<detail::Kernel> kernel = detail::make_kernel(spec);
   if (!kernel) {
     std::string known;
@@ -207,12 +211,13 @@ void decode_into(const Encoded& e, float* out, float weight, const detail::Codec
     case Format::kSign:
       return detail::decode_sign_add(e, out, weight);
     case Format::kLowRank:
-    case Format::kLowRankFactor:
     case Format::kLowRankSparse:
+      return detail::decode_lowrank_add(e, out, weight);
+    case Format::kLowRankFactor:
       break;
   }
   throw FormatError(std::string("decode_add: a ") + format_name(e.format) +
-                    " update needs the LibTorch client (its factors are multiplied with ATen)");
+                    " update needs the LibTorch client (it is decoded against the round's shared factor)");
 }
 
 }  // namespace
@@ -221,8 +226,7 @@ void decode_add(const Encoded& e, float* out, int64_t n, float weight, const Con
   validate(e);
   SPARROW_CHECK_T(FormatError, n == e.numel(), "decode_add: output has " << n << " elements, update has " << e.numel());
   const detail::CodecView view = view_of(ctx);
-  if (e.format == Format::kLowRank || e.format == Format::kLowRankFactor || e.format == Format::kLowRankSparse)
-    decode_into(e, nullptr, weight, view);  // throws
+  if (e.format == Format::kLowRankFactor) decode_into(e, nullptr, weight, view);  // throws
   // As compression::decode_add: bit-stream formats decode into scratch first,
   // so that a stream found bad half way leaves `out` untouched.
   if (detail::format_decodes_late(e.format)) {

@@ -6,9 +6,11 @@
 // run the same CPU code through this layer, so both give the same bytes for the
 // same input, state and context (tests/compression/flat_codec_test.cc).
 //
-// Methods: those `flat_methods()` lists (every registered method but powersgd
-// and acp). A spec naming powersgd or acp is a ConfigError saying they need
-// the LibTorch client. Encoding runs on the calling thread.
+// Methods: those `flat_methods()` lists (every registered method but acp).
+// A spec naming acp is a ConfigError saying it needs the LibTorch client.
+// powersgd runs the LibTorch codec's steps over the same low-rank kernels
+// (lowrank_kernel.h), so it gives the same bytes and state too.
+// Encoding runs on the calling thread.
 
 #include <cstdint>
 #include <map>
@@ -76,8 +78,9 @@ std::vector<std::string> flat_methods();
 // out[0, n) += weight · decode(e). Validates e first (FormatError, out
 // unchanged, on a malformed e or n != e.numel()); bit-stream formats decode
 // into scratch first, so a stream found bad half way leaves out unchanged too.
-// The low-rank formats (kLowRank, kLowRankFactor, kLowRankSparse: their
-// factors are multiplied with ATen) are a FormatError here. A kMask update
+// kLowRank and kLowRankSparse (powersgd) add weight · P·Qᵀ (+ the sparse
+// correction); kLowRankFactor (acp, decoded against the round's shared factor)
+// is a FormatError here. A kMask update
 // needs the round's mask in ctx (has_mask, mask), as compression::decode_add.
 void decode_add(const Encoded& e, float* out, int64_t n, float weight, const Context& ctx = {});
 

@@ -37,23 +37,11 @@
 
 #include "compression/compressor.h"
 #include "compression/encoded.h"
+#include "compression/lowrank_kernel.h"
 
 namespace sparrow::compression {
 
-// The matrix view of a tensor: rows = shape[0], cols = numel / rows,
-// rank = min(requested rank, rows, cols). All zero for a 0-D or empty tensor.
-struct LowRankDims {
-  int64_t rows = 0;
-  int64_t cols = 0;
-  int64_t rank = 0;
-};
-LowRankDims lowrank_dims(const std::vector<int64_t>& shape, int64_t rank);
-
-// True iff PowerSGD/ACP with this rank send factors for a tensor of this shape
-// (see the rule above; rows and cols must also fit the wire's uint32 params).
-// min_rate: the smallest rows·cols / ((rows + cols)·r) that is worth factors
-// (PyTorch's min_compression_rate; 2 for acp, powersgd's min_rate=).
-bool lowrank_compressible(const std::vector<int64_t>& shape, int64_t rank, double min_rate = 2.0);
+// LowRankDims, lowrank_dims and lowrank_compressible: lowrank_kernel.h.
 
 // Orthonormalises the columns of a 2-D float32 CPU matrix in place: modified
 // Gram–Schmidt, each column projected twice ("twice is enough"), accumulated in
@@ -128,17 +116,5 @@ void pack_factor(at::Tensor& f, ValueType vt, Encoded& e);
 // Registers "acp" (acp.cc); called by register_lowrank() in powersgd.cc.
 void register_acp();
 
-// Kernels for the skinny products with a row-major n × m matrix A and small r
-// (reference BLAS handles these shapes badly). Each reads A once, runs in
-// parallel over rows, and gives the same bits for any thread count.
-// In the first two, when x is non-null the pass uses A + x and, when sum is
-// non-null, stores A + x there (sum may equal a: error-feedback compensation
-// fused into the product's pass).
-// out (n × r) = (A [+ x]) · B, with B m × r row-major.
-void skinny_mm(const float* a, const float* x, float* sum, int64_t n, int64_t m, const float* b, int64_t r, float* out);
-// out (m × r) = (A [+ x])ᵀ · P, with P n × r row-major.
-void skinny_mm_t(const float* a, const float* x, float* sum, int64_t n, int64_t m, const float* p, int64_t r,
-                 float* out);
-// A += alpha · P·Qᵀ, with P n × r and Q m × r row-major.
-void rank_update(float* a, int64_t n, int64_t m, const float* p, const float* q, int64_t r, float alpha);
+// The skinny products (skinny_mm, skinny_mm_t, rank_update): lowrank_kernel.h.
 }  // namespace sparrow::compression::detail

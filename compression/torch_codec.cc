@@ -30,6 +30,8 @@ class TorchSlots final : public Slots {
     return data(name, it->second);
   }
 
+  void erase(const char* name) override { state_.tensors.erase(name); }
+
   uint64_t& step() override { return state_.step; }
   int64_t& last_round() override { return state_.last_round; }
 
@@ -65,6 +67,7 @@ void use_aten_parallel_for() { set_parallel_for(&aten_parallel_for); }
 void register_kernel_codecs() {
   for (const std::string& method : kernel_methods()) {
     if (method == "dgc" || method == "sign") continue;  // their own files: they have CUDA paths
+    if (method == "powersgd") continue;                 // powersgd.cc: its LibTorch codec
     register_compressor(method, [](Spec& spec) -> std::unique_ptr<Compressor> {
       return std::make_unique<KernelCompressor>(make_kernel(spec));
     });

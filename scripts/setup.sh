@@ -9,9 +9,10 @@
 #   scripts/setup.sh --fuzz    also clang (libFuzzer, ASan, UBSan) for scripts/fuzz.sh
 #   scripts/setup.sh --browser also chromium, for the dashboard's browser tests
 #                              (scripts/test.sh --slow and --all install it)
-#   scripts/setup.sh --arm64   also the arm64 cross compiler and qemu-user, for the
-#                              lite runtime's arm64 test (docs/lite.md; about 68 MB
-#                              to fetch, 320 MB installed; --slow and --all install it)
+#   scripts/setup.sh --arm64   also the arm64 cross compiler, qemu-user and the arm64
+#                              (Debian multiarch) libraries of the networked lite
+#                              client, for the arm64 tests (docs/lite.md; about 125 MB
+#                              to fetch, 480 MB installed; --slow and --all install it)
 set -euo pipefail
 
 PACKAGES=(
@@ -51,12 +52,25 @@ if [[ "${1:-}" == "--bench" ]]; then PACKAGES+=(python3-torch); fi
 if [[ "${1:-}" == "--python" ]]; then PACKAGES+=(pybind11-dev python3-pybind11 python3-dev python3-torch); fi
 if [[ "${1:-}" == "--fuzz" ]]; then PACKAGES+=(clang); fi
 if [[ "${1:-}" == "--browser" ]]; then PACKAGES+=(chromium); fi
-if [[ "${1:-}" == "--arm64" ]]; then PACKAGES+=(g++-aarch64-linux-gnu qemu-user); fi
+# The arm64 cross-build (cmake/aarch64-linux-gnu.cmake): the cross compiler,
+# qemu-user to run what it builds, and the arm64 builds of the networked lite
+# client's libraries through Debian multiarch (the :arm64 packages install
+# into /usr/lib/aarch64-linux-gnu beside the host's; flatc stays the host's).
+# Multiarch packages must have the same version as the host's copy: apt may
+# upgrade a few host packages (libssl3, liblzma5...) to match the archive.
+# Without the :arm64 libraries the arm64 build is the lite runtime only.
+ARM64_LIBS=(libzmq3-dev:arm64 libsodium-dev:arm64 libspdlog-dev:arm64 libfmt-dev:arm64
+            libtomlplusplus-dev:arm64 libflatbuffers-dev:arm64)
+if [[ "${1:-}" == "--arm64" ]]; then PACKAGES+=(g++-aarch64-linux-gnu qemu-user "${ARM64_LIBS[@]}"); fi
 
+# dpkg-query prints one line per installed architecture of a package: a name
+# without :ARCH asks for the host's copy (or an architecture-independent one),
+# not an arm64 copy that --arm64 installed beside it.
+native=$(dpkg --print-architecture)
 missing=()
 for p in "${PACKAGES[@]}"; do
-  status=$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null || true)
-  [[ "$status" == "install ok installed" ]] || missing+=("$p")
+  if [[ "$p" == *:* ]]; then want='^[^ ]+ install ok installed$'; else want="^($native|all) install ok installed$"; fi
+  dpkg-query -W -f='${Architecture} ${Status}\n' "$p" 2>/dev/null | grep -Eq "$want" || missing+=("$p")
 done
 
 if [[ ${#missing[@]} -eq 0 ]]; then
@@ -70,5 +84,8 @@ if [[ $(id -u) -ne 0 ]]; then
 fi
 echo "setup.sh: installing ${missing[*]}" >&2
 export DEBIAN_FRONTEND=noninteractive
+if [[ "${missing[*]}" == *:arm64* ]] && ! dpkg --print-foreign-architectures | grep -qx arm64; then
+  $SUDO dpkg --add-architecture arm64
+fi
 $SUDO apt-get update -q
 $SUDO apt-get install -y -q --no-install-recommends "${missing[@]}"

@@ -165,12 +165,12 @@ TEST_CASE("liteclient session: Hello, a Task and its update, refusals, re-Hello 
   server.send(wire::Ack{1});
 
   // Round 2: a codec that needs LibTorch: an Error naming the round, no crash.
-  server.send(task(2, "powersgd:rank=2", global));
+  server.send(task(2, "acp:rank=2", global));
   m = server.next();
   auto* e = std::get_if<wire::ErrorBody>(&m.body);
   REQUIRE(e != nullptr);
   CHECK(e->round == std::optional<uint64_t>(2));
-  CHECK(e->message.find("powersgd") != std::string::npos);
+  CHECK(e->message.find("acp") != std::string::npos);
   CHECK(e->message.find("LibTorch") != std::string::npos);
   CHECK(fake->calls == 1);
 
