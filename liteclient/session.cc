@@ -90,8 +90,13 @@ Session::Impl::Outcome Session::Impl::serve() {
     if (!frame) continue;
     std::optional<wire::Message> msg;
     try {
-      msg = wire::parse(frame->data(), frame->size(), limits());
+      // The message's tensors are views into the frame (no copy of a whole
+      // model), which they keep alive for as long as they live; on_task()
+      // drops the broadcast weights once decoded, so the frame goes with them.
+      msg = wire::parse(frame->data(), frame->size(), limits(), frame->owner());
+      frame.reset();
     } catch (const wire::ProtocolError& e) {
+      frame.reset();
       last_rx = Clock::now();
       spdlog::warn("bad frame from the server: {}", e.what());
       wire::Message reply;

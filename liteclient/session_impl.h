@@ -55,11 +55,11 @@ struct Session::Impl {
   std::string server_key;
   uint64_t max_bytes = 0;
 
-  // The persisted state (state_file.h) and its codec states, deserialized.
+  // The persisted state (state_file.h): st.held is the one copy of B_h the
+  // client keeps (a Task trains from it), st.codec and st.prev_codec the
+  // codec states now and before st.committed_round.
   ClientState st;
-  std::map<std::string, flat::State> codec_states;       // now
-  std::map<std::string, flat::State> prev_codec_states;  // before st.committed_round
-  LocalDp ldp;                                           // cfg.dp
+  LocalDp ldp;                 // cfg.dp
   std::random_device entropy;  // local DP's noise and SecAgg+'s rounding keys: this device's own
 
   std::unique_ptr<transport::Connection> conn;
@@ -95,7 +95,7 @@ struct Session::Impl {
     double secs = 0;
     std::vector<std::pair<std::string, double>> metrics;
     std::vector<float> next_control;
-    std::map<std::string, flat::State> next_codec;
+    CodecStates next_codec;
     bool replay = false;  // the round committed last, asked again: trained from the state before it
   };
   struct SecAggRound {
@@ -126,21 +126,24 @@ struct Session::Impl {
   void open_state();
   void save();
   void reset_state(const std::string& run_id);
-  void persist_held(uint64_t round, const std::vector<float>& w);
+  void persist_held(uint64_t round, std::vector<float> w);
   // The server answered (Ack or Error) the update of `round`.
   void answered(uint64_t round);
   void check_tensors(const std::vector<wire::NamedTensor>& ts, const char* what, bool exact) const;
   // out (layout.total floats) += the tensors, each at its parameter's offset.
   void decode_into(const std::vector<wire::NamedTensor>& ts, std::vector<float>& out) const;
-  void on_task(const wire::Task& task);
+  // Drops the Task's broadcast weights once decoded (they are a model's worth).
+  void on_task(wire::Task& task);
   std::optional<std::vector<float>> broadcast_model(const wire::Task& task);
-  Prepared prepare(const wire::Task& task, const std::vector<float>& base);
+  // Checks the Task's settings; once they pass, `base` becomes st.held.
+  Prepared prepare(const wire::Task& task, std::vector<float> base);
   Trained train(const wire::Task& task, const std::vector<float>& base, Prepared& p);
-  void commit_and_send(uint64_t r, Trained& t, const std::string& bytes);
-  void train_and_send(const wire::Task& task, const std::vector<float>& base);
+  // Commits the state, then sends `bytes` and frees them.
+  void commit_and_send(uint64_t r, Trained& t, std::string bytes);
+  void train_and_send(const wire::Task& task, std::vector<float> base);
 
   // ---- secure aggregation (session_secagg.cc) ----
-  void start_secagg(const wire::Task& task, const std::vector<float>& base);
+  void start_secagg(const wire::Task& task, std::vector<float> base);
   void on_secagg(const wire::SecAgg& m);
   void masked_update();
 };

@@ -11,12 +11,12 @@
 
 namespace sparrow::liteclient {
 
-void Session::Impl::start_secagg(const wire::Task& task, const std::vector<float>& base) {
+void Session::Impl::start_secagg(const wire::Task& task, std::vector<float> base) {
   auto round = std::make_unique<SecAggRound>();
-  round->prepared = prepare(task, base);
+  round->prepared = prepare(task, base);  // the held model may move on before the round ends: a copy of its own
   round->task = task;
-  round->task.weights.clear();  // the decoded base is kept instead
-  round->base = base;
+  round->task.weights.clear();  // the decoded base is kept instead (on_task() cleared them already)
+  round->base = std::move(base);
   round->party = std::make_unique<secagg::Client>(*task.secagg, task.round, cfg.client_id);
   const wire::SecAgg keys = round->party->keys();
   sa = std::move(round);

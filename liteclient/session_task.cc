@@ -34,8 +34,6 @@ void Session::Impl::open_state() {
     if (!st.control.empty() && static_cast<int64_t>(st.control.size()) != layout.total) st.control.clear();
     if (!st.prev_control.empty() && static_cast<int64_t>(st.prev_control.size()) != layout.total)
       st.prev_control.clear();
-    for (const auto& [name, bytes] : st.codec) codec_states[name] = flat::State::deserialize(bytes);
-    for (const auto& [name, bytes] : st.prev_codec) prev_codec_states[name] = flat::State::deserialize(bytes);
     if (st.holds_model)
       spdlog::info("state: holding the broadcast model of round {} (run '{}')", st.held_round,
                    core::printable(st.run_id));
@@ -46,13 +44,7 @@ void Session::Impl::open_state() {
   }
 }
 
-void Session::Impl::save() {
-  st.codec.clear();
-  for (const auto& [name, s] : codec_states) st.codec[name] = s.serialize();
-  st.prev_codec.clear();
-  for (const auto& [name, s] : prev_codec_states) st.prev_codec[name] = s.serialize();
-  save_state(cfg.state_file, st);
-}
+void Session::Impl::save() { save_state(cfg.state_file, st); }
 
 void Session::Impl::answered(uint64_t round) {
   if (st.committed_round != round || st.answered) return;
@@ -65,15 +57,13 @@ void Session::Impl::reset_state(const std::string& run_id) {
   st.client_id = cfg.client_id;
   st.digest = digest;
   st.run_id = run_id;
-  codec_states.clear();
-  prev_codec_states.clear();
   save();
 }
 
-void Session::Impl::persist_held(uint64_t round, const std::vector<float>& w) {
+void Session::Impl::persist_held(uint64_t round, std::vector<float> w) {
   st.holds_model = true;
   st.held_round = round;
-  st.held = w;
+  st.held = std::move(w);
   st.run_id = welcome.run_id;
   save();
 }
@@ -102,16 +92,19 @@ void Session::Impl::decode_into(const std::vector<wire::NamedTensor>& ts, std::v
   }
 }
 
-void Session::Impl::on_task(const wire::Task& task) {
+void Session::Impl::on_task(wire::Task& task) {
   const uint64_t r = task.round;
   spdlog::info("round {}: task received", r);
   try {
     std::optional<std::vector<float>> base = broadcast_model(task);
     if (!base) return;  // answered with a re-Hello
+    // Decoded into `base`: the weights (views into the received frame) are
+    // let go before training, not held through it.
+    task.weights.clear();
     if (task.secagg)
-      start_secagg(task, *base);
+      start_secagg(task, std::move(*base));
     else
-      train_and_send(task, *base);
+      train_and_send(task, std::move(*base));
   } catch (const std::exception& e) {
     ++n.tasks_refused;
     spdlog::warn("round {}: task refused: {}", r, core::printable(e.what()));
@@ -153,7 +146,7 @@ std::optional<std::vector<float>> Session::Impl::broadcast_model(const wire::Tas
   return w;
 }
 
-Session::Impl::Prepared Session::Impl::prepare(const wire::Task& task, const std::vector<float>& base) {
+Session::Impl::Prepared Session::Impl::prepare(const wire::Task& task, std::vector<float> base) {
   Prepared p;
   trainer->check(task.train);
   const bool stateful = trainer->stateful(task.train.algorithm);
@@ -185,7 +178,7 @@ Session::Impl::Prepared Session::Impl::prepare(const wire::Task& task, const std
   }
   if (task.secagg) secagg::check_compatible(task.compression, "mean", "none", task.train.algorithm);
   // The Task is acceptable: we now hold B_{r-1}.
-  persist_held(task.round - 1, base);
+  persist_held(task.round - 1, std::move(base));
   rehello_round.reset();
   return p;
 }
@@ -205,7 +198,6 @@ Session::Impl::Trained Session::Impl::train(const wire::Task& task, const std::v
     spdlog::info("round {}: asked again for the round last committed: training it from the state before it",
                  task.round);
   t.next_control = t.replay ? st.prev_control : st.control;
-  t.next_codec = t.replay ? prev_codec_states : codec_states;
   const auto t0 = Clock::now();
   t.update = trainer->train(task.train, base, task.seed, stateful ? &t.next_control : nullptr,
                             stateful ? &p.server_control : nullptr);
@@ -221,10 +213,14 @@ Session::Impl::Trained Session::Impl::train(const wire::Task& task, const std::v
     spdlog::info("event=local_dp round={} norm={:.4g} clip={} noise={} participations={} delta={}", task.round, norm,
                  ldp.clip, ldp.noise, st.rounds + (t.replay ? 0 : 1), ldp.delta);
   }
+  // Copied once training is over, not before: training's own buffers and
+  // three sets of codec states (now, before, next) are then never resident
+  // at once.
+  t.next_codec = t.replay ? st.prev_codec : st.codec;
   return t;
 }
 
-void Session::Impl::commit_and_send(uint64_t r, Trained& t, const std::string& bytes) {
+void Session::Impl::commit_and_send(uint64_t r, Trained& t, std::string bytes) {
   const uint64_t limit = welcome.max_message_bytes > 0 ? std::min(welcome.max_message_bytes, max_bytes) : max_bytes;
   SPARROW_CHECK_T(Error, bytes.size() <= limit,
                   "update of " << bytes.size() << " bytes exceeds max_message_bytes " << limit);
@@ -233,11 +229,11 @@ void Session::Impl::commit_and_send(uint64_t r, Trained& t, const std::string& b
   // The state before it is kept for a Task of this round asked again (train()).
   if (!t.replay) {
     st.prev_control = std::move(st.control);
-    prev_codec_states = std::move(codec_states);
+    st.prev_codec = std::move(st.codec);
     st.rounds += 1;
   }
   st.control = std::move(t.next_control);
-  codec_states = std::move(t.next_codec);
+  st.codec = std::move(t.next_codec);
   st.committed_round = r;
   st.answered = false;
   save();
@@ -246,12 +242,13 @@ void Session::Impl::commit_and_send(uint64_t r, Trained& t, const std::string& b
   spdlog::info("round {}: trained {} samples in {:.2f} s (loss {:.4f}), sending {} bytes", r, t.update.num_samples,
                t.secs, t.update.mean_loss, bytes.size());
   if (!send_bytes(bytes)) spdlog::warn("round {}: the update could not be queued", r);
+  std::string().swap(bytes);  // sent (ZeroMQ holds its own copy): not kept while idle
 }
 
-void Session::Impl::train_and_send(const wire::Task& task, const std::vector<float>& base) {
+void Session::Impl::train_and_send(const wire::Task& task, std::vector<float> base) {
   const uint64_t r = task.round;
-  Prepared p = prepare(task, base);
-  Trained t = train(task, base, p);
+  Prepared p = prepare(task, std::move(base));
+  Trained t = train(task, st.held, p);  // B_{r-1}: prepare() made it the held model
   // federation::make_update's encoding: tensor by tensor in model order, each
   // with its own state and the context client_context() gives it.
   wire::ModelUpdate u;
@@ -280,7 +277,12 @@ void Session::Impl::train_and_send(const wire::Task& task, const std::vector<flo
                                                                 layout.shapes[k], scratch, {})});
     }
   }
-  commit_and_send(r, t, wire::serialize(message(std::move(u))));
+  // Encoded: the delta and the update's tensors are let go before the state
+  // file is written, only the serialised message is kept until it is sent.
+  std::vector<float>().swap(t.update.delta);
+  std::vector<float>().swap(t.update.control_delta);
+  std::string bytes = wire::serialize(message(std::move(u)));
+  commit_and_send(r, t, std::move(bytes));
 }
 
 }  // namespace sparrow::liteclient

@@ -4,10 +4,12 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <utility>
 
 #include "core/error.h"
 
@@ -18,8 +20,7 @@ constexpr char kMagic[8] = {'S', 'P', 'R', 'W', 'L', 'C', 'S', 'T'};
 constexpr uint32_t kVersion = 1;
 constexpr uint64_t kFnvOffset = 0xcbf29ce484222325ull, kFnvPrime = 0x100000001b3ull;
 
-uint64_t fnv1a(const char* p, size_t n) {
-  uint64_t h = kFnvOffset;
+uint64_t fnv1a(uint64_t h, const char* p, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     h ^= static_cast<unsigned char>(p[i]);
     h *= kFnvPrime;
@@ -27,22 +28,157 @@ uint64_t fnv1a(const char* p, size_t n) {
   return h;
 }
 
-template <typename T>
-void put(std::string& out, T v) {
-  char b[sizeof(T)];
-  std::memcpy(b, &v, sizeof(T));  // little-endian hosts only (x86-64, arm64)
-  out.append(b, sizeof(T));
+[[noreturn]] void fail_io(const std::string& what, const std::string& path) {
+  throw Error("state_file: cannot " + what + " '" + path + "': " + std::strerror(errno));
 }
 
-void put_str(std::string& out, const std::string& s) {
-  put<uint32_t>(out, static_cast<uint32_t>(s.size()));
-  out += s;
+// Where the file's bytes go as they are produced: appended to a string
+// (encode_state), or through a small buffer to a file descriptor
+// (save_state), so the file is never held whole in memory. The FNV-1a of
+// every byte is kept on the way, for the trailing checksum.
+class Writer {
+ public:
+  explicit Writer(std::string& out) : out_(&out) {}
+  Writer(int fd, const std::string& path) : fd_(fd), path_(&path) { buf_.reserve(kBuffer); }
+
+  void bytes(const void* p, size_t n) {
+    hash_ = fnv1a(hash_, static_cast<const char*>(p), n);
+    raw(static_cast<const char*>(p), n);
+  }
+  template <typename T>
+  void put(T v) {
+    char b[sizeof(T)];
+    std::memcpy(b, &v, sizeof(T));  // little-endian hosts only (x86-64, arm64)
+    bytes(b, sizeof(T));
+  }
+  void str(const std::string& s) {
+    put<uint32_t>(static_cast<uint32_t>(s.size()));
+    bytes(s.data(), s.size());
+  }
+  void floats(const std::vector<float>& v) {
+    put<uint64_t>(v.size());
+    bytes(v.data(), v.size() * sizeof(float));
+  }
+  void codec(const CodecStates& codec) {
+    put<uint32_t>(static_cast<uint32_t>(codec.size()));
+    for (const auto& [name, state] : codec) {
+      str(name);
+      codec_state(state);
+    }
+  }
+  // A str holding flat::State::serialize()'s bytes (magic "SPST", version 2),
+  // streamed from the state's own vectors: DGC's state is twice its tensor,
+  // too much to copy just to write it. state_file_test checks the bytes are
+  // serialize()'s, so a change of that format shows there.
+  void codec_state(const compression::flat::State& st) {
+    uint64_t n = 4 + 4 + 8 + 8 + 4;
+    for (const auto& [name, t] : st.tensors) {
+      uint64_t numel = 1;
+      for (int64_t d : t.shape) numel *= static_cast<uint64_t>(d);
+      SPARROW_CHECK(numel == t.data.size(),
+                    "compressor state '" << name << "' has " << t.data.size() << " values for its shape");
+      n += 4 + name.size() + 4 + 8 * t.shape.size() + 4 * t.data.size();
+    }
+    SPARROW_CHECK(n <= UINT32_MAX, "a compressor state of " << n << " bytes does not fit the state file");
+    put<uint32_t>(static_cast<uint32_t>(n));
+    bytes("SPST", 4);
+    put<uint32_t>(2);
+    put<uint64_t>(st.step);
+    put<int64_t>(st.last_round);
+    put<uint32_t>(static_cast<uint32_t>(st.tensors.size()));
+    for (const auto& [name, t] : st.tensors) {
+      str(name);
+      put<uint32_t>(static_cast<uint32_t>(t.shape.size()));
+      for (int64_t d : t.shape) put<int64_t>(d);
+      bytes(t.data.data(), t.data.size() * sizeof(float));
+    }
+  }
+  // The checksum of every byte so far, then whatever is still buffered.
+  void finish() {
+    const uint64_t sum = hash_;
+    char b[sizeof(sum)];
+    std::memcpy(b, &sum, sizeof(sum));
+    raw(b, sizeof(sum));
+    flush();
+  }
+
+ private:
+  static constexpr size_t kBuffer = size_t{1} << 16;
+
+  void raw(const char* p, size_t n) {
+    if (out_) {
+      out_->append(p, n);
+      return;
+    }
+    if (buf_.size() + n > kBuffer) {
+      flush();
+      if (n >= kBuffer) {  // a model vector: straight from where it lies
+        write_all(p, n);
+        return;
+      }
+    }
+    buf_.append(p, n);
+  }
+  void flush() {
+    if (fd_ >= 0) write_all(buf_.data(), buf_.size());
+    buf_.clear();
+  }
+  void write_all(const char* p, size_t n) {
+    size_t done = 0;
+    while (done < n) {
+      const ssize_t w = ::write(fd_, p + done, n - done);
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0) fail_io("write", *path_);
+      done += static_cast<size_t>(w);
+    }
+  }
+
+  std::string* out_ = nullptr;
+  int fd_ = -1;
+  const std::string* path_ = nullptr;
+  std::string buf_;
+  uint64_t hash_ = kFnvOffset;
+};
+
+void write_state(Writer& w, const ClientState& s) {
+  w.bytes(kMagic, sizeof(kMagic));
+  w.put<uint32_t>(kVersion);
+  w.str(s.client_id);
+  w.put<uint64_t>(s.digest);
+  w.str(s.run_id);
+  w.put<uint8_t>(s.holds_model ? 1 : 0);
+  w.put<uint64_t>(s.held_round);
+  w.floats(s.held);
+  w.put<uint64_t>(s.rounds);
+  w.floats(s.control);
+  w.codec(s.codec);
+  w.put<uint64_t>(s.committed_round);
+  w.put<uint8_t>(s.answered ? 1 : 0);
+  w.floats(s.prev_control);
+  w.codec(s.prev_codec);
+  w.finish();
 }
 
-void put_floats(std::string& out, const std::vector<float>& v) {
-  put<uint64_t>(out, v.size());
-  out.append(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(float));
-}
+// Closes the descriptor on every path out of save_state (a failed write
+// included) unless release()d first.
+class FdGuard {
+ public:
+  explicit FdGuard(int fd) : fd_(fd) {}
+  ~FdGuard() {
+    if (fd_ >= 0) {
+      const int e = errno;  // the error being reported, not close()'s
+      ::close(fd_);
+      errno = e;
+    }
+  }
+  FdGuard(const FdGuard&) = delete;
+  FdGuard& operator=(const FdGuard&) = delete;
+  int get() const { return fd_; }
+  int release() { return std::exchange(fd_, -1); }
+
+ private:
+  int fd_;
+};
 
 class Reader {
  public:
@@ -80,48 +216,28 @@ class Reader {
   size_t pos_ = 0;
 };
 
-void put_codec(std::string& out, const std::map<std::string, std::string>& codec) {
-  put<uint32_t>(out, static_cast<uint32_t>(codec.size()));
-  for (const auto& [name, bytes] : codec) {
-    put_str(out, name);
-    put_str(out, bytes);
-  }
-}
-
-std::map<std::string, std::string> get_codec(Reader& r, const std::string& what) {
-  std::map<std::string, std::string> codec;
+CodecStates get_codec(Reader& r, const std::string& what) {
+  CodecStates codec;
   const auto n = r.get<uint32_t>();
   for (uint32_t i = 0; i < n; ++i) {
     std::string name = r.str();
     SPARROW_CHECK_T(FormatError, !codec.count(name), what << ": codec state of '" << name << "' appears twice");
-    codec[name] = r.str();
+    const std::string bytes = r.str();
+    try {
+      codec.emplace(name, compression::flat::State::deserialize(bytes));
+    } catch (const FormatError& e) {
+      throw FormatError(what + ": codec state of '" + name + "': " + e.what());
+    }
   }
   return codec;
-}
-
-[[noreturn]] void fail_io(const std::string& what, const std::string& path) {
-  throw Error("state_file: cannot " + what + " '" + path + "': " + std::strerror(errno));
 }
 
 }  // namespace
 
 std::string encode_state(const ClientState& s) {
-  std::string out(kMagic, sizeof(kMagic));
-  put<uint32_t>(out, kVersion);
-  put_str(out, s.client_id);
-  put<uint64_t>(out, s.digest);
-  put_str(out, s.run_id);
-  put<uint8_t>(out, s.holds_model ? 1 : 0);
-  put<uint64_t>(out, s.held_round);
-  put_floats(out, s.held);
-  put<uint64_t>(out, s.rounds);
-  put_floats(out, s.control);
-  put_codec(out, s.codec);
-  put<uint64_t>(out, s.committed_round);
-  put<uint8_t>(out, s.answered ? 1 : 0);
-  put_floats(out, s.prev_control);
-  put_codec(out, s.prev_codec);
-  put<uint64_t>(out, fnv1a(out.data(), out.size()));
+  std::string out;
+  Writer w(out);
+  write_state(w, s);
   return out;
 }
 
@@ -137,7 +253,8 @@ ClientState decode_state(const std::string& b, const std::string& what) {
   const auto version = r.get<uint32_t>();
   SPARROW_CHECK_T(FormatError, version == kVersion,
                   what << ": state file version " << version << ", this build reads " << kVersion);
-  SPARROW_CHECK_T(FormatError, sum == fnv1a(b.data(), end), what << ": checksum mismatch (the file is damaged)");
+  SPARROW_CHECK_T(FormatError, sum == fnv1a(kFnvOffset, b.data(), end),
+                  what << ": checksum mismatch (the file is damaged)");
   ClientState s;
   s.client_id = r.str();
   s.digest = r.get<uint64_t>();
@@ -161,30 +278,14 @@ ClientState decode_state(const std::string& b, const std::string& what) {
 }
 
 void save_state(const std::string& path, const ClientState& s) {
-  const std::string bytes = encode_state(s);
   const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-  if (fd < 0) fail_io("write", tmp);
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t w = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0) {
-      const int e = errno;
-      ::close(fd);
-      errno = e;
-      fail_io("write", tmp);
-    }
-    done += static_cast<size_t>(w);
-  }
+  FdGuard fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600));
+  if (fd.get() < 0) fail_io("write", tmp);
+  Writer w(fd.get(), tmp);
+  write_state(w, s);
   // The bytes reach the disk before the name points at them.
-  if (::fsync(fd) != 0) {
-    const int e = errno;
-    ::close(fd);
-    errno = e;
-    fail_io("sync", tmp);
-  }
-  if (::close(fd) != 0) fail_io("close", tmp);
+  if (::fsync(fd.get()) != 0) fail_io("sync", tmp);
+  if (::close(fd.release()) != 0) fail_io("close", tmp);
   if (::rename(tmp.c_str(), path.c_str()) != 0) fail_io("rename to", path);
   // The rename itself reaches the disk with the folder's entry.
   std::string dir = std::filesystem::path(path).parent_path().string();

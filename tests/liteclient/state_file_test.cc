@@ -1,6 +1,7 @@
 // The lite client's state file: a round trip keeps every field; a damaged,
 // truncated or foreign file is refused naming the file; a save replaces the
-// file whole and leaves no temporary behind.
+// file whole and leaves no temporary behind; the streamed file is the
+// documented layout byte for byte.
 // LibTorch-free: also built and run in a device build (SPARROW_LITE_ONLY), on arm64 under qemu.
 #include <doctest/doctest.h>
 #include <unistd.h>
@@ -8,7 +9,9 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <string>
+#include <vector>
 
 #include "core/error.h"
 #include "liteclient/state_file.h"
@@ -17,6 +20,22 @@ namespace {
 
 namespace fs = std::filesystem;
 using namespace sparrow::liteclient;
+
+// A codec state as DGC keeps one: its u and v slots.
+sparrow::compression::flat::State codec_state(uint64_t step, const std::vector<float>& u) {
+  sparrow::compression::flat::State st;
+  st.step = step;
+  st.last_round = static_cast<int64_t>(step);
+  st.slot("u", {static_cast<int64_t>(u.size())}).data = u;
+  st.slot("v", {static_cast<int64_t>(u.size())}).data.assign(u.size(), 1.5f);
+  return st;
+}
+
+std::map<std::string, std::string> bytes_of(const CodecStates& c) {
+  std::map<std::string, std::string> out;
+  for (const auto& [name, st] : c) out[name] = st.serialize();
+  return out;
+}
 
 ClientState sample() {
   ClientState s;
@@ -28,12 +47,12 @@ ClientState sample() {
   s.held = {1.5f, -2.25f, 0.0f, 3e-8f};
   s.rounds = 2;
   s.control = {0.5f, 0.25f, -1.0f, 2.0f};
-  s.codec["fc1.weight"] = std::string("SPST\0\x01residual", 14);
-  s.codec["fc1.bias"] = "x";
+  s.codec["fc1.weight"] = codec_state(2, {0.5f, -1.0f, 0.25f});
+  s.codec["fc1.bias"] = codec_state(1, {7.0f});
   s.committed_round = 3;
   s.answered = true;
   s.prev_control = {0.125f};
-  s.prev_codec["fc1.weight"] = "before";
+  s.prev_codec["fc1.weight"] = codec_state(1, {0.0f, 1.0f, 2.0f});
   return s;
 }
 
@@ -46,11 +65,11 @@ void check_same(const ClientState& a, const ClientState& b) {
   CHECK(a.held == b.held);
   CHECK(a.rounds == b.rounds);
   CHECK(a.control == b.control);
-  CHECK(a.codec == b.codec);
+  CHECK(bytes_of(a.codec) == bytes_of(b.codec));
   CHECK(a.committed_round == b.committed_round);
   CHECK(a.answered == b.answered);
   CHECK(a.prev_control == b.prev_control);
-  CHECK(a.prev_codec == b.prev_codec);
+  CHECK(bytes_of(a.prev_codec) == bytes_of(b.prev_codec));
 }
 
 std::string path_of(const std::string& name) {
@@ -128,6 +147,89 @@ TEST_CASE("liteclient state file: damaged, truncated and foreign files are refus
   }
   CHECK(msg.find(p) != std::string::npos);
   fs::remove(p);
+}
+
+// The documented layout (state_file.h), written independently of the
+// streaming writer, with `codec` and `prev_codec` as raw bytes per tensor.
+std::string reference_bytes(const ClientState& s, const std::map<std::string, std::string>& codec,
+                            const std::map<std::string, std::string>& prev_codec) {
+  std::string out = "SPRWLCST";
+  auto raw = [&](const void* p, size_t n) { out.append(static_cast<const char*>(p), n); };
+  auto u8 = [&](uint8_t v) { raw(&v, 1); };
+  auto u32 = [&](uint32_t v) { raw(&v, 4); };
+  auto u64 = [&](uint64_t v) { raw(&v, 8); };
+  auto str = [&](const std::string& v) {
+    u32(static_cast<uint32_t>(v.size()));
+    out += v;
+  };
+  auto floats = [&](const std::vector<float>& v) {
+    u64(v.size());
+    raw(v.data(), v.size() * 4);
+  };
+  auto states = [&](const std::map<std::string, std::string>& c) {
+    u32(static_cast<uint32_t>(c.size()));
+    for (const auto& [name, bytes] : c) {
+      str(name);
+      str(bytes);
+    }
+  };
+  u32(1);
+  str(s.client_id);
+  u64(s.digest);
+  str(s.run_id);
+  u8(s.holds_model ? 1 : 0);
+  u64(s.held_round);
+  floats(s.held);
+  u64(s.rounds);
+  floats(s.control);
+  states(codec);
+  u64(s.committed_round);
+  u8(s.answered ? 1 : 0);
+  floats(s.prev_control);
+  states(prev_codec);
+  uint64_t h = 0xcbf29ce484222325ull;
+  for (unsigned char c : out) h = (h ^ c) * 0x100000001b3ull;
+  u64(h);
+  return out;
+}
+
+std::string file_bytes(const std::string& p) {
+  std::ifstream in(p, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
+TEST_CASE("liteclient state file: the streamed file is the documented layout, byte for byte") {
+  // Larger than the writer's buffer, with model vectors on both sides of it.
+  ClientState s = sample();
+  s.held.resize(200000);
+  for (size_t i = 0; i < s.held.size(); ++i) s.held[i] = static_cast<float>(i) * 0.5f - 7.0f;
+  s.control.assign(70000, -0.75f);
+  std::vector<float> u(40000);
+  for (size_t i = 0; i < u.size(); ++i) u[i] = static_cast<float>(i % 97) - 3.0f;
+  s.codec["fc1.weight"] = codec_state(5, u);
+  s.prev_codec["conv.bias"] = codec_state(4, {1.0f, 2.0f});
+  s.prev_codec["conv.weight"].slot("q", {2, 3, 4}).data.assign(24, 0.125f);  // a slot of more dims
+  const std::string want = reference_bytes(s, bytes_of(s.codec), bytes_of(s.prev_codec));
+  CHECK(encode_state(s) == want);
+  const std::string p = path_of("layout");
+  save_state(p, s);
+  const std::string got = file_bytes(p);
+  CHECK(got.size() == want.size());
+  CHECK(got == want);
+  CHECK_FALSE(fs::exists(p + ".tmp"));
+  auto back = load_state(p);
+  REQUIRE(back.has_value());
+  check_same(*back, s);
+  fs::remove(p);
+}
+
+TEST_CASE("liteclient state file: a codec state that is not one is refused naming the file and tensor") {
+  const ClientState s = sample();
+  auto codec = bytes_of(s.codec);
+  codec["fc1.bias"] = "not a codec state";
+  const std::string msg = refusal(reference_bytes(s, codec, bytes_of(s.prev_codec)));
+  CHECK(msg.find("x.lite") != std::string::npos);
+  CHECK(msg.find("fc1.bias") != std::string::npos);
 }
 
 TEST_CASE("liteclient state file: a save into a missing folder is an Error") {
