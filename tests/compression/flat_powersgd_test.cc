@@ -18,61 +18,14 @@
 #include "compression/compressor.h"
 #include "compression/flat_codec.h"
 #include "core/error.h"
+#include "tests/compression/flat_test_util.h"
 
 using namespace sparrow::compression;
 namespace fl = sparrow::compression::flat;
 namespace cd = sparrow::compression::detail;
+using namespace sparrow::compression::flat_test;
 
 namespace {
-
-std::vector<int64_t> sizes_of(const at::Tensor& t) { return std::vector<int64_t>(t.sizes().begin(), t.sizes().end()); }
-
-template <typename F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const sparrow::ConfigError& e) {
-    return std::string("ConfigError: ") + e.what();
-  } catch (const sparrow::FormatError& e) {
-    return std::string("FormatError: ") + e.what();
-  } catch (const sparrow::Error& e) {
-    return std::string("Error: ") + e.what();
-  } catch (const std::exception& e) {
-    return std::string("std::exception: ") + e.what();
-  }
-  return "";
-}
-
-void check_same(const Encoded& a, const Encoded& b) {
-  CHECK(a.format == b.format);
-  CHECK(a.shape == b.shape);
-  CHECK(a.value_type == b.value_type);
-  CHECK(a.index_coding == b.index_coding);
-  CHECK(a.count == b.count);
-  CHECK(a.params == b.params);
-  REQUIRE(a.scales.size() == b.scales.size());
-  CHECK(std::memcmp(a.scales.data(), b.scales.data(), a.scales.size() * sizeof(float)) == 0);
-  CHECK(a.indices == b.indices);
-  REQUIRE(a.values.size() == b.values.size());
-  CHECK(std::memcmp(a.values.data(), b.values.data(), a.values.size()) == 0);
-}
-
-void check_same(const State& t, const fl::State& f) {
-  CHECK(t.step == f.step);
-  CHECK(t.last_round == f.last_round);
-  REQUIRE(t.tensors.size() == f.tensors.size());
-  for (const auto& slot : t.tensors) {
-    const std::string name = slot.first;
-    INFO("slot " << name);
-    REQUIRE(f.has(name));
-    const fl::Tensor& ft = f.tensors.at(name);
-    CHECK(sizes_of(slot.second) == ft.shape);
-    const at::Tensor c = slot.second.contiguous();
-    REQUIRE(static_cast<size_t>(c.numel()) == ft.data.size());
-    CHECK(std::memcmp(c.data_ptr<float>(), ft.data.data(), ft.data.size() * sizeof(float)) == 0);
-  }
-  CHECK(t.serialize() == f.serialize());
-}
 
 // Largest |a − b| / largest |a| (0 when a is all zero and b equals it).
 double rel_diff(const float* a, const float* b, int64_t n) {
