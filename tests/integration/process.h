@@ -88,7 +88,20 @@ class Process {
   bool wait_signal_ready(int sig, std::chrono::milliseconds timeout) {
     const auto until = std::chrono::steady_clock::now() + timeout;
     const unsigned long long bit = 1ULL << (sig - 1);
+    // Before its exec the child is a copy of this test program, whose caught
+    // signals (doctest's handlers, SIGTERM among them) it inherits: its mask
+    // says nothing about the program yet. Only after the exec (its exe is no
+    // longer ours) does a blocked or caught bit mean the program took over.
+    char self[4096] = {0};
+    const ssize_t self_n = ::readlink("/proc/self/exe", self, sizeof self - 1);
     while (running()) {
+      char exe[4096] = {0};
+      const ssize_t exe_n = ::readlink(("/proc/" + std::to_string(pid_) + "/exe").c_str(), exe, sizeof exe - 1);
+      if (exe_n <= 0 || (self_n > 0 && std::string(exe, exe_n) == std::string(self, self_n))) {
+        if (std::chrono::steady_clock::now() >= until) return false;
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        continue;
+      }
       std::ifstream in("/proc/" + std::to_string(pid_) + "/status");
       std::string line;
       unsigned long long mask = 0;
