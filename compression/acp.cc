@@ -4,15 +4,19 @@
 // aggregator's shared, orthonormal other factor, so the aggregate is a plain (weighted) sum of factors and one round
 // trip suffices. Error feedback is local, E = (M + E) − P·Qᵀ with the factor this client sent (as in acpsgd.py), as the
 // aggregator decodes it (values= other than fp32 rounds it: protocol 1.4). The aggregator side is in lowrank.h.
+//
+// The client's encode and the decoder are torch-free (acp_cpu.cc, in the codec core): this codec runs that kernel for
+// CPU tensors, as the lite client's flat::make_codec("acp:...") does, so both give the same bytes and state.
 #include <ATen/ATen.h>
 
 #include <cstring>
 
+#include "compression/codec_kernel.h"
 #include "compression/codec_util.h"
 #include "compression/compressor.h"
 #include "compression/formats.h"
 #include "compression/lowrank.h"
-#include "core/rng.h"
+#include "compression/torch_codec.h"
 #include "core/spec.h"
 
 namespace sparrow::compression {
@@ -22,7 +26,7 @@ namespace {
 // aggregator computes S_{t+1} (and broadcasts it), so it needs no per-run seed.
 constexpr uint64_t kRefillKey = 0x5350415252414350ull;  // "SPARRACP"
 
-int which_of(int64_t round) { return (round & 1) ? 1 : 0; }
+int which_of(int64_t round) { return detail::acp_which(round); }
 
 // The factor (rows or cols) × r that `shared` must be when the sent factor is `which`.
 void check_shared(const at::Tensor& s, int64_t rows, int64_t cols, int64_t r, int which, const char* what) {
@@ -35,14 +39,6 @@ void check_shared(const at::Tensor& s, int64_t rows, int64_t cols, int64_t r, in
   SPARROW_CHECK_T(FormatError, all_finite(s), what << ": shared factor is not finite");
 }
 
-// The shared factor for a tensor of rows × cols, rank r, when `which` is sent:
-// ctx.shared_factor (checked) or the seeded initial one.
-at::Tensor shared_for(const Context& ctx, int64_t rows, int64_t cols, int64_t r, int which, const char* what) {
-  if (!ctx.shared_factor.defined()) return acp_initial_factor(ctx, rows, cols, r, 1 - which);
-  check_shared(ctx.shared_factor, rows, cols, r, which, what);
-  return ctx.shared_factor.contiguous();
-}
-
 // out (rows × cols, contiguous) += weight · F·Sᵀ (which = 0) or S·Fᵀ (which = 1).
 void expand_add(const at::Tensor& f, const at::Tensor& s, int which, int64_t rows, int64_t cols, at::Tensor& out,
                 float weight) {
@@ -53,62 +49,27 @@ void expand_add(const at::Tensor& f, const at::Tensor& s, int which, int64_t row
                       weight);
 }
 
-class AcpCompressor final : public Compressor {
+// ctx with its shared factor made contiguous when it is a float32 CPU tensor
+// that is not (the kernel reads it in place, view_of borrows it); nullptr when
+// ctx can be used as it is.
+std::unique_ptr<Context> with_contiguous_shared(const Context& ctx) {
+  const at::Tensor& s = ctx.shared_factor;
+  if (!s.defined() || s.is_contiguous() || s.scalar_type() != at::kFloat || !s.device().is_cpu()) return nullptr;
+  auto c = std::make_unique<Context>(ctx);
+  c->shared_factor = s.contiguous();
+  return c;
+}
+
+// The LibTorch acp: the torch-free kernel (acp_cpu.cc) run on the input and on
+// the State's tensors in place, as every CPU codec. The shared factor is the
+// one input the generic shell does not pass as is (a non-contiguous one).
+class AcpCompressor final : public detail::KernelCompressor {
  public:
-  AcpCompressor(int64_t rank, bool ef, detail::StalePolicy stale, ValueType vt)
-      : rank_(rank), ef_(ef), stale_(stale), vt_(vt) {}
-  std::string method() const override { return "acp"; }
-
-  Encoded encode(const at::Tensor& x_in, State& state, const Context& ctx) const override {
-    const at::Tensor x = detail::as_input(x_in, "acp");
-    Encoded e;
-    e.shape = detail::shape_of(x);
-    const int64_t round = ctx.round >= 0 ? ctx.round : static_cast<int64_t>(state.step);
-    if (!lowrank_compressible(e.shape, rank_)) {
-      ++state.step;
-      e.format = Format::kDense;
-      detail::pack_values(x.data_ptr<float>(), static_cast<uint64_t>(x.numel()), ValueType::kF32, e.values);
-      return e;
-    }
-    const LowRankDims d = lowrank_dims(e.shape, rank_);
-    const int64_t n = d.rows, m = d.cols, r = d.rank;
-    const int which = which_of(round);
-    // Checked before the state changes, so a bad shared factor leaves it intact.
-    const at::Tensor s = shared_for(ctx, n, m, r, which, "acp encode");
-    if (ef_) detail::age_state(state, ctx, stale_, {"residual"});
-
-    // M' = M + E is built in the residual slot during the product's pass.
-    const float* xp = x.data_ptr<float>();
-    float* res = ef_ ? detail::residual_data(state, x) : nullptr;
-    const float* src = ef_ ? res : xp;
-    const float* add = ef_ ? xp : nullptr;
-    at::Tensor f = at::empty({which == 0 ? n : m, r}, at::TensorOptions().dtype(at::kFloat));
-    if (which == 0) {
-      detail::skinny_mm(src, add, res, n, m, s.data_ptr<float>(), r, f.data_ptr<float>());  // P = M'·Q̂
-    } else {
-      detail::skinny_mm_t(src, add, res, n, m, s.data_ptr<float>(), r, f.data_ptr<float>());  // Q = M'ᵀ·P̂
-    }
-    e.format = Format::kLowRankFactor;
-    e.value_type = vt_;
-    e.params = {static_cast<uint32_t>(n), static_cast<uint32_t>(m), static_cast<uint32_t>(r),
-                static_cast<uint32_t>(which)};
-    detail::pack_factor(f, vt_, e);  // f is now what the aggregator decodes
-    if (ef_) {                       // E = M' − P·Q̂ᵀ or M' − P̂·Qᵀ
-      if (which == 0) {
-        detail::rank_update(res, n, m, f.data_ptr<float>(), s.data_ptr<float>(), r, -1.0f);
-      } else {
-        detail::rank_update(res, n, m, s.data_ptr<float>(), f.data_ptr<float>(), r, -1.0f);
-      }
-    }
-    ++state.step;
-    return e;
+  explicit AcpCompressor(Spec& spec) : KernelCompressor(detail::make_acp_kernel(spec)) {}
+  Encoded encode(const at::Tensor& x, State& state, const Context& ctx) const override {
+    if (auto c = with_contiguous_shared(ctx)) return KernelCompressor::encode(x, state, *c);
+    return KernelCompressor::encode(x, state, ctx);
   }
-
- private:
-  int64_t rank_;
-  bool ef_;
-  detail::StalePolicy stale_;
-  ValueType vt_;
 };
 
 }  // namespace
@@ -131,10 +92,7 @@ at::Tensor acp_initial_factor(const Context& ctx, int64_t rows, int64_t cols, in
   const int64_t r = std::min({rank, rows, cols});
   const int64_t k = which == 0 ? rows : cols;
   at::Tensor f = at::empty({k, r}, at::TensorOptions().dtype(at::kFloat));
-  float* a = f.data_ptr<float>();
-  const uint64_t key = detail::tensor_key(ctx);
-  for (int64_t i = 0; i < k * r; ++i) a[i] = rng::normal(key, static_cast<uint64_t>(i));
-  orthonormalize_columns(f);
+  detail::initial_factor(detail::tensor_key(ctx), k, r, f.data_ptr<float>());
   return f;
 }
 
@@ -216,23 +174,13 @@ at::Tensor acp_next_shared(const at::Tensor& mean_factor) {
 namespace detail {
 
 void decode_factor_add(const Encoded& e, at::Tensor& out, float weight, const Context& ctx) {
-  const int64_t rows = e.params[0], cols = e.params[1], r = e.params[2];
-  const int which = static_cast<int>(e.params[3]);
-  const at::Tensor s = shared_for(ctx, rows, cols, r, which, "acp decode");
-  const at::Tensor f = factor_of(e, 0, which == 0 ? rows : cols, r);
-  expand_add(f, s, which, rows, cols, out, weight);
+  auto c = with_contiguous_shared(ctx);
+  decode_factor_add(e, out.data_ptr<float>(), weight, view_of(c ? *c : ctx));
 }
 
 void register_acp() {
-  register_compressor("acp", [](Spec& spec) -> std::unique_ptr<Compressor> {
-    SPARROW_CHECK_T(ConfigError, spec.has("rank"), "acp: 'rank' is required (e.g. acp:rank=4)");
-    const int64_t rank = spec.get_int("rank", 0);
-    SPARROW_CHECK_T(ConfigError, rank >= 1, "acp: rank must be >= 1, got " << rank);
-    const bool ef = spec.get_bool("ef", true);
-    const detail::StalePolicy stale = detail::parse_stale_policy(spec, "acp", ef);
-    const ValueType vt = detail::parse_value_type(spec.get_string("values", "fp32"));  // fp32|fp16|bf16|int8
-    return std::make_unique<AcpCompressor>(rank, ef, stale, vt);
-  });
+  register_compressor("acp",
+                      [](Spec& spec) -> std::unique_ptr<Compressor> { return std::make_unique<AcpCompressor>(spec); });
 }
 
 }  // namespace detail

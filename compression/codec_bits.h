@@ -34,6 +34,16 @@ struct CodecView {
   const int64_t* mask = nullptr;
   int64_t mask_size = 0;
   bool share_mean = false;
+  // ACP: the round's shared factor (row-major, shared_size floats at `shared`,
+  // its shape shared_dims values at shared_shape; the kernel checks both).
+  // has_shared false: none, derive the seeded initial one. A LibTorch factor
+  // that is not float32 on the CPU: shared_malformed, refused by the kernel.
+  bool has_shared = false;
+  bool shared_malformed = false;
+  const float* shared = nullptr;
+  int64_t shared_size = 0;
+  const int64_t* shared_shape = nullptr;
+  size_t shared_dims = 0;
 };
 
 // A codec's per-tensor state as the kernels use it: named float32 buffers,

@@ -43,6 +43,7 @@ std::unique_ptr<Kernel> make_qsgd_kernel(Spec& spec);                           
 std::unique_ptr<Kernel> make_terngrad_kernel(Spec& spec);                           // terngrad.cc
 std::unique_ptr<Kernel> make_sign_kernel(bool ef);                                  // sign_cpu.cc
 std::unique_ptr<Kernel> make_powersgd_kernel(Spec& spec);                           // powersgd_cpu.cc
+std::unique_ptr<Kernel> make_acp_kernel(Spec& spec);                                // acp_cpu.cc
 
 // DGC's options (spec keys ratio, momentum, clip, warmup, sample, dense1d,
 // values, index, decay, max_age), shared with its CUDA path (dgc.cc).

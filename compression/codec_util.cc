@@ -35,6 +35,17 @@ CodecView view_of(const Context& ctx) {
     else
       v.mask_malformed = true;
   }
+  if (ctx.shared_factor.defined()) {  // ACP (acp.cc makes it contiguous first)
+    const at::Tensor& s = ctx.shared_factor;
+    v.has_shared = true;
+    v.shared_shape = s.sizes().data();
+    v.shared_dims = s.sizes().size();
+    v.shared_size = s.numel();
+    if (s.scalar_type() == at::kFloat && s.device().is_cpu() && s.is_contiguous())
+      v.shared = s.data_ptr<float>();
+    else
+      v.shared_malformed = true;
+  }
   return v;
 }
 

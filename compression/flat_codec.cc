@@ -9,7 +9,6 @@
 #include "compression/codec_kernel.h"
 #include "compression/decoders.h"
 #include "compression/lowrank_kernel.h"
-#include "core/bytes.h"
 #include "core/error.h"
 #include "core/spec.h"
 
@@ -26,24 +25,19 @@ std::unique_ptr<Kernel> make_kernel(Spec& spec) {
   if (m == "terngrad") return make_terngrad_kernel(spec);
   if (m == "sign") return make_sign_kernel(spec.get_bool("ef", true));
   if (m == "powersgd") return make_powersgd_kernel(spec);
+  if (m == "acp") return make_acp_kernel(spec);
   return nullptr;
 }
 
 std::vector<std::string> kernel_methods() {
-  return {"bf16", "dgc", "fp16", "none",     "powersgd",  "qsgd", "randomk",
-          "sign", "stc", "tcs",  "terngrad", "threshold", "topk"};
+  return {"acp",     "bf16", "dgc", "fp16", "none",     "powersgd",  "qsgd",
+          "randomk", "sign", "stc", "tcs",  "terngrad", "threshold", "topk"};
 }
 
 }  // namespace detail
 
 namespace flat {
 namespace {
-
-constexpr char kMagic[4] = {'S', 'P', 'S', 'T'};
-constexpr uint32_t kVersion = 2;  // as compression::State (state.cc): 2 adds last_round; 1 is still read
-
-// The methods registered only with LibTorch (compressor.h): named in the refusal.
-bool needs_libtorch(const std::string& method) { return method == "acp"; }
 
 int64_t checked_numel(const std::vector<int64_t>& shape, const char* what) {
   int64_t n = 1;
@@ -65,6 +59,13 @@ detail::CodecView view_of(const Context& ctx) {
   if (ctx.has_mask) {
     v.mask = ctx.mask.data();
     v.mask_size = static_cast<int64_t>(ctx.mask.size());
+  }
+  if (ctx.has_shared_factor) {  // acp
+    v.has_shared = true;
+    v.shared = ctx.shared_factor.data.data();
+    v.shared_size = static_cast<int64_t>(ctx.shared_factor.data.size());
+    v.shared_shape = ctx.shared_factor.shape.data();
+    v.shared_dims = ctx.shared_factor.shape.size();
   }
   return v;
 }
@@ -109,6 +110,15 @@ class KernelCodec final : public Codec {
   std::string method_;
 };
 
+// flat::State as the slots state_format writes.
+std::vector<state_format::SlotView> slot_views(const State& s) {
+  std::vector<state_format::SlotView> v;
+  v.reserve(s.tensors.size());
+  for (const auto& [name, t] : s.tensors)
+    v.push_back({&name, t.shape.data(), t.shape.size(), t.data.data(), t.data.size()});
+  return v;
+}
+
 }  // namespace
 
 Tensor& State::slot(const std::string& key, const std::vector<int64_t>& shape) {
@@ -122,68 +132,27 @@ Tensor& State::slot(const std::string& key, const std::vector<int64_t>& shape) {
   return it->second;
 }
 
-std::string State::serialize() const {
-  using core::put_raw;
-  std::string out(kMagic, 4);
-  put_raw<uint32_t>(out, kVersion);
-  put_raw<uint64_t>(out, step);
-  put_raw<int64_t>(out, last_round);
-  put_raw<uint32_t>(out, static_cast<uint32_t>(tensors.size()));
-  for (const auto& [name, t] : tensors) {
-    SPARROW_CHECK(static_cast<int64_t>(t.data.size()) == checked_numel(t.shape, "compressor state"),
-                  "compressor state '" << name << "' has " << t.data.size() << " values for its shape");
-    put_raw<uint32_t>(out, static_cast<uint32_t>(name.size()));
-    out += name;
-    put_raw<uint32_t>(out, static_cast<uint32_t>(t.shape.size()));
-    for (int64_t d : t.shape) put_raw<int64_t>(out, d);
-    out.append(reinterpret_cast<const char*>(t.data.data()), t.data.size() * 4);
-  }
-  return out;
+std::string State::serialize() const { return state_format::write({step, last_round}, slot_views(*this)); }
+uint64_t State::serialized_size() const { return state_format::size(slot_views(*this)); }
+void State::serialize_to(const state_format::Sink& sink) const {
+  state_format::write({step, last_round}, slot_views(*this), sink);
 }
 
-State State::deserialize(const std::string& bytes) {
-  core::ByteReader r(bytes, "compressor state");
-  SPARROW_CHECK_T(FormatError, bytes.size() >= 4 && std::memcmp(r.take(4), kMagic, 4) == 0,
-                  "compressor state: bad magic");
-  const uint32_t version = r.get<uint32_t>();
-  SPARROW_CHECK_T(FormatError, version == 1 || version == kVersion,
-                  "compressor state: unsupported version " << version);
+State State::deserialize(const char* p, size_t n) {
   State s;
-  s.step = r.get<uint64_t>();
-  if (version >= 2) {
-    s.last_round = r.get<int64_t>();
-    SPARROW_CHECK_T(FormatError, s.last_round >= -1, "compressor state: bad last round " << s.last_round);
-  }
-  const uint32_t count = r.get<uint32_t>();
-  for (uint32_t i = 0; i < count; ++i) {
-    const uint32_t name_len = r.get<uint32_t>();
-    std::string name(r.take(name_len), name_len);
-    const uint32_t dims = r.get<uint32_t>();
-    SPARROW_CHECK_T(FormatError, dims <= 8, "compressor state: '" << name << "' has " << dims << " dims");
-    Tensor t;
-    t.shape.resize(dims);
-    uint64_t numel = 1;
-    for (auto& d : t.shape) {
-      d = r.get<int64_t>();
-      SPARROW_CHECK_T(FormatError, d >= 0 && d < (int64_t{1} << 40), "compressor state: bad dimension " << d);
-      numel *= static_cast<uint64_t>(d);
-      SPARROW_CHECK_T(FormatError, numel < (uint64_t{1} << 40), "compressor state: tensor too large");
-    }
-    const char* data = r.take(numel * 4);
-    t.data.resize(numel);
-    if (numel) std::memcpy(t.data.data(), data, numel * 4);
-    SPARROW_CHECK_T(FormatError, s.tensors.emplace(std::move(name), std::move(t)).second,
-                    "compressor state: duplicate slot");
-  }
-  SPARROW_CHECK_T(FormatError, r.done(), "compressor state: trailing bytes");
+  const state_format::Header h = state_format::read(p, n, [&s](std::string name, const std::vector<int64_t>& shape) {
+    Tensor& t = s.tensors[std::move(name)];
+    t.shape = shape;
+    t.data.resize(static_cast<size_t>(checked_numel(shape, "compressor state")));
+    return t.data.data();
+  });
+  s.step = h.step;
+  s.last_round = h.last_round;
   return s;
 }
 
 std::unique_ptr<Codec> make_codec(const std::string& text) {
   Spec spec = Spec::parse(text);
-  if (needs_libtorch(spec.method()))
-    throw ConfigError(spec.method() + " needs the LibTorch client: sparrow-client-lite encodes with " +
-                      "none, fp16, bf16, topk, stc, randomk, threshold, tcs, dgc, qsgd, terngrad, sign or powersgd");
   std::unique_ptr<detail::Kernel> kernel = detail::make_kernel(spec);
   if (!kernel) {
     std::string known;
@@ -214,10 +183,9 @@ void decode_into(const Encoded& e, float* out, float weight, const detail::Codec
     case Format::kLowRankSparse:
       return detail::decode_lowrank_add(e, out, weight);
     case Format::kLowRankFactor:
-      break;
+      return detail::decode_factor_add(e, out, weight, ctx);
   }
-  throw FormatError(std::string("decode_add: a ") + format_name(e.format) +
-                    " update needs the LibTorch client (it is decoded against the round's shared factor)");
+  throw FormatError("unknown tensor format");
 }
 
 }  // namespace
@@ -226,7 +194,6 @@ void decode_add(const Encoded& e, float* out, int64_t n, float weight, const Con
   validate(e);
   SPARROW_CHECK_T(FormatError, n == e.numel(), "decode_add: output has " << n << " elements, update has " << e.numel());
   const detail::CodecView view = view_of(ctx);
-  if (e.format == Format::kLowRankFactor) decode_into(e, nullptr, weight, view);  // throws
   // As compression::decode_add: bit-stream formats decode into scratch first,
   // so that a stream found bad half way leaves `out` untouched.
   if (detail::format_decodes_late(e.format)) {
@@ -236,6 +203,22 @@ void decode_add(const Encoded& e, float* out, int64_t n, float weight, const Con
     return;
   }
   decode_into(e, out, weight, view);
+}
+
+Tensor shared_factor_of(const Encoded& e) {
+  validate(e);
+  Tensor f;
+  if (e.format != Format::kLowRankFactor) {
+    f.shape = e.shape;
+    f.data.assign(static_cast<size_t>(e.numel()), 0.0f);
+    decode_add(e, f.data.data(), e.numel(), 1.0f);
+    return f;
+  }
+  const int64_t k = e.params[3] == 0 ? e.params[0] : e.params[1], r = e.params[2];
+  f.shape = {k, r};
+  f.data.resize(static_cast<size_t>(k * r));
+  detail::unpack_factor(e, 0, k, r, f.data.data());
+  return f;
 }
 
 }  // namespace flat

@@ -4,7 +4,9 @@
 // factors' value coding and the kLowRank(Sparse) decoder, over raw row-major
 // float32 buffers. PowerSGD and ACP over LibTorch (powersgd.cc, acp.cc) and the
 // flat powersgd kernel (powersgd_cpu.cc, the lite client) run these same
-// functions, so they give the same bits. Internal to compression/.
+// functions, so they give the same bits; ACP's encode and decode are wholly
+// here (acp_cpu.cc), the LibTorch codec a shell over them. Internal to
+// compression/.
 
 #include <cstdint>
 #include <vector>
@@ -97,5 +99,32 @@ struct PowerSgdOptions {
   double sparse = 0.0;
 };
 PowerSgdOptions parse_powersgd_options(Spec& spec);
+
+// ACP's options (spec keys rank, ef, values, decay, max_age), parsed with the
+// same checks and messages for the LibTorch codec and the flat kernel: both
+// are the one kernel of acp_cpu.cc.
+struct AcpOptions {
+  int64_t rank = 1;
+  bool ef = true;
+  StalePolicy stale;
+  ValueType vt = ValueType::kF32;
+};
+AcpOptions parse_acp_options(Spec& spec);
+
+// The factor ACP sends in `round`: 0 (P) when even, 1 (Q) when odd.
+inline int acp_which(int64_t round) { return (round & 1) ? 1 : 0; }
+
+// The shared factor ACP multiplies with for a rows × cols tensor of rank r
+// when factor `which` is sent: Q̂ (cols × r) for which = 0, P̂ (rows × r) for 1.
+// ctx's factor, checked (shape {k, r}, float32 on the CPU, finite: FormatError
+// "<what>: shared factor ..." otherwise), or without one the seeded initial
+// factor (initial_factor(tensor_key(ctx), k, r)), written to `derived`.
+const float* acp_shared_factor(const CodecView& ctx, int64_t rows, int64_t cols, int64_t r, int which, const char* what,
+                               std::vector<float>& derived);
+
+// out += weight · F·Q̂ᵀ (params[3] = 0) or P̂·Fᵀ (1) for a validated
+// kLowRankFactor e, against ctx's shared factor (acp_shared_factor: checked
+// before out is touched, the seeded one without). out holds e.numel() floats.
+void decode_factor_add(const Encoded& e, float* out, float weight, const CodecView& ctx);
 
 }  // namespace sparrow::compression::detail

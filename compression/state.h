@@ -22,11 +22,9 @@ struct State {
   // shape no longer matches (a changed model resets that slot).
   at::Tensor& slot(const std::string& key, const at::Tensor& like);
 
-  // Self-describing little-endian bytes: magic "SPST", version (2), step,
-  // last_round, then (name, shape, fp32 data) per tensor. Version 1 (no
-  // last_round) is still read, as last_round = -1.
+  // The bytes of state_format.h (magic "SPST"; flat::State's too), each
+  // tensor read into its own at::Tensor. FormatError on malformed bytes.
   std::string serialize() const;
-  // Throws FormatError on truncated or malformed bytes.
   static State deserialize(const std::string& bytes);
 };
 

@@ -68,6 +68,7 @@ void register_kernel_codecs() {
   for (const std::string& method : kernel_methods()) {
     if (method == "dgc" || method == "sign") continue;  // their own files: they have CUDA paths
     if (method == "powersgd") continue;                 // powersgd.cc: its LibTorch codec
+    if (method == "acp") continue;                      // acp.cc: its shared factor made contiguous
     register_compressor(method, [](Spec& spec) -> std::unique_ptr<Compressor> {
       return std::make_unique<KernelCompressor>(make_kernel(spec));
     });

@@ -88,6 +88,7 @@ struct Session::Impl {
     std::unique_ptr<flat::Codec> codec;
     std::vector<float> server_control;                  // SCAFFOLD's c (empty: none sent)
     std::map<std::string, std::vector<int64_t>> masks;  // tcs: the server's mask per parameter
+    std::map<std::string, flat::Tensor> shared;         // acp: the round's shared factor per parameter ({k, r})
   };
   // One round's training and the state it leads to (committed when sent).
   struct Trained {
@@ -129,7 +130,10 @@ struct Session::Impl {
   void persist_held(uint64_t round, std::vector<float> w);
   // The server answered (Ack or Error) the update of `round`.
   void answered(uint64_t round);
-  void check_tensors(const std::vector<wire::NamedTensor>& ts, const char* what, bool exact) const;
+  // Each of ts names a parameter once (all of them when exact), with the
+  // parameter's shape unless !same_shape (acp's {k, r} shared factors).
+  void check_tensors(const std::vector<wire::NamedTensor>& ts, const char* what, bool exact,
+                     bool same_shape = true) const;
   // out (layout.total floats) += the tensors, each at its parameter's offset.
   void decode_into(const std::vector<wire::NamedTensor>& ts, std::vector<float>& out) const;
   // Drops the Task's broadcast weights once decoded (they are a model's worth).

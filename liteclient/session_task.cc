@@ -70,7 +70,8 @@ void Session::Impl::persist_held(uint64_t round, std::vector<float> w) {
 
 // ---- tasks ------------------------------------------------------------------
 
-void Session::Impl::check_tensors(const std::vector<wire::NamedTensor>& ts, const char* what, bool exact) const {
+void Session::Impl::check_tensors(const std::vector<wire::NamedTensor>& ts, const char* what, bool exact,
+                                  bool same_shape) const {
   std::map<std::string, int> seen;
   for (const auto& t : ts) {
     const int64_t k = layout.find(t.name);
@@ -78,7 +79,7 @@ void Session::Impl::check_tensors(const std::vector<wire::NamedTensor>& ts, cons
     SPARROW_CHECK_T(Error, ++seen[t.name] == 1, what << ": '" << t.name << "' appears twice");
     const auto& shape = layout.shapes[static_cast<size_t>(k)];
     SPARROW_CHECK_T(
-        Error, t.tensor.shape == shape,
+        Error, !same_shape || t.tensor.shape == shape,
         what << ": '" << t.name << "' has shape " << shape_text(t.tensor.shape) << ", the model " << shape_text(shape));
   }
   SPARROW_CHECK_T(Error, !exact || seen.size() == layout.names.size(),
@@ -150,7 +151,7 @@ Session::Impl::Prepared Session::Impl::prepare(const wire::Task& task, std::vect
   Prepared p;
   trainer->check(task.train);
   const bool stateful = trainer->stateful(task.train.algorithm);
-  p.codec = flat::make_codec(task.compression);  // ConfigError for a codec that needs LibTorch
+  p.codec = flat::make_codec(task.compression);  // ConfigError for an unknown codec
   if (p.codec->mask_ratio() > 0) {
     // tcs: each entry is the server's mask of a parameter, a sparse tensor of
     // its shape whose positions are the mask (compression::mask_positions).
@@ -164,10 +165,12 @@ Session::Impl::Prepared Session::Impl::prepare(const wire::Task& task, std::vect
       p.masks[nt.name] = compression::detail::decode_indices(nt.tensor);
     }
   } else {
-    SPARROW_CHECK_T(Error, task.shared.empty(),
-                    "task: compression '" << task.compression
-                                          << "' comes with shared factors, which sparrow-client-lite does not "
-                                             "support; use sparrow-client");
+    // acp: each entry is the round's shared factor of a parameter, {k, r}, as
+    // sparrow-client reads it: a factor as sparrow-server sends it
+    // (compression::acp_factor_encoded, its values the factor itself), or any
+    // other tensor, decoded, of shape {k, r}. The codec checks the shape.
+    check_tensors(task.shared, "task shared", /*exact=*/false, /*same_shape=*/false);
+    for (const auto& nt : task.shared) p.shared[nt.name] = flat::shared_factor_of(nt.tensor);
   }
   SPARROW_CHECK_T(Error, task.control.empty() || stateful,
                   "task: control variates with algorithm '" << task.train.algorithm << "'");
@@ -265,6 +268,10 @@ void Session::Impl::train_and_send(const wire::Task& task, std::vector<float> ba
     if (auto it = p.masks.find(layout.names[k]); it != p.masks.end()) {
       ctx.has_mask = true;
       ctx.mask = it->second;
+    }
+    if (auto it = p.shared.find(layout.names[k]); it != p.shared.end()) {  // used once: moved
+      ctx.has_shared_factor = true;
+      ctx.shared_factor = std::move(it->second);
     }
     u.tensors.push_back({layout.names[k], p.codec->encode(t.update.delta.data() + layout.offsets[k], layout.shapes[k],
                                                           t.next_codec[layout.names[k]], ctx)});

@@ -11,6 +11,7 @@
 #include <iterator>
 #include <utility>
 
+#include "core/bytes.h"
 #include "core/error.h"
 
 namespace sparrow::liteclient {
@@ -66,32 +67,14 @@ class Writer {
       codec_state(state);
     }
   }
-  // A str holding flat::State::serialize()'s bytes (magic "SPST", version 2),
-  // streamed from the state's own vectors: DGC's state is twice its tensor,
-  // too much to copy just to write it. state_file_test checks the bytes are
-  // serialize()'s, so a change of that format shows there.
+  // A str holding flat::State::serialize()'s bytes, streamed from the state's
+  // own vectors: DGC's state is twice its tensor, too much to copy just to
+  // write it.
   void codec_state(const compression::flat::State& st) {
-    uint64_t n = 4 + 4 + 8 + 8 + 4;
-    for (const auto& [name, t] : st.tensors) {
-      uint64_t numel = 1;
-      for (int64_t d : t.shape) numel *= static_cast<uint64_t>(d);
-      SPARROW_CHECK(numel == t.data.size(),
-                    "compressor state '" << name << "' has " << t.data.size() << " values for its shape");
-      n += 4 + name.size() + 4 + 8 * t.shape.size() + 4 * t.data.size();
-    }
+    const uint64_t n = st.serialized_size();
     SPARROW_CHECK(n <= UINT32_MAX, "a compressor state of " << n << " bytes does not fit the state file");
     put<uint32_t>(static_cast<uint32_t>(n));
-    bytes("SPST", 4);
-    put<uint32_t>(2);
-    put<uint64_t>(st.step);
-    put<int64_t>(st.last_round);
-    put<uint32_t>(static_cast<uint32_t>(st.tensors.size()));
-    for (const auto& [name, t] : st.tensors) {
-      str(name);
-      put<uint32_t>(static_cast<uint32_t>(t.shape.size()));
-      for (int64_t d : t.shape) put<int64_t>(d);
-      bytes(t.data.data(), t.data.size() * sizeof(float));
-    }
+    st.serialize_to([this](const char* p, size_t k) { bytes(p, k); });
   }
   // The checksum of every byte so far, then whatever is still buffered.
   void finish() {
@@ -180,51 +163,31 @@ class FdGuard {
   int fd_;
 };
 
-class Reader {
- public:
-  Reader(const std::string& b, size_t end, const std::string& what) : b_(b), end_(end), what_(what) {}
-  template <typename T>
-  T get() {
-    need(sizeof(T));
-    T v;
-    std::memcpy(&v, b_.data() + pos_, sizeof(T));
-    pos_ += sizeof(T);
-    return v;
-  }
-  std::string str() {
-    const auto n = get<uint32_t>();
-    need(n);
-    std::string s = b_.substr(pos_, n);
-    pos_ += n;
-    return s;
-  }
-  std::vector<float> floats() {
-    const auto n = get<uint64_t>();
-    SPARROW_CHECK_T(FormatError, n <= (end_ - pos_) / sizeof(float), what_ << ": truncated state file");
-    std::vector<float> v(static_cast<size_t>(n));
-    std::memcpy(v.data(), b_.data() + pos_, v.size() * sizeof(float));
-    pos_ += v.size() * sizeof(float);
-    return v;
-  }
-  size_t pos() const { return pos_; }
+// The fields after the magic, bounds-checked by core::ByteReader ("<what>:
+// truncated at byte N of M").
+std::string get_str(core::ByteReader& r) {
+  const auto n = r.get<uint32_t>();
+  return std::string(r.take(n), n);
+}
 
- private:
-  void need(uint64_t n) const { SPARROW_CHECK_T(FormatError, n <= end_ - pos_, what_ << ": truncated state file"); }
-  const std::string& b_;
-  size_t end_;
-  const std::string& what_;
-  size_t pos_ = 0;
-};
+std::vector<float> get_floats(core::ByteReader& r, const std::string& what) {
+  const auto n = r.get<uint64_t>();
+  SPARROW_CHECK_T(FormatError, n <= r.left() / sizeof(float), what << ": truncated state file");
+  std::vector<float> v(static_cast<size_t>(n));
+  r.read(v.data(), n * sizeof(float));
+  return v;
+}
 
-CodecStates get_codec(Reader& r, const std::string& what) {
+CodecStates get_codec(core::ByteReader& r, const std::string& what) {
   CodecStates codec;
   const auto n = r.get<uint32_t>();
   for (uint32_t i = 0; i < n; ++i) {
-    std::string name = r.str();
+    std::string name = get_str(r);
     SPARROW_CHECK_T(FormatError, !codec.count(name), what << ": codec state of '" << name << "' appears twice");
-    const std::string bytes = r.str();
+    const auto len = r.get<uint32_t>();
+    const char* bytes = r.take(len);  // parsed where it lies
     try {
-      codec.emplace(name, compression::flat::State::deserialize(bytes));
+      codec.emplace(name, compression::flat::State::deserialize(bytes, len));
     } catch (const FormatError& e) {
       throw FormatError(what + ": codec state of '" + name + "': " + e.what());
     }
@@ -248,32 +211,32 @@ ClientState decode_state(const std::string& b, const std::string& what) {
   const size_t end = b.size() - 8;
   uint64_t sum = 0;
   std::memcpy(&sum, b.data() + end, 8);
-  Reader r(b, end, what);
-  r.get<uint64_t>();  // the magic
+  core::ByteReader r(b.data(), end, what.c_str());
+  r.take(sizeof(kMagic));
   const auto version = r.get<uint32_t>();
   SPARROW_CHECK_T(FormatError, version == kVersion,
                   what << ": state file version " << version << ", this build reads " << kVersion);
   SPARROW_CHECK_T(FormatError, sum == fnv1a(kFnvOffset, b.data(), end),
                   what << ": checksum mismatch (the file is damaged)");
   ClientState s;
-  s.client_id = r.str();
+  s.client_id = get_str(r);
   s.digest = r.get<uint64_t>();
-  s.run_id = r.str();
+  s.run_id = get_str(r);
   const auto holds = r.get<uint8_t>();
   SPARROW_CHECK_T(FormatError, holds <= 1, what << ": bad held-model flag");
   s.holds_model = holds == 1;
   s.held_round = r.get<uint64_t>();
-  s.held = r.floats();
+  s.held = get_floats(r, what);
   s.rounds = r.get<uint64_t>();
-  s.control = r.floats();
+  s.control = get_floats(r, what);
   s.codec = get_codec(r, what);
   s.committed_round = r.get<uint64_t>();
   const auto answered = r.get<uint8_t>();
   SPARROW_CHECK_T(FormatError, answered <= 1, what << ": bad answered flag");
   s.answered = answered == 1;
-  s.prev_control = r.floats();
+  s.prev_control = get_floats(r, what);
   s.prev_codec = get_codec(r, what);
-  SPARROW_CHECK_T(FormatError, r.pos() == end, what << ": trailing bytes after the state");
+  SPARROW_CHECK_T(FormatError, r.done(), what << ": trailing bytes after the state");
   return s;
 }
 

@@ -15,13 +15,13 @@
 #include <functional>
 #include <memory>
 #include <optional>
-#include <thread>
 
 #include "client/session.h"
 #include "client/trainer.h"
 #include "compression/compressor.h"
 #include "core/models.h"
 #include "state/store.h"
+#include "tests/client/session_fixture.h"
 #include "transport/transport.h"
 #include "wire/wire.h"
 
@@ -30,17 +30,13 @@ using namespace sparrow;
 using namespace std::chrono_literals;
 using client::ClientSession;
 using client::Weights;
+using namespace sparrow::testing::client_fixture;  // NOLINT(google-build-using-namespace)
 
 namespace {
 
 constexpr const char* kCompression = "topk:ratio=0.01,ef=true";
 
-std::string temp_dir(const std::string& name) {
-  const fs::path p = fs::temp_directory_path() / ("sparrow_replay_test_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
-  fs::create_directories(p);
-  return p.string();
-}
+std::string temp_dir(const std::string& name) { return fresh_dir("sparrow_replay_test", name); }
 
 core::Dataset make_data() {
   core::Dataset d;
@@ -124,40 +120,8 @@ class Script {
 };
 
 client::SessionConfig config(const std::string& ep, const std::string& dir) {
-  client::SessionConfig c;
-  c.server = ep;
-  c.insecure = true;
-  c.client_id = "carol";
-  c.model = "mlp";
-  c.state_db = dir + "/state.db";
-  c.heartbeat_ms = 1000;
-  c.backoff_initial_ms = 20;
-  c.backoff_max_ms = 50;
-  return c;
+  return session_config(ep, dir, "carol", 1000, 50);
 }
-
-// run() on its own thread.
-struct Running {
-  ClientSession& session;
-  std::optional<bool> result;
-  std::exception_ptr error;
-  std::thread th;
-  explicit Running(ClientSession& s) : session(s) {
-    th = std::thread([this] {
-      try {
-        result = session.run();
-      } catch (...) {
-        error = std::current_exception();
-      }
-    });
-  }
-  ~Running() {
-    if (th.joinable()) {
-      session.stop();
-      th.join();
-    }
-  }
-};
 
 // The persisted state (key 0) and the meta values of the replay, read after
 // the session is gone.

@@ -1,7 +1,5 @@
 #include "tests/sparrow_test.h"
 
-#include <unistd.h>
-
 #include <chrono>
 #include <cstring>
 #include <exception>
@@ -9,7 +7,6 @@
 #include <fstream>
 #include <memory>
 #include <optional>
-#include <thread>
 
 #include "client/data_folder.h"
 #include "client/session.h"
@@ -20,23 +17,20 @@
 #include "core/model_digest.h"
 #include "core/models.h"
 #include "core/npy.h"
+#include "tests/client/session_fixture.h"
 #include "wire/net.h"
 
 namespace fs = std::filesystem;
 using namespace sparrow;
 using client::ClientSession;
 using client::Weights;
+using namespace sparrow::testing::client_fixture;  // NOLINT(google-build-using-namespace)
 
 namespace {
 
 constexpr uint64_t kModelSeed = 7;
 
-std::string temp_dir(const std::string& name) {
-  const fs::path p = fs::temp_directory_path() / ("sparrow_session_test_" + name + "_" + std::to_string(::getpid()));
-  fs::remove_all(p);
-  fs::create_directories(p);
-  return p.string();
-}
+std::string temp_dir(const std::string& name) { return fresh_dir("sparrow_session_test", name); }
 
 // Small deterministic data that fits "mlp": 16 samples of 1x28x28.
 core::Dataset make_data(int64_t n = 16) {
@@ -187,41 +181,8 @@ wire::Task delta_task(uint64_t round, uint64_t base, const Weights& d, uint64_t 
 }
 
 client::SessionConfig config(const FakeServer& s, const std::string& dir, const std::string& id = "alice") {
-  client::SessionConfig c;
-  c.server = s.endpoint;
-  c.insecure = true;
-  c.client_id = id;
-  c.model = "mlp";
-  c.state_db = dir + "/state.db";
-  c.heartbeat_ms = 200;
-  c.backoff_initial_ms = 20;
-  c.backoff_max_ms = 100;
-  return c;
+  return session_config(s.endpoint, dir, id, 200, 100);
 }
-
-// run() on its own thread.
-struct Running {
-  ClientSession& session;
-  std::optional<bool> result;
-  std::exception_ptr error;
-  std::thread th;
-  explicit Running(ClientSession& s) : session(s) {
-    th = std::thread([this] {
-      try {
-        result = session.run();
-      } catch (...) {
-        error = std::current_exception();
-      }
-    });
-  }
-  ~Running() {
-    if (th.joinable()) {
-      session.stop();
-      th.join();
-    }
-  }
-  void join() { th.join(); }
-};
 
 void finish(FakeServer& s, Running& r) {
   s.send(wire::Bye{"run finished"});

@@ -3,7 +3,7 @@
 // decoded P·Qᵀ agrees exactly, well within the 1e-5 the lite client promises),
 // the same state after every step and across a hand-over of the state bytes
 // between the two, the same errors; and flat::decode_add of kLowRank and
-// kLowRankSparse against compression::decode_add.
+// kLowRankSparse against compression::decode_add (acp: flat_acp_test.cc).
 #include "tests/sparrow_test.h"
 
 #include <ATen/ATen.h>
@@ -176,7 +176,7 @@ TEST_CASE("flat powersgd: bad specs and inputs give the LibTorch codec's errors"
         }));
 }
 
-TEST_CASE("flat decode_add: kLowRank and kLowRankSparse as compression::decode_add, kLowRankFactor refused") {
+TEST_CASE("flat decode_add: kLowRank and kLowRankSparse as compression::decode_add") {
   at::manual_seed(9);
   for (const char* spec : {"powersgd:rank=3", "powersgd:rank=2,values=int8", "powersgd:rank=2,sparse=0.05,values=bf16",
                            "powersgd:rank=4,sparse=0.02,values=int8"}) {
@@ -212,12 +212,4 @@ TEST_CASE("flat decode_add: kLowRank and kLowRankSparse as compression::decode_a
     std::vector<float> short_out(1199, 0.0f);
     CHECK(error_of([&] { fl::decode_add(e, short_out.data(), 1199, 1.0f); }).rfind("FormatError: ", 0) == 0);
   }
-  auto acp = make_compressor("acp:rank=2");
-  State as;
-  const Encoded factor = acp->encode(at::randn({20, 30}), as, {});
-  REQUIRE(factor.format == Format::kLowRankFactor);
-  std::vector<float> lo(600, 0.0f);
-  CHECK(error_of([&] { fl::decode_add(factor, lo.data(), 600, 1.0f); }).find("needs the LibTorch client") !=
-        std::string::npos);
-  CHECK(lo == std::vector<float>(600, 0.0f));
 }
