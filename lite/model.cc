@@ -1,14 +1,16 @@
 #include "lite/model.h"
 
 #include <algorithm>
+#include <cctype>
 #include <set>
+#include <sstream>
 
 #include "core/rng.h"
 #include "lite/layer_specs.h"
 
 namespace sparrow::lite {
 
-Model::Model(ModelSpec spec) : spec_(std::move(spec)) {
+Model::Model(ModelSpec spec, ModelOutput output) : spec_(std::move(spec)) {
   SPARROW_LITE_CHECK(!spec_.input_shape.empty() && numel(spec_.input_shape) > 0,
                      "model: the input shape " << shape_str(spec_.input_shape) << " is empty");
   SPARROW_LITE_CHECK(!spec_.layers.empty(), "model: no layers");
@@ -29,10 +31,15 @@ Model::Model(ModelSpec spec) : spec_(std::move(spec)) {
       num_values_ += numel(p.shape);
     }
   }
-  SPARROW_LITE_CHECK(s.size() == 1 && s[0] > 0,
-                     "model: the last layer's output must be [classes] logits per sample, got " << shape_str(s));
+  if (output == ModelOutput::kLogits) {
+    SPARROW_LITE_CHECK(s.size() == 1 && s[0] > 0,
+                       "model: the last layer's output must be [classes] logits per sample, got " << shape_str(s));
+    classes_ = s[0];
+  } else {
+    SPARROW_LITE_CHECK(!s.empty() && numel(s) > 0, "model: the last layer's output " << shape_str(s) << " is empty");
+  }
   SPARROW_LITE_CHECK(!params_.empty(), "model: no parameters");
-  classes_ = s[0];
+  output_shape_ = s;
   acts_.resize(layers_.size() + 1);
 }
 
@@ -81,8 +88,8 @@ const Tensor& Model::forward(const ForwardContext& ctx) {
   return acts_.back();
 }
 
-void Model::backward(const Tensor& dlogits) {
-  const Tensor* dy = &dlogits;
+void Model::backward(const Tensor& doutput) {
+  const Tensor* dy = &doutput;
   for (size_t i = layers_.size(); i-- > 0;) {
     Tensor* dx = i == 0 ? nullptr : (dy == &grad_a_ ? &grad_b_ : &grad_a_);
     layers_[i]->backward(acts_[i], acts_[i + 1], *dy, dx);
@@ -122,6 +129,68 @@ ModelSpec builtin_spec(const std::string& name, int64_t input_dim, int64_t class
   } else {
     SPARROW_LITE_CHECK(false, "no built-in lite model '" << name << "' (known: mlp, cnn, logreg)");
   }
+  return m;
+}
+
+namespace {
+
+std::string stage_list(const std::vector<Stage>& stages, size_t n) {
+  std::ostringstream os;
+  for (size_t i = 0; i < n; ++i) os << (i ? ", " : "") << stages[i].name;
+  return os.str();
+}
+
+bool all_digits(const std::string& s) {
+  return !s.empty() && std::all_of(s.begin(), s.end(), [](unsigned char c) { return std::isdigit(c) != 0; });
+}
+
+}  // namespace
+
+std::vector<Stage> builtin_stages(const std::string& name) {
+  if (name == "mlp") return {{"fc1", 2}, {"fc2", 2}, {"fc3", 1}};
+  if (name == "cnn") return {{"conv1", 3}, {"conv2", 3}, {"fc1", 3}, {"fc2", 1}};
+  SPARROW_CHECK_T(ConfigError, false,
+                  "model '" << name << "' cannot be cut on the lite runtime (built-in models with stages: mlp, cnn)");
+  return {};
+}
+
+size_t builtin_cut(const std::string& name, const std::string& cut) {
+  const std::vector<Stage> stages = builtin_stages(name);
+  const std::string listed = stage_list(stages, stages.size());
+  size_t k = 0;
+  auto through = [&](const std::string& stage) {
+    for (size_t i = 0; i < stages.size(); ++i)
+      if (stages[i].name == stage) return i + 1;
+    SPARROW_CHECK_T(ConfigError, false, "unknown cut '" << cut << "' (stages: " << listed << ")");
+    return size_t{0};
+  };
+  // The built-in stage names are not numbers, so a bare number is a count
+  // (edge::split_model refuses it as ambiguous only for numbered stages).
+  auto count = [&](const std::string& digits) {
+    SPARROW_CHECK_T(ConfigError, all_digits(digits), "cut '" << cut << "': 'first:' takes a number of stages");
+    return digits.size() > 6 ? size_t{0} : static_cast<size_t>(std::stoul(digits));
+  };
+  if (cut.rfind("first:", 0) == 0)
+    k = count(cut.substr(6));
+  else if (cut.rfind("after:", 0) == 0)
+    k = through(cut.substr(6));
+  else if (all_digits(cut))
+    k = count(cut);
+  else
+    k = through(cut);
+  SPARROW_CHECK_T(ConfigError, k >= 1 && k < stages.size(),
+                  "cut '" << cut << "' leaves an empty half (cut after one of: "
+                          << stage_list(stages, stages.size() - 1) << ", or a count 1.." << stages.size() - 1 << ")");
+  return k;
+}
+
+ModelSpec builtin_bottom_spec(const std::string& name, const std::string& cut) {
+  const std::vector<Stage> stages = builtin_stages(name);
+  const size_t k = builtin_cut(name, cut);
+  size_t layers = 0;
+  for (size_t i = 0; i < k; ++i) layers += stages[i].layers;
+  ModelSpec m = builtin_spec(name);
+  m.layers.resize(layers);
   return m;
 }
 
