@@ -1,5 +1,5 @@
-// ClientSession::Impl's Tasks: the broadcast model B_{r-1} (Full, or a Delta
-// against what the client holds), the Task's settings checked, local training
+// ClientSession::Impl's Tasks: the broadcast model B_{r-1} (Full, or a Delta,
+// Chain or Patch against what the client holds), the Task's settings checked, local training
 // (or a gateway's runner) with federated evaluation on the holdout and local
 // DP, the update built by the client pipeline the simulator runs too
 // (federation/client_pipeline.h), and the state committed with it.
@@ -74,9 +74,16 @@ std::optional<Weights> ClientSession::Impl::broadcast_model(const wire::Task& ta
     check_tensors(task.weights, "task weights", /*exact=*/true);
     return decode_all(task.weights);
   }
-  check_tensors(task.weights, "task delta", /*exact=*/false);
+  // Delta, and the catch-up encodings of protocol 1.9 (wire::parse checked
+  // their shape: a Chain's step count, a Patch's tensor kind).
+  const bool chain = task.model_encoding == wire::ModelEncoding::kChain;
+  const bool patch = task.model_encoding == wire::ModelEncoding::kPatch;
+  check_tensors(task.weights, patch ? "task patch" : "task delta", /*exact=*/false);
+  for (const auto& step : task.chain) check_tensors(step, "task chain", /*exact=*/false);
   const uint64_t b = task.base_round;
-  if (task.weights.empty())
+  if (chain || patch)
+    SPARROW_CHECK_T(Error, b + 2 <= r, "task: a catch-up of round " << r << " needs base_round <= " << r - 2);
+  else if (task.weights.empty())
     SPARROW_CHECK_T(Error, b + 1 == r, "task: an empty Delta of round " << r << " needs base_round " << r - 1);
   else
     SPARROW_CHECK_T(Error, b + 2 == r, "task: a Delta with tensors in round " << r << " needs base_round " << r - 2);
@@ -95,8 +102,19 @@ std::optional<Weights> ClientSession::Impl::broadcast_model(const wire::Task& ta
     send_hello();
     return std::nullopt;
   }
+  // Into a copy: a step or a patch that fails leaves the held model as it was.
   Weights w = clone_weights(*from);
-  for (const auto& t : task.weights) compression::decode_add(t.tensor, w.at(t.name), 1.0f);
+  if (patch) {
+    for (const auto& t : task.weights) {
+      at::Tensor& x = w.at(t.name);
+      wire::apply_patch(t.tensor, x.data_ptr<float>(), x.numel());
+    }
+  } else if (chain) {
+    for (const auto& step : task.chain)
+      for (const auto& t : step) compression::decode_add(t.tensor, w.at(t.name), 1.0f);
+  } else {
+    for (const auto& t : task.weights) compression::decode_add(t.tensor, w.at(t.name), 1.0f);
+  }
   return w;
 }
 

@@ -30,6 +30,9 @@ GlobalModel::GlobalModel(const GlobalConfig& cfg, Weights initial, std::vector<s
   if (cfg_.downlink != "none") {
     down_ = compression::make_compressor(cfg_.downlink);
     for (const auto& n : names_) broadcast_[n] = global_.at(n).clone();
+    catchup_ = std::make_unique<CatchupHistory>(parse_catchup(cfg_.downlink_catchup), names_, broadcast_);
+  } else {
+    parse_catchup(cfg_.downlink_catchup);  // a bad key is an error with or without a codec
   }
 }
 
@@ -138,7 +141,11 @@ StepResult GlobalModel::step(aggregation::Aggregator& aggregator, const aggregat
 void GlobalModel::encode_downlink(uint64_t r, StepResult& out) {
   if (!down_) return;
   const uint64_t key = rng::derive(cfg_.seed, kDownTag);
-  for (const auto& n : names_) {
+  const bool track = catchup_->policy().patch();
+  catchup_->begin_step(r);
+  std::vector<wire::NamedTensor> kept;
+  for (size_t i = 0; i < names_.size(); ++i) {
+    const std::string& n = names_[i];
     const at::Tensor diff = (global_.at(n) - broadcast_.at(n)).contiguous();
     compression::Context c;
     c.name = n;
@@ -151,9 +158,17 @@ void GlobalModel::encode_downlink(uint64_t r, StepResult& out) {
     compression::State st;
     st.step = r - 1;
     compression::Encoded e = down_->encode(diff, st, c);
+    const at::Tensor before = track ? broadcast_.at(n).clone() : at::Tensor();
     compression::decode_add(e, broadcast_.at(n), 1.0f, c);
+    if (track) catchup_->record_tensor(i, before, broadcast_.at(n));
+    kept.push_back({n, e});
     out.downlink.emplace_back(n, std::move(e));
   }
+  catchup_->end_step(std::move(kept));
+}
+
+std::shared_ptr<const CatchupView> GlobalModel::catchup_view(uint64_t t) const {
+  return catchup_ ? catchup_->view(t, broadcast_) : nullptr;
 }
 
 }  // namespace sparrow::federation

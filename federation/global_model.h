@@ -25,19 +25,19 @@
 #include "aggregation/robust.h"
 #include "aggregation/server_optimizer.h"
 #include "compression/compressor.h"
+#include "federation/catchup.h"
 
 namespace sparrow::federation {
-
-using Weights = std::map<std::string, at::Tensor>;
 
 // The keys of a run's config that the global side reads (both programs bind
 // them under these names).
 struct GlobalConfig {
   uint64_t seed = 1;
-  std::string algorithm = "fedavg";  // "scaffold" keeps a server control, "feddyn" its h there
-  double alpha = 0;                  // FedDyn's regulariser weight
-  std::string compression = "none";  // the uplink codec: ACP rank, TCS masks
-  std::string downlink = "none";     // "none" or a codec spec for C_r = encode(W_r - B_{r-1})
+  std::string algorithm = "fedavg";                // "scaffold" keeps a server control, "feddyn" its h there
+  double alpha = 0;                                // FedDyn's regulariser weight
+  std::string compression = "none";                // the uplink codec: ACP rank, TCS masks
+  std::string downlink = "none";                   // "none" or a codec spec for C_r = encode(W_r - B_{r-1})
+  std::string downlink_catchup = kDefaultCatchup;  // clients further behind (federation/catchup.h)
   std::string server_optimizer = "fedavg";
 };
 
@@ -51,6 +51,7 @@ GlobalConfig global_config_of(const Config& c) {
   g.alpha = c.feddyn_alpha;
   g.compression = c.compression;
   g.downlink = c.downlink;
+  g.downlink_catchup = c.downlink_catchup;
   g.server_optimizer = c.server_optimizer;
   return g;
 }
@@ -91,6 +92,11 @@ class GlobalModel {
   aggregation::ServerOptimizer& optimizer() { return *opt_; }
 
   bool has_downlink() const { return down_ != nullptr; }
+  // Downlink catch-up: the snapshot for tasks that carry B_t (nullptr without
+  // a downlink codec: B = W, and a client behind gets the dense model, since
+  // a dense step changes every position). A t other than the last step's (a
+  // restored checkpoint) knows nothing before t.
+  std::shared_ptr<const CatchupView> catchup_view(uint64_t t) const;
   int64_t acp_rank() const { return acp_rank_; }
   double mask_ratio() const { return mask_ratio_; }
   bool share_mean() const { return share_mean_; }
@@ -133,6 +139,7 @@ class GlobalModel {
   Weights global_, broadcast_, control_, shared_;
   std::unique_ptr<aggregation::ServerOptimizer> opt_;
   std::unique_ptr<compression::Compressor> down_;
+  std::unique_ptr<CatchupHistory> catchup_;  // with down_
   int64_t acp_rank_ = 0;
   double mask_ratio_ = 0;
   bool share_mean_ = false;

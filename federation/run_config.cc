@@ -14,6 +14,7 @@
 #include "federation/sampler.h"
 #include "federation/algorithms.h"
 #include "federation/async_engine.h"
+#include "federation/catchup.h"
 
 namespace sparrow::federation {
 namespace {
@@ -128,6 +129,7 @@ void bind(core::FlatConfig& f, RunConfig& c) {
   f.bind("weight_decay", &c.weight_decay);
   f.bind("compression", &c.compression);
   f.bind("downlink", &c.downlink);
+  f.bind("downlink_catchup", &c.downlink_catchup);
   f.bind("server_optimizer", &c.server_optimizer);
   f.bind("aggregator", &c.aggregator);
   f.bind("dp", &c.dp);
@@ -206,6 +208,11 @@ void validate(const RunConfig& c, const core::FlatConfig& f) {
             "cannot be acp (it needs a shared factor per round); use powersgd, topk, dgc, ...");
     f.check("downlink", method != "tcs",
             "cannot be tcs (it sends values on the server's mask); use stc, topk, dgc, ...");
+  }
+  try {
+    parse_catchup(c.downlink_catchup);
+  } catch (const ConfigError& e) {
+    f.fail("downlink_catchup", std::string("is not a valid policy: ") + e.what());
   }
   try {
     aggregation::ServerOptimizer opt(c.server_optimizer);

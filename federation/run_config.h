@@ -48,6 +48,7 @@ struct RunConfig {
   // Codecs and the global step.
   std::string compression = "none";         // uplink compressor spec
   std::string downlink = "none";            // "none" or a compressor spec for the broadcast model delta
+  std::string downlink_catchup = "auto";    // full | chain[:max=K] | patch | auto[:max=K] (federation/catchup.h)
   std::string server_optimizer = "fedavg";  // aggregation::ServerOptimizer spec
   std::string aggregator = "mean";          // robust aggregator spec (aggregation/robust.h)
   std::string dp = "none";                  // none | central:clip=,noise= | local:clip=,noise=

@@ -124,9 +124,16 @@ std::optional<std::vector<float>> Session::Impl::broadcast_model(const wire::Tas
     decode_into(task.weights, w);
     return w;
   }
-  check_tensors(task.weights, "task delta", /*exact=*/false);
+  // Delta, and the catch-up encodings of protocol 1.9 (wire::parse checked
+  // their shape: a Chain's step count, a Patch's tensor kind).
+  const bool chain = task.model_encoding == wire::ModelEncoding::kChain;
+  const bool patch = task.model_encoding == wire::ModelEncoding::kPatch;
+  check_tensors(task.weights, patch ? "task patch" : "task delta", /*exact=*/false);
+  for (const auto& step : task.chain) check_tensors(step, "task chain", /*exact=*/false);
   const uint64_t b = task.base_round;
-  if (task.weights.empty())
+  if (chain || patch)
+    SPARROW_CHECK_T(Error, b + 2 <= r, "task: a catch-up of round " << r << " needs base_round <= " << r - 2);
+  else if (task.weights.empty())
     SPARROW_CHECK_T(Error, b + 1 == r, "task: an empty Delta of round " << r << " needs base_round " << r - 1);
   else
     SPARROW_CHECK_T(Error, b + 2 == r, "task: a Delta with tensors in round " << r << " needs base_round " << r - 2);
@@ -142,8 +149,18 @@ std::optional<std::vector<float>> Session::Impl::broadcast_model(const wire::Tas
     send_hello();
     return std::nullopt;
   }
+  // Into a copy: a step or a patch that fails leaves st.held as it was.
   std::vector<float> w = st.held;
-  decode_into(task.weights, w);
+  if (patch) {
+    for (const auto& t : task.weights) {
+      const auto k = static_cast<size_t>(layout.find(t.name));
+      wire::apply_patch(t.tensor, w.data() + layout.offsets[k], layout.sizes[k]);
+    }
+  } else if (chain) {
+    for (const auto& step : task.chain) decode_into(step, w);
+  } else {
+    decode_into(task.weights, w);
+  }
   return w;
 }
 

@@ -69,6 +69,7 @@ void Server::Impl::publish_async_context() {
       rc->control.push_back({nm, dense_encoded(gm->control().at(nm))});
   }
   rc->delta = down_last;  // C_version: B_(version-1) -> B_version
+  rc->catchup = gm->catchup_view(async->version());
   std::lock_guard<std::mutex> g(mu);
   round_ctx = std::move(rc);
   round = async->version() + 1;

@@ -126,6 +126,7 @@ struct Session {
   std::string key;
   Clock::time_point last_seen;
   std::optional<uint64_t> last_round;  // the broadcast model round the client holds
+  uint16_t minor = 0;                  // its Hello's protocol minor (catch-up tasks from 1.9)
   uint64_t num_samples = 0;
 };
 
@@ -143,8 +144,10 @@ struct Job {
 struct RoundContext {
   uint64_t round = 0;
   aggregation::ContextMap contexts;
-  std::vector<wire::NamedTensor> full;     // B_{r-1} in full (Dense F32)
-  std::vector<wire::NamedTensor> delta;    // downlink: C_{r-1}; empty otherwise
+  std::vector<wire::NamedTensor> full;   // B_{r-1} in full (Dense F32)
+  std::vector<wire::NamedTensor> delta;  // downlink: C_{r-1}; empty otherwise
+  // Downlink: the catch-up sources of B_{r-1} (federation/catchup.h); null without a codec.
+  std::shared_ptr<const federation::CatchupView> catchup;
   std::vector<wire::NamedTensor> shared;   // ACP shared factors
   std::vector<wire::NamedTensor> control;  // SCAFFOLD server control
   // A gateway's round (relay_round): the root's training settings, passed on.
@@ -222,6 +225,10 @@ struct Server::Impl {
   std::map<std::string, Status> selected;
   int in_flight = 0;
   int64_t round_accepted = 0, round_rejected = 0, round_stale = 0;
+  // Tasks sent since the last round was recorded, by how they carried the
+  // model (federation::CatchupPlan::Kind), and those models' payload bytes.
+  std::array<uint64_t, 4> down_tasks{};
+  uint64_t down_model_bytes = 0;
   std::shared_ptr<const RoundContext> round_ctx;
   // Secure aggregation (docs/security.md): the open round's protocol state
   // (null in a plain round) and each selected client's part, under mu.
@@ -303,7 +310,7 @@ struct Server::Impl {
   void n_connected_changed();
   // Under mu: the client's last_seen, to be saved with the next round.
   void touch(const std::string& client_id);
-  void handle_hello(const std::string& rid, const std::string& key, const wire::Hello& h);
+  void handle_hello(const std::string& rid, const std::string& key, const wire::Hello& h, uint16_t minor);
   // Under mu: one more refused update of `cid`. holdout_after refusals in a
   // row hold it out of selection for holdout_rounds rounds, twice as long each
   // time after (at most 64x); an accepted update clears the count.

@@ -55,6 +55,7 @@ std::shared_ptr<RoundContext> Server::Impl::make_round_context(uint64_t r, const
       rc->control.push_back({nm, dense_encoded(gm->control().at(nm))});
   }
   rc->delta = down_last;
+  rc->catchup = gm->catchup_view(r - 1);
   if (relay) rc->relay_train = *relay->train;
   return rc;
 }
@@ -82,18 +83,43 @@ void Server::Impl::send_task(const std::string& rid, Session& s, const RoundCont
   // own seed-built model follows this server's model_seed, not the root's).
   // By what the client holds, in both modes: in mode = "async" (round =
   // version + 1) a client whose last task was of the version before gets the
-  // downlink's delta, one with an older model the whole model.
+  // downlink's delta; one further behind what the run's downlink_catchup
+  // policy picks (federation/catchup.h): a chain or a patch to a client of
+  // protocol 1.9 on, else the whole model.
+  using Kind = federation::CatchupPlan::Kind;
+  Kind kind = Kind::kFull;
   if (s.last_round && *s.last_round == r - 1 && !(rc.relay_train && r == 1)) {
     t.model_encoding = wire::ModelEncoding::kDelta;
     t.base_round = r - 1;
+    kind = Kind::kDelta;
   } else if (gm->has_downlink() && r >= 2 && s.last_round && *s.last_round == r - 2 && !rc.delta.empty()) {
     t.model_encoding = wire::ModelEncoding::kDelta;
     t.base_round = r - 2;
     t.weights = rc.delta;
-  } else {
+    kind = Kind::kDelta;
+  } else if (rc.catchup && s.last_round && *s.last_round + 2 < r) {
+    federation::CatchupPlan p = rc.catchup->plan(s.last_round, s.minor >= wire::kCatchupMinor);
+    kind = p.kind;
+    t.base_round = p.base;
+    if (kind == Kind::kChain) {
+      t.model_encoding = wire::ModelEncoding::kChain;
+      for (const auto& st : p.chain) t.chain.push_back(st->tensors);
+    } else if (kind == Kind::kPatch) {
+      t.model_encoding = wire::ModelEncoding::kPatch;
+      t.weights = std::move(p.patch);
+    } else {
+      kind = Kind::kFull;  // a one-step Delta is the branch above
+    }
+  }
+  if (kind == Kind::kFull) {
     t.model_encoding = wire::ModelEncoding::kFull;
+    t.base_round = 0;
     t.weights = rc.full;
   }
+  down_tasks[static_cast<size_t>(kind)]++;
+  for (const auto& nt : t.weights) down_model_bytes += wire::encoded_size(nt.tensor, nt.name);
+  for (const auto& step : t.chain)
+    for (const auto& nt : step) down_model_bytes += wire::encoded_size(nt.tensor, nt.name);
   s.last_round = r - 1;  // what the client holds once it applied this task
   std::string bytes = wire::serialize(msg(std::move(t)));
   clients[s.client_id].bytes_down += bytes.size();
@@ -373,6 +399,16 @@ void Server::Impl::record_round(const OpenedRound& o, double weight, const aggre
     row.rejected = round_rejected;
     row.stale = round_stale;
     if (async_mode()) round_accepted = round_rejected = round_stale = 0;
+    // Downlink (docs/server.md, "Send tasks"): the tasks of the round by how
+    // they carried the model, and those models' bytes.
+    if (gm->has_downlink()) {
+      for (size_t k = 0; k < down_tasks.size(); ++k)
+        metrics[std::string("downlink.") + federation::plan_name(static_cast<federation::CatchupPlan::Kind>(k))] =
+            static_cast<double>(down_tasks[k]);
+      metrics["downlink.model_bytes"] = static_cast<double>(down_model_bytes);
+    }
+    down_tasks.fill(0);
+    down_model_bytes = 0;
     for (const auto& cid : dirty_clients) dirty.push_back(clients[cid]);
     dirty_clients.clear();
   }

@@ -15,7 +15,7 @@ namespace sparrow::server {
 
 void Server::Impl::handle_control(const std::string& rid, const std::string& key, const wire::Message& m,
                                   size_t frame_bytes) {
-  if (const auto* h = std::get_if<wire::Hello>(&m.body)) return handle_hello(rid, key, *h);
+  if (const auto* h = std::get_if<wire::Hello>(&m.body)) return handle_hello(rid, key, *h, m.minor);
   std::unique_lock<std::mutex> g(mu);
   auto it = sessions.find(rid);
   if (std::holds_alternative<wire::ErrorBody>(m.body)) {
@@ -61,7 +61,7 @@ void Server::Impl::touch(const std::string& client_id) {
   dirty_clients.insert(client_id);
 }
 
-void Server::Impl::handle_hello(const std::string& rid, const std::string& key, const wire::Hello& h) {
+void Server::Impl::handle_hello(const std::string& rid, const std::string& key, const wire::Hello& h, uint16_t minor) {
   auto refuse = [&](const std::string& why) {
     spdlog::warn("event=hello_refused client=\"{}\" key={} reason=\"{}\"", core::printable(h.client_id), key,
                  core::printable(why));
@@ -116,6 +116,7 @@ void Server::Impl::handle_hello(const std::string& rid, const std::string& key, 
   s.key = key;
   s.last_seen = Clock::now();
   s.last_round = h.last_round;
+  s.minor = minor;
   s.num_samples = h.num_samples;
   by_client[h.client_id] = rid;
   wire::Welcome w;

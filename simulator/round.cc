@@ -7,6 +7,9 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <array>
+#include <map>
+#include <optional>
 
 #include "compression/mask.h"
 #include "compression/state.h"
@@ -80,8 +83,47 @@ void Simulator::Impl::count_participations(const std::vector<int64_t>& ids) {
 uint64_t Simulator::Impl::downlink_bytes(int t, const std::vector<int64_t>& ids) const {
   if (!gm->has_downlink() || t == 0) return model_bytes * static_cast<uint64_t>(ids.size());
   const std::vector<int64_t> before = select_clients(t - 1);  // ascending
+  // sparrow-server's rule (server/round.cc): a client of the round before
+  // gets C_t; one further behind what the downlink_catchup policy sends from
+  // the B_s it holds (federation::CatchupView, the server's code); one that
+  // never took part the dense model. B_s: the model of the last round s it
+  // took part in, found by replaying the selection backwards.
+  std::map<int64_t, std::optional<uint64_t>> held;
+  size_t missing = 0;
+  for (const int64_t c : ids)
+    if (!std::binary_search(before.begin(), before.end(), c)) {
+      held[c] = std::nullopt;
+      ++missing;
+    }
+  std::shared_ptr<const federation::CatchupView> view;
+  if (missing > 0) {
+    view = gm->catchup_view(static_cast<uint64_t>(t));
+    const federation::CatchupPolicy p = federation::parse_catchup(cfg.downlink_catchup);
+    // Beyond a chain's reach and without a patch: the dense model anyway.
+    const int oldest = p.patch() ? 0 : std::max<int>(0, t - 1 - static_cast<int>(p.max_steps));
+    for (int s = t - 2; s >= oldest && missing > 0 && p.mode != federation::CatchupMode::kFull; --s) {
+      for (const int64_t c : select_clients(s)) {
+        auto it = held.find(c);
+        if (it == held.end() || it->second) continue;
+        it->second = static_cast<uint64_t>(s);
+        --missing;
+      }
+    }
+  }
   uint64_t bytes = 0;
-  for (const int64_t c : ids) bytes += std::binary_search(before.begin(), before.end(), c) ? down_bytes : model_bytes;
+  std::array<int, 4> kinds{};
+  for (const int64_t c : ids) {
+    auto it = held.find(c);
+    if (it == held.end()) {
+      bytes += down_bytes;
+      continue;
+    }
+    const federation::CatchupPlan plan = view ? view->plan(it->second, /*catchup=*/true) : federation::CatchupPlan{};
+    bytes += plan.kind == federation::CatchupPlan::Kind::kFull ? model_bytes : plan.bytes;
+    ++kinds[static_cast<size_t>(plan.kind)];
+  }
+  spdlog::debug("round {}: downlink tasks full={} chain={} patch={} (delta {})", t + 1, kinds[0], kinds[2], kinds[3],
+                ids.size() - held.size());
   return bytes;
 }
 
@@ -267,6 +309,7 @@ void Simulator::Impl::async_fill() {
   std::vector<char> busy(static_cast<size_t>(cfg.clients), 0);
   for (const auto& t : in_flight) busy[static_cast<size_t>(t->client)] = 1;
   const uint64_t key = rng::derive(cfg.seed, kAsyncTag);
+  std::shared_ptr<const federation::CatchupView> view;  // of this version, made once
   while (in_flight.size() < static_cast<size_t>(a.max_concurrency)) {
     // A client takes at most one task per model version: a second one would
     // train the same model with the same task seed.
@@ -285,8 +328,20 @@ void Simulator::Impl::async_fill() {
         task_time(p.speed, p.down_bps, p.up_bps, client_idx[c].numel() * cfg.local_epochs, model_bytes, 0);
     t->earliest = t->finish = t->start + tt.total();
     busy[static_cast<size_t>(c)] = 1;
+    // The downlink by sparrow-server's rule (federation::CatchupView): the
+    // client holds the model of its last task's version (async_last - 1), or
+    // none. The simulated download time stays the dense model's, so that the
+    // policy never changes which update arrives first (nor the model).
+    const uint64_t prev = async_last[static_cast<size_t>(c)];
+    if (gm->has_downlink()) {
+      if (!view) view = gm->catchup_view(async->version());
+      const federation::CatchupPlan plan =
+          view->plan(prev > 0 ? std::optional<uint64_t>(prev - 1) : std::nullopt, /*catchup=*/true);
+      async_down += plan.kind == federation::CatchupPlan::Kind::kFull ? model_bytes : plan.bytes;
+    } else {
+      async_down += model_bytes;  // the dense broadcast model
+    }
     async_last[static_cast<size_t>(c)] = tag;
-    async_down += model_bytes;  // the dense broadcast model: a task's client may hold any older version
     in_flight.push_back(std::move(t));
   }
 }

@@ -14,6 +14,7 @@
 #include <string_view>
 #include <unordered_set>
 
+#include "compression/codec_bits.h"
 #include "core/error_text.h"
 #include "sparrow_generated.h"
 
@@ -234,8 +235,15 @@ flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const Ta
     const SecAggSetup& a = *t.secagg;
     secagg = fb::CreateSecAggSetup(b, a.index, a.clients, a.degree, a.threshold, a.graph_seed, a.clip, a.weight);
   }
+  flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<fb::ChainStep>>> chain = 0;
+  if (!t.chain.empty()) {
+    std::vector<flatbuffers::Offset<fb::ChainStep>> steps;
+    steps.reserve(t.chain.size());
+    for (const auto& step : t.chain) steps.push_back(fb::CreateChainStep(b, build_tensors(b, step)));
+    chain = b.CreateVector(steps);
+  }
   return fb::CreateTask(b, t.round, static_cast<fb::ModelEncoding>(t.model_encoding), t.base_round, weights, train,
-                        compression, t.seed, shared, control, t.deadline_ms, secagg, t.clients)
+                        compression, t.seed, shared, control, t.deadline_ms, secagg, t.clients, chain)
       .Union();
 }
 
@@ -329,8 +337,10 @@ size_t size_bound(const ErrorBody& e) { return 256 + e.message.size(); }
 size_t size_bound(const Hello& h) { return 256 + h.client_id.size() + h.model.size() + h.software.size(); }
 size_t size_bound(const Welcome& w) { return 256 + w.run_id.size(); }
 size_t size_bound(const Task& t) {
-  return 640 + t.train.algorithm.size() + t.compression.size() + tensors_bound(t.weights) + tensors_bound(t.shared) +
-         tensors_bound(t.control);
+  size_t n = 640 + t.train.algorithm.size() + t.compression.size() + tensors_bound(t.weights) +
+             tensors_bound(t.shared) + tensors_bound(t.control);
+  for (const auto& step : t.chain) n += 16 + tensors_bound(step);
+  return n;
 }
 size_t size_bound(const Ack&) { return 128; }
 size_t size_bound(const Heartbeat&) { return 128; }
@@ -551,6 +561,37 @@ TrainSettings train_of(const fb::TrainSettings* t) {
   return out;
 }
 
+// The shape of a Task's model encoding (wire.h, Task::chain).
+void check_model_encoding(const Task& t) {
+  const std::string r = std::to_string(t.round);
+  switch (t.model_encoding) {
+    case ModelEncoding::kFull:
+    case ModelEncoding::kDelta:
+      if (!t.chain.empty()) fail(ErrorCode::kMalformed, "Task: a chain with a Full or Delta model");
+      return;
+    case ModelEncoding::kChain:
+      if (!t.weights.empty()) fail(ErrorCode::kMalformed, "Task: a Chain with weights (its deltas go in chain)");
+      if (t.chain.size() < 2 || t.base_round >= t.round || t.round - 1 - t.base_round != t.chain.size())
+        fail(ErrorCode::kMalformed, "Task: a Chain of round " + r + " from base_round " + std::to_string(t.base_round) +
+                                        " with " + std::to_string(t.chain.size()) +
+                                        " steps (it needs round - 1 - base_round >= 2 steps)");
+      return;
+    case ModelEncoding::kPatch:
+      if (!t.chain.empty()) fail(ErrorCode::kMalformed, "Task: a chain with a Patch model");
+      if (t.base_round >= t.round)
+        fail(ErrorCode::kMalformed, "Task: a Patch of round " + r + " from base_round " + std::to_string(t.base_round));
+      for (const NamedTensor& nt : t.weights) {
+        const c::Encoded& e = nt.tensor;
+        if (e.format != c::Format::kSparse || e.value_type != c::ValueType::kF32 ||
+            !(e.index_coding == c::IndexCoding::kDeltaVarint || e.index_coding == c::IndexCoding::kBitmap ||
+              e.index_coding == c::IndexCoding::kRice))
+          fail(ErrorCode::kMalformed, "Task: the patch of '" + nt.name +
+                                          "' is not a Sparse fp32 tensor with DeltaVarint, Bitmap or Rice positions");
+      }
+      return;
+  }
+}
+
 Task task_of(const fb::Task& t, uint64_t max_elements, const Owner& owner) {
   Task out;
   out.round = t.round();
@@ -568,6 +609,16 @@ Task task_of(const fb::Task& t, uint64_t max_elements, const Owner& owner) {
   out.control = tensors_of(t.control(), budget, owner);
   out.deadline_ms = t.deadline_ms();
   out.clients = t.clients();
+  if (const auto* chain = t.chain()) {
+    // Each step is at most one model: its own element allowance (a step is
+    // applied before the next is read, so this bounds the work per step).
+    out.chain.reserve(chain->size());
+    for (flatbuffers::uoffset_t i = 0; i < chain->size(); ++i) {
+      uint64_t step_budget = max_elements;
+      out.chain.push_back(tensors_of(chain->Get(i)->weights(), step_budget, owner));
+    }
+  }
+  check_model_encoding(out);
   if (const fb::SecAggSetup* a = t.secagg()) {
     SecAggSetup g;
     g.index = a->index();
@@ -911,5 +962,20 @@ ErrorBody error_for(const std::exception& e, std::optional<uint64_t> round) {
 }
 
 size_t encoded_size(const compression::Encoded& e, const std::string& name) { return tensor_bound(e, name.size()); }
+
+void apply_patch(const compression::Encoded& e, float* dst, int64_t numel) {
+  SPARROW_CHECK_T(FormatError,
+                  e.format == c::Format::kSparse && e.value_type == c::ValueType::kF32 &&
+                      (e.index_coding == c::IndexCoding::kDeltaVarint || e.index_coding == c::IndexCoding::kBitmap ||
+                       e.index_coding == c::IndexCoding::kRice),
+                  "patch: not a Sparse fp32 tensor with DeltaVarint, Bitmap or Rice positions");
+  c::validate(e);  // sizes, finite values
+  SPARROW_CHECK_T(FormatError, e.numel() == numel, "patch: " << e.numel() << " elements against the model's " << numel);
+  const std::vector<int64_t> idx = c::detail::decode_indices(e);  // ascending, in range, count of them
+  SPARROW_CHECK_T(FormatError, idx.size() == e.count && e.values.size() == 4 * e.count,
+                  "patch: " << idx.size() << " positions, " << e.count << " values");
+  const uint8_t* v = e.values.data();
+  for (size_t i = 0; i < idx.size(); ++i) std::memcpy(dst + idx[i], v + 4 * i, 4);
+}
 
 }  // namespace sparrow::wire

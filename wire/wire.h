@@ -34,8 +34,11 @@ namespace sparrow::wire {
 // 1.5: LowRankSparse (PowerSGD factors plus a Rice-coded sparse correction);
 // 1.6: masked updates that carry a seeded share of the mask (params {b, m, B, k}, key in seed);
 // 1.7: SecAgg.rejected (a Masked message names the neighbours whose pair was bad);
-// 1.8: SecAgg.commitment, SecAggShare.digest and SecAgg.evidence (verifiable reveals and reports).
-constexpr uint16_t kProtocolMajor = 1, kProtocolMinor = 8;
+// 1.8: SecAgg.commitment, SecAggShare.digest and SecAgg.evidence (verifiable reveals and reports);
+// 1.9: downlink catch-up, Task model encodings Chain (Task.chain) and Patch.
+constexpr uint16_t kProtocolMajor = 1, kProtocolMinor = 9;
+// The first minor whose clients read Chain and Patch tasks (older ones get Full).
+constexpr uint16_t kCatchupMinor = 9;
 
 // parse() refuses larger buffers before looking at them (kOversize).
 constexpr size_t kDefaultMaxMessageBytes = size_t{1} << 30;
@@ -110,7 +113,8 @@ struct Welcome {
   uint64_t model_seed = 0;
 };
 
-enum class ModelEncoding : uint8_t { kFull = 0, kDelta = 1 };
+// kChain and kPatch (1.9): downlink catch-up (sparrow.fbs; docs/protocol.md).
+enum class ModelEncoding : uint8_t { kFull = 0, kDelta = 1, kChain = 2, kPatch = 3 };
 
 struct TrainSettings {  // client::TrainConfig on the wire; parse() checks ranges
   std::string algorithm = "fedavg";
@@ -141,6 +145,12 @@ struct Task {
   uint64_t deadline_ms = 0;
   std::optional<SecAggSetup> secagg;  // present: answer with SecAgg messages (1.1)
   uint32_t clients = 0;               // clients selected for the round; 0 = not said (sparrow.fbs)
+  // kChain (1.9): C_{base_round+1} .. C_{round-1}, each step's names unique.
+  // parse() checks the encoding's shape: a Chain has >= 2 steps, exactly
+  // round - 1 - base_round of them, and no `weights`; a Patch's tensors are
+  // Sparse fp32 with explicit positions (apply_patch); a Full or Delta task
+  // has no chain. Whether the names and shapes fit the model is the client's check.
+  std::vector<std::vector<NamedTensor>> chain;
 };
 
 struct Ack {
@@ -280,5 +290,13 @@ ErrorBody error_for(const std::exception& e, std::optional<uint64_t> round = std
 // at most 64 bytes above the exact figure, computed without serializing;
 // compare with Encoded::payload_bytes() for the framing overhead.
 size_t encoded_size(const compression::Encoded& e, const std::string& name = {});
+
+// Patch tasks (1.9): sets dst[i] = v for each position i and fp32 value v of a
+// Sparse tensor with F32 values and DeltaVarint, Bitmap or Rice positions (set,
+// not add: the client ends with the server's values bit for bit). Checks
+// everything before writing: FormatError for another format, value type or
+// coding, for positions outside [0, numel), or when numel differs from the
+// tensor's; dst is then unchanged. Torch-free, for both clients.
+void apply_patch(const compression::Encoded& e, float* dst, int64_t numel);
 
 }  // namespace sparrow::wire

@@ -247,6 +247,7 @@ TEST_CASE("simulator: downlink compression sends the broadcast delta to last rou
   SimConfig c = tiny(full.path);
   c.rounds = 6;
   c.downlink = "topk:ratio=0.2,ef=1";
+  c.downlink_catchup = "full";  // the one-step rule; clients further behind: catchup_sim_test.cc
   Simulator a(c);
   a.run();
   SimConfig d = c;
