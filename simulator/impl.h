@@ -145,11 +145,13 @@ struct Simulator::Impl {
   // Downlink compression, as sparrow-server does it (the same code:
   // federation::GlobalModel): clients train from the broadcast model B; after
   // each round the server encodes C = W - B (the gap is the error feedback)
-  // and B += C. A client that took part in the previous round holds the
-  // broadcast of the round before and is sent C (its wire bytes); any other
-  // client the dense model. Who took part in a round follows from the seed
-  // (select_clients), and the codec's step from the round, so only B and the
-  // size of C are run state.
+  // and B += C. A client is sent what `downlink_catchup` picks for the
+  // broadcast it holds (federation/catchup.h: the one-round delta C, a chain
+  // of the deltas it missed, an exact patch, or the dense model), counted in
+  // wire bytes. Who took part in a round follows from the seed
+  // (select_clients), and the codec's step from the round, so only B, the
+  // size of C are checkpointed; the catch-up history is not (after --resume a
+  // client further behind gets the dense model, as after a server restart).
   uint64_t down_bytes = 0;         // wire bytes of the last C
   std::vector<std::string> names;  // parameter names, model order
   aggregation::TensorShapes shapes;
