@@ -3,29 +3,14 @@
 #include <spdlog/spdlog.h>
 #include <torch/torch.h>
 
-#include <algorithm>
-#include <chrono>
-#include <cmath>
-#include <filesystem>
-#include <fstream>
-#include <numeric>
-#include <optional>
-#include <sstream>
-#include <thread>
+#include <cstring>
 
-#include "client/data_folder.h"
-#include "compression/compressor.h"
-#include "compression/state.h"
-#include "core/flat_config.h"
-#include "core/rng.h"
 #include "core/peer_text.h"
-#include "core/sqlite_db.h"
 #include "core/spec.h"
 #include "edge/act_codec.h"
 #include "edge/cloud.h"
 #include "edge/split.h"
 #include "wire/net.h"
-#include "wire/wire.h"
 
 namespace sparrow::edge {
 
@@ -51,632 +36,139 @@ void validate(const DeviceConfig& c) {
        "clients/index: need clients >= 1 and 0 <= index < clients");
 }
 
-wire::Message message(wire::Body body) {
-  wire::Message m;
-  m.body = std::move(body);
-  return m;
+namespace cflat = compression::flat;
+
+cflat::Tensor to_flat_tensor(const at::Tensor& t) {
+  const at::Tensor c = t.detach().to(at::kCPU, at::kFloat).contiguous();
+  return cflat::Tensor{std::vector<int64_t>(c.sizes().begin(), c.sizes().end()),
+                       std::vector<float>(c.data_ptr<float>(), c.data_ptr<float>() + c.numel())};
 }
 
-// An Error reply to a Split message.
-struct ReplyError : Error {
-  ReplyError(wire::ErrorCode c, const std::string& what) : Error(what), code(c) {}
-  wire::ErrorCode code;
+// Copies `t` into `dst` (shapes checked by the protocol).
+void copy_into(at::Tensor& dst, const cflat::Tensor& t) {
+  torch::NoGradGuard no_grad;
+  dst.copy_(torch::from_blob(const_cast<float*>(t.data.data()), t.shape, torch::kFloat));
+}
+
+std::vector<int64_t> to_vector(const at::Tensor& y) {
+  const at::Tensor c = y.to(at::kLong).contiguous();
+  return std::vector<int64_t>(c.data_ptr<int64_t>(), c.data_ptr<int64_t>() + c.numel());
+}
+
+// The LibTorch bottom as the protocol's device::Bottom: the model's bottom at
+// `cut` (EdgeHalf: forward, the codec, backward into .grad), its Sgd and the
+// device's data.
+class TorchBottom : public device::Bottom {
+ public:
+  TorchBottom(const DeviceConfig& cfg, DeviceData data) : data_(std::move(data)) {
+    model_ = core::make_model(cfg.model, cfg.seed);
+    if (!cfg.weights.empty()) load_weights(*model_, cfg.weights);
+    split_ = std::make_unique<Split>(split_model(model_, cfg.cut));
+    edge_ = std::make_unique<EdgeHalf>(split_->bottom, cfg.codec, cfg.freeze);
+    sgd_ = std::make_unique<Sgd>(split_->bottom.parameters(), cfg.lr, cfg.momentum);
+    digest_ = bottom_digest(split_->bottom.parameter_names(), split_->bottom.parameters());
+  }
+
+  const ModelPart& part() const { return split_->bottom; }
+
+  int64_t train_size() const override { return data_.train.size(); }
+  int64_t test_size() const override { return data_.test.size(); }
+  std::vector<int64_t> train_labels(const std::vector<int64_t>& rows) const override {
+    return to_vector(data_.train.y.index_select(0, torch::tensor(rows, torch::kLong)));
+  }
+  std::vector<int64_t> test_labels(int64_t begin, int64_t end) const override {
+    return to_vector(data_.test.y.slice(0, begin, end));
+  }
+
+  uint64_t digest() const override { return digest_; }
+  const std::string& codec_spec() const override { return edge_->codec().spec(); }
+  bool lowrank() const override { return edge_->codec().lowrank(); }
+  ActPacket forward(const std::vector<int64_t>& rows) override {
+    split_->bottom.train(true);
+    sgd_->zero_grad();
+    return edge_->forward(data_.train.x.index_select(0, torch::tensor(rows, torch::kLong)));
+  }
+  void backward(const ActPacket& gradient) override { edge_->backward(gradient); }
+  void step() override {
+    sgd_->step();
+    sgd_->zero_grad();
+  }
+  ActPacket infer(int64_t begin, int64_t end) override {
+    split_->bottom.train(false);
+    ActPacket p = edge_->infer(data_.test.x.slice(0, begin, end));
+    split_->bottom.train(true);
+    return p;
+  }
+  flat::CodecState codec_state() const override { return to_flat(edge_->codec_state()); }
+  void set_codec_state(const flat::CodecState& s) override { edge_->codec_state() = from_flat(s); }
+  void force_basis_refresh() override { edge_->force_basis_refresh(); }
+
+  std::vector<std::string> names() const override { return split_->bottom.parameter_names(); }
+  std::vector<cflat::Tensor> tensors(Slot slot) const override {
+    const std::vector<at::Tensor> t = slot == Slot::kWeights ? split_->bottom.parameters() : sgd_->buffers();
+    std::vector<cflat::Tensor> out;
+    for (const at::Tensor& x : t) out.push_back(to_flat_tensor(x));
+    return out;
+  }
+  void load(Slot slot, const std::vector<cflat::Tensor>& t) override {
+    std::vector<at::Tensor> params = split_->bottom.parameters();
+    std::vector<at::Tensor>& dst = slot == Slot::kWeights ? params : sgd_->buffers();
+    for (size_t i = 0; i < t.size(); ++i) copy_into(dst[i], t[i]);
+  }
+  std::vector<std::pair<std::string, cflat::Tensor>> buffers() const override {
+    std::vector<std::pair<std::string, cflat::Tensor>> out;
+    for (const auto& b : split_->bottom.model()->named_buffers(/*recurse=*/true))
+      out.emplace_back(b.key(), to_flat_tensor(b.value()));
+    return out;
+  }
+  void load_buffer(const std::string& name, const cflat::Tensor& t) override {
+    for (auto& b : split_->bottom.model()->named_buffers(/*recurse=*/true))
+      if (b.key() == name) copy_into(b.value(), t);
+  }
+
+ private:
+  DeviceData data_;
+  std::shared_ptr<core::Model> model_;
+  std::unique_ptr<Split> split_;
+  std::unique_ptr<EdgeHalf> edge_;
+  std::unique_ptr<Sgd> sgd_;
+  uint64_t digest_ = 0;
 };
 
-std::string num(double v) {
-  if (!std::isfinite(v)) return "null";
-  std::ostringstream os;
-  os.precision(10);
-  os << v;
-  return os.str();
+device::Config protocol_config(const DeviceConfig& cfg) {
+  device::Config p = device::config_of(cfg);
+  p.label = split_model_label(cfg.model, cfg.cut);
+  p.software = "sparrow-edge 0.1.0";
+  p.step_log = device::StepLog::kFramed;
+  return p;
 }
 
 }  // namespace
 
-std::vector<int64_t> batch_indices(int64_t n, int64_t batch, uint64_t seed, uint64_t step) {
-  SPARROW_CHECK(n >= 1 && batch >= 1 && step >= 1, "batch_indices: need n, batch, step >= 1");
-  const int64_t b = std::min(batch, n);
-  const uint64_t per_epoch = static_cast<uint64_t>(n / b);
-  const uint64_t epoch = (step - 1) / per_epoch, j = (step - 1) % per_epoch;
-  const uint64_t key = rng::derive(rng::derive(seed, 0x65646765 /* "edge" */), epoch);
-  std::vector<uint64_t> keys(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) keys[i] = rng::at(key, static_cast<uint64_t>(i));
-  std::vector<int64_t> perm(static_cast<size_t>(n));
-  std::iota(perm.begin(), perm.end(), 0);
-  std::sort(perm.begin(), perm.end(),
-            [&](int64_t a, int64_t c) { return keys[a] < keys[c] || (keys[a] == keys[c] && a < c); });
-  return std::vector<int64_t>(perm.begin() + static_cast<int64_t>(j) * b,
-                              perm.begin() + static_cast<int64_t>(j + 1) * b);
-}
-
-std::string EdgeDevice::Summary::json() const {
-  std::ostringstream os;
-  os << "{\"steps\":" << steps << ",\"bytes_up\":" << bytes_up << ",\"bytes_down\":" << bytes_down
-     << ",\"accuracy\":" << (accuracy < 0 ? std::string("null") : num(accuracy)) << ",\"eval_samples\":" << eval_samples
-     << ",\"reconnects\":" << reconnects << ",\"resent\":" << resent << ",\"skipped\":" << skipped
-     << ",\"fed_rounds\":" << fed_rounds << "}";
-  return os.str();
-}
-
 struct EdgeDevice::Impl {
-  using Clock = std::chrono::steady_clock;
-
-  EdgeDevice& self;
-  DeviceConfig cfg;
-  DeviceData data;
-  std::shared_ptr<core::Model> model;
-  std::unique_ptr<Split> split;
-  std::unique_ptr<EdgeHalf> edge;
-  std::unique_ptr<Sgd> sgd;
-  uint64_t digest = 0;
-  std::string label;
-  net::KeyPair keys;
-  std::string cloud_key;
-  wire::ParseLimits limits;
-
-  zmq::context_t ctx{1};
-  std::unique_ptr<zmq::socket_t> sock;
-  uint64_t completed = 0;
-  uint64_t fed_done = 0;        // last SplitFed round applied (saved with the progress)
-  bool codec_restored = false;  // the progress file held the codec state
-  std::unique_ptr<std::ofstream> step_log;
-  uint64_t failures = 0;  // consecutive failed connection attempts
-  Summary sum;
-  std::function<bool(uint64_t)> drop_hook;
-  std::unique_ptr<compression::Compressor> dense;  // "none": SplitFed updates
-
-  Impl(EdgeDevice& s, DeviceConfig c, DeviceData d) : self(s), cfg(std::move(c)), data(std::move(d)) {
-    validate(cfg);
-    SPARROW_CHECK_T(ConfigError, data.train.size() >= 1, "device: no training data");
-    model = core::make_model(cfg.model, cfg.seed);
-    if (!cfg.weights.empty()) load_weights(*model, cfg.weights);
-    split = std::make_unique<Split>(split_model(model, cfg.cut));
-    edge = std::make_unique<EdgeHalf>(split->bottom, cfg.codec, cfg.freeze);
-    sgd = std::make_unique<Sgd>(split->bottom.parameters(), cfg.lr, cfg.momentum);
-    digest = bottom_digest(split->bottom.parameter_names(), split->bottom.parameters());
-    label = split_model_label(cfg.model, cfg.cut);
-    limits.max_bytes = cfg.max_message_mb << 20;
-    if (cfg.insecure) {
-      spdlog::warn("event=insecure msg=\"plain TCP without CurveZMQ: traffic is neither encrypted nor authenticated\"");
-    } else {
-      keys = net::load_keypair(cfg.key);
-      cloud_key = net::load_public_key(cfg.cloud_key);
-    }
-    load_progress();
-    replay_log();
-  }
-
-  ~Impl() {
-    if (sock) sock->close();
-  }
-
-  // ---- progress file ----
-
-  void load_progress() {
-    if (cfg.progress.empty() || !std::ifstream(cfg.progress).good()) return;
-    compression::State st;
-    try {
-      st = compression::State::deserialize(read_text_file(cfg.progress));
-    } catch (const FormatError& e) {
-      throw FormatError("progress '" + cfg.progress + "' is not a progress file (" + std::string(e.what()) +
-                        "); restore it, or remove it to start afresh");
-    }
-    const auto names = split->bottom.parameter_names();
-    auto params = split->bottom.parameters();
-    for (size_t i = 0; i < names.size(); ++i) {
-      for (const char* prefix : {"w/", "m/"}) {
-        auto it = st.tensors.find(prefix + names[i]);
-        SPARROW_CHECK_T(FormatError, it != st.tensors.end() && it->second.sizes() == params[i].sizes(),
-                        "progress '" << cfg.progress << "' does not fit the bottom of '" << label << "' (" << prefix
-                                     << names[i] << ")");
-      }
-    }
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < names.size(); ++i) {
-      params[i].copy_(st.tensors.at("w/" + names[i]));
-      sgd->buffers()[i].copy_(st.tensors.at("m/" + names[i]));
-    }
-    // Buffers (BatchNorm running statistics): restored when the file has
-    // them; a file of an earlier version has none and they start afresh.
-    size_t restored = 0, buffers = 0;
-    for (auto& b : split->bottom.model()->named_buffers(/*recurse=*/true)) {
-      ++buffers;
-      auto it = st.tensors.find("b/" + b.key());
-      if (it == st.tensors.end()) continue;
-      SPARROW_CHECK_T(
-          FormatError, it->second.sizes() == b.value().sizes(),
-          "progress '" << cfg.progress << "' does not fit the model of '" << label << "' (buffer " << b.key() << ")");
-      b.value().copy_(it->second);
-      ++restored;
-    }
-    if (restored < buffers)
-      spdlog::warn(
-          "event=progress_without_buffers progress={} restored={} buffers={} msg=\"an older progress file: "
-          "BatchNorm statistics start afresh\"",
-          cfg.progress, restored, buffers);
-    completed = st.step;
-    if (auto it = st.tensors.find("fedavg_round"); it != st.tensors.end() && it->second.numel() == 1)
-      fed_done = static_cast<uint64_t>(it->second.item<float>());
-    if (st.tensors.count("codec/meta")) {
-      // The codec state as it was after the saved step: the next activation is
-      // the one this device sent (or would have sent) next, byte for byte.
-      edge->codec_state() = codec_state_from_tensors(st.tensors, "codec/");
-      codec_restored = true;
-    } else {
-      // An older progress file without it: the next packet carries a new basis.
-      edge->force_basis_refresh();
-    }
-    spdlog::info("event=resumed progress={} step={}", cfg.progress, completed);
-  }
-
-  void save_progress() {
-    if (cfg.progress.empty()) return;
-    std::map<std::string, at::Tensor> t;
-    const auto names = split->bottom.parameter_names();
-    const auto params = split->bottom.parameters();
-    for (size_t i = 0; i < names.size(); ++i) {
-      t["w/" + names[i]] = params[i];
-      t["m/" + names[i]] = sgd->buffers()[i];
-    }
-    compression::State st;
-    st.step = completed;
-    st.tensors["fedavg_round"] = torch::full({1}, static_cast<float>(fed_done));
-    for (auto& [k, v] : t) st.tensors[k] = v.detach().to(at::kCPU, at::kFloat).contiguous();
-    // Buffers (BatchNorm running statistics and counts; counts are exact as
-    // fp32 up to 2^24 steps).
-    for (const auto& b : split->bottom.model()->named_buffers(/*recurse=*/true))
-      st.tensors["b/" + b.key()] = b.value().detach().to(at::kCPU, at::kFloat).contiguous();
-    for (auto& [k, v] : codec_state_tensors(edge->codec_state(), "codec/")) st.tensors[k] = v;
-    const std::string tmp = cfg.progress + ".tmp";
-    {
-      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-      SPARROW_CHECK_T(Error, out, "cannot write '" << tmp << "'");
-      const std::string bytes = st.serialize();
-      out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-      SPARROW_CHECK_T(Error, out.good(), "cannot write '" << tmp << "'");
-    }
-    SPARROW_CHECK_T(Error, std::rename(tmp.c_str(), cfg.progress.c_str()) == 0,
-                    "cannot replace '" << cfg.progress << "'");
-    truncate_log();  // the progress holds every logged step now
-  }
-
-  // ---- step log ----
-  // progress + ".log": one record per step completed since the progress was
-  // saved, appended before the step's gradient is applied: "SPLG", u64 step,
-  // u32 size, the SplitGradient payload, u32 CRC-32 of (step, payload). A
-  // restart applies them again on top of the saved progress (the same batch,
-  // forward and codec state, the logged gradient), so a kill -9 loses no step
-  // the cloud acknowledged; a torn last record is ignored.
-
-  std::string log_path() const { return cfg.progress + ".log"; }
-
-  void log_step(uint64_t step, const std::vector<uint8_t>& payload) {
-    if (cfg.progress.empty()) return;
-    if (!step_log) {
-      step_log = std::make_unique<std::ofstream>(log_path(), std::ios::binary | std::ios::app);
-      SPARROW_CHECK_T(Error, *step_log, "cannot write '" << log_path() << "'");
-    }
-    const std::string body(payload.begin(), payload.end()), num = std::to_string(step);
-    const uint32_t size = static_cast<uint32_t>(payload.size());
-    const uint32_t crc = static_cast<uint32_t>(sqlite::checksum({&num, &body}));
-    step_log->write("SPLG", 4);
-    step_log->write(reinterpret_cast<const char*>(&step), sizeof step);
-    step_log->write(reinterpret_cast<const char*>(&size), sizeof size);
-    step_log->write(body.data(), static_cast<std::streamsize>(body.size()));
-    step_log->write(reinterpret_cast<const char*>(&crc), sizeof crc);
-    step_log->flush();  // in the kernel's hands: survives a kill -9 of this process
-    SPARROW_CHECK_T(Error, step_log->good(), "cannot write '" << log_path() << "' (disk full?)");
-  }
-
-  // The logged steps after `completed`, in order, up to the first gap or torn record.
-  std::vector<std::pair<uint64_t, std::string>> read_log() const {
-    std::vector<std::pair<uint64_t, std::string>> out;
-    std::ifstream in(log_path(), std::ios::binary);
-    uint64_t expect = completed + 1;
-    for (;;) {
-      char magic[4];
-      uint64_t step = 0;
-      uint32_t size = 0, crc = 0;
-      if (!in.read(magic, 4) || std::string(magic, 4) != "SPLG") break;
-      if (!in.read(reinterpret_cast<char*>(&step), sizeof step) ||
-          !in.read(reinterpret_cast<char*>(&size), sizeof size))
-        break;
-      if (size > limits.max_bytes) break;
-      std::string body(size, '\0');
-      if (!in.read(body.data(), size) || !in.read(reinterpret_cast<char*>(&crc), sizeof crc)) break;
-      const std::string num = std::to_string(step);
-      if (crc != static_cast<uint32_t>(sqlite::checksum({&num, &body}))) break;
-      if (step < expect) continue;  // already in the progress
-      if (step != expect) break;
-      out.emplace_back(step, std::move(body));
-      ++expect;
-    }
-    return out;
-  }
-
-  void truncate_log() {
-    step_log.reset();
-    std::error_code ec;
-    std::filesystem::remove(log_path(), ec);
-  }
-
-  // Applies the logged steps again (at start-up, before any connection).
-  void replay_log() {
-    if (cfg.progress.empty()) return;
-    const auto entries = read_log();
-    if (entries.empty()) return;
-    const int64_t n = data.train.size(), b = static_cast<int64_t>(cfg.batch_size);
-    split->bottom.train(true);
-    uint64_t applied = 0;
-    for (const auto& [step, payload] : entries) {
-      if (step > cfg.steps) break;
-      const auto idx = torch::tensor(batch_indices(n, b, cfg.seed, step), torch::kLong);
-      sgd->zero_grad();
-      edge->forward(data.train.x.index_select(0, idx));
-      if (!payload.empty()) {
-        try {
-          edge->backward(ActPacket::deserialize(reinterpret_cast<const uint8_t*>(payload.data()), payload.size()));
-        } catch (const std::exception& e) {
-          spdlog::warn("event=log_replay_stopped step={} error=\"{}\"", step, e.what());
-          break;
-        }
-        sgd->step();
-        sgd->zero_grad();
-      }
-      completed = step;
-      ++applied;
-    }
-    spdlog::info("event=log_replayed steps={} step={}", applied, completed);
-    save_progress();
-  }
-
-  // ---- transport ----
-
-  void check_stop() {
-    if (self.stop_.load()) throw Stopped("device stopped");
-  }
-
-  void close_socket() {
-    if (sock) sock->close();
-    sock.reset();
-  }
-
-  void backoff() {
-    const double base =
-        std::min<double>(cfg.backoff_max_ms, cfg.backoff_initial_ms * std::pow(2.0, std::min<uint64_t>(failures, 30)));
-    const uint64_t key = rng::derive(rng::hash_name(cfg.device_id), 0x626b6f66);
-    const double ms = base * (0.5 + 0.5 * rng::uniform01(key, sum.reconnects));
-    spdlog::info("event=backoff ms={:.0f} attempt={}", ms, failures);
-    const auto until = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(ms * 1000));
-    while (Clock::now() < until) {
-      check_stop();
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-  }
-
-  // Counts a failed attempt; Error after max_reconnects in a row.
-  void failed(const std::string& why) {
-    close_socket();
-    ++failures;
-    ++sum.reconnects;
-    spdlog::warn("event=link_failure reason=\"{}\" attempt={}", core::printable(why), failures);
-    SPARROW_CHECK_T(Error, failures <= cfg.max_reconnects,
-                    "the cloud at " << cfg.cloud << " did not answer after " << cfg.max_reconnects
-                                    << " reconnects (last: " << why << ")");
-    backoff();
-  }
-
-  bool send_bytes(const std::string& bytes) {
-    try {
-      if (!sock->send(zmq::buffer(bytes), zmq::send_flags::dontwait)) return false;
-    } catch (const zmq::error_t& e) {
-      spdlog::warn("event=send_failed error=\"{}\"", e.what());
-      return false;
-    }
-    sum.bytes_up += bytes.size();
-    return true;
-  }
-
-  // One message or nullopt at `deadline`. A frame that fails to parse is logged and skipped.
-  std::optional<wire::Message> receive_until(Clock::time_point deadline) {
-    for (;;) {
-      check_stop();
-      const auto now = Clock::now();
-      if (now >= deadline) return std::nullopt;
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
-      zmq::pollitem_t item{static_cast<void*>(*sock), 0, ZMQ_POLLIN, 0};
-      try {
-        zmq::poll(&item, 1, std::chrono::milliseconds(std::min<int64_t>(left + 1, 100)));
-      } catch (const zmq::error_t& e) {
-        if (e.num() == EINTR) continue;  // a signal (SIGTERM): check_stop() decides
-        throw;
-      }
-      if (!(item.revents & ZMQ_POLLIN)) continue;
-      zmq::message_t frame;
-      if (!sock->recv(frame, zmq::recv_flags::dontwait)) continue;
-      sum.bytes_down += frame.size();
-      try {
-        return wire::parse(frame.data(), frame.size(), limits);
-      } catch (const wire::ProtocolError& e) {
-        spdlog::warn("event=bad_frame error=\"{}\"", e.what());
-      }
-    }
-  }
-
-  // Opens a socket and says Hello until a Welcome comes; returns the cloud's
-  // last applied step for this device. Error when the cloud refuses.
-  uint64_t connect() {
-    for (;;) {
-      check_stop();
-      sock = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::dealer);
-      if (!cfg.insecure) net::make_curve_client(*sock, keys, cloud_key);
-      net::set_limits(*sock, limits.max_bytes);
-      sock->connect(cfg.cloud);
-      wire::Hello h;
-      h.client_id = cfg.device_id;
-      h.num_samples = static_cast<uint64_t>(data.train.size());
-      h.model = label;
-      h.model_digest = digest;
-      h.last_round = completed;
-      h.software = "sparrow-edge 0.1.0";
-      // DEALER queues the Hello until the connection (and CURVE handshake) is up.
-      const std::string bytes = wire::serialize(message(h));
-      sock->send(zmq::buffer(bytes), zmq::send_flags::none);
-      sum.bytes_up += bytes.size();
-      const auto deadline = Clock::now() + std::chrono::milliseconds(cfg.reply_timeout_ms);
-      while (auto m = receive_until(deadline)) {
-        if (auto* w = std::get_if<wire::Welcome>(&m->body)) {
-          failures = 0;
-          spdlog::info("event=welcome cloud={} run_id={} cloud_step={} device_step={}", cfg.cloud,
-                       core::printable(w->run_id), w->round, completed);
-          return w->round;
-        }
-        if (auto* e = std::get_if<wire::ErrorBody>(&m->body))
-          throw Error(std::string("the cloud refused the Hello (") + wire::error_code_name(e->code) +
-                      "): " + e->message);
-      }
-      failed("no Welcome within reply_timeout_ms");
-    }
-  }
-
-  // Sends `bytes` (a SplitActivation of `step`) until its SplitGradient comes,
-  // reconnecting and resending after a timeout. ReplyError for an Error reply.
-  wire::SplitGradient exchange(const std::string& bytes, uint64_t step, bool train) {
-    bool first = true;
-    for (;;) {
-      if (!sock) {
-        const uint64_t cloud = connect();
-        // The cloud has applied this step (its reply was lost) or not yet.
-        SPARROW_CHECK_T(Error, !train || cloud + 1 == step || cloud == step,
-                        "after reconnecting: the cloud is at step " << cloud << ", this device at step " << step);
-      }
-      if (!first) ++sum.resent;
-      first = false;
-      if (!send_bytes(bytes)) {
-        failed("send failed");
-        continue;
-      }
-      if (train && drop_hook && drop_hook(step)) {
-        failed("connection dropped (test hook)");
-        continue;
-      }
-      const auto deadline = Clock::now() + std::chrono::milliseconds(cfg.reply_timeout_ms);
-      while (auto m = receive_until(deadline)) {
-        if (auto* g = std::get_if<wire::SplitGradient>(&m->body)) {
-          if (g->step == step && g->session == cfg.device_id) return std::move(*g);
-          continue;  // a stale reply
-        }
-        if (auto* e = std::get_if<wire::ErrorBody>(&m->body)) throw ReplyError(e->code, e->message);
-      }
-      failed("no reply to step " + std::to_string(step) + " within reply_timeout_ms");
-    }
-  }
-
-  std::string activation_bytes(const ActPacket& act, uint64_t step, const at::Tensor& y, bool train) {
-    wire::SplitActivation a;
-    a.session = cfg.device_id;
-    a.step = step;
-    a.codec = edge->codec().spec();
-    a.shape = act.shape;
-    a.payload = act.serialize();
-    const at::Tensor yc = y.to(at::kLong).contiguous();
-    a.labels.assign(yc.data_ptr<int64_t>(), yc.data_ptr<int64_t>() + yc.numel());
-    a.train = train;
-    return wire::serialize(message(a));
-  }
-
-  // ---- the run ----
-
-  Summary run() {
-    const uint64_t cloud = connect();
-    if (cloud == completed + 1 && (codec_restored || !edge->codec().lowrank())) {
-      // The device died after the cloud applied this step but before its own
-      // progress held it: the step is done again from the saved state, and the
-      // cloud answers its repeat with the reply it kept. Nothing is lost.
-      spdlog::info("event=redo step={} msg=\"the cloud applied it; its reply comes from the cloud's cache\"", cloud);
-    } else if (cloud > completed) {
-      spdlog::warn(
-          "event=behind_cloud device_step={} cloud_step={} msg=\"the bottom lost the updates of steps {}..{}\"",
-          completed, cloud, completed + 1, cloud);
-      sum.skipped += cloud - completed;
-      completed = cloud;
-    }
-    SPARROW_CHECK_T(Error, cloud == completed || cloud == completed + 1,
-                    "the cloud is at step " << cloud << " but this device completed step " << completed
-                                            << " (the cloud lost the session's steps?)");
-    split->bottom.train(true);
-    // A restart after a step that ended an averaging round whose result we lack.
-    if (cfg.fedavg_every > 0 && completed > 0 && completed % cfg.fedavg_every == 0 &&
-        fed_done < completed / cfg.fedavg_every)
-      average(completed / cfg.fedavg_every);
-    const int64_t n = data.train.size(), b = static_cast<int64_t>(cfg.batch_size);
-    double loss_sum = 0;
-    uint64_t loss_steps = 0;
-    try {
-      while (completed < cfg.steps) {
-        check_stop();
-        const uint64_t step = completed + 1;
-        const auto idx = torch::tensor(batch_indices(n, b, cfg.seed, step), torch::kLong);
-        const at::Tensor x = data.train.x.index_select(0, idx), y = data.train.y.index_select(0, idx);
-        sgd->zero_grad();
-        std::string bytes = activation_bytes(edge->forward(x), step, y, true);
-        wire::SplitGradient g;
-        for (int refreshed = 0;; ++refreshed) {
-          try {
-            g = exchange(bytes, step, true);
-            break;
-          } catch (const ReplyError& e) {
-            // The cloud lost this device's basis (it restarted): send a fresh one.
-            if (e.code == wire::ErrorCode::kMalformed && edge->codec().lowrank() && refreshed == 0) {
-              spdlog::warn("event=basis_refresh step={} reason=\"{}\"", step, e.what());
-              edge->force_basis_refresh();
-              bytes = activation_bytes(edge->forward(x), step, y, true);
-              continue;
-            }
-            throw Error("step " + std::to_string(step) + " refused by the cloud (" + wire::error_code_name(e.code) +
-                        "): " + e.what());
-          }
-        }
-        const ActPacket gradient =
-            g.payload.empty() ? ActPacket{} : ActPacket::deserialize(g.payload.data(), g.payload.size());
-        log_step(step, g.payload);
-        if (!g.payload.empty()) {
-          edge->backward(gradient);
-          sgd->step();
-          sgd->zero_grad();
-        }
-        completed = step;
-        loss_sum += g.loss;
-        ++loss_steps;
-        const bool averaged = cfg.fedavg_every > 0 && completed % cfg.fedavg_every == 0;
-        if (averaged) average(completed / cfg.fedavg_every);
-        // After an average too: the log never reaches across one.
-        if (averaged || completed % cfg.save_every == 0) save_progress();
-        if (completed % 10 == 0 || completed == cfg.steps)
-          spdlog::info("event=step step={} loss={:.4f} bytes_up={} bytes_down={}", completed,
-                       loss_sum / static_cast<double>(loss_steps), sum.bytes_up, sum.bytes_down);
-      }
-    } catch (...) {
-      save_progress();
-      throw;
-    }
-    save_progress();
-    evaluate();
-    close_socket();
-    sum.steps = completed;
-    return sum;
-  }
-
-  // SplitFed round r: sends the bottom, waits (with Heartbeats) for the Task
-  // holding the average and loads it. Reconnects and resends like exchange().
-  void average(uint64_t r) {
-    if (!dense) {
-      compression::register_builtins();
-      dense = compression::make_compressor("none");
-    }
-    wire::ModelUpdate u;
-    u.round = r;
-    u.client_id = cfg.device_id;
-    u.num_samples = static_cast<uint64_t>(data.train.size());
-    const auto names = split->bottom.parameter_names();
-    auto params = split->bottom.parameters();
-    for (size_t i = 0; i < names.size(); ++i) {
-      compression::State scratch;
-      u.tensors.push_back(
-          {names[i], dense->encode(params[i].detach().to(at::kCPU, at::kFloat).contiguous(), scratch, {})});
-    }
-    const std::string bytes = wire::serialize(message(u));
-    const auto hb_every = std::chrono::milliseconds(std::max<uint64_t>(10, cfg.reply_timeout_ms / 3));
-    for (;;) {
-      if (!sock) connect();
-      if (!send_bytes(bytes)) {
-        failed("send failed");
-        continue;
-      }
-      auto deadline = Clock::now() + std::chrono::milliseconds(cfg.reply_timeout_ms);
-      auto next_hb = Clock::now() + hb_every;
-      std::optional<wire::Task> task;
-      for (;;) {
-        auto m = receive_until(std::min(deadline, next_hb));
-        if (!m) {
-          if (Clock::now() >= deadline) break;
-          send_bytes(wire::serialize(message(wire::Heartbeat{r})));
-          next_hb = Clock::now() + hb_every;
-          continue;
-        }
-        deadline = Clock::now() + std::chrono::milliseconds(cfg.reply_timeout_ms);  // the cloud is alive
-        if (auto* t = std::get_if<wire::Task>(&m->body); t && t->round == r) {
-          task = std::move(*t);
-          break;
-        }
-        if (auto* e = std::get_if<wire::ErrorBody>(&m->body))
-          throw Error(std::string("averaging round ") + std::to_string(r) + " refused by the cloud (" +
-                      wire::error_code_name(e->code) + "): " + e->message);
-      }
-      if (!task) {
-        failed("no average for round " + std::to_string(r) + " within reply_timeout_ms");
-        continue;
-      }
-      // Check everything before loading anything.
-      SPARROW_CHECK_T(
-          FormatError, task->weights.size() == names.size(),
-          "averaging round " << r << ": " << task->weights.size() << " tensors for a bottom of " << names.size());
-      std::map<std::string, at::Tensor> avg;
-      for (const auto& t : task->weights) avg[t.name] = compression::decode(t.tensor);
-      for (size_t i = 0; i < names.size(); ++i)
-        SPARROW_CHECK_T(FormatError, avg.count(names[i]) && avg[names[i]].sizes() == params[i].sizes(),
-                        "averaging round " << r << ": no fitting '" << names[i] << "'");
-      torch::NoGradGuard no_grad;
-      for (size_t i = 0; i < names.size(); ++i) params[i].copy_(avg[names[i]]);
-      fed_done = r;
-      ++sum.fed_rounds;
-      spdlog::info("event=fedavg round={}", r);
-      return;
-    }
-  }
-
-  void evaluate() {
-    const int64_t n = data.test.size();
-    if (n == 0) return;
-    split->bottom.train(false);
-    const int64_t b = static_cast<int64_t>(cfg.batch_size);
-    uint64_t correct = 0;
-    for (int64_t i = 0, k = 1; i < n; i += b, ++k) {
-      check_stop();
-      const int64_t e = std::min(n, i + b);
-      const at::Tensor x = data.test.x.slice(0, i, e), y = data.test.y.slice(0, i, e);
-      const std::string bytes = activation_bytes(edge->infer(x), static_cast<uint64_t>(k), y, false);
-      try {
-        correct += exchange(bytes, static_cast<uint64_t>(k), false).correct;
-      } catch (const ReplyError& err) {
-        throw Error(std::string("evaluation refused by the cloud (") + wire::error_code_name(err.code) +
-                    "): " + err.what());
-      }
-    }
-    split->bottom.train(true);
-    sum.eval_samples = static_cast<uint64_t>(n);
-    sum.accuracy = static_cast<double>(correct) / static_cast<double>(n);
-    spdlog::info("event=eval samples={} accuracy={:.4f}", n, sum.accuracy);
-  }
+  Impl(EdgeDevice& self, DeviceConfig cfg, DeviceData data)
+      : bottom((validate(cfg), cfg), std::move(data)), protocol(protocol_config(cfg), bottom, self.stop_) {}
+  TorchBottom bottom;
+  device::Protocol protocol;
 };
 
 EdgeDevice::EdgeDevice(DeviceConfig cfg, DeviceData data)
     : impl_(std::make_unique<Impl>(*this, std::move(cfg), std::move(data))) {}
 EdgeDevice::~EdgeDevice() = default;
 
-EdgeDevice::Summary EdgeDevice::run() { return impl_->run(); }
-void EdgeDevice::set_drop_hook(std::function<bool(uint64_t)> hook) { impl_->drop_hook = std::move(hook); }
-uint64_t EdgeDevice::completed_steps() const { return impl_->completed; }
+EdgeDevice::Summary EdgeDevice::run() { return impl_->protocol.run(); }
+void EdgeDevice::set_drop_hook(std::function<bool(uint64_t)> hook) { impl_->protocol.set_drop_hook(std::move(hook)); }
+uint64_t EdgeDevice::completed_steps() const { return impl_->protocol.completed_steps(); }
 
 std::map<std::string, at::Tensor> EdgeDevice::model_buffers() const {
   std::map<std::string, at::Tensor> out;
-  for (const auto& b : impl_->split->bottom.model()->named_buffers(/*recurse=*/true))
+  for (const auto& b : impl_->bottom.part().model()->named_buffers(/*recurse=*/true))
     out[b.key()] = b.value().detach().to(at::kCPU).clone();
   return out;
 }
 
 std::map<std::string, at::Tensor> EdgeDevice::bottom_weights() const {
-  return copy_weights(impl_->split->bottom.parameter_names(), impl_->split->bottom.parameters());
+  return copy_weights(impl_->bottom.part().parameter_names(), impl_->bottom.part().parameters());
 }
 
 }  // namespace sparrow::edge

@@ -2,27 +2,11 @@
 // The device side of networked split fine-tuning (docs/split.md, "Networked
 // device and cloud"): `sparrow-edge --config edge.toml`.
 //
-// One DEALER socket (CURVE unless insecure). run():
-//   connect -> Hello{client_id = device_id, model = "MODEL;cut=CUT", digest of
-//   the bottom, last_round = last completed step} -> Welcome{round = the cloud's
-//   last applied step for this device} -> for each step n: bottom forward on
-//   minibatch n (batch_indices), SplitActivation{step n} -> SplitGradient ->
-//   EdgeHalf::backward, bottom Sgd step -> ... -> evaluation (train = false
-//   steps on the test split) -> summary.
-// Resume: no reply within reply_timeout_ms -> the socket is closed and reopened
-// after an exponential, capped backoff, Hello again, and the SAME bytes are sent
-// again (the cloud applies a step once and answers a repeat from its cache).
-// Progress (last completed step, bottom weights, bottom momentum, the model's
-// buffers such as BatchNorm running statistics) goes to
-// `progress` every save_every steps and at the end; a restarted device loads it,
-// asks for a fresh lowrank basis and continues after its last completed step.
-// If the cloud has applied steps the device's file does not hold (the device
-// died between a save and the next), the device continues after the cloud's
-// step: the top keeps those steps, the bottom loses their updates (logged).
-// SplitFed (fedavg_every = K): after every K-th step the bottom goes up as a
-// ModelUpdate{round = step / K} and the averaged bottom comes back as a Task
-// (the device waits, sending Heartbeats, until all the cloud's devices sent
-// theirs); the round is saved with the progress and redone after a restart.
+// The protocol (Hello / Welcome, SplitActivation / SplitGradient with resends
+// and backoff, the progress file and step log, SplitFed rounds, evaluation)
+// is edge/device/protocol.h, written once and shared with the torch-free
+// sparrow-edge-lite; this is its LibTorch bottom (the model's bottom split at
+// `cut`, EdgeHalf and the bottom's Sgd) and the device's config and data.
 //
 // Threads: run() on one thread; stop() from any thread or a signal handler.
 
@@ -38,6 +22,7 @@
 
 #include "core/datasets.h"
 #include "core/error.h"
+#include "edge/device/protocol.h"
 
 namespace sparrow::edge {
 
@@ -96,19 +81,13 @@ DeviceData load_device_data(const DeviceConfig& cfg);
 // Rows of minibatch `step` (1-based): epochs of floor(n / batch) batches (at
 // least one), each epoch a permutation drawn from (seed, epoch) with core/rng.
 // A pure function, so a resumed device and a test replay the same batches.
-std::vector<int64_t> batch_indices(int64_t n, int64_t batch, uint64_t seed, uint64_t step);
+using device::batch_indices;
 
 class EdgeDevice {
  public:
-  struct Summary {
-    uint64_t steps = 0;                     // completed training steps (total, including before a restart)
-    uint64_t bytes_up = 0, bytes_down = 0;  // every frame this process sent / received
-    double accuracy = -1;                   // on the evaluated test samples; -1 when none
-    uint64_t eval_samples = 0;
-    uint64_t reconnects = 0, resent = 0, skipped = 0;  // skipped: steps the cloud had, the bottom lost
-    uint64_t fed_rounds = 0;                           // SplitFed averages applied by this process
-    std::string json() const;                          // one line: {"steps":..,"bytes_up":..,...}
-  };
+  // steps, bytes_up / bytes_down, accuracy (-1 when nothing was evaluated),
+  // eval_samples, reconnects, resent, skipped, fed_rounds; json() is one line.
+  using Summary = device::Summary;
 
   // Validates the config, builds the model and the split, loads keys
   // (ConfigError) and the progress file when present (FormatError when it does
@@ -141,10 +120,7 @@ class EdgeDevice {
   std::unique_ptr<Impl> impl_;
 };
 
-// run() after stop().
-class Stopped : public Error {
- public:
-  using Error::Error;
-};
+// run() after stop() (one type for both device kinds).
+using Stopped = device::Stopped;
 
 }  // namespace sparrow::edge

@@ -15,6 +15,7 @@
 #include "core/spec.h"
 #include "edge/cloud.h"
 #include "edge/device.h"
+#include "edge/device/config_keys.h"
 
 namespace sparrow::edge {
 
@@ -43,13 +44,7 @@ void check_device_keys(const core::FlatConfig& f, DeviceConfig& c) {
     f.check("eval_samples", core::has_data_folder_test(c.data.substr(7)),
             "has nothing to evaluate: " + c.data.substr(7) +
                 " has no test split (a test/ folder, or t10k-*-ubyte files); add one or set eval_samples = 0");
-  for (const char* k : {"lr", "momentum"})
-    f.check(k, !c.freeze || !f.has(k), "has no effect with freeze = true (the bottom does not train)");
-  f.check("save_every", !c.progress.empty() || !f.has("save_every"),
-          "has no effect with progress = \"\" (no progress file is written)");
-  if (c.insecure && f.where("insecure") != "--set")  // --insecure on a secure file is the documented try-out
-    for (const char* k : {"cloud_key", "key"})
-      f.check(k, !f.has(k), "has no effect with insecure = true (plain TCP, no CURVE keys)");
+  device::check_keys_without_effect(f, c);
 }
 
 }  // namespace
@@ -57,59 +52,13 @@ void check_device_keys(const core::FlatConfig& f, DeviceConfig& c) {
 DeviceConfig parse_device_config(const std::string& toml_text, const std::vector<std::string>& overrides,
                                  const std::string& source) {
   DeviceConfig c;
-  const core::FlatConfig f = read_flat_config(toml_text, source,
-                                              {{"cloud", &c.cloud},
-                                               {"cloud_key", &c.cloud_key},
-                                               {"key", &c.key},
-                                               {"insecure", &c.insecure},
-                                               {"device_id", &c.device_id},
-                                               {"model", &c.model},
-                                               {"cut", &c.cut},
-                                               {"weights", &c.weights},
-                                               {"seed", &c.seed},
-                                               {"codec", &c.codec},
-                                               {"freeze", &c.freeze},
-                                               {"lr", &c.lr},
-                                               {"momentum", &c.momentum},
-                                               {"batch_size", &c.batch_size},
-                                               {"steps", &c.steps},
-                                               {"data", &c.data},
-                                               {"data_dir", &c.data_dir},
-                                               {"partition", &c.partition},
-                                               {"clients", &c.clients},
-                                               {"index", &c.index},
-                                               {"partition_seed", &c.partition_seed},
-                                               {"eval_samples", &c.eval_samples},
-                                               {"progress", &c.progress},
-                                               {"save_every", &c.save_every},
-                                               {"reply_timeout_ms", &c.reply_timeout_ms},
-                                               {"backoff_initial_ms", &c.backoff_initial_ms},
-                                               {"backoff_max_ms", &c.backoff_max_ms},
-                                               {"max_reconnects", &c.max_reconnects},
-                                               {"max_message_mb", &c.max_message_mb},
-                                               {"threads", &c.threads},
-                                               {"fedavg_every", &c.fedavg_every}},
-                                              overrides);
-  // The ranges of docs/split.md's key table, before anything is loaded (NaN
-  // fails every comparison); validate() adds the cross-key checks.
-  auto range = [&](const char* key, bool ok, const std::string& what) {
-    SPARROW_CHECK_T(ConfigError, ok, source << ": " << key << ": must be " << what);
-  };
-  range("lr", c.lr > 0 && c.lr <= 10, "in (0, 10]");
-  range("momentum", c.momentum >= 0 && c.momentum < 1, "in [0, 1)");
-  range("batch_size", c.batch_size >= 1 && c.batch_size <= 65536, "in [1, 65536]");
-  range("steps", c.steps >= 1 && c.steps <= 1000000000, "in [1, 1000000000]");
-  range("eval_samples", c.eval_samples <= 10000000, "in [0, 10000000]");
-  range("save_every", c.save_every >= 1 && c.save_every <= 1000000000, "in [1, 1000000000]");
-  range("reply_timeout_ms", c.reply_timeout_ms >= 10 && c.reply_timeout_ms <= 3600000, "in [10, 3600000]");
-  range("backoff_initial_ms", c.backoff_initial_ms >= 1 && c.backoff_initial_ms <= 600000, "in [1, 600000]");
-  range("backoff_max_ms", c.backoff_max_ms >= c.backoff_initial_ms && c.backoff_max_ms <= 3600000,
-        "in [backoff_initial_ms, 3600000]");
-  range("max_reconnects", c.max_reconnects <= 1000000000, "in [0, 1000000000]");
-  range("max_message_mb", c.max_message_mb >= 1 && c.max_message_mb <= 2047, "in [1, 2047]");
-  range("threads", c.threads >= 0 && c.threads <= 1024, "in [0, 1024] (0 = one per core)");
-  range("clients", c.clients >= 1 && c.clients <= 1000000, "in [1, 1000000]");
-  range("fedavg_every", c.fedavg_every <= 1000000000, "in [0, 1000000000] (0 = off)");
+  core::FlatConfig f(source);
+  device::bind_device_keys(f, c);
+  f.read(toml_text, overrides);
+  // The ranges of docs/split.md's key table, before anything is loaded;
+  // validate() adds the cross-key checks.
+  for (const device::KeyRange& r : device::device_key_ranges(c))
+    SPARROW_CHECK_T(ConfigError, r.ok, source << ": " << r.key << ": must be " << r.what);
   check_device_keys(f, c);
   return c;
 }

@@ -1,6 +1,5 @@
 #include "liteedge/bottom.h"
 
-#include <cmath>
 #include <fstream>
 #include <iterator>
 #include <set>
@@ -130,44 +129,6 @@ std::map<std::string, cflat::Tensor> Bottom::weights() const {
   std::map<std::string, cflat::Tensor> out;
   for (const lite::Param* p : model_->params()) out[p->name] = cflat::Tensor{p->shape, p->value};
   return out;
-}
-
-void put_codec_state(const edge::flat::CodecState& s, const std::string& prefix, cflat::State& out) {
-  const std::pair<const char*, const edge::flat::Matrix*> slots[] = {
-      {"basis", &s.basis}, {"sketch", &s.sketch}, {"tracker", &s.tracker}};
-  for (const auto& [name, m] : slots)
-    if (!m->empty()) out.tensors[prefix + name] = cflat::Tensor{{m->rows, m->cols}, m->data};
-  std::vector<float> meta{static_cast<float>(s.basis_id & 0xffffu), static_cast<float>(s.basis_id >> 16),
-                          s.refresh_next ? 1.0f : 0.0f};
-  for (int i = 0; i < 4; ++i) meta.push_back(static_cast<float>((s.steps >> (16 * i)) & 0xffffu));
-  out.tensors[prefix + "meta"] = cflat::Tensor{{7}, meta};
-}
-
-edge::flat::CodecState get_codec_state(const cflat::State& st, const std::string& prefix) {
-  auto meta = st.tensors.find(prefix + "meta");
-  SPARROW_CHECK_T(FormatError, meta != st.tensors.end() && meta->second.data.size() == 7,
-                  "codec state: no '" << prefix << "meta'");
-  const std::vector<float>& v = meta->second.data;
-  auto piece = [&](int i) {
-    SPARROW_CHECK_T(FormatError, v[i] >= 0 && v[i] < 65536 && v[i] == std::floor(v[i]),
-                    "codec state: bad '" << prefix << "meta'");
-    return static_cast<uint64_t>(v[i]);
-  };
-  edge::flat::CodecState s;
-  s.basis_id = static_cast<uint32_t>(piece(0) | (piece(1) << 16));
-  s.refresh_next = piece(2) != 0;
-  for (int i = 0; i < 4; ++i) s.steps |= piece(3 + i) << (16 * i);
-  for (auto [name, slot] : {std::pair<const char*, edge::flat::Matrix*>{"basis", &s.basis},
-                            {"sketch", &s.sketch},
-                            {"tracker", &s.tracker}}) {
-    auto it = st.tensors.find(prefix + name);
-    if (it == st.tensors.end()) continue;
-    SPARROW_CHECK_T(FormatError, it->second.shape.size() == 2,
-                    "codec state: '" << prefix << name << "' is not a matrix");
-    *slot = edge::flat::Matrix{it->second.shape[0], it->second.shape[1], it->second.data};
-  }
-  SPARROW_CHECK_T(FormatError, s.basis.empty() || s.basis_id != 0, "codec state: a basis without an id");
-  return s;
 }
 
 }  // namespace sparrow::liteedge

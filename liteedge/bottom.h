@@ -47,6 +47,7 @@ class Bottom {
 
   const edge::flat::ActCodec& codec() const { return codec_; }
   edge::flat::CodecState& codec_state() { return state_; }
+  const edge::flat::CodecState& codec_state() const { return state_; }
   void force_basis_refresh() { state_.refresh_next = true; }
   bool frozen() const { return frozen_; }
 
@@ -59,6 +60,8 @@ class Bottom {
   // Parameter i's values and SGD momentum buffer, row-major.
   std::vector<float>& value(size_t i) { return model_->params()[i]->value; }
   std::vector<float>& momentum(size_t i) { return momentum_[i]; }
+  const std::vector<float>& value(size_t i) const { return model_->params()[i]->value; }
+  const std::vector<float>& momentum(size_t i) const { return momentum_[i]; }
   // The bottom's parameters by name (copies).
   std::map<std::string, compression::flat::Tensor> weights() const;
 
@@ -77,12 +80,5 @@ class Bottom {
   int64_t rows_ = 0;      // the pending forward's batch
   lite::Tensor grad_;     // dL/d(activation), decoded
 };
-
-// edge::codec_state_tensors' layout (the progress file of sparrow-edge):
-// "basis", "sketch", "tracker" when set and "meta" (basis_id as two 16-bit
-// halves, refresh_next, steps as four 16-bit pieces), under `prefix`.
-void put_codec_state(const edge::flat::CodecState& s, const std::string& prefix, compression::flat::State& out);
-// FormatError when "meta" is missing or malformed.
-edge::flat::CodecState get_codec_state(const compression::flat::State& st, const std::string& prefix);
 
 }  // namespace sparrow::liteedge

@@ -5,6 +5,7 @@
 #include "core/error.h"
 #include "core/flat_config.h"
 #include "core/peer_text.h"
+#include "edge/device/config_keys.h"
 #include "edge/codec/act_codec_flat.h"
 #include "lite/model.h"
 #include "wire/net.h"
@@ -13,58 +14,6 @@ namespace sparrow::liteedge {
 namespace {
 
 namespace fs = std::filesystem;
-
-void bind_all(core::FlatConfig& f, DeviceConfig& c) {
-  f.bind("cloud", &c.cloud);
-  f.bind("cloud_key", &c.cloud_key);
-  f.bind("key", &c.key);
-  f.bind("insecure", &c.insecure);
-  f.bind("device_id", &c.device_id);
-  f.bind("model", &c.model);
-  f.bind("cut", &c.cut);
-  f.bind("weights", &c.weights);
-  f.bind("seed", &c.seed);
-  f.bind("codec", &c.codec);
-  f.bind("freeze", &c.freeze);
-  f.bind("lr", &c.lr);
-  f.bind("momentum", &c.momentum);
-  f.bind("batch_size", &c.batch_size);
-  f.bind("steps", &c.steps);
-  f.bind("data", &c.data);
-  f.bind("data_dir", &c.data_dir);
-  f.bind("partition", &c.partition);
-  f.bind("clients", &c.clients);
-  f.bind("index", &c.index);
-  f.bind("partition_seed", &c.partition_seed);
-  f.bind("eval_samples", &c.eval_samples);
-  f.bind("progress", &c.progress);
-  f.bind("save_every", &c.save_every);
-  f.bind("reply_timeout_ms", &c.reply_timeout_ms);
-  f.bind("backoff_initial_ms", &c.backoff_initial_ms);
-  f.bind("backoff_max_ms", &c.backoff_max_ms);
-  f.bind("max_reconnects", &c.max_reconnects);
-  f.bind("max_message_mb", &c.max_message_mb);
-  f.bind("threads", &c.threads);
-  f.bind("fedavg_every", &c.fedavg_every);
-}
-
-// The ranges of docs/split.md's key table (sparrow-edge's own checks).
-void check_ranges(const core::FlatConfig& f, const DeviceConfig& c) {
-  f.check("lr", c.lr > 0 && c.lr <= 10, "must be in (0, 10]");
-  f.check("momentum", c.momentum >= 0 && c.momentum < 1, "must be in [0, 1)");
-  f.check("batch_size", c.batch_size >= 1 && c.batch_size <= 65536, "must be in [1, 65536]");
-  f.check("steps", c.steps >= 1 && c.steps <= 1000000000, "must be in [1, 1000000000]");
-  f.check("eval_samples", c.eval_samples <= 10000000, "must be in [0, 10000000]");
-  f.check("save_every", c.save_every >= 1 && c.save_every <= 1000000000, "must be in [1, 1000000000]");
-  f.check("reply_timeout_ms", c.reply_timeout_ms >= 10 && c.reply_timeout_ms <= 3600000, "must be in [10, 3600000]");
-  f.check("backoff_initial_ms", c.backoff_initial_ms >= 1 && c.backoff_initial_ms <= 600000, "must be in [1, 600000]");
-  f.check("backoff_max_ms", c.backoff_max_ms >= c.backoff_initial_ms && c.backoff_max_ms <= 3600000,
-          "must be in [backoff_initial_ms, 3600000]");
-  f.check("max_reconnects", c.max_reconnects <= 1000000000, "must be in [0, 1000000000]");
-  f.check("max_message_mb", c.max_message_mb >= 1 && c.max_message_mb <= 2047, "must be in [1, 2047]");
-  f.check("fedavg_every", c.fedavg_every <= 1000000000, "must be in [0, 1000000000] (0 = off)");
-  f.check("clients", c.clients >= 1 && c.clients <= 1000000, "must be in [1, 1000000]");
-}
 
 // The keys sparrow-edge checks across each other (edge/device_config.cc).
 void check_cross_keys(const core::FlatConfig& f, const DeviceConfig& c) {
@@ -79,13 +28,7 @@ void check_cross_keys(const core::FlatConfig& f, const DeviceConfig& c) {
     f.check("cloud_key", !c.cloud_key.empty(), "must be set (or insecure = true)");
     f.check("key", !c.key.empty(), "must be set (or insecure = true)");
   }
-  for (const char* k : {"lr", "momentum"})
-    f.check(k, !c.freeze || !f.has(k), "has no effect with freeze = true (the bottom does not train)");
-  f.check("save_every", !c.progress.empty() || !f.has("save_every"),
-          "has no effect with progress = \"\" (no progress file is written)");
-  if (c.insecure && f.where("insecure") != "--set")  // --insecure on a secure file is the documented try-out
-    for (const char* k : {"cloud_key", "key"})
-      f.check(k, !f.has(k), "has no effect with insecure = true (plain TCP, no CURVE keys)");
+  edge::device::check_keys_without_effect(f, c);
 }
 
 // What the lite runtime cannot do, refused by key.
@@ -150,10 +93,11 @@ DeviceConfig parse_device_config(const std::string& toml_text, const std::vector
                                  const std::string& source) {
   DeviceConfig c;
   core::FlatConfig f(source);
-  bind_all(f, c);
+  edge::device::bind_device_keys(f, c);
   f.read(toml_text, overrides);
   f.check_finite();
-  check_ranges(f, c);
+  // The ranges of docs/split.md's key table (sparrow-edge's own).
+  for (const edge::device::KeyRange& r : edge::device::device_key_ranges(c)) f.check(r.key, r.ok, "must be " + r.what);
   check_cross_keys(f, c);
   check_lite_keys(f, c);
   return c;

@@ -1,624 +1,97 @@
 #include "liteedge/device.h"
 
-#include <spdlog/spdlog.h>
-
 #include <algorithm>
-#include <array>
-#include <chrono>
-#include <cmath>
-#include <filesystem>
-#include <fstream>
-#include <iterator>
-#include <numeric>
-#include <optional>
-#include <sstream>
-#include <thread>
 
-#include "core/peer_text.h"
-#include "core/rng.h"
 #include "liteedge/bottom.h"
-#include "wire/net.h"
-#include "wire/wire.h"
 
 namespace sparrow::liteedge {
 
 namespace {
 
 namespace cflat = compression::flat;
-using edge::ActPacket;
 
-wire::Message message(wire::Body body) {
-  wire::Message m;
-  m.body = std::move(body);
-  return m;
-}
+// The lite bottom and the device's data as the protocol's device::Bottom.
+class LiteBottom : public edge::device::Bottom {
+ public:
+  LiteBottom(const DeviceConfig& cfg, DeviceData data) : bottom_(cfg), data_(std::move(data)) {}
 
-// An Error reply to a Split message.
-struct ReplyError : Error {
-  ReplyError(wire::ErrorCode c, const std::string& what) : Error(what), code(c) {}
-  wire::ErrorCode code;
+  liteedge::Bottom& bottom() { return bottom_; }
+  const liteedge::Bottom& bottom() const { return bottom_; }
+
+  int64_t train_size() const override { return data_.train.size(); }
+  int64_t test_size() const override { return data_.test.size(); }
+  std::vector<int64_t> train_labels(const std::vector<int64_t>& rows) const override {
+    std::vector<int64_t> y;
+    y.reserve(rows.size());
+    for (int64_t i : rows) y.push_back(data_.train.y[static_cast<size_t>(i)]);
+    return y;
+  }
+  std::vector<int64_t> test_labels(int64_t begin, int64_t end) const override {
+    return std::vector<int64_t>(data_.test.y.begin() + begin, data_.test.y.begin() + end);
+  }
+
+  uint64_t digest() const override { return bottom_.digest(); }
+  const std::string& codec_spec() const override { return bottom_.codec().spec(); }
+  bool lowrank() const override { return bottom_.codec().lowrank(); }
+  edge::ActPacket forward(const std::vector<int64_t>& rows) override {
+    const int64_t per = bottom_.input_size();
+    batch_x_.resize(rows.size() * static_cast<size_t>(per));
+    for (size_t i = 0; i < rows.size(); ++i)
+      std::copy_n(data_.train.x.begin() + rows[i] * per, per, batch_x_.begin() + static_cast<int64_t>(i) * per);
+    return bottom_.forward(batch_x_.data(), static_cast<int64_t>(rows.size()));
+  }
+  void backward(const edge::ActPacket& gradient) override { bottom_.backward(gradient); }
+  void step() override { bottom_.step(); }
+  edge::ActPacket infer(int64_t begin, int64_t end) override {
+    return bottom_.infer(data_.test.x.data() + begin * bottom_.input_size(), end - begin);
+  }
+  edge::flat::CodecState codec_state() const override { return bottom_.codec_state(); }
+  void set_codec_state(const edge::flat::CodecState& s) override { bottom_.codec_state() = s; }
+  void force_basis_refresh() override { bottom_.force_basis_refresh(); }
+
+  std::vector<std::string> names() const override { return bottom_.names(); }
+  std::vector<cflat::Tensor> tensors(Slot slot) const override {
+    const auto shapes = bottom_.shapes();
+    std::vector<cflat::Tensor> out;
+    for (size_t i = 0; i < shapes.size(); ++i)
+      out.push_back(cflat::Tensor{shapes[i], slot == Slot::kWeights ? bottom_.value(i) : bottom_.momentum(i)});
+    return out;
+  }
+  void load(Slot slot, const std::vector<cflat::Tensor>& t) override {
+    for (size_t i = 0; i < t.size(); ++i) (slot == Slot::kWeights ? bottom_.value(i) : bottom_.momentum(i)) = t[i].data;
+  }
+
+ private:
+  liteedge::Bottom bottom_;
+  DeviceData data_;
+  std::vector<float> batch_x_;  // the rows of the current minibatch
 };
 
-std::string num(double v) {
-  if (!std::isfinite(v)) return "null";
-  std::ostringstream os;
-  os.precision(10);
-  os << v;
-  return os.str();
-}
-
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  SPARROW_CHECK_T(ConfigError, in, "cannot read file '" << path << "'");
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
-
-// CRC-32 (the zlib / IEEE polynomial), continuing from `crc`.
-uint32_t crc32_update(uint32_t crc, const std::string& bytes) {
-  static const auto table = [] {
-    std::array<uint32_t, 256> t{};
-    for (uint32_t i = 0; i < 256; ++i) {
-      uint32_t c = i;
-      for (int k = 0; k < 8; ++k) c = (c & 1u) ? 0xedb88320u ^ (c >> 1) : c >> 1;
-      t[i] = c;
-    }
-    return t;
-  }();
-  crc = ~crc;
-  for (unsigned char b : bytes) crc = table[(crc ^ b) & 0xffu] ^ (crc >> 8);
-  return ~crc;
-}
-
-// The step log's record checksum: CRC-32 of the step's decimal text and the payload.
-uint32_t record_crc(uint64_t step, const std::string& body) {
-  return crc32_update(crc32_update(0, std::to_string(step)), body);
+edge::device::Config protocol_config(const DeviceConfig& cfg) {
+  edge::device::Config p = edge::device::config_of(cfg);
+  p.software = "sparrow-edge-lite 0.1.0";
+  p.step_log = edge::device::StepLog::kPlain;
+  return p;
 }
 
 }  // namespace
 
-std::vector<int64_t> batch_indices(int64_t n, int64_t batch, uint64_t seed, uint64_t step) {
-  SPARROW_CHECK(n >= 1 && batch >= 1 && step >= 1, "batch_indices: need n, batch, step >= 1");
-  const int64_t b = std::min(batch, n);
-  const uint64_t per_epoch = static_cast<uint64_t>(n / b);
-  const uint64_t epoch = (step - 1) / per_epoch, j = (step - 1) % per_epoch;
-  const uint64_t key = rng::derive(rng::derive(seed, 0x65646765 /* "edge" */), epoch);
-  std::vector<uint64_t> keys(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) keys[i] = rng::at(key, static_cast<uint64_t>(i));
-  std::vector<int64_t> perm(static_cast<size_t>(n));
-  std::iota(perm.begin(), perm.end(), 0);
-  std::sort(perm.begin(), perm.end(),
-            [&](int64_t a, int64_t c) { return keys[a] < keys[c] || (keys[a] == keys[c] && a < c); });
-  return std::vector<int64_t>(perm.begin() + static_cast<int64_t>(j) * b,
-                              perm.begin() + static_cast<int64_t>(j + 1) * b);
-}
-
-std::string EdgeDevice::Summary::json() const {
-  std::ostringstream os;
-  os << "{\"steps\":" << steps << ",\"bytes_up\":" << bytes_up << ",\"bytes_down\":" << bytes_down
-     << ",\"accuracy\":" << (accuracy < 0 ? std::string("null") : num(accuracy)) << ",\"eval_samples\":" << eval_samples
-     << ",\"reconnects\":" << reconnects << ",\"resent\":" << resent << ",\"skipped\":" << skipped
-     << ",\"fed_rounds\":" << fed_rounds << "}";
-  return os.str();
-}
-
 struct EdgeDevice::Impl {
-  using Clock = std::chrono::steady_clock;
-
-  EdgeDevice& self;
-  DeviceConfig cfg;
-  DeviceData data;
-  Bottom bottom;
-  std::string label;
-  net::KeyPair keys;
-  std::string cloud_key;
-  wire::ParseLimits limits;
-
-  zmq::context_t ctx{1};
-  std::unique_ptr<zmq::socket_t> sock;
-  uint64_t completed = 0;
-  uint64_t fed_done = 0;        // last SplitFed round applied (saved with the progress)
-  bool codec_restored = false;  // the progress file held the codec state
-  std::unique_ptr<std::ofstream> step_log;
-  uint64_t failures = 0;  // consecutive failed connection attempts
-  Summary sum;
-  std::function<bool(uint64_t)> drop_hook;
-  std::vector<float> batch_x;  // the rows of the current minibatch
-
-  Impl(EdgeDevice& s, DeviceConfig c, DeviceData d) : self(s), cfg(std::move(c)), data(std::move(d)), bottom(cfg) {
-    SPARROW_CHECK_T(ConfigError, data.train.size() >= 1, "device: no training data");
-    label = cfg.model + ";cut=" + cfg.cut;  // edge::split_model_label
-    limits.max_bytes = cfg.max_message_mb << 20;
-    if (cfg.insecure) {
-      spdlog::warn("event=insecure msg=\"plain TCP without CurveZMQ: traffic is neither encrypted nor authenticated\"");
-    } else {
-      keys = net::load_keypair(cfg.key);
-      cloud_key = net::load_public_key(cfg.cloud_key);
-    }
-    load_progress();
-    replay_log();
-  }
-
-  ~Impl() {
-    if (sock) sock->close();
-  }
-
-  // Rows `idx` of the training data into batch_x.
-  const float* gather(const std::vector<int64_t>& idx) {
-    const int64_t per = bottom.input_size();
-    batch_x.resize(idx.size() * static_cast<size_t>(per));
-    for (size_t i = 0; i < idx.size(); ++i)
-      std::copy_n(data.train.x.begin() + idx[i] * per, per, batch_x.begin() + static_cast<int64_t>(i) * per);
-    return batch_x.data();
-  }
-  std::vector<int64_t> labels_of(const std::vector<int64_t>& idx) const {
-    std::vector<int64_t> y;
-    for (int64_t i : idx) y.push_back(data.train.y[static_cast<size_t>(i)]);
-    return y;
-  }
-  std::vector<int64_t> batch(uint64_t step) const {
-    return batch_indices(data.train.size(), static_cast<int64_t>(cfg.batch_size), cfg.seed, step);
-  }
-
-  // ---- progress file (sparrow-edge's layout) ----
-
-  void load_progress() {
-    if (cfg.progress.empty() || !std::ifstream(cfg.progress).good()) return;
-    cflat::State st;
-    try {
-      st = cflat::State::deserialize(read_bytes(cfg.progress));
-    } catch (const FormatError& e) {
-      throw FormatError("progress '" + cfg.progress + "' is not a progress file (" + std::string(e.what()) +
-                        "); restore it, or remove it to start afresh");
-    }
-    const auto& names = bottom.names();
-    const auto shapes = bottom.shapes();
-    for (size_t i = 0; i < names.size(); ++i)
-      for (const char* prefix : {"w/", "m/"}) {
-        auto it = st.tensors.find(prefix + names[i]);
-        SPARROW_CHECK_T(FormatError, it != st.tensors.end() && it->second.shape == shapes[i],
-                        "progress '" << cfg.progress << "' does not fit the bottom of '" << label << "' (" << prefix
-                                     << names[i] << ")");
-      }
-    for (size_t i = 0; i < names.size(); ++i) {
-      bottom.value(i) = st.tensors.at("w/" + names[i]).data;
-      bottom.momentum(i) = st.tensors.at("m/" + names[i]).data;
-    }
-    completed = st.step;
-    if (auto it = st.tensors.find("fedavg_round"); it != st.tensors.end() && it->second.data.size() == 1)
-      fed_done = static_cast<uint64_t>(it->second.data[0]);
-    if (st.has("codec/meta")) {
-      bottom.codec_state() = get_codec_state(st, "codec/");
-      codec_restored = true;
-    } else {
-      bottom.force_basis_refresh();
-    }
-    spdlog::info("event=resumed progress={} step={}", cfg.progress, completed);
-  }
-
-  void save_progress() {
-    if (cfg.progress.empty()) return;
-    cflat::State st;
-    st.step = completed;
-    st.tensors["fedavg_round"] = cflat::Tensor{{1}, {static_cast<float>(fed_done)}};
-    const auto& names = bottom.names();
-    const auto shapes = bottom.shapes();
-    for (size_t i = 0; i < names.size(); ++i) {
-      st.tensors["w/" + names[i]] = cflat::Tensor{shapes[i], bottom.value(i)};
-      st.tensors["m/" + names[i]] = cflat::Tensor{shapes[i], bottom.momentum(i)};
-    }
-    put_codec_state(bottom.codec_state(), "codec/", st);
-    const std::string tmp = cfg.progress + ".tmp";
-    {
-      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-      SPARROW_CHECK_T(Error, out, "cannot write '" << tmp << "'");
-      const std::string bytes = st.serialize();
-      out.write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-      SPARROW_CHECK_T(Error, out.good(), "cannot write '" << tmp << "'");
-    }
-    SPARROW_CHECK_T(Error, std::rename(tmp.c_str(), cfg.progress.c_str()) == 0,
-                    "cannot replace '" << cfg.progress << "'");
-    truncate_log();
-  }
-
-  // ---- step log ----
-  // progress + ".log": one record per step completed since the progress was
-  // saved, appended before the step's gradient is applied: "SPLC", u64 step,
-  // u32 size, the SplitGradient payload, u32 CRC-32 of (step as text,
-  // payload). A restart applies them again on top of the saved progress, so
-  // a kill -9 loses no step the cloud acknowledged; a torn last record is
-  // ignored. (sparrow-edge's log has its own magic: neither replays the other's.)
-
-  std::string log_path() const { return cfg.progress + ".log"; }
-
-  void log_step(uint64_t step, const std::vector<uint8_t>& payload) {
-    if (cfg.progress.empty()) return;
-    if (!step_log) {
-      step_log = std::make_unique<std::ofstream>(log_path(), std::ios::binary | std::ios::app);
-      SPARROW_CHECK_T(Error, *step_log, "cannot write '" << log_path() << "'");
-    }
-    const std::string body(payload.begin(), payload.end());
-    const uint32_t size = static_cast<uint32_t>(payload.size());
-    const uint32_t crc = record_crc(step, body);
-    step_log->write("SPLC", 4);
-    step_log->write(reinterpret_cast<const char*>(&step), sizeof step);
-    step_log->write(reinterpret_cast<const char*>(&size), sizeof size);
-    step_log->write(body.data(), static_cast<std::streamsize>(body.size()));
-    step_log->write(reinterpret_cast<const char*>(&crc), sizeof crc);
-    step_log->flush();  // in the kernel's hands: survives a kill -9 of this process
-    SPARROW_CHECK_T(Error, step_log->good(), "cannot write '" << log_path() << "' (disk full?)");
-  }
-
-  std::vector<std::pair<uint64_t, std::string>> read_log() const {
-    std::vector<std::pair<uint64_t, std::string>> out;
-    std::ifstream in(log_path(), std::ios::binary);
-    uint64_t expect = completed + 1;
-    for (;;) {
-      char magic[4];
-      uint64_t step = 0;
-      uint32_t size = 0, crc = 0;
-      if (!in.read(magic, 4) || std::string(magic, 4) != "SPLC") break;
-      if (!in.read(reinterpret_cast<char*>(&step), sizeof step) ||
-          !in.read(reinterpret_cast<char*>(&size), sizeof size))
-        break;
-      if (size > limits.max_bytes) break;
-      std::string body(size, '\0');
-      if (!in.read(body.data(), size) || !in.read(reinterpret_cast<char*>(&crc), sizeof crc)) break;
-      if (crc != record_crc(step, body)) break;
-      if (step < expect) continue;
-      if (step != expect) break;
-      out.emplace_back(step, std::move(body));
-      ++expect;
-    }
-    return out;
-  }
-
-  void truncate_log() {
-    step_log.reset();
-    std::error_code ec;
-    std::filesystem::remove(log_path(), ec);
-  }
-
-  void replay_log() {
-    if (cfg.progress.empty()) return;
-    const auto entries = read_log();
-    if (entries.empty()) return;
-    uint64_t applied = 0;
-    for (const auto& [step, payload] : entries) {
-      if (step > cfg.steps) break;
-      const auto idx = batch(step);
-      bottom.forward(gather(idx), static_cast<int64_t>(idx.size()));
-      if (!payload.empty()) {
-        try {
-          bottom.backward(ActPacket::deserialize(reinterpret_cast<const uint8_t*>(payload.data()), payload.size()));
-        } catch (const std::exception& e) {
-          spdlog::warn("event=log_replay_stopped step={} error=\"{}\"", step, e.what());
-          break;
-        }
-        bottom.step();
-      }
-      completed = step;
-      ++applied;
-    }
-    spdlog::info("event=log_replayed steps={} step={}", applied, completed);
-    save_progress();
-  }
-
-  // ---- transport (edge/device.cc's) ----
-
-  void check_stop() {
-    if (self.stop_.load()) throw Stopped("device stopped");
-  }
-
-  void close_socket() {
-    if (sock) sock->close();
-    sock.reset();
-  }
-
-  void backoff() {
-    const double base =
-        std::min<double>(cfg.backoff_max_ms, cfg.backoff_initial_ms * std::pow(2.0, std::min<uint64_t>(failures, 30)));
-    const uint64_t key = rng::derive(rng::hash_name(cfg.device_id), 0x626b6f66);
-    const double ms = base * (0.5 + 0.5 * rng::uniform01(key, sum.reconnects));
-    spdlog::info("event=backoff ms={:.0f} attempt={}", ms, failures);
-    const auto until = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(ms * 1000));
-    while (Clock::now() < until) {
-      check_stop();
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
-    }
-  }
-
-  void failed(const std::string& why) {
-    close_socket();
-    ++failures;
-    ++sum.reconnects;
-    spdlog::warn("event=link_failure reason=\"{}\" attempt={}", core::printable(why), failures);
-    SPARROW_CHECK_T(Error, failures <= cfg.max_reconnects,
-                    "the cloud at " << cfg.cloud << " did not answer after " << cfg.max_reconnects
-                                    << " reconnects (last: " << why << ")");
-    backoff();
-  }
-
-  bool send_bytes(const std::string& bytes) {
-    try {
-      if (!sock->send(zmq::buffer(bytes), zmq::send_flags::dontwait)) return false;
-    } catch (const zmq::error_t& e) {
-      spdlog::warn("event=send_failed error=\"{}\"", e.what());
-      return false;
-    }
-    sum.bytes_up += bytes.size();
-    return true;
-  }
-
-  std::optional<wire::Message> receive_until(Clock::time_point deadline) {
-    for (;;) {
-      check_stop();
-      const auto now = Clock::now();
-      if (now >= deadline) return std::nullopt;
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
-      zmq::pollitem_t item{static_cast<void*>(*sock), 0, ZMQ_POLLIN, 0};
-      try {
-        zmq::poll(&item, 1, std::chrono::milliseconds(std::min<int64_t>(left + 1, 100)));
-      } catch (const zmq::error_t& e) {
-        if (e.num() == EINTR) continue;
-        throw;
-      }
-      if (!(item.revents & ZMQ_POLLIN)) continue;
-      zmq::message_t frame;
-      if (!sock->recv(frame, zmq::recv_flags::dontwait)) continue;
-      sum.bytes_down += frame.size();
-      try {
-        return wire::parse(frame.data(), frame.size(), limits);
-      } catch (const wire::ProtocolError& e) {
-        spdlog::warn("event=bad_frame error=\"{}\"", e.what());
-      }
-    }
-  }
-
-  uint64_t connect() {
-    for (;;) {
-      check_stop();
-      sock = std::make_unique<zmq::socket_t>(ctx, zmq::socket_type::dealer);
-      if (!cfg.insecure) net::make_curve_client(*sock, keys, cloud_key);
-      net::set_limits(*sock, limits.max_bytes);
-      sock->connect(cfg.cloud);
-      wire::Hello h;
-      h.client_id = cfg.device_id;
-      h.num_samples = static_cast<uint64_t>(data.train.size());
-      h.model = label;
-      h.model_digest = bottom.digest();
-      h.last_round = completed;
-      h.software = "sparrow-edge-lite 0.1.0";
-      const std::string bytes = wire::serialize(message(h));
-      sock->send(zmq::buffer(bytes), zmq::send_flags::none);
-      sum.bytes_up += bytes.size();
-      const auto deadline = Clock::now() + std::chrono::milliseconds(cfg.reply_timeout_ms);
-      while (auto m = receive_until(deadline)) {
-        if (auto* w = std::get_if<wire::Welcome>(&m->body)) {
-          failures = 0;
-          spdlog::info("event=welcome cloud={} run_id={} cloud_step={} device_step={}", cfg.cloud,
-                       core::printable(w->run_id), w->round, completed);
-          return w->round;
-        }
-        if (auto* e = std::get_if<wire::ErrorBody>(&m->body))
-          throw Error(std::string("the cloud refused the Hello (") + wire::error_code_name(e->code) +
-                      "): " + e->message);
-      }
-      failed("no Welcome within reply_timeout_ms");
-    }
-  }
-
-  wire::SplitGradient exchange(const std::string& bytes, uint64_t step, bool train) {
-    bool first = true;
-    for (;;) {
-      if (!sock) {
-        const uint64_t cloud = connect();
-        SPARROW_CHECK_T(Error, !train || cloud + 1 == step || cloud == step,
-                        "after reconnecting: the cloud is at step " << cloud << ", this device at step " << step);
-      }
-      if (!first) ++sum.resent;
-      first = false;
-      if (!send_bytes(bytes)) {
-        failed("send failed");
-        continue;
-      }
-      if (train && drop_hook && drop_hook(step)) {
-        failed("connection dropped (test hook)");
-        continue;
-      }
-      const auto deadline = Clock::now() + std::chrono::milliseconds(cfg.reply_timeout_ms);
-      while (auto m = receive_until(deadline)) {
-        if (auto* g = std::get_if<wire::SplitGradient>(&m->body)) {
-          if (g->step == step && g->session == cfg.device_id) return std::move(*g);
-          continue;  // a stale reply
-        }
-        if (auto* e = std::get_if<wire::ErrorBody>(&m->body)) throw ReplyError(e->code, e->message);
-      }
-      failed("no reply to step " + std::to_string(step) + " within reply_timeout_ms");
-    }
-  }
-
-  std::string activation_bytes(const ActPacket& act, uint64_t step, std::vector<int64_t> y, bool train) {
-    wire::SplitActivation a;
-    a.session = cfg.device_id;
-    a.step = step;
-    a.codec = bottom.codec().spec();
-    a.shape = act.shape;
-    a.payload = act.serialize();
-    a.labels = std::move(y);
-    a.train = train;
-    return wire::serialize(message(a));
-  }
-
-  // ---- the run ----
-
-  Summary run() {
-    const uint64_t cloud = connect();
-    if (cloud == completed + 1 && (codec_restored || !bottom.codec().lowrank())) {
-      spdlog::info("event=redo step={} msg=\"the cloud applied it; its reply comes from the cloud's cache\"", cloud);
-    } else if (cloud > completed) {
-      spdlog::warn(
-          "event=behind_cloud device_step={} cloud_step={} msg=\"the bottom lost the updates of steps {}..{}\"",
-          completed, cloud, completed + 1, cloud);
-      sum.skipped += cloud - completed;
-      completed = cloud;
-    }
-    SPARROW_CHECK_T(Error, cloud == completed || cloud == completed + 1,
-                    "the cloud is at step " << cloud << " but this device completed step " << completed
-                                            << " (the cloud lost the session's steps?)");
-    if (cfg.fedavg_every > 0 && completed > 0 && completed % cfg.fedavg_every == 0 &&
-        fed_done < completed / cfg.fedavg_every)
-      average(completed / cfg.fedavg_every);
-    double loss_sum = 0;
-    uint64_t loss_steps = 0;
-    try {
-      while (completed < cfg.steps) {
-        check_stop();
-        const uint64_t step = completed + 1;
-        const auto idx = batch(step);
-        const int64_t rows = static_cast<int64_t>(idx.size());
-        std::string bytes = activation_bytes(bottom.forward(gather(idx), rows), step, labels_of(idx), true);
-        wire::SplitGradient g;
-        for (int refreshed = 0;; ++refreshed) {
-          try {
-            g = exchange(bytes, step, true);
-            break;
-          } catch (const ReplyError& e) {
-            // The cloud lost this device's basis (it restarted): send a fresh one.
-            if (e.code == wire::ErrorCode::kMalformed && bottom.codec().lowrank() && refreshed == 0) {
-              spdlog::warn("event=basis_refresh step={} reason=\"{}\"", step, e.what());
-              bottom.force_basis_refresh();
-              bytes = activation_bytes(bottom.forward(gather(idx), rows), step, labels_of(idx), true);
-              continue;
-            }
-            throw Error("step " + std::to_string(step) + " refused by the cloud (" + wire::error_code_name(e.code) +
-                        "): " + e.what());
-          }
-        }
-        log_step(step, g.payload);
-        if (!g.payload.empty()) {
-          bottom.backward(ActPacket::deserialize(g.payload.data(), g.payload.size()));
-          bottom.step();
-        }
-        completed = step;
-        loss_sum += g.loss;
-        ++loss_steps;
-        const bool averaged = cfg.fedavg_every > 0 && completed % cfg.fedavg_every == 0;
-        if (averaged) average(completed / cfg.fedavg_every);
-        if (averaged || completed % cfg.save_every == 0) save_progress();
-        if (completed % 10 == 0 || completed == cfg.steps)
-          spdlog::info("event=step step={} loss={:.4f} bytes_up={} bytes_down={}", completed,
-                       loss_sum / static_cast<double>(loss_steps), sum.bytes_up, sum.bytes_down);
-      }
-    } catch (...) {
-      save_progress();
-      throw;
-    }
-    save_progress();
-    evaluate();
-    close_socket();
-    sum.steps = completed;
-    return sum;
-  }
-
-  // SplitFed round r: the bottom goes up as a dense ModelUpdate; the average
-  // comes back as a Task (Heartbeats while waiting).
-  void average(uint64_t r) {
-    const std::unique_ptr<cflat::Codec> dense = cflat::make_codec("none");
-    wire::ModelUpdate u;
-    u.round = r;
-    u.client_id = cfg.device_id;
-    u.num_samples = static_cast<uint64_t>(data.train.size());
-    const auto& names = bottom.names();
-    const auto shapes = bottom.shapes();
-    for (size_t i = 0; i < names.size(); ++i) {
-      cflat::State scratch;
-      u.tensors.push_back({names[i], dense->encode(bottom.value(i).data(), shapes[i], scratch, {})});
-    }
-    const std::string bytes = wire::serialize(message(u));
-    const auto hb_every = std::chrono::milliseconds(std::max<uint64_t>(10, cfg.reply_timeout_ms / 3));
-    for (;;) {
-      if (!sock) connect();
-      if (!send_bytes(bytes)) {
-        failed("send failed");
-        continue;
-      }
-      auto deadline = Clock::now() + std::chrono::milliseconds(cfg.reply_timeout_ms);
-      auto next_hb = Clock::now() + hb_every;
-      std::optional<wire::Task> task;
-      for (;;) {
-        auto m = receive_until(std::min(deadline, next_hb));
-        if (!m) {
-          if (Clock::now() >= deadline) break;
-          send_bytes(wire::serialize(message(wire::Heartbeat{r})));
-          next_hb = Clock::now() + hb_every;
-          continue;
-        }
-        deadline = Clock::now() + std::chrono::milliseconds(cfg.reply_timeout_ms);  // the cloud is alive
-        if (auto* t = std::get_if<wire::Task>(&m->body); t && t->round == r) {
-          task = std::move(*t);
-          break;
-        }
-        if (auto* e = std::get_if<wire::ErrorBody>(&m->body))
-          throw Error(std::string("averaging round ") + std::to_string(r) + " refused by the cloud (" +
-                      wire::error_code_name(e->code) + "): " + e->message);
-      }
-      if (!task) {
-        failed("no average for round " + std::to_string(r) + " within reply_timeout_ms");
-        continue;
-      }
-      // Decode everything before loading anything.
-      SPARROW_CHECK_T(
-          FormatError, task->weights.size() == names.size(),
-          "averaging round " << r << ": " << task->weights.size() << " tensors for a bottom of " << names.size());
-      std::map<std::string, const compression::Encoded*> by_name;
-      for (const auto& t : task->weights) by_name[t.name] = &t.tensor;
-      std::vector<std::vector<float>> avg(names.size());
-      for (size_t i = 0; i < names.size(); ++i) {
-        auto it = by_name.find(names[i]);
-        SPARROW_CHECK_T(FormatError, it != by_name.end() && it->second->shape == shapes[i],
-                        "averaging round " << r << ": no fitting '" << names[i] << "'");
-        avg[i].assign(bottom.value(i).size(), 0.0f);
-        cflat::decode_add(*it->second, avg[i].data(), static_cast<int64_t>(avg[i].size()), 1.0f);
-      }
-      for (size_t i = 0; i < names.size(); ++i) bottom.value(i) = std::move(avg[i]);
-      fed_done = r;
-      ++sum.fed_rounds;
-      spdlog::info("event=fedavg round={}", r);
-      return;
-    }
-  }
-
-  void evaluate() {
-    const int64_t n = data.test.size();
-    if (n == 0) return;
-    const int64_t b = static_cast<int64_t>(cfg.batch_size), per = bottom.input_size();
-    uint64_t correct = 0;
-    for (int64_t i = 0, k = 1; i < n; i += b, ++k) {
-      check_stop();
-      const int64_t e = std::min(n, i + b);
-      const ActPacket act = bottom.infer(data.test.x.data() + i * per, e - i);
-      std::vector<int64_t> y(data.test.y.begin() + i, data.test.y.begin() + e);
-      const std::string bytes = activation_bytes(act, static_cast<uint64_t>(k), std::move(y), false);
-      try {
-        correct += exchange(bytes, static_cast<uint64_t>(k), false).correct;
-      } catch (const ReplyError& err) {
-        throw Error(std::string("evaluation refused by the cloud (") + wire::error_code_name(err.code) +
-                    "): " + err.what());
-      }
-    }
-    sum.eval_samples = static_cast<uint64_t>(n);
-    sum.accuracy = static_cast<double>(correct) / static_cast<double>(n);
-    spdlog::info("event=eval samples={} accuracy={:.4f}", n, sum.accuracy);
-  }
+  Impl(EdgeDevice& self, DeviceConfig cfg, DeviceData data)
+      : bottom(cfg, std::move(data)), protocol(protocol_config(cfg), bottom, self.stop_) {}
+  LiteBottom bottom;
+  edge::device::Protocol protocol;
 };
 
 EdgeDevice::EdgeDevice(DeviceConfig cfg, DeviceData data)
     : impl_(std::make_unique<Impl>(*this, std::move(cfg), std::move(data))) {}
 EdgeDevice::~EdgeDevice() = default;
 
-EdgeDevice::Summary EdgeDevice::run() { return impl_->run(); }
-void EdgeDevice::set_drop_hook(std::function<bool(uint64_t)> hook) { impl_->drop_hook = std::move(hook); }
-uint64_t EdgeDevice::completed_steps() const { return impl_->completed; }
-std::map<std::string, compression::flat::Tensor> EdgeDevice::bottom_weights() const { return impl_->bottom.weights(); }
+EdgeDevice::Summary EdgeDevice::run() { return impl_->protocol.run(); }
+void EdgeDevice::set_drop_hook(std::function<bool(uint64_t)> hook) { impl_->protocol.set_drop_hook(std::move(hook)); }
+uint64_t EdgeDevice::completed_steps() const { return impl_->protocol.completed_steps(); }
+std::map<std::string, compression::flat::Tensor> EdgeDevice::bottom_weights() const {
+  return impl_->bottom.bottom().weights();
+}
 
 }  // namespace sparrow::liteedge

@@ -1,13 +1,15 @@
 #pragma once
 // The split fine-tuning device without LibTorch: sparrow-edge's device role
-// (edge/device.h says the protocol; docs/split.md, "A device without
-// LibTorch") on the lite runtime. The same Hello (model "MODEL;cut=CUT", the
-// bottom's digest, the last completed step), Welcome, SplitActivation /
-// SplitGradient exchange with resends after reply_timeout_ms and a capped
-// exponential backoff, progress file (the same tensors as sparrow-edge's:
-// "w/", "m/", "fedavg_round", "codec/") and step log, SplitFed rounds
-// (fedavg_every), evaluation at the end and the summary line. A
-// `sparrow-edge serve` cloud serves both alike (Hello's `software` differs).
+// (docs/split.md, "A device without LibTorch") on the lite runtime, running
+// the one device protocol (edge/device/protocol.h) over the lite bottom. The
+// same Hello (model "MODEL;cut=CUT", the bottom's digest, the last completed
+// step), Welcome, SplitActivation / SplitGradient exchange with resends after
+// reply_timeout_ms and a capped exponential backoff, progress file (the same
+// tensors as sparrow-edge's: "w/", "m/", "fedavg_round", "codec/") and step
+// log, SplitFed rounds (fedavg_every), evaluation at the end and the summary
+// line. A
+// `sparrow-edge serve` cloud serves both alike (Hello's `software` differs;
+// the step log has its own record format, StepLog::kPlain).
 //
 // Threads: run() on one thread; stop() from any thread or a signal handler.
 
@@ -19,28 +21,19 @@
 #include <string>
 
 #include "compression/flat_codec.h"
-#include "core/error.h"
+#include "edge/device/protocol.h"
 #include "liteedge/config.h"
 #include "liteedge/data.h"
 
 namespace sparrow::liteedge {
 
-// Rows of minibatch `step` (1-based), as edge::batch_indices: the same batches
-// as sparrow-edge for the same seed.
-std::vector<int64_t> batch_indices(int64_t n, int64_t batch, uint64_t seed, uint64_t step);
+// Rows of minibatch `step` (1-based): the same batches as sparrow-edge for the same seed.
+using edge::device::batch_indices;
 
 class EdgeDevice {
  public:
-  // edge::EdgeDevice::Summary's fields and JSON line.
-  struct Summary {
-    uint64_t steps = 0;
-    uint64_t bytes_up = 0, bytes_down = 0;
-    double accuracy = -1;  // -1 when nothing was evaluated
-    uint64_t eval_samples = 0;
-    uint64_t reconnects = 0, resent = 0, skipped = 0;
-    uint64_t fed_rounds = 0;
-    std::string json() const;
-  };
+  // edge::EdgeDevice::Summary: the same fields and JSON line.
+  using Summary = edge::device::Summary;
 
   // Builds the bottom (ConfigError / FormatError, bottom.h), loads keys and
   // the progress file when present (FormatError when it does not fit the
@@ -50,16 +43,11 @@ class EdgeDevice {
   EdgeDevice(const EdgeDevice&) = delete;
   EdgeDevice& operator=(const EdgeDevice&) = delete;
 
-  // Trains to cfg.steps, evaluates, saves progress. sparrow::Error when the
-  // cloud refuses the device or stays unreachable for max_reconnects
-  // attempts; Stopped when stop() was called.
+  // run(), stop(), set_drop_hook() and completed_steps() are the protocol's
+  // (edge/device/protocol.h: Protocol::run, the stop flag, the test hook).
   Summary run();
   void stop() { stop_.store(true); }
-
-  // Test hook: called after each training activation is sent; returning true
-  // drops the connection before the reply is read.
   void set_drop_hook(std::function<bool(uint64_t step)> hook);
-
   uint64_t completed_steps() const;
   // The bottom's parameters by name.
   std::map<std::string, compression::flat::Tensor> bottom_weights() const;
@@ -70,10 +58,7 @@ class EdgeDevice {
   std::unique_ptr<Impl> impl_;
 };
 
-// run() after stop().
-class Stopped : public Error {
- public:
-  using Error::Error;
-};
+// run() after stop() (edge::Stopped: one exception type for both devices).
+using Stopped = edge::device::Stopped;
 
 }  // namespace sparrow::liteedge

@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "core/models.h"
+#include "core/sqlite_db.h"
 #include "edge/act_codec.h"
 #include "edge/cloud.h"
 #include "edge/device.h"
@@ -637,4 +638,23 @@ TEST_CASE("edge net: device ids outside the character set are refused at Hello a
   // A device checks its own id before it connects.
   DeviceConfig dc = device_config(cloud.server.endpoint(), "a b");
   CHECK_THROWS_WITH_AS(EdgeDevice(dc, make_data(7)), doctest::Contains("device_id"), sparrow::ConfigError);
+}
+
+TEST_CASE("edge net: the shared device protocol keeps each device kind's step log checksum") {
+  // sparrow-edge's logs were written with sqlite::checksum({step text,
+  // payload}), sparrow-edge-lite's with CRC-32 of the two joined: a log left by
+  // either before the protocol was shared must still replay.
+  std::string payload = "gradient bytes";
+  payload.push_back('\0');
+  payload += std::string(300, '\x7f');
+  for (uint64_t step : {uint64_t{1}, uint64_t{42}, uint64_t{1} << 40}) {
+    const std::string text = std::to_string(step);
+    CHECK(device::step_log_checksum(device::StepLog::kFramed, step, payload) ==
+          static_cast<uint32_t>(sparrow::sqlite::checksum({&text, &payload})));
+    CHECK(device::step_log_checksum(device::StepLog::kPlain, step, payload) ==
+          static_cast<uint32_t>(sparrow::sqlite::crc32_of(text + payload)));
+  }
+  // The step counts: moving a digit between the step and the payload changes it.
+  CHECK(device::step_log_checksum(device::StepLog::kFramed, 12, "3") !=
+        device::step_log_checksum(device::StepLog::kFramed, 1, "23"));
 }
