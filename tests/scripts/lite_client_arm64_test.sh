@@ -20,7 +20,12 @@
 #    from the first round to the last and the global weights must differ between the
 #    first and the last checkpoint; the arm64 run's losses must equal the
 #    x86-64 run's within 1e-4. The clients' training samples/s are printed
-#    (under qemu: emulation speed, reported, not a target).
+#    (under qemu: emulation speed, reported, not a target);
+# 4. the split fine-tuning device: BUILD_DIR's x86-64 `sparrow-edge serve`
+#    cloud with the arm64 sparrow-edge-lite under qemu, then with the x86-64
+#    one (the same config, data and initial weights), 40 steps of the MLP cut
+#    at fc1 with a lowrank activation codec: both exit 0 after 40 steps and
+#    the mean training loss each logs at its last step agrees within 1e-4.
 # Installs nothing: exits 77 (CTest: skipped) without the cross compiler,
 # qemu-user or the arm64 libraries; scripts/setup.sh --arm64 installs them.
 set -euo pipefail
@@ -52,7 +57,7 @@ for pkg in spdlog tomlplusplus flatbuffers; do
     exit 77
   fi
 done
-for prog in sparrow-server sparrow-lite-export sparrow-client-lite; do
+for prog in sparrow-server sparrow-lite-export sparrow-client-lite sparrow-edge sparrow-edge-lite; do
   [[ -x "$bin/$prog" ]] || fail "$bin/$prog not built"
 done
 # The cross compiler's libc and libstdc++ even where Debian's multiarch arm64
@@ -269,4 +274,70 @@ if ok:
         fail(f"the arm64 and x86-64 clients' losses differ by {worst:.2e} (> 1e-4)")
 sys.exit(0 if ok else 1)
 EOF
+
+# 4. The split device on arm64: the x86-64 cloud, the arm64 then the x86-64
+# sparrow-edge-lite, 40 lowrank steps each against a fresh cloud.
+edge_arm=$arm/bin/sparrow-edge-lite
+[[ -x "$edge_arm" ]] || fail "$edge_arm was not built"
+"$bin/sparrow-lite-export" --model mlp --seed 7 -o edge_init.lite >/dev/null
+split_run() {  # ARCH: a run in folder split-ARCH/
+  local arch=$1 dir=split-$1 i endpoint cloud_pid rc
+  local -a run
+  if [[ $arch == arm64 ]]; then run=("${qemu[@]}" "$edge_arm"); else run=("$bin/sparrow-edge-lite"); fi
+  mkdir "$dir"
+  cat >"$dir/cloud.toml" <<EOF
+listen = "tcp://127.0.0.1:*"
+state = ""
+model = "mlp"
+cut = "fc1"
+seed = 7
+lr = 0.05
+momentum = 0.9
+grad_norm_factor = 0
+threads = 1
+EOF
+  "$bin/sparrow-edge" serve --config "$dir/cloud.toml" --insecure >"$dir/cloud.log" 2>&1 &
+  cloud_pid=$!
+  server_pid=$cloud_pid
+  endpoint=""
+  for ((i = 0; i < 300; ++i)); do
+    endpoint=$(grep -o 'endpoint=tcp://[0-9.:]*' "$dir/cloud.log" | head -n 1 | cut -d= -f2 || true)
+    [[ -n $endpoint ]] && break
+    sleep 0.1
+  done
+  [[ -n $endpoint ]] || { cat "$dir/cloud.log" >&2; fail "sparrow-edge serve logged no endpoint in 30 s"; }
+  cat >"$dir/device.toml" <<EOF
+cloud = "$endpoint"
+device_id = "dev1"
+model = "mlp"
+cut = "fc1"
+seed = 7
+weights = "edge_init.lite"
+codec = "lowrank:rank=4"
+lr = 0.05
+momentum = 0.9
+batch_size = 16
+steps = 40
+data = "folder:data1"
+eval_samples = 0
+progress = "$dir/progress.bin"
+reply_timeout_ms = 60000
+threads = 1
+EOF
+  rc=0
+  "${run[@]}" --config "$dir/device.toml" --insecure >"$dir/summary.json" 2>"$dir/device.log" || rc=$?
+  kill "$cloud_pid" 2>/dev/null || true
+  wait "$cloud_pid" 2>/dev/null || true
+  server_pid=""
+  [[ $rc -eq 0 ]] || { tail -n 30 "$dir/device.log" >&2; fail "$arch sparrow-edge-lite exited with $rc"; }
+  grep -q '"steps":40' "$dir/summary.json" || fail "$arch sparrow-edge-lite: $(cat "$dir/summary.json")"
+}
+split_run arm64
+split_run x86-64
+last_loss() { grep -o 'event=step step=[0-9]* loss=[0-9.]*' "$1" | tail -n 1 | sed 's/.*loss=//'; }
+la=$(last_loss split-arm64/device.log)
+lx=$(last_loss split-x86-64/device.log)
+say "split device, mean training loss at step 40: arm64 $la, x86-64 $lx"
+python3 -c 'import sys; a, b = map(float, sys.argv[1:]); sys.exit(0 if abs(a - b) <= 1e-4 * abs(b) + 1e-4 else 1)' "$la" "$lx" ||
+  fail "the arm64 split device's loss $la differs from the x86-64 one's $lx"
 say "PASS"
