@@ -264,8 +264,15 @@ class RawPeer {
     send(as_message(h));
     bool welcomed = false;
     const auto until = std::chrono::steady_clock::now() + 60s;
+    auto beat = std::chrono::steady_clock::now();
     while (std::chrono::steady_clock::now() < until) {
-      auto m = receive(1000);
+      // Heartbeats while the other clients start (seconds on a loaded
+      // machine): the server drops a session silent for 3 heartbeat periods.
+      if (std::chrono::steady_clock::now() >= beat) {
+        send(as_message(sparrow::wire::Heartbeat{0}));
+        beat = std::chrono::steady_clock::now() + 300ms;
+      }
+      auto m = receive(300);
       if (!m) continue;
       if (std::holds_alternative<sparrow::wire::Welcome>(m->body)) welcomed = true;
       if (auto* t = std::get_if<sparrow::wire::Task>(&m->body)) {
