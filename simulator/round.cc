@@ -205,9 +205,15 @@ RoundMetrics Simulator::Impl::step() {
     spdlog::debug("round {}: ranks: folded in {:.3f} s", t + 1, fold_s);
   }
   send_alie(t, n_sel);
-  // Measured times feed the cost model in client-id order.
-  for (size_t j = 0; j < ids.size(); ++j)
-    cost.observe(worker_of[j], static_cast<double>(results[j].samples), results[j].train_s);
+  // Measured times feed the cost model in client-id order, only when clients
+  // train one at a time. A batched pass pads each step to its widest
+  // minibatch, so a client's bits depend on its pass mates: the assignment
+  // that forms the passes must not follow timing, or two runs of one config
+  // (or a resumed run, whose cost model starts empty) differ. Unfed, the
+  // model predicts by sample count: the same assignment in every run.
+  if (!workers.front().batched)
+    for (size_t j = 0; j < ids.size(); ++j)
+      cost.observe(worker_of[j], static_cast<double>(results[j].samples), results[j].train_s);
 
   if (sa) {
     end_secagg(t, ids);  // the unmasked sum into the engine's round

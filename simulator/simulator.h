@@ -9,7 +9,8 @@
 //     clients_per_round of them are sampled without replacement (seeded by
 //     (seed, t)) and sorted by id.
 //  2. schedule_lpt assigns them to `workers` threads with a cost model fed by
-//     each client's measured training seconds.
+//     each client's measured training seconds (one client at a time; batched
+//     passes: by sample count, see Determinism).
 //  3. A worker, for each of its clients in ascending id: loads the client's
 //     ClientState, trains (LocalTrainer, weights copied into the worker's one
 //     replica), encodes every parameter delta with the one compressor and the
@@ -30,12 +31,12 @@
 //     after the last) the checkpoint is set as store meta and commits that
 //     transaction: client states and checkpoint are one atomic commit.
 //
-// Determinism: with workers = 1 a run is bit-reproducible from its config (and
-// resume reproduces the uninterrupted run). With more workers the LPT
-// assignment depends on measured times, so the float summation order, hence
-// the last bits, can differ between runs. Straggler dropping depends on
-// measured train seconds and so is only reproducible when the deadline is far
-// from the clients' times.
+// Determinism: a run is bit-reproducible from its config (and resume
+// reproduces the uninterrupted run) with any number of workers: updates fold
+// in client-id order, and with batched passes (whose bits depend on the pass
+// mates) the LPT assignment is by sample count, never by measured times.
+// Straggler dropping depends on measured train seconds and so is only
+// reproducible when the deadline is far from the clients' times.
 //
 // Over MPI ranks (mpirun -np R sparrow-sim): the LPT slots are ranks x workers;
 // rank 0 sends each rank the round's model and its clients with their states
@@ -43,7 +44,7 @@
 // update and new state, and rank 0 folds them in client-id order. With
 // client_batch = 1 the model is then bit-identical for any number of ranks and
 // workers, and to one process with workers = 1 (batched passes group clients
-// by assignment, which follows timing).
+// by rank and worker).
 //
 // Run folder (cfg.out): config.toml, metrics.csv, run.db (table rounds),
 // client_state.db (client states and the checkpoint; with keep_client_state =
