@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "liteclient/config.h"
 #include "liteclient/session.h"
+#include "tests/liteclient/scripted_session.h"
 #include "transport/transport.h"
 #include "wire/wire.h"
 
@@ -25,68 +26,11 @@ using namespace sparrow;
 using namespace std::chrono_literals;
 namespace flat = compression::flat;
 namespace fs = std::filesystem;
-
-// Two parameters; the update is a fixed function of the global model and the
-// seed, so it shows the model the client trained from.
-class FakeTrainer : public liteclient::SessionTrainer {
- public:
-  FakeTrainer() : layout_(liteclient::Layout::make({"w", "b"}, {{2, 3}, {3}})) {}
-  const liteclient::Layout& layout() const override { return layout_; }
-  uint64_t num_samples() const override { return 10; }
-  bool stateful(const std::string&) const override { return false; }
-  void check(const wire::TrainSettings&) override {}
-  liteclient::LocalUpdate train(const wire::TrainSettings&, const std::vector<float>& global, uint64_t seed,
-                                std::vector<float>*, const std::vector<float>*) override {
-    liteclient::LocalUpdate u;
-    for (size_t i = 0; i < global.size(); ++i) u.delta.push_back(expected(global[i], i, seed));
-    u.num_samples = 10;
-    u.mean_loss = 0.5;
-    return u;
-  }
-  static float expected(float g, size_t i, uint64_t seed) {
-    return 0.5f * g + 0.001f * static_cast<float>(i) + static_cast<float>(seed % 7);
-  }
-
- private:
-  liteclient::Layout layout_;
-};
-
-wire::NamedTensor dense(const std::string& name, const std::vector<int64_t>& shape, const float* v) {
-  flat::State s;
-  return {name, flat::make_codec("none")->encode(v, shape, s, {})};
-}
+using namespace sparrow::testing::lite_script;  // NOLINT(google-build-using-namespace)
 
 std::vector<wire::NamedTensor> dense_model(const std::vector<float>& m) {
   return {dense("w", {2, 3}, m.data()), dense("b", {3}, m.data() + 6)};
 }
-
-class Script {
- public:
-  explicit Script(const std::string& ep) : listener_(transport::listen(ep, {})) {}
-  wire::Message next() {
-    const auto until = std::chrono::steady_clock::now() + 10s;
-    while (std::chrono::steady_clock::now() < until) {
-      if (!listener_->poll(100ms, true)) continue;
-      auto in = listener_->receive();
-      if (!in) continue;
-      peer_ = in->peer;
-      wire::Message m = wire::parse(in->frame.data(), in->frame.size(), wire::ParseLimits{});
-      if (std::holds_alternative<wire::Heartbeat>(m.body)) continue;
-      return m;
-    }
-    FAIL("no message from the client within 10 s");
-    return {};
-  }
-  void send(wire::Body body) {
-    wire::Message m;
-    m.body = std::move(body);
-    REQUIRE(listener_->send(peer_, wire::serialize(m)) == transport::SendResult::kSent);
-  }
-
- private:
-  std::unique_ptr<transport::Listener> listener_;
-  std::string peer_;
-};
 
 wire::Task task(uint64_t round, wire::ModelEncoding enc, uint64_t base) {
   wire::Task t;
