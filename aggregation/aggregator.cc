@@ -164,6 +164,8 @@ void StreamingAggregator::add(const EncodedUpdate& update, double weight, const 
       // (compression::check_mask's check, whose layout the share weights read.)
       const compression::detail::MaskLayout l = compression::detail::mask_layout_for(e, p.ctx);
       if (p.ctx.share_mean && l.m > 0) {
+        // No mask in ctx: the update's mask is every position (tcs mask=all).
+        if (!p.ctx.mask.defined()) p.ctx.mask = at::arange(e.numel(), at::TensorOptions().dtype(at::kLong));
         SPARROW_CHECK_T(FormatError,
                         !s.share_pos.defined() ||
                             (s.share_pos.numel() == static_cast<int64_t>(l.m) && at::equal(s.share_pos, p.ctx.mask)),

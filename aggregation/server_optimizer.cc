@@ -130,27 +130,81 @@ at::Tensor& compensate(Slots& s, const at::Tensor& w, const at::Tensor& d, doubl
   return e;
 }
 
+// mu with its mantissa rounded to 8 bits: then w ± mu is exact for every
+// |w| <= 2^16·mu, so W − B after the step is exactly ±mu and stc re-encodes the
+// step bit for bit (the broadcast stays W). The rounding (< 0.4%) stays in e.
+float round_magnitude(double mu) {
+  int ex = 0;
+  const double m = std::frexp(mu, &ex);
+  return static_cast<float>(std::ldexp(std::round(m * 256.0) / 256.0, ex));
+}
+
 class FedTopK final : public OptimizerMethod {
  public:
-  FedTopK(double lr, double momentum, double ratio) : lr_(lr), momentum_(momentum), ratio_(ratio) {}
+  FedTopK(double lr, double momentum, double ratio, bool sign, bool model_scope)
+      : lr_(lr), momentum_(momentum), ratio_(ratio), sign_(sign), model_scope_(model_scope) {}
   std::vector<std::string> moments() const override { return {"m", "v"}; }
   bool needs_contiguous() const override { return true; }
   void step(const std::string&, at::Tensor& w, const at::Tensor& d, Slots& s) const override {
     at::Tensor& e = compensate(s, w, d, momentum_, lr_);
-    at::Tensor& m = s["m"];
     const int64_t n = e.numel();
     if (n == 0) return;
     const int64_t k = std::min<int64_t>(n, std::max<int64_t>(1, static_cast<int64_t>(std::ceil(ratio_ * n))));
-    const at::Tensor idx = std::get<1>(at::topk(e.reshape(-1).abs(), k));  // once a round: ATen's is fine
-    const at::Tensor sent = e.reshape(-1).index_select(0, idx);
-    at::Tensor wf = w.view(-1);
-    wf.index_add_(0, idx, sent);
-    e.view(-1).index_fill_(0, idx, 0.0f);
-    if (momentum_ > 0.0) m.view(-1).index_fill_(0, idx, 0.0f);
+    apply(std::get<1>(at::topk(e.reshape(-1).abs(), k)), w, s);  // once a round: ATen's is fine
+  }
+  // scope=model: one k = ceil(R·N) over all N parameters, so a tensor gets
+  // positions only where its |e| is among the model's largest (small tensors
+  // such as biases often get none, and then no downlink bytes).
+  void step_model(std::map<std::string, at::Tensor>& weights, const std::map<std::string, at::Tensor>& delta,
+                  std::map<std::string, Slots>& state) const override {
+    if (!model_scope_) return OptimizerMethod::step_model(weights, delta, state);
+    std::vector<at::Tensor> flat;
+    for (auto& [name, w] : weights)
+      flat.push_back(compensate(state[name], w, delta.at(name).contiguous(), momentum_, lr_).reshape(-1).abs());
+    const at::Tensor all = at::cat(flat);
+    const int64_t total = all.numel();
+    if (total == 0) return;
+    const int64_t k = std::min<int64_t>(total, std::max<int64_t>(1, static_cast<int64_t>(std::ceil(ratio_ * total))));
+    const at::Tensor idx = std::get<1>(at::topk(all, k));
+    int64_t begin = 0;
+    for (auto& [name, w] : weights) {
+      const int64_t n = w.numel();
+      const at::Tensor mine = idx.masked_select(idx.ge(begin).logical_and(idx.lt(begin + n))) - begin;
+      if (mine.numel() > 0) apply(std::get<0>(at::sort(mine)), w, state[name]);
+      begin += n;
+    }
   }
 
  private:
+  // Moves w at positions idx by e there (ternary ±mu with sign_), keeps the
+  // rest in e and zeroes the momentum there (FetchSGD's masking).
+  void apply(at::Tensor idx, at::Tensor& w, Slots& s) const {
+    at::Tensor& e = s["v"];
+    at::Tensor& m = s["m"];
+    at::Tensor sent = e.reshape(-1).index_select(0, idx);
+    if (sign_) {
+      // Ternary: ±mu with mu the mean magnitude of those sent (rounded by
+      // round_magnitude), exact zeros not sent (they would be +mu). The step
+      // is then what stc encodes without loss, so a downlink stc keeps the
+      // broadcast at W; e keeps e − (±mu).
+      const at::Tensor nz = sent.ne(0.0f);
+      idx = idx.masked_select(nz);
+      sent = sent.masked_select(nz);
+      if (sent.numel() == 0) return;
+      const double sum = sent.abs().to(at::kDouble).sum().item<double>();
+      const float mu = round_magnitude(sum / static_cast<double>(sent.numel()));
+      sent = at::where(sent.lt(0.0f), at::full_like(sent, -mu), at::full_like(sent, mu));
+    }
+    w.view(-1).index_add_(0, idx, sent);
+    if (sign_)
+      e.view(-1).index_add_(0, idx, sent, -1.0);
+    else
+      e.view(-1).index_fill_(0, idx, 0.0f);
+    if (momentum_ > 0.0) m.view(-1).index_fill_(0, idx, 0.0f);
+  }
+
   double lr_, momentum_, ratio_;
+  bool sign_, model_scope_;
 };
 
 class FedLowRank final : public OptimizerMethod {
@@ -248,9 +302,16 @@ void detail::register_optimizers() {
         const double momentum = in_unit(s, "momentum", 0.0);
         const double ratio = s.get_double("ratio", 0.01);
         SPARROW_CHECK_T(ConfigError, ratio > 0.0 && ratio <= 1.0, "fedtopk: ratio must be in (0, 1], got " << ratio);
-        return std::make_shared<FedTopK>(lr, momentum, ratio);
+        const std::string values = s.get_string("values", "fp32");
+        SPARROW_CHECK_T(ConfigError, values == "fp32" || values == "sign",
+                        "fedtopk: values must be fp32 or sign, got '" << values << "'");
+        const std::string scope = s.get_string("scope", "tensor");
+        SPARROW_CHECK_T(ConfigError, scope == "tensor" || scope == "model",
+                        "fedtopk: scope must be tensor or model, got '" << scope << "'");
+        return std::make_shared<FedTopK>(lr, momentum, ratio, values == "sign", scope == "model");
       },
-      "[ratio=0.01,lr=1,momentum=0] top-k server step with server-side error feedback");
+      "[ratio=0.01,lr=1,momentum=0,values=fp32|sign,scope=tensor|model] top-k server step with server-side error "
+      "feedback");
   r.add(
       "fedlowrank",
       [](Spec& s) {

@@ -20,10 +20,16 @@
 //   The paper's Algorithm 2 has β1 for FedAdagrad too; our default there is 0
 //   (plain Adagrad, as Flower's FedAdagrad), settable with beta1=.
 // No bias correction (the paper has none). Arithmetic is float32, element-wise.
-//   fedtopk:ratio=R[,lr=1,momentum=0]   sparse server step with server-side error
+//   fedtopk:ratio=R[,lr=1,momentum=0,values=fp32|sign,scope=tensor|model]   sparse server step with server-side error
 //     feedback, as FetchSGD (Rothchild et al., ICML 2020) applies it to the aggregate:
 //     m = momentum·m + Δ;  e += lr·m;  S = top-k(|e|), k = ceil(R·n) per tensor;
 //     x[S] += e[S];  e[S] = 0;  m[S] = 0 (when momentum > 0).
+//   values=sign: ternary, x[S] += ±mu with mu = mean |e[S]| per tensor, its
+//     mantissa rounded to 8 bits (exact zeros of e[S] not sent), e[S] −= ±mu:
+//     the step that stc encodes without loss (x ± mu is exact for |x| <= 2^16·mu),
+//     so a downlink stc at a ratio >= each tensor's share keeps the broadcast at
+//     the model bit for bit.
+//   scope=model: one k = ceil(R·N) over all N parameters instead of per tensor.
 //   With the exact (dense) aggregate this is the upper bound of what a k-sparse
 //   model step can reach (docs/results.md); with a sparse downlink it is what the
 //   clients would receive.

@@ -325,15 +325,32 @@ int main(int argc, char** argv) {
   sim->add_option("--workers", sim_workers, "simulator workers")->check(CLI::Range(1, 64));
   sim->add_option("--tmp", sim_tmp, "folder for the benchmark's run folders");
   std::string sim_cases = "peer,efficiency,scale";
-  sim->add_option("--cases,--case", sim_cases, "comma-separated subset of peer,efficiency,scale,mpi,gpu");
+  sim->add_option("--cases,--case", sim_cases, "comma-separated subset of peer,efficiency,scale,mpi,gpu,host");
+  sparrow::bench::HostOptions host_opts;
+  std::string host_models = "cnn,mlp";
+  sim->add_option("--host-models", host_models, "host case: comma-separated subset of cnn,mlp");
+  sim->add_option("--host-clients", host_opts.clients, "host case: clients of the population")
+      ->check(CLI::Range(2, 1000000));
+  sim->add_option("--host-per-round", host_opts.per_round, "host case: clients per round")
+      ->check(CLI::Range(1, 100000));
+  sim->add_option("--sim", host_opts.sim, "host case: the sparrow-sim binary to time (default: the one next to this)");
+  sim->add_option("--host-set", host_opts.sets, "host case: extra KEY=VALUE for the runs (repeatable)");
   sparrow::bench::MpiOptions mpi_opts;
   sim->add_option("--mpirun", mpi_opts.mpirun, "mpi case: the MPI launcher");
   sparrow::bench::PeerOptions peer;
   peer.peer_script = std::string(SPARROW_SOURCE_DIR) + "/bench/peer_fedavg.py";
   std::string peer_models = "mlp,cnn";
-  sim->add_option("--models", peer_models, "peer case: comma-separated subset of mlp,cnn");
+  peer.models_script = std::string(SPARROW_SOURCE_DIR) + "/examples/models/user_models.py";
+  sim->add_option("--models", peer_models,
+                  "peer case: comma-separated subset of mlp,cnn,user_cnn,user_resnet (the last two: users' own "
+                  "models, scripted, from examples/models/user_models.py)");
   sim->add_option("--mlp-rounds", peer.mlp_rounds, "peer case: rounds of the MLP runs")->check(CLI::Range(1, 10000));
   sim->add_option("--cnn-rounds", peer.cnn_rounds, "peer case: rounds of the CNN runs")->check(CLI::Range(1, 10000));
+  sim->add_option("--user-rounds", peer.user_rounds, "peer case: rounds of the user_cnn and user_resnet runs")
+      ->check(CLI::Range(1, 10000));
+  sim->add_option("--model-dir", peer.model_dir,
+                  "peer case: folder holding user_cnn.pt and user_resnet.pt (default: written by "
+                  "examples/models/user_models.py into the run folder)");
   auto* python_opt = sim->add_option("--python", peer.python, "peer case: the python3 that has torch (python3-torch)");
   sparrow::bench::GpuOptions gpu;
   gpu.peer_script = peer.peer_script;
@@ -412,7 +429,7 @@ int main(int argc, char** argv) {
   if (const int rc = sparrow::cli::parse(app, argc, argv); rc >= 0) return rc;
   sparrow::cli::setup_logging("sparrow-bench", log_level);
   if (threads > 0) sparrow::core::configure_threads(1, threads);
-  try {
+  return sparrow::cli::run_main([&] {
     if (*compress)
       return compress_device == "cuda" ? bench_compress_cuda(elements, repeat, methods)
                                        : bench_compress(elements, repeat, methods);
@@ -446,6 +463,15 @@ int main(int argc, char** argv) {
         mpi_opts.tmp = sim_tmp + "/mpi";
         if (int rc = sparrow::bench::bench_sim_mpi(mpi_opts); rc != 0) return rc;
       }
+      if (has("host")) {
+        host_opts.rounds = sim_rounds;
+        host_opts.tmp = sim_tmp + "/host";
+        host_opts.models.clear();
+        std::stringstream hm(host_models);
+        for (std::string m; std::getline(hm, m, ',');)
+          if (!m.empty()) host_opts.models.push_back(m);
+        if (int rc = sparrow::bench::bench_sim_host(host_opts); rc != 0) return rc;
+      }
       if (has("efficiency") || has("scale"))
         return sparrow::bench::bench_sim(sim_rounds, sim_workers, sim_tmp, has("efficiency"), has("scale"));
       return 0;
@@ -461,9 +487,6 @@ int main(int argc, char** argv) {
       return sparrow::bench::bench_split(split_opts);
     }
     if (*child) return sparrow::bench::bench_sim_scale_child(child_clients, sim_rounds, sim_workers, sim_tmp);
-  } catch (const std::exception& e) {
-    std::cerr << "sparrow-bench: error: " << sparrow::core::error_text(e) << "\n";
-    return 1;
-  }
-  return 0;
+    return sparrow::cli::kOk;
+  });
 }

@@ -19,7 +19,7 @@
 #include "core/json.h"
 #include "core/models.h"
 #include "lite/export/exporter.h"
-#include "lite/gemm.h"
+#include "kernels/gemm.h"
 #include "lite/model_file.h"
 #include "lite/trainer.h"
 
@@ -111,7 +111,7 @@ int main(int argc, char** argv) {
               << ",\"lite_samples_per_s\":" << json_number(n / lite_s)
               << ",\"lite_vs_libtorch\":" << json_number(torch_s / lite_s)
               << ",\"lite_peak_rss_mb\":" << json_number(field(line, "peak_rss_mb"))
-              << ",\"lite_simd\":" << json_string(lite::simd_name()) << "}" << std::endl;
+              << ",\"lite_simd\":" << json_string(kernels::gemm_isa_name()) << "}" << std::endl;
   }
   // Footprint: the lite binary and every shared library it needs beyond
   // libc, libstdc++, libm (and the dynamic loader and vDSO, part of libc).

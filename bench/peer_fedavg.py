@@ -7,10 +7,24 @@ The partition comes from sparrow-bench (one line per client: its sample
 indices), so both run on the same clients' data; the clients selected per round
 come from the same list (one line per round: client ids), so both train on the
 very same samples. Prints one JSON object on stdout.
+
+--model user_cnn|user_resnet builds the eager model of
+examples/models/user_models.py; --init FILE.pt starts it from a scripted
+file's weights (the file sparrow-sim loads as model = "torchscript:FILE.pt").
+
+Buffers (BatchNorm's running statistics): with --buffers local (the default)
+only parameters are averaged and loaded into the one model before each
+client, so its running statistics carry on from client to client and the
+final evaluation uses those of the clients trained last; that is what
+sparrow-sim does (buffers stay local to a worker's model, never aggregated).
+--buffers average averages them with the parameters instead (FedAvg over the
+whole state_dict, integer counters taken from the last client).
 """
 import argparse
 import gzip
 import json
+import os
+import sys
 import time
 
 import numpy as np
@@ -61,12 +75,26 @@ class CNN(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
+def make_model(name):
+    if name == "mlp":
+        return MLP()
+    if name == "cnn":
+        return CNN()
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "models"))
+    import user_models
+    return user_models.MODELS[name]()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", default="/usr/share/datasets/fashion-mnist")
     ap.add_argument("--partition", required=True, help="one line per client: sample indices")
     ap.add_argument("--selection", required=True, help="one line per round: selected client ids")
-    ap.add_argument("--model", default="mlp", choices=["mlp", "cnn"])
+    ap.add_argument("--model", default="mlp", choices=["mlp", "cnn", "user_cnn", "user_resnet"])
+    ap.add_argument("--init", help="a TorchScript file whose weights (state_dict) the model starts from")
+    ap.add_argument("--buffers", default="local", choices=["local", "average"],
+                    help="buffers (BatchNorm running statistics): kept in the one model as sparrow-sim does, "
+                         "or averaged with the parameters")
     ap.add_argument("--epochs", type=int, default=1)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=0.05)
@@ -88,8 +116,14 @@ def main():
     with open(args.selection) as f:
         rounds = [[int(v) for v in line.split()] for line in f if line.strip()]
 
-    model = (MLP() if args.model == "mlp" else CNN()).to(dev)
-    global_state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    model = make_model(args.model)
+    if args.init:
+        model.load_state_dict(torch.jit.load(args.init, map_location="cpu").state_dict())
+    model = model.to(dev)
+    averaged = set(k for k, _ in model.named_parameters())
+    if args.buffers == "average":
+        averaged |= set(k for k, _ in model.named_buffers())
+    global_state = {k: v.detach().clone() for k, v in model.state_dict().items() if k in averaged}
     samples = 0
     clients = 0
     t0 = time.perf_counter()
@@ -103,7 +137,7 @@ def main():
         acc = {k: torch.zeros_like(v) for k, v in global_state.items()}
         total = 0
         for c in selected:
-            model.load_state_dict(global_state)
+            model.load_state_dict(global_state, strict=False)
             opt = torch.optim.SGD(model.parameters(), lr=args.lr)
             idx = parts[c].to(dev)
             x, y = x_train[idx], y_train[idx]
@@ -120,14 +154,19 @@ def main():
             clients += 1
             with torch.no_grad():
                 for k, v in model.state_dict().items():
-                    acc[k].add_(v, alpha=float(n))
+                    if k not in acc:
+                        continue
+                    if v.is_floating_point():
+                        acc[k].add_(v, alpha=float(n))
+                    else:
+                        acc[k].copy_(v)  # num_batches_tracked: the last client's
             total += n
-        global_state = {k: v / total for k, v in acc.items()}
+        global_state = {k: v / total if v.is_floating_point() else v for k, v in acc.items()}
     if dev.type == "cuda":
         torch.cuda.synchronize()
     train_s = time.perf_counter() - t0
 
-    model.load_state_dict(global_state)
+    model.load_state_dict(global_state, strict=False)
     model.eval()
     t1 = time.perf_counter()
     correct = 0
@@ -138,7 +177,7 @@ def main():
     eval_s = time.perf_counter() - t1
     print(json.dumps({"rounds": len(rounds), "clients": clients, "samples": samples, "train_s": train_s,
                       "samples_per_s": samples / train_s, "eval_s": eval_s,
-                      "accuracy": correct / len(y_test), "threads": args.threads,
+                      "accuracy": correct / len(y_test), "threads": args.threads, "buffers": args.buffers,
                       "torch": torch.__version__}))
 
 

@@ -13,12 +13,19 @@ namespace sparrow::bench {
 // PyTorch (bench/peer_fedavg.py on python3-torch, same partition and clients)
 // and in sparrow-sim sequential and batched, at 1 core and on the whole
 // machine; plus the same FLOPs as one large at::mm ("limit").
+// Models "user_cnn" and "user_resnet" are users' own models
+// (examples/models/user_models.py): sparrow-sim loads them scripted
+// (model = "torchscript:FILE", the files that script writes into tmp/models, or
+// those in model_dir), the peer builds them eagerly from the same weights.
 struct PeerOptions {
   std::vector<std::string> models{"mlp", "cnn"};
   int mlp_rounds = 20;
   int cnn_rounds = 3;
+  int user_rounds = 3;
   std::string python = "/usr/bin/python3";
   std::string peer_script;
+  std::string models_script;  // examples/models/user_models.py
+  std::string model_dir;      // empty: models_script writes them into tmp/models
   std::string data_dir = "/usr/share/datasets/fashion-mnist";
   std::string tmp = "bench-sim-runs/peer";
 };
@@ -66,6 +73,27 @@ struct MpiOptions {
   std::string tmp = "bench-sim-runs/mpi";
 };
 int bench_sim_mpi(const MpiOptions& o);
+
+// The host case: the per-client host path (everything of a client but
+// training: its state from and to the store, encoding, the wire message, the
+// fold) of a stateful run, per stage, from sparrow-sim's event=host_stages
+// debug lines. One line per model: Fashion-MNIST, Dirichlet(0.5), `clients`
+// clients, `per_round` a round, one worker, one thread, `client_batch = 1`,
+// `compression`; rounds 2..rounds timed (the first, with no client state yet,
+// is not). `sim`: the sparrow-sim binary to time (default: the one next to
+// sparrow-bench), so that an older build can be timed by the same code;
+// `sets`: extra `--set key=value` for both.
+struct HostOptions {
+  int rounds = 10;
+  int clients = 1000;
+  int per_round = 50;
+  std::vector<std::string> models{"cnn", "mlp"};
+  std::string compression = "dgc:ratio=0.001";
+  std::string sim;
+  std::vector<std::string> sets;
+  std::string tmp = "bench-sim-runs/host";
+};
+int bench_sim_host(const HostOptions& o);
 
 int bench_sim_scale_child(int clients, int rounds, int workers, const std::string& tmp);
 

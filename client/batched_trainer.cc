@@ -7,6 +7,7 @@
 #include <functional>
 #include <numeric>
 
+#include "batched/program.h"
 #include "client/train_common.h"
 #include "core/error.h"
 
@@ -16,6 +17,12 @@ BatchedTrainer::BatchedTrainer(std::shared_ptr<core::Model> replica, TrainConfig
     : replica_(std::move(replica)), cfg_(std::move(cfg)) {
   SPARROW_CHECK(replica_ != nullptr, "BatchedTrainer needs a model replica");
   SPARROW_CHECK_T(ConfigError, supports(*replica_), "this model cannot train several clients in one pass");
+  if (replica_->can_forward_clients()) {
+    engine_ = replica_;
+  } else {
+    scripted_ = std::make_shared<batched::ScriptedClients>(replica_);
+    engine_ = scripted_;
+  }
   validate(cfg_);
   feddyn_ = cfg_.algorithm == "feddyn";
   prox_ = (cfg_.algorithm == "fedprox" || feddyn_) && cfg_.mu > 0;
@@ -27,7 +34,9 @@ BatchedTrainer::BatchedTrainer(std::shared_ptr<core::Model> replica, TrainConfig
   SPARROW_CHECK(!params_.empty(), "BatchedTrainer: the model has no parameters");
 }
 
-bool BatchedTrainer::supports(const core::Model& model) { return model.can_forward_clients(); }
+bool BatchedTrainer::supports(const core::Model& model) {
+  return model.can_forward_clients() || (batched::enabled() && batched::translates(model));
+}
 
 int64_t BatchedTrainer::bytes_per_client() const {
   int64_t numel = 0;
@@ -190,6 +199,7 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
   at::Tensor step_loss = at::zeros({total_steps, k_all}, popt);
 
   replica_->train();
+  if (scripted_) scripted_->clear_stats();
   std::vector<at::Tensor> ps(np), gs(np);
   for (int64_t s = 0; s < total_steps; ++s) {
     const int64_t ka = active[s], b = batch[s];
@@ -225,7 +235,7 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
     if (s == 0) {  // once per call: labels within the model's outputs (one client, one sample suffice)
       std::vector<at::Tensor> p1(np);
       for (size_t i = 0; i < np; ++i) p1[i] = ps[i].narrow(0, 0, 1);
-      const at::Tensor logits = replica_->forward_clients(p1, xb.narrow(0, 0, 1).narrow(1, 0, 1));
+      const at::Tensor logits = engine_->forward_clients(p1, xb.narrow(0, 0, 1).narrow(1, 0, 1));
       SPARROW_CHECK(logits.dim() == 3 && logits.size(0) == 1 && logits.size(1) == 1,
                     "forward_clients must return {clients, batch, classes}, got " << detail::shape_str(logits.sizes()));
       const int64_t hi = y_all.max().item<int64_t>();
@@ -235,7 +245,7 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
     const double alpha = fused_sgd ? -cfg_.lr : 1.0;
     const double beta = fused_sgd ? 1.0 : (into_momentum && s > 0 ? cfg_.momentum : 0.0);
     step_loss[s].narrow(0, 0, ka).copy_(
-        replica_->loss_backward_clients(ps, xb, yb, weights_dev.narrow(0, start[s], ka * b), gs, alpha, beta));
+        engine_->loss_backward_clients(ps, xb, yb, weights_dev.narrow(0, start[s], ka * b), gs, alpha, beta));
     if (fused_sgd) continue;
     for (size_t i = 0; i < np; ++i) {
       // gs[i] is the gradient, or momentum * buf + gradient: add the
@@ -278,6 +288,11 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
     for (size_t i = 0; i < np; ++i) r.delta.emplace(names_[i], delta[i][a]);
   }
   // Errors above leave every control as it was; only now do they change.
+  if (scripted_) {
+    std::vector<int64_t> position(static_cast<size_t>(k_all));
+    for (int64_t j = 0; j < k_all; ++j) position[static_cast<size_t>(j)] = where[j];
+    scripted_->fold_running_stats(position, steps);
+  }
   if (scaffold_)
     for (int64_t j = 0; j < k_all; ++j)
       detail::finish_scaffold(out[static_cast<size_t>(j)], names_, cfg_.lr, jobs[j].client_control, server_control);

@@ -36,6 +36,10 @@
 
 #include "client/trainer.h"
 
+namespace sparrow::batched {
+class ScriptedClients;
+}
+
 namespace sparrow::client {
 
 // One client's share of a batched train() call.
@@ -54,8 +58,15 @@ class BatchedTrainer {
   // forward_clients() (supports(); ConfigError otherwise). cfg is validated.
   BatchedTrainer(std::shared_ptr<core::Model> replica, TrainConfig cfg);
 
-  // True when `model` can train several clients in one pass (the built-in
-  // "mlp" and "cnn" and the simulator's "logreg"; not TorchScript models).
+  // True when `model` can train several clients in one pass: the built-in
+  // "mlp" and "cnn", the simulator's "logreg", and TorchScript models whose
+  // forward translates into a batched layer program (batched/program.h;
+  // for one that does not, the reason is logged once per model file) when
+  // that experimental path is switched on (SPARROW_BATCHED_TORCHSCRIPT=1,
+  // batched::enabled()).
+  // A TorchScript model's BatchNorm running statistics (its buffers) end a
+  // train() call as they would after training the jobs one after another, in
+  // jobs' order, with LocalTrainer on this replica.
   static bool supports(const core::Model& model);
 
   // Trains every job from `global` and returns one TrainResult per job, in
@@ -75,6 +86,10 @@ class BatchedTrainer {
 
  private:
   std::shared_ptr<core::Model> replica_;
+  // What runs the K clients: the replica itself, or a TorchScript replica's
+  // batched program (scripted_, which also folds its buffers).
+  std::shared_ptr<core::Model> engine_;
+  std::shared_ptr<batched::ScriptedClients> scripted_;
   TrainConfig cfg_;
   bool prox_ = false;
   bool scaffold_ = false;

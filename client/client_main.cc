@@ -66,7 +66,7 @@ int main(int argc, char** argv) {
   };
 
   std::unique_ptr<sparrow::client::ClientSession> session;
-  try {
+  const int setup = sparrow::cli::run_main([&] {
     if (insecure) overrides.push_back("insecure=true");
     sparrow::client::SessionConfig cfg = sparrow::client::load_session_config(config_path, overrides);
     cfg.fault = fault;
@@ -97,25 +97,14 @@ int main(int argc, char** argv) {
     // The model against the data, before any connection: one forward pass.
     sparrow::client::check_model_on_data(*sparrow::core::make_model(cfg.model, 0), data, cfg.model);
     session = std::make_unique<sparrow::client::ClientSession>(cfg, std::move(data));
-  } catch (const sparrow::ConfigError& e) {
-    spdlog::error("event=config_error msg=\"{}\"", sparrow::core::error_text(e));
-    return sparrow::cli::kBadInput;
-  } catch (const sparrow::FormatError& e) {
-    spdlog::error("event=bad_input msg=\"{}\"", sparrow::core::error_text(e));
-    return sparrow::cli::kBadInput;
-  } catch (const std::exception& e) {
-    spdlog::error("event=fatal msg=\"{}\"", sparrow::core::error_text(e));
-    return sparrow::cli::kFailure;
-  }
+    return sparrow::cli::kOk;
+  });
+  if (setup != sparrow::cli::kOk) return setup;
   g_session.store(session.get());
   if (sparrow::cli::stop_requested()) session->stop();  // a signal before the session existed
-  int status = sparrow::cli::kOk;
-  try {
-    if (!session->run()) status = sparrow::cli::kInterrupted;  // stopped by a signal
-  } catch (const std::exception& e) {
-    spdlog::error("event=fatal msg=\"{}\"", sparrow::core::error_text(e));
-    status = sparrow::cli::kFailure;
-  }
+  const int status = sparrow::cli::run_started([&] {
+    return session->run() ? sparrow::cli::kOk : sparrow::cli::kInterrupted;  // false: stopped by a signal
+  });
   g_session.store(nullptr);
   const auto c = session->counters();
   spdlog::info("event=client_done tasks={} refused={} updates_acked={} updates_rejected={} reconnects={}", c.tasks_done,

@@ -30,11 +30,8 @@ ClientSession::Impl::Impl(ClientSession& s, SessionConfig c, core::Dataset d, Ta
   // Validate the config as the loader would (a SessionConfig built in code skips it).
   SPARROW_CHECK_T(ConfigError, core::valid_client_id(cfg.client_id),
                   "client_id: " << core::client_id_problem(cfg.client_id));
-  SPARROW_CHECK_T(ConfigError, cfg.heartbeat_ms >= 10, "heartbeat_ms: must be >= 10");
-  SPARROW_CHECK_T(ConfigError, cfg.max_message_mb >= 1 && cfg.max_message_mb <= 2047,
-                  "max_message_mb: must be in [1, 2047]");
-  SPARROW_CHECK_T(ConfigError, cfg.backoff_initial_ms >= 1 && cfg.backoff_max_ms >= cfg.backoff_initial_ms,
-                  "backoff_initial_ms/backoff_max_ms: need 1 <= initial <= max");
+  // heartbeat_ms, max_message_mb, backoff_*: the link's (checked before any work).
+  link = transport::ClientLink(transport::client_link_options(cfg));
   try {
     device = at::Device(cfg.device);
   } catch (const std::exception&) {
@@ -73,12 +70,6 @@ ClientSession::Impl::Impl(ClientSession& s, SessionConfig c, core::Dataset d, Ta
     }
   }
 
-  if (cfg.insecure) {
-    spdlog::warn("insecure = true: plain TCP, no authentication or encryption");
-  } else {
-    own_keys = net::load_keypair(cfg.key);
-    server_key = net::load_public_key(cfg.server_key);
-  }
   open_state();
 }
 
@@ -97,19 +88,19 @@ bool ClientSession::Impl::run() {
     open_connection();
     const Outcome o = serve();
     if (o == Outcome::kFinished) {
-      close_connection();
+      link.close();
       store->flush();
       spdlog::info("the server finished the run");
       return true;
     }
     if (self.stop_.load()) break;
-    close_connection();
+    link.close();
     ++n.reconnects;
-    backoff();
+    link.backoff(n.reconnects.load(), self.stop_);
   }
-  if (conn) {
+  if (link.is_open()) {
     send(message(wire::Bye{"client stopping"}));
-    close_connection();
+    link.close();
   }
   store->flush();
   spdlog::info("stopped");
@@ -120,7 +111,7 @@ ClientSession::Impl::Outcome ClientSession::Impl::serve() {
   last_rx = Clock::now();
   if (!send_hello()) return Outcome::kReconnect;
   while (!self.stop_.load()) {
-    check_handshakes();
+    link.check_handshakes(hb_ms);
     const auto now = Clock::now();
     const auto silence = last_rx + std::chrono::milliseconds(3 * static_cast<int64_t>(hb_ms));
     if (now >= silence) {
@@ -139,7 +130,7 @@ ClientSession::Impl::Outcome ClientSession::Impl::serve() {
     if (welcomed) wake = std::min(wake, next_hb);
     const int timeout = static_cast<int>(
         std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::milliseconds>(wake - now).count()));
-    std::optional<transport::Frame> frame = conn->receive(std::chrono::milliseconds(timeout));
+    std::optional<transport::Frame> frame = link.connection().receive(std::chrono::milliseconds(timeout));
     if (!frame) continue;
     std::optional<wire::Message> msg;
     try {
@@ -206,10 +197,9 @@ ClientSession::Impl::Outcome ClientSession::Impl::handle(wire::Message& m) {
 
 ClientSession::Impl::Outcome ClientSession::Impl::on_welcome(const wire::Welcome& w) {
   ++n.welcomes;
-  clear_failures();
+  link.welcomed();
   welcome = w;
   welcomed = true;
-  backoff_attempt = 0;
   if (w.heartbeat_ms > 0) hb_ms = std::max<uint32_t>(10, w.heartbeat_ms);
   known_round = w.round;
   next_hb = Clock::now() + std::chrono::milliseconds(hb_ms);

@@ -8,19 +8,14 @@
 #include "client/session.h"
 #include "core/error.h"
 #include "core/flat_config.h"
-#include "core/peer_text.h"
 #include "state/encoding.h"
-#include "wire/net.h"
+#include "wire/client_keys.h"
 
 namespace sparrow::client {
 namespace {
 
 void bind_all(core::FlatConfig& f, SessionConfig& c) {
-  f.bind("server", &c.server);
-  f.bind("server_key", &c.server_key);
-  f.bind("key", &c.key);
-  f.bind("insecure", &c.insecure);
-  f.bind("client_id", &c.client_id);
+  net::bind_client_head_keys(f, c);
   f.bind("model", &c.model);
   f.bind("data", &c.data.data);
   f.bind("data_dir", &c.data.data_dir);
@@ -30,41 +25,19 @@ void bind_all(core::FlatConfig& f, SessionConfig& c) {
   f.bind("partition_seed", &c.data.partition_seed);
   f.bind("state_db", &c.state_db);
   f.bind("state_encoding", &c.state_encoding);
-  f.bind("heartbeat_ms", &c.heartbeat_ms);
-  f.bind("max_message_mb", &c.max_message_mb);
-  f.bind("device", &c.device);
-  f.bind("backoff_initial_ms", &c.backoff_initial_ms);
-  f.bind("backoff_max_ms", &c.backoff_max_ms);
-  f.bind("give_up_s", &c.give_up_s);
-  f.bind("holdout", &c.holdout);
-  f.bind("dp", &c.dp);
+  net::bind_client_tail_keys(f, c);
 }
 
 // Cross-key checks, after the file and the overrides; errors name where the key was set.
 // Resolves partition = "natural" for a folder with its own client ids.
 void check_session_config(const core::FlatConfig& f, SessionConfig& c) {
-  f.check("server", !c.server.empty(), "must not be empty");
-  try {
-    net::check_endpoint("server", c.server, /*for_bind=*/false);
-  } catch (const ConfigError& e) {
-    f.fail("server", e.what());
-  }
-  // The server refuses other ids at Hello (docs/security.md): said here, before any connection.
-  f.check("client_id", core::valid_client_id(c.client_id), core::client_id_problem(c.client_id));
+  net::check_client_server_keys(f, c);
   f.check("model", !c.model.empty(), "must not be empty");
   f.check("data", !c.data.data.empty(), "must not be empty");
   check_data_keys(f, c.data);  // clients, index, partition, ...: each must have an effect with this data
   f.check("state_db", !c.state_db.empty(), "must not be empty");
   f.check("state_encoding", state::valid_encoding(c.state_encoding), "must be \"fp32\" or \"bf16\"");
-  // The ranges of docs/client.md's key table. ZeroMQ keeps the heartbeat TTL
-  // (3 x heartbeat_ms) in deciseconds below 2^16.
-  f.check("heartbeat_ms", c.heartbeat_ms >= 10 && c.heartbeat_ms <= 600000, "must be in [10, 600000]");
-  f.check("max_message_mb", c.max_message_mb >= 1 && c.max_message_mb <= 2047, "must be in [1, 2047]");
-  f.check("backoff_initial_ms", c.backoff_initial_ms >= 1 && c.backoff_initial_ms <= 600000, "must be in [1, 600000]");
-  f.check("backoff_max_ms", c.backoff_max_ms >= c.backoff_initial_ms && c.backoff_max_ms <= 3600000,
-          "must be in [backoff_initial_ms, 3600000]");
-  f.check("give_up_s", std::isfinite(c.give_up_s) && c.give_up_s >= 0 && c.give_up_s <= 1e7,
-          "must be in [0, 1e7] (0 = never give up)");
+  net::check_client_ranges(f, c);
   f.check("holdout", std::isfinite(c.holdout) && c.holdout >= 0 && c.holdout <= 0.5, "must be in [0, 0.5] (0 = off)");
   try {
     const aggregation::DpSpec d = aggregation::DpSpec::parse(c.dp);
@@ -73,15 +46,7 @@ void check_session_config(const core::FlatConfig& f, SessionConfig& c) {
   } catch (const ConfigError& e) {
     f.fail("dp", e.what());
   }
-  if (!c.insecure) {
-    f.check("server_key", !c.server_key.empty(), "must name the server's public key file (or set insecure = true)");
-    f.check("key", !c.key.empty(), "must name this client's .key_secret file (or set insecure = true)");
-  } else if (f.where("insecure") != "--set") {
-    // A file that says both is contradictory; --insecure (or --set) on a
-    // secure file is the documented way to try it without CURVE.
-    for (const char* k : {"server_key", "key"})
-      f.check(k, !f.has(k), "has no effect with insecure = true (plain TCP, no CURVE keys)");
-  }
+  net::check_client_key_files(f, c);
 }
 
 }  // namespace

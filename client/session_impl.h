@@ -4,8 +4,8 @@
 //   session.cc             the public ClientSession, construction (config,
 //                          model replica, data and holdout, keys), the loop
 //                          and the dispatch of the server's messages
-//   session_connection.cc  the connection (transport/transport.h), handshake
-//                          failures and when to give up, sends, Hello, backoff
+//   session_connection.cc  the connection (transport/client_link.h: handshake
+//                          failures, when to give up, backoff), sends, Hello
 //   session_state.cc       the state database: the held model B_h, its run,
 //                          the persisted client state
 //   session_task.cc        a Task: the broadcast model, its settings, training,
@@ -38,6 +38,7 @@
 #include "core/models.h"
 #include "secagg/secagg.h"
 #include "state/store.h"
+#include "transport/client_link.h"
 #include "transport/transport.h"
 #include "wire/net.h"
 #include "wire/wire.h"
@@ -96,8 +97,6 @@ struct ClientSession::Impl {
   std::map<std::string, std::vector<int64_t>> shapes;
   int64_t total_numel = 0;
   uint64_t digest = 0;
-  net::KeyPair own_keys;
-  std::string server_key;
   uint64_t max_bytes = 0;
 
   std::unique_ptr<state::ClientStateStore> store;
@@ -116,14 +115,7 @@ struct ClientSession::Impl {
   aggregation::DpSpec ldp;                         // local DP (cfg.dp)
   std::random_device entropy;                      // local DP noise keys
 
-  std::unique_ptr<transport::Connection> conn;  // to cfg.server (transport/transport.h); null between connections
-  // Handshakes failing since (no success, no Welcome in between), and why.
-  std::optional<Clock::time_point> failing_since, last_failure;
-  int failures = 0;
-  bool decisive = false;  // the server refused the key, or the security mechanisms differ
-  std::string failure_cause;
-  int failure_rank = 0;       // how specific failure_cause is (see check_handshakes)
-  bool handshake_ok = false;  // on the current connection
+  transport::ClientLink link;  // to cfg.server: the connection, handshake failures, backoff
   bool welcomed = false;
   wire::Welcome welcome;
   uint32_t hb_ms = 1000;
@@ -131,7 +123,6 @@ struct ClientSession::Impl {
   std::optional<uint64_t> pending_round;  // update sent, awaiting Ack/Error
   std::optional<uint64_t> rehello_round;  // a Delta of this round was answered with a re-Hello
   Clock::time_point last_rx, next_hb;
-  uint64_t backoff_attempt = 0;
 
   struct AtomicCounters {
     std::atomic<uint64_t> hellos{0}, welcomes{0}, tasks_done{0}, tasks_refused{0}, updates_acked{0},
@@ -187,21 +178,12 @@ struct ClientSession::Impl {
 
   // ---- the connection (session_connection.cc) ----
 
+  // A new connection (link.open()): not welcomed, no update pending on it.
   void open_connection();
-  void close_connection();
-  void clear_failures();
-  // Reads the connection's handshake events: a handshake that fails again and
-  // again has a cause the server cannot tell us in a message (it never gets
-  // one from us). Throws Error after give_up_s of such failures.
-  void check_handshakes();
   // Never blocks: a full queue (or no peer) counts as a failed send.
   bool send(const wire::Message& m);
-  bool send_bytes(const std::string& bytes);
   bool send_hello();
   wire::ParseLimits limits() const;
-  // Backoff before reconnect attempt `attempt` (0-based): min(max, initial * 2^attempt),
-  // times a jitter in [0.5, 1) drawn per client and attempt.
-  void backoff();
 
   // ---- local state (session_state.cc) ----
 

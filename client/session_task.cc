@@ -253,7 +253,7 @@ void ClientSession::Impl::commit_and_send(uint64_t r, const Trained& t, const st
   // Hello). In order on the one connection, so the server has it first.
   if (runner.run && runner.samples)
     send(message(wire::Heartbeat{known_round, std::max<uint64_t>(1, runner.samples())}));
-  if (!send_bytes(bytes)) spdlog::warn("round {}: the update could not be queued", r);
+  if (!link.send(bytes)) spdlog::warn("round {}: the update could not be queued", r);
 }
 
 void ClientSession::Impl::train_and_send(const wire::Task& task, const Weights& base) {

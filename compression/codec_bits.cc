@@ -6,6 +6,7 @@
 #include <cstring>
 #include <atomic>
 #include <future>
+#include <numeric>
 
 #include "compression/decoders.h"
 #include "core/rng.h"
@@ -616,6 +617,7 @@ MaskLayout mask_layout_for(const Encoded& e, const CodecView& ctx) {
   const MaskLayout l = mask_layout(e);
   const uint64_t m = l.m;
   const uint64_t have = ctx.has_mask ? static_cast<uint64_t>(ctx.mask_size) : 0;
+  if (!ctx.has_mask && m > 0 && m == static_cast<uint64_t>(e.numel())) return l;  // every position
   SPARROW_CHECK_T(FormatError, (ctx.has_mask || m == 0) && have == m,
                   "sparse: update '" << ctx.name << "' was made for a mask of " << m << " positions, this round's "
                                      << (ctx.has_mask ? "has " + std::to_string(have) : std::string("has none")));
@@ -632,12 +634,16 @@ std::vector<int64_t> decode_masked_indices(const Encoded& e, const CodecView& ct
   const uint64_t m = l.m, kept = l.kept;
   std::vector<int64_t> idx(e.count);
   if (kept > 0) {
+    // nullptr: the mask of every position (mask_layout_for), entry j is position j.
     const int64_t* mk = mask_data(ctx, e.numel());
     if (kept == m) {
-      std::copy_n(mk, m, idx.begin());
+      if (mk != nullptr)
+        std::copy_n(mk, m, idx.begin());
+      else
+        std::iota(idx.begin(), idx.begin() + static_cast<std::ptrdiff_t>(m), int64_t{0});
     } else {
       const std::vector<int64_t> pick = seeded_indices(e.seed, kept, static_cast<int64_t>(m));
-      for (uint64_t j = 0; j < kept; ++j) idx[j] = mk[pick[j]];
+      for (uint64_t j = 0; j < kept; ++j) idx[j] = mk != nullptr ? mk[pick[j]] : pick[j];
     }
   }
   const std::vector<int64_t> extra = decode_mask_extras(e);

@@ -154,7 +154,9 @@ struct MaskLayout {
 };
 MaskLayout mask_layout(const Encoded& e);  // FormatError on bad params (kept <= m, kept <= count)
 // The same, checked against the round's mask: FormatError unless ctx's mask
-// holds exactly m positions (none when m = 0).
+// holds exactly m positions (none when m = 0). Without a mask in ctx, m =
+// numel > 0 is accepted too: m ascending positions in [0, numel) can only be
+// every position (tcs mask=all, which the server never broadcasts).
 MaskLayout mask_layout_for(const Encoded& e, const CodecView& ctx);
 // ctx's mask after checking it (ascending within [0, numel); sparrow::Error
 // otherwise), nullptr without a mask.

@@ -111,15 +111,12 @@ int main(int argc, char** argv) {
   sparrow::cli::add_common_options(app, "sparrow-codec", &log_level);
   if (const int rc = sparrow::cli::parse(app, argc, argv); rc >= 0) return rc;
   sparrow::cli::setup_logging("sparrow-codec", log_level);
-  try {
+  return sparrow::cli::run_main([&] {
     if (*tour) return sparrow::compression::run_tour(data_dir, batch, seed, std::cout);
     if (method.empty() || in.empty()) {
       spdlog::error("event=usage_error msg=\"--method and --in are required (or use the 'tour' subcommand)\"");
-      return 2;
+      return sparrow::cli::kBadInput;
     }
     return run_codec(method, in, steps, seed, out, out_mean);
-  } catch (const std::exception& e) {
-    spdlog::error("event=error msg=\"{}\"", sparrow::core::error_text(e));
-    return 2;
-  }
+  });
 }

@@ -5,7 +5,7 @@
 #include "compression/codec_bits.h"
 #include "compression/codec_kernel.h"
 #include "compression/decoders.h"
-#include "core/simd.h"
+#include "kernels/simd.h"
 #include "core/spec.h"
 
 namespace sparrow::compression::detail {
@@ -31,7 +31,7 @@ class DenseKernel final : public Kernel {
   ValueType vt_;
 };
 
-// out += weight v and out = weight v, per ISA (core/simd.h).
+// out += weight v and out = weight v, per ISA (kernels/simd.h).
 SPARROW_SIMD_CLONES
 void add_scaled(const float* __restrict v, uint64_t n, float weight, float* __restrict out) {
   if (weight == 1.0f) {

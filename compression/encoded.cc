@@ -9,7 +9,7 @@
 #include "compression/codec_bits.h"
 #include "compression/decoders.h"
 #include "core/error.h"
-#include "core/simd.h"
+#include "kernels/simd.h"
 
 namespace sparrow::compression {
 namespace {

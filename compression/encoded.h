@@ -125,7 +125,7 @@ void mark_values_finite(const Encoded& e, uint64_t n);
 // True when one of the n values at `bytes` (fp32, or fp16/bf16 for the 16-bit
 // form with its exponent mask 0x7c00/0x7f80) is an infinity or a NaN. A
 // branch-free OR over the exponent bits, compiled for AVX-512, AVX2 and the
-// baseline (core/simd.h); the block scans and the codecs' input checks use it.
+// baseline (kernels/simd.h); the block scans and the codecs' input checks use it.
 bool any_nonfinite_f32(const uint8_t* bytes, uint64_t n);
 bool any_nonfinite_16(const uint8_t* bytes, uint64_t n, uint16_t mask);
 }  // namespace detail

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 
 #if defined(__SSE2__)
 #include <emmintrin.h>
@@ -371,10 +372,17 @@ class ThresholdKernel final : public Kernel {
 // ceil(P·m) of the m mask positions only, a different share per update, so a
 // mask can cover far more positions than one update has bits for: at the same
 // bytes a large mask sampled beats a small one sent whole (docs/results.md).
+// mask=all: the mask is every position of the tensor, whatever the last step
+// was. Nothing is broadcast for it (mask_ratio() = 0, so the server keeps and
+// sends no mask) and the update names no positions: a mask of numel ascending
+// positions in [0, numel) can only be 0..numel-1, which the decoder knows
+// without the round's mask (codec_bits.h, mask_layout_for). With keep=P each
+// update then carries a seeded random share of all positions, and no position
+// lies outside the mask, so there are no own positions (extra is refused).
 class TcsKernel final : public Kernel {
  public:
   TcsKernel(double ratio, double extra, bool ef, ValueType vt, int64_t block, StalePolicy stale, double keep,
-            bool share_mean)
+            bool share_mean, bool mask_all)
       : ratio_(ratio),
         extra_(extra),
         ef_(ef),
@@ -382,9 +390,10 @@ class TcsKernel final : public Kernel {
         block_(block),
         stale_(stale),
         keep_(keep),
-        share_mean_(share_mean) {}
+        share_mean_(share_mean),
+        mask_all_(mask_all) {}
   std::string method() const override { return "tcs"; }
-  double mask_ratio() const override { return ratio_; }
+  double mask_ratio() const override { return mask_all_ ? 0.0 : ratio_; }
   bool share_mean() const override { return share_mean_; }
 
   Encoded encode(const float* x, const std::vector<int64_t>& shape, Slots& slots, const CodecView& ctx) const override {
@@ -398,8 +407,13 @@ class TcsKernel final : public Kernel {
       copy.assign(x, x + n);
       src = copy.data();
     }
-    const int64_t* mk = mask_data(ctx, n);
-    const int64_t m = mk ? ctx.mask_size : 0;
+    std::vector<int64_t> every;
+    if (mask_all_) {
+      every.resize(static_cast<size_t>(n));
+      std::iota(every.begin(), every.end(), int64_t{0});
+    }
+    const int64_t* mk = mask_all_ ? every.data() : mask_data(ctx, n);
+    const int64_t m = mask_all_ ? n : (mk ? ctx.mask_size : 0);
     SPARROW_CHECK(m < (int64_t{1} << 32), "tcs: a mask of " << m << " positions does not fit the format");
     // keep < 1: the values at a random share of the mask only, which entries a
     // key sent with the update says (seeded_indices); keyed by the step and the
@@ -429,7 +443,7 @@ class TcsKernel final : public Kernel {
     for (int64_t i = 0; i < m; ++i) src[mk[i]] = 0.0f;
     std::vector<int64_t> own;
     try {
-      own = topk_abs_indices(src, n, n == 0 ? 0 : count_for(extra_, n));
+      if (!mask_all_) own = topk_abs_indices(src, n, n == 0 ? 0 : count_for(extra_, n));
     } catch (...) {
       for (int64_t i = 0; i < m; ++i) src[mk[i]] = at_mask[static_cast<size_t>(i)];
       throw;
@@ -508,6 +522,7 @@ class TcsKernel final : public Kernel {
   StalePolicy stale_;
   double keep_;      // the share of the mask each update carries
   bool share_mean_;  // keep < 1, share=mean: values unscaled, averaged per position by the aggregator
+  bool mask_all_;    // mask=all: the mask is every position, never broadcast
 };
 
 }  // namespace
@@ -518,8 +533,14 @@ std::unique_ptr<Kernel> make_sparse_kernel(const std::string& method, Spec& spec
   if (method == "stc")
     return std::make_unique<TopKKernel>("stc", parse_sparse_options(spec, "stc", true, "sign", "rice"), true);
   if (method == "tcs") {
-    const double ratio = parse_ratio(spec, "tcs", 0.01);
-    const double extra = spec.get_double("extra", ratio / 5.0);
+    const std::string mask = spec.get_string("mask", "step");
+    SPARROW_CHECK_T(ConfigError, mask == "step" || mask == "all",
+                    "tcs: mask=" << mask << " must be step (the server's last step) or all (every position)");
+    const bool all = mask == "all";
+    SPARROW_CHECK_T(ConfigError, !all || (!spec.has("ratio") && !spec.has("extra")),
+                    "tcs: mask=all takes neither ratio nor extra (the mask is every position; none lies outside it)");
+    const double ratio = all ? 1.0 : parse_ratio(spec, "tcs", 0.01);
+    const double extra = all ? 1.0 : spec.get_double("extra", ratio / 5.0);
     SPARROW_CHECK_T(ConfigError, extra > 0.0 && extra <= 1.0, "tcs: extra=" << extra << " must be in (0, 1]");
     const bool ef = spec.get_bool("ef", true);
     const std::string vt = spec.get_string("values", "int8");
@@ -538,7 +559,7 @@ std::unique_ptr<Kernel> make_sparse_kernel(const std::string& method, Spec& spec
         "tcs: share=" << share << " must be sum (scaled by m/kept, summed) or mean (averaged per position)");
     SPARROW_CHECK_T(ConfigError, share == "sum" || keep < 1.0,
                     "tcs: share=mean needs keep < 1 (with the whole mask every update carries every position)");
-    return std::make_unique<TcsKernel>(ratio, extra, ef, v, block, stale, keep, share == "mean");
+    return std::make_unique<TcsKernel>(ratio, extra, ef, v, block, stale, keep, share == "mean", all);
   }
   if (method == "randomk") {
     const double ratio = parse_ratio(spec, "randomk", 0.01);

@@ -14,9 +14,12 @@
 
 #include <CLI/CLI.hpp>
 #include <atomic>
+#include <exception>
 #include <string>
+#include <string_view>
 
 #include "core/error.h"
+#include "core/error_text.h"
 #include "core/log.h"
 
 #ifndef SPARROW_VERSION
@@ -61,6 +64,59 @@ inline int parse(CLI::App& app, int argc, char** argv) {
     return app.exit(e) == 0 ? kOk : kBadInput;
   }
   return -1;
+}
+
+// ---- The exception that ends a program: one mapping for all (docs/cli.md) -----
+//
+// ConfigError: kBadInput, logged as event=config_error (a key or value of the
+// command line or config). FormatError: kBadInput, event=bad_input (a damaged
+// or foreign file). Any other exception: kFailure, event=fatal. The message is
+// error_text(e), which names the key or file; the failed check's source file
+// and line only at --log-level debug or trace (setup_logging). Stopping on a
+// signal is not an exception here: a program returns kInterrupted itself, at
+// the safe point where it stopped, with the command that goes on.
+
+// The exit status `e` ends a program with.
+inline int exit_status(const std::exception& e) {
+  return dynamic_cast<const ConfigError*>(&e) || dynamic_cast<const FormatError*>(&e) ? kBadInput : kFailure;
+}
+
+// The `event=` of the line that reports `e` (exit_status says the status).
+inline const char* error_event(const std::exception& e) {
+  if (dynamic_cast<const ConfigError*>(&e)) return "config_error";
+  return dynamic_cast<const FormatError*>(&e) ? "bad_input" : "fatal";
+}
+
+// Logs `e` as the line that ends the program and returns its exit status.
+// `what`, when given, starts the message ("export: " for a subcommand's work).
+inline int report_error(const std::exception& e, std::string_view what = {}) {
+  spdlog::error("event={} msg=\"{}{}\"", error_event(e), what, core::error_text(e));
+  return exit_status(e);
+}
+
+// A program's work: the status `body()` returns, or, when it throws, the
+// status of the exception (report_error logs it). Every program's main runs
+// its work through this once the command line is parsed and logging is set up.
+template <class F>
+int run_main(F&& body, std::string_view what = {}) {
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    return report_error(e, what);
+  }
+}
+
+// Work that has begun to change state (a client's session, once connected):
+// any exception is kFailure, logged as event=fatal, whatever its type, since
+// kBadInput promises that nothing was done.
+template <class F>
+int run_started(F&& body) {
+  try {
+    return body();
+  } catch (const std::exception& e) {
+    spdlog::error("event=fatal msg=\"{}\"", core::error_text(e));
+    return kFailure;
+  }
 }
 
 // ---- SIGINT and SIGTERM, the same in every program (docs/cli.md) ----------------

@@ -11,14 +11,18 @@
 
 #include "core/error.h"
 #include "core/error_text.h"
-#include "core/linear_cpu.h"
 #include "core/registry.h"
-#include "core/winograd_cpu.h"
 #include "core/spec.h"
 #include "core/threads.h"
+#include "kernels/conv5x5.h"
+#include "kernels/linear.h"
+#include "kernels/pool.h"
+#include "kernels/winograd.h"
 
 namespace sparrow::core {
 namespace {
+
+namespace cpu = ::sparrow::kernels;  // the CPU kernels (kernels/)
 
 constexpr const char* kTorchScriptPrefix = "torchscript:";
 
@@ -51,7 +55,7 @@ void accumulate(at::Tensor dst, const at::Tensor& grad, double alpha, double bet
     (beta == 1 ? dst : dst.mul_(beta)).add_(grad, alpha);
 }
 
-// The raw CPU path (core/linear_cpu.h) applies to float32 CPU tensors whose
+// The raw CPU path (kernels/linear.h) applies to float32 CPU tensors whose
 // stacks are contiguous (BatchedTrainer's are).
 bool cpu_fast_path(const std::vector<at::Tensor>& p, const at::Tensor& x) {
   if (!x.device().is_cpu() || x.scalar_type() != at::kFloat) return false;
@@ -177,7 +181,7 @@ class Cnn final : public Model {
   }
   at::Tensor forward(const at::Tensor& x) override {
     // Inference on the CPU (evaluation): both convolutions, ReLUs and
-    // poolings by core/winograd_cpu.h (as in training).
+    // poolings by kernels/winograd.h (as in training).
     if (!at::GradMode::is_enabled() && cpu_fast_path(parameters(), x)) return inference(as_image28(x).contiguous());
     at::Tensor h = torch::max_pool2d(torch::relu(conv1_->forward(as_image28(x))), 2);
     h = torch::max_pool2d(torch::relu(conv2_->forward(h)), 2);
@@ -241,8 +245,8 @@ class Cnn final : public Model {
     check_grads(p, g);
     // Each client through its whole step (its activations stay in cache):
     // conv1 + ReLU + pooling by a fused direct kernel, its weight gradient as
-    // im2col + GEMM, conv2 + ReLU + pooling by Winograd (core/winograd_cpu.h),
-    // the Linear head by the raw path of core/linear_cpu.h, which also hands
+    // im2col + GEMM, conv2 + ReLU + pooling by Winograd (kernels/winograd.h),
+    // the Linear head by the raw path of kernels/linear.h, which also hands
     // back the head's input gradient. The clients are shared out over the
     // intra-op threads (each client's arithmetic is the same on any thread).
     const int64_t k = x.size(0), b = x.size(1);
@@ -468,7 +472,7 @@ std::string flat_name(std::string name) {
 
 class ScriptedModel final : public Model {
  public:
-  ScriptedModel(torch::jit::Module module, const std::string& path) : module_(std::move(module)) {
+  ScriptedModel(torch::jit::Module module, const std::string& path) : module_(std::move(module)), path_(path) {
     std::set<std::string> seen;
     auto claim = [&](const std::string& scripted) {
       std::string name = flat_name(scripted);
@@ -516,9 +520,12 @@ class ScriptedModel final : public Model {
     }
     return h;
   }
+  const torch::jit::Module& module() const { return module_; }
+  const std::string& path() const { return path_; }
 
  private:
   torch::jit::Module module_;
+  std::string path_;
 };
 
 std::shared_ptr<Model> load_torchscript(const std::string& path) {
@@ -568,6 +575,16 @@ ModelEntry entry_of(const Spec& s) {
 }
 
 }  // namespace
+
+const torch::jit::Module* scripted_module(const Model& model) {
+  const auto* s = dynamic_cast<const ScriptedModel*>(&model);
+  return s ? &s->module() : nullptr;
+}
+
+std::string scripted_path(const Model& model) {
+  const auto* s = dynamic_cast<const ScriptedModel*>(&model);
+  return s ? s->path() : std::string();
+}
 
 at::Tensor Model::forward_stages(const at::Tensor&, size_t, size_t) {
   throw ConfigError("this model does not list stages, so it cannot be cut");

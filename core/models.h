@@ -14,6 +14,9 @@
 namespace sparrow {
 class Spec;
 }
+namespace torch::jit {
+struct Module;
+}
 
 namespace sparrow::core {
 
@@ -129,6 +132,13 @@ void register_model(const std::string& name, ModelFactory make, const std::strin
 // Registers the built-in models (mlp, cnn, resnet). Idempotent and
 // thread-safe; every lookup calls it.
 void register_builtin_models();
+
+// The TorchScript module behind a "torchscript:FILE" model (its parameters
+// and buffers are the model's own tensors) and that FILE; null and "" for any
+// other model. For batched clients (batched/program.h), which read the
+// module's graph.
+const torch::jit::Module* scripted_module(const Model& model);
+std::string scripted_path(const Model& model);
 
 // Builds a model from its name: a registered model (the built-ins below, or
 // one added with register_model) or "torchscript:FILE". Registered models are

@@ -14,7 +14,8 @@
 #include <mutex>
 #include <sstream>
 
-#include "core/linear_cpu.h"
+#include "kernels/cpu.h"
+#include "kernels/linear.h"
 
 namespace sparrow::core {
 namespace {
@@ -218,7 +219,7 @@ std::string threads_summary(int workers) {
   os << "BLAS: " << (b.detail.empty() ? b.name : b.detail);
   if (!b.library.empty()) os << " [" << b.library << "]";
   if (b.threads > 0) os << ", " << b.threads << (b.threads == 1 ? " thread" : " threads");
-  os << "; small GEMMs: " << cpu::gemm_backend();
+  os << "; small GEMMs: " << kernels::gemm_backend();
   const int t = at::get_num_threads();
   os << "; ATen " << t << (t == 1 ? " thread" : " threads") << " x " << workers
      << (workers == 1 ? " worker" : " workers") << " on " << available_cores() << " cores";
@@ -231,9 +232,7 @@ std::string blas_warning() {
   const char* forced = std::getenv("OPENBLAS_CORETYPE");
   if (b.name == "OpenBLAS" && forced != nullptr &&
       (std::string(forced) == "Haswell" || std::string(forced) == "Zen" || std::string(forced) == "Sandybridge")) {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("avx512vl"))
+    if (kernels::cpu_features().avx512)
       return std::string("warning: OPENBLAS_CORETYPE=") + forced +
              " in the environment makes OpenBLAS run AVX2 kernels on this AVX-512 CPU; unset it for 1.2-1.7x "
              "faster GEMMs (docs/performance.md)";

@@ -17,6 +17,7 @@
 #include "core/threads.h"
 #include "edge/cloud.h"
 #include "edge/device.h"
+#include "edge/device/files.h"
 
 SPARROW_STOP_HANDLERS_AT_LOAD();
 
@@ -72,7 +73,7 @@ int main(int argc, char** argv) {
     spdlog::info("event=threads msg=\"{}\"", sparrow::core::threads_summary(1));
     spdlog::info("event=allocator malloc={}", sparrow::core::allocator_tuned_for_messages() ? "reuse" : "system");
   };
-  try {
+  return sparrow::cli::run_main([&] {
     if (*serve) {
       // --insecure before validation, which otherwise demands key and allow.
       if (serve_insecure) serve_overrides.push_back("insecure=true");
@@ -106,18 +107,7 @@ int main(int argc, char** argv) {
     }
     if (insecure) overrides.push_back("insecure=true");
     sparrow::edge::DeviceConfig cfg = sparrow::edge::load_device_config(config_path, overrides);
-    if (!cfg.progress.empty()) sparrow::core::check_file_path("progress", cfg.progress);
-    if (!cfg.insecure) {
-      sparrow::core::check_input_file("cloud_key", cfg.cloud_key);
-      sparrow::core::check_input_file("key", cfg.key);
-    }
-    if (!cfg.weights.empty()) sparrow::core::check_input_file("weights", cfg.weights);
-    if (cfg.data.rfind("folder:", 0) == 0)
-      sparrow::core::check_data_folder("data", cfg.data.substr(7));
-    else if (cfg.data.rfind("fashion-mnist", 0) == 0)
-      sparrow::core::check_data_folder("data_dir", cfg.data_dir);
-    if (const std::string w = cfg.insecure ? "" : sparrow::core::secret_file_warning("key", cfg.key); !w.empty())
-      spdlog::warn("event=key_permissions msg=\"{}\"", w);
+    sparrow::edge::device::check_device_files(cfg);
     threads(cfg.threads);
     if (sparrow::cli::stop_requested()) return interrupted("stopped before the device started", command);
     sparrow::edge::DeviceData data = sparrow::edge::load_device_data(cfg);
@@ -125,21 +115,16 @@ int main(int argc, char** argv) {
     sparrow::edge::EdgeDevice device(cfg, std::move(data));
     g_device.store(&device);
     if (sparrow::cli::stop_requested()) device.stop();
-    const auto summary = device.run();
+    sparrow::edge::device::Summary summary;
+    try {
+      summary = device.run();
+    } catch (const sparrow::edge::Stopped&) {  // a signal: run() saved the progress
+      g_device.store(nullptr);
+      spdlog::info("event=stopped msg=\"progress saved\"");
+      return interrupted("stopped; progress saved", command);
+    }
     g_device.store(nullptr);
     std::cout << summary.json() << std::endl;
-    return 0;
-  } catch (const sparrow::ConfigError& e) {
-    spdlog::error("event=config_error msg=\"{}\"", sparrow::core::error_text(e));
-    return sparrow::cli::kBadInput;
-  } catch (const sparrow::FormatError& e) {  // damaged state file or data: nothing was done
-    spdlog::error("event=bad_input msg=\"{}\"", sparrow::core::error_text(e));
-    return sparrow::cli::kBadInput;
-  } catch (const sparrow::edge::Stopped&) {
-    spdlog::info("event=stopped msg=\"progress saved\"");
-    return interrupted("stopped; progress saved", command);
-  } catch (const std::exception& e) {
-    spdlog::error("event=fatal msg=\"{}\"", sparrow::core::error_text(e));
-    return sparrow::cli::kFailure;
-  }
+    return sparrow::cli::kOk;
+  });
 }

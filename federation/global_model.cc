@@ -67,8 +67,8 @@ aggregation::ContextMap GlobalModel::contexts(uint64_t r, int num_selected, cons
       } else {
         c.mask = mask(n);
       }
-      c.share_mean = share_mean_;
     }
+    c.share_mean = share_mean_;  // also without a broadcast mask (tcs mask=all)
     out[n] = std::move(c);
   }
   return out;
@@ -161,6 +161,11 @@ void GlobalModel::encode_downlink(uint64_t r, StepResult& out) {
     const at::Tensor before = track ? broadcast_.at(n).clone() : at::Tensor();
     compression::decode_add(e, broadcast_.at(n), 1.0f, c);
     if (track) catchup_->record_tensor(i, before, broadcast_.at(n));
+    // A sparse C with no value leaves B as it was: it is not sent (a Delta
+    // names the tensors it changes), except one, so that a Delta against
+    // B_{r-2} always carries a tensor.
+    const bool empty = e.format == compression::Format::kSparse && e.count == 0;
+    if (empty && !(i + 1 == names_.size() && kept.empty())) continue;
     kept.push_back({n, e});
     out.downlink.emplace_back(n, std::move(e));
   }

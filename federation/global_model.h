@@ -61,7 +61,9 @@ struct StepResult {
   bool applied = false;  // false: the round is abandoned, nothing changed (error says why)
   std::string error;
   Weights delta;  // the aggregate (the server optimiser's input); empty when not applied
-  // Downlink: C_r per tensor in model order (empty without a downlink codec).
+  // Downlink: C_r per tensor in model order (empty without a downlink codec);
+  // a tensor whose C_r is sparse with no value (B unchanged there) is left out,
+  // unless it is the only one.
   std::vector<std::pair<std::string, compression::Encoded>> downlink;
 };
 

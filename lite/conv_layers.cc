@@ -3,11 +3,13 @@
 #include <cmath>
 #include <limits>
 
-#include "lite/gemm.h"
+#include "kernels/gemm.h"
 #include "lite/layers.h"
 
 namespace sparrow::lite {
 namespace {
+
+using kernels::gemm;
 
 struct Geometry {
   int64_t c, h, w, ho, wo;

@@ -6,9 +6,11 @@
 #include <sstream>
 
 #include "core/rng.h"
-#include "lite/gemm.h"
+#include "kernels/gemm.h"
 
 namespace sparrow::lite {
+
+using kernels::gemm;
 
 std::string shape_str(const Shape& s) {
   std::ostringstream os;

@@ -15,7 +15,7 @@
 #include <iostream>
 
 #include "core/rng.h"
-#include "lite/gemm.h"
+#include "kernels/gemm.h"
 #include "lite/model_file.h"
 #include "lite/trainer.h"
 
@@ -73,7 +73,7 @@ int main(int argc, char** argv) {
         "\"simd\": \"%s\"}\n",
         path.c_str(), static_cast<long long>(samples), cfg.local_epochs, cfg.batch_size,
         static_cast<long long>(r.steps), r.mean_loss, secs, static_cast<double>(samples) * cfg.local_epochs / secs,
-        static_cast<double>(ru.ru_maxrss) / 1024.0, sparrow::lite::simd_name());
+        static_cast<double>(ru.ru_maxrss) / 1024.0, sparrow::kernels::gemm_isa_name());
   } catch (const std::exception& e) {
     std::cerr << "sparrow-lite-train: " << e.what() << "\n";
     return 1;

@@ -5,7 +5,7 @@
 #include <fstream>
 #include <iterator>
 
-#include "lite/gemm.h"
+#include "kernels/cpu.h"
 
 namespace sparrow::lite {
 namespace {
@@ -241,7 +241,9 @@ ModelFile load_model_file(const std::string& path) {
 }
 
 std::unique_ptr<Model> load_model(const std::string& path) {
-  check_cpu();
+  // This file is compiled with SPARROW_LITE_ARCH_FLAGS, as the layers are.
+  SPARROW_KERNELS_REQUIRE_BUILD_ISA("this sparrow-lite build (SPARROW_LITE_ARCH_FLAGS)",
+                                    "rebuild with -DSPARROW_LITE_ARCH_FLAGS= for a portable build");
   ModelFile f = load_model_file(path);
   auto m = std::make_unique<Model>(std::move(f.spec));
   m->set_values(f.values);

@@ -60,7 +60,7 @@ int main(int argc, char** argv) {
   sparrow::cli::on_stop(stop_session);
 
   std::unique_ptr<lc::Session> session;
-  try {
+  const int setup = sparrow::cli::run_main([&] {
     if (insecure) overrides.push_back("insecure=true");
     lc::Config cfg = lc::load_config(config_path, overrides);
     sparrow::core::check_file_path("state_file", cfg.state_file);
@@ -76,25 +76,13 @@ int main(int argc, char** argv) {
     spdlog::info("event=data samples={} data=\"{}\" model_file=\"{}\" parameters={}", data.y.size(), cfg.data,
                  cfg.model_file, model->num_values());
     session = std::make_unique<lc::Session>(cfg, std::make_unique<lc::LiteTrainer>(model, std::move(data)));
-  } catch (const sparrow::ConfigError& e) {
-    spdlog::error("event=config_error msg=\"{}\"", sparrow::core::error_text(e));
-    return sparrow::cli::kBadInput;
-  } catch (const sparrow::FormatError& e) {
-    spdlog::error("event=bad_input msg=\"{}\"", sparrow::core::error_text(e));
-    return sparrow::cli::kBadInput;
-  } catch (const std::exception& e) {
-    spdlog::error("event=fatal msg=\"{}\"", sparrow::core::error_text(e));
-    return sparrow::cli::kFailure;
-  }
+    return sparrow::cli::kOk;
+  });
+  if (setup != sparrow::cli::kOk) return setup;
   g_session.store(session.get());
   if (sparrow::cli::stop_requested()) session->stop();
-  int status = sparrow::cli::kOk;
-  try {
-    if (!session->run()) status = sparrow::cli::kInterrupted;
-  } catch (const std::exception& e) {
-    spdlog::error("event=fatal msg=\"{}\"", sparrow::core::error_text(e));
-    status = sparrow::cli::kFailure;
-  }
+  const int status =
+      sparrow::cli::run_started([&] { return session->run() ? sparrow::cli::kOk : sparrow::cli::kInterrupted; });
   g_session.store(nullptr);
   const auto c = session->counters();
   spdlog::info("event=client_done tasks={} refused={} updates_acked={} updates_rejected={} reconnects={}", c.tasks_done,

@@ -1,46 +1,33 @@
 // Session (session.h) over Session::Impl (session_impl.h): construction, the
 // loop (connect, Hello, serve, reconnect after a backoff), the dispatch of
-// the server's messages and the connection. The same behaviour as
-// sparrow-client's (client/session.cc, client/session_connection.cc).
+// the server's messages and the connection (transport/client_link.h, as
+// sparrow-client's). The same behaviour as client/session.cc.
 #include "liteclient/session.h"
 
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
-#include <cmath>
-#include <thread>
 
 #include "core/error.h"
 #include "core/peer_text.h"
-#include "core/rng.h"
 #include "liteclient/session_impl.h"
 
 namespace sparrow::liteclient {
 namespace {
-constexpr int kPollSliceMs = 100;             // stop() is noticed within this
-constexpr uint64_t kBackoffTag = 0x626b6f66;  // "bkof", as sparrow-client
+constexpr int kPollSliceMs = 100;  // stop() is noticed within this
 }  // namespace
 
 Session::Impl::Impl(Session& s, Config c, std::unique_ptr<SessionTrainer> t)
     : self(s), cfg(std::move(c)), trainer(std::move(t)), layout(trainer->layout()) {
   SPARROW_CHECK_T(ConfigError, core::valid_client_id(cfg.client_id),
                   "client_id: " << core::client_id_problem(cfg.client_id));
-  SPARROW_CHECK_T(ConfigError, cfg.heartbeat_ms >= 10, "heartbeat_ms: must be >= 10");
-  SPARROW_CHECK_T(ConfigError, cfg.max_message_mb >= 1 && cfg.max_message_mb <= 2047,
-                  "max_message_mb: must be in [1, 2047]");
-  SPARROW_CHECK_T(ConfigError, cfg.backoff_initial_ms >= 1 && cfg.backoff_max_ms >= cfg.backoff_initial_ms,
-                  "backoff_initial_ms/backoff_max_ms: need 1 <= initial <= max");
+  // heartbeat_ms, max_message_mb, backoff_*, the key files: the link's.
+  link = transport::ClientLink(transport::client_link_options(cfg));
   SPARROW_CHECK_T(ConfigError, trainer->num_samples() >= 1, "data: no samples");
   max_bytes = cfg.max_message_mb << 20;
   hb_ms = cfg.heartbeat_ms;
   digest = model_digest(layout);
   ldp = parse_local_dp(cfg.dp);
-  if (cfg.insecure) {
-    spdlog::warn("insecure = true: plain TCP, no authentication or encryption");
-  } else {
-    own_keys = net::load_keypair(cfg.key);
-    server_key = net::load_public_key(cfg.server_key);
-  }
   open_state();
 }
 
@@ -49,18 +36,18 @@ bool Session::Impl::run() {
     open_connection();
     const Outcome o = serve();
     if (o == Outcome::kFinished) {
-      conn.reset();
+      link.close();
       spdlog::info("the server finished the run");
       return true;
     }
     if (self.stop_.load()) break;
-    conn.reset();
+    link.close();
     ++n.reconnects;
-    backoff();
+    link.backoff(n.reconnects.load(), self.stop_);
   }
-  if (conn) {
+  if (link.is_open()) {
     send(message(wire::Bye{"client stopping"}));
-    conn.reset();
+    link.close();
   }
   spdlog::info("stopped");
   return false;
@@ -70,7 +57,7 @@ Session::Impl::Outcome Session::Impl::serve() {
   last_rx = Clock::now();
   if (!send_hello()) return Outcome::kReconnect;
   while (!self.stop_.load()) {
-    check_handshakes();
+    link.check_handshakes(hb_ms);
     const auto now = Clock::now();
     const auto silence = last_rx + std::chrono::milliseconds(3 * static_cast<int64_t>(hb_ms));
     if (now >= silence) {
@@ -86,7 +73,7 @@ Session::Impl::Outcome Session::Impl::serve() {
     if (welcomed) wake = std::min(wake, next_hb);
     const int timeout = static_cast<int>(
         std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::milliseconds>(wake - now).count()));
-    std::optional<transport::Frame> frame = conn->receive(std::chrono::milliseconds(timeout));
+    std::optional<transport::Frame> frame = link.connection().receive(std::chrono::milliseconds(timeout));
     if (!frame) continue;
     std::optional<wire::Message> msg;
     try {
@@ -156,15 +143,9 @@ Session::Impl::Outcome Session::Impl::handle(wire::Message& m) {
 
 Session::Impl::Outcome Session::Impl::on_welcome(const wire::Welcome& w) {
   ++n.welcomes;
-  failing_since.reset();
-  last_failure.reset();
-  failures = 0;
-  decisive = false;
-  failure_cause.clear();
-  failure_rank = 0;
+  link.welcomed();
   welcome = w;
   welcomed = true;
-  backoff_attempt = 0;
   if (w.heartbeat_ms > 0) hb_ms = std::max<uint32_t>(10, w.heartbeat_ms);
   known_round = w.round;
   next_hb = Clock::now() + std::chrono::milliseconds(hb_ms);
@@ -209,77 +190,12 @@ Session::Impl::Outcome Session::Impl::on_error(const wire::ErrorBody& e) {
 }
 
 void Session::Impl::open_connection() {
-  transport::ConnectOptions o;
-  if (!cfg.insecure) {
-    o.public_key = own_keys.public_key;
-    o.secret_key = own_keys.secret_key;
-    o.server_key = server_key;
-  }
-  o.max_message_bytes = max_bytes;
-  o.heartbeat_ms = static_cast<int>(cfg.heartbeat_ms);
-  handshake_ok = false;
-  conn = transport::connect(cfg.server, o);
+  link.open();
   welcomed = false;
   pending_round.reset();
 }
 
-void Session::Impl::check_handshakes() {
-  if (!conn) return;
-  using Kind = transport::HandshakeEvent::Kind;
-  for (const auto& e : conn->handshake_events()) {
-    if (e.kind == Kind::kConnected) {
-      handshake_ok = false;
-    } else if (e.kind == Kind::kSucceeded) {
-      handshake_ok = true;
-      failing_since.reset();
-      last_failure.reset();
-      failures = 0;
-      decisive = false;
-      failure_cause.clear();
-      failure_rank = 0;
-    } else if (e.kind == Kind::kRefused || e.kind == Kind::kMismatch || e.kind == Kind::kFailed ||
-               (e.kind == Kind::kDisconnected && !handshake_ok)) {
-      const std::string cause = transport::client_cause(e, !cfg.insecure);
-      // A more specific cause already seen is never replaced by a vaguer one.
-      const int rank = e.kind == Kind::kRefused || e.kind == Kind::kMismatch ? 2 : e.kind == Kind::kFailed ? 1 : 0;
-      if (failure_cause.empty() || rank >= failure_rank) {
-        if (cause != failure_cause) spdlog::warn("event=handshake_failed server={} msg=\"{}\"", cfg.server, cause);
-        failure_cause = cause;
-        failure_rank = rank;
-      }
-      const auto now = Clock::now();
-      if (!failing_since) failing_since = now;
-      last_failure = now;
-      ++failures;
-      decisive = decisive || e.kind == Kind::kRefused || e.kind == Kind::kMismatch;
-    }
-  }
-  const auto now = Clock::now();
-  const auto stale = std::chrono::milliseconds(static_cast<int64_t>(cfg.backoff_max_ms) + 3 * hb_ms + 5000);
-  if (last_failure && now - *last_failure > stale) {
-    failing_since.reset();
-    last_failure.reset();
-    failures = 0;
-    decisive = false;
-    failure_cause.clear();
-    failure_rank = 0;
-  }
-  if (failing_since && cfg.give_up_s > 0 && (decisive || failures >= 3) &&
-      now - *failing_since >= std::chrono::duration<double>(cfg.give_up_s))
-    throw Error("gave up after " + std::to_string(static_cast<int64_t>(cfg.give_up_s)) +
-                " s of failed handshakes with " + cfg.server + ": " + failure_cause);
-}
-
-bool Session::Impl::send(const wire::Message& m) { return send_bytes(wire::serialize(m)); }
-
-bool Session::Impl::send_bytes(const std::string& bytes) {
-  try {
-    return conn->send(bytes) == transport::SendResult::kSent;
-  } catch (const transport::TransportError& e) {
-    spdlog::warn("send failed: {}", e.what());
-    return false;
-  }
-}
+bool Session::Impl::send(const wire::Message& m) { return link.send(wire::serialize(m)); }
 
 bool Session::Impl::send_hello() {
   wire::Hello h;
@@ -303,17 +219,6 @@ wire::ParseLimits Session::Impl::limits() const {
   l.max_bytes = max_bytes;
   l.max_elements = 3 * static_cast<uint64_t>(layout.total) + (uint64_t{1} << 20);
   return l;
-}
-
-void Session::Impl::backoff() {
-  const double base = std::min<double>(cfg.backoff_max_ms,
-                                       cfg.backoff_initial_ms * std::pow(2.0, std::min<uint64_t>(backoff_attempt, 30)));
-  const uint64_t key = rng::derive(rng::hash_name(cfg.client_id), kBackoffTag);
-  const double ms = base * (0.5 + 0.5 * rng::uniform01(key, n.reconnects.load()));
-  ++backoff_attempt;
-  spdlog::info("reconnecting in {:.0f} ms", ms);
-  const auto until = Clock::now() + std::chrono::microseconds(static_cast<int64_t>(ms * 1000));
-  while (!self.stop_.load() && Clock::now() < until) std::this_thread::sleep_for(std::chrono::milliseconds(10));
 }
 
 Session::Session(Config cfg, std::unique_ptr<SessionTrainer> trainer)

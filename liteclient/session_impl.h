@@ -2,8 +2,8 @@
 // Private to sparrow_lite_client: Session::Impl, the state of one lite
 // client. Its methods are defined by job:
 //   session.cc         construction, the loop, the dispatch of the server's
-//                      messages, the connection (handshake failures, sends,
-//                      Hello, backoff)
+//                      messages, the connection (sends, Hello; handshake
+//                      failures and backoff: transport/client_link.h)
 //   session_task.cc    a Task: the broadcast model, its settings, training,
 //                      the encoded update, the state file
 //   session_secagg.cc  a SecAgg+ round: keys, shares, the masked update, the reveal
@@ -26,6 +26,7 @@
 #include "liteclient/session.h"
 #include "liteclient/state_file.h"
 #include "secagg/secagg.h"
+#include "transport/client_link.h"
 #include "transport/transport.h"
 #include "wire/net.h"
 #include "wire/wire.h"
@@ -51,8 +52,6 @@ struct Session::Impl {
   std::unique_ptr<SessionTrainer> trainer;
   const Layout& layout;
   uint64_t digest = 0;
-  net::KeyPair own_keys;
-  std::string server_key;
   uint64_t max_bytes = 0;
 
   // The persisted state (state_file.h): st.held is the one copy of B_h the
@@ -62,13 +61,7 @@ struct Session::Impl {
   LocalDp ldp;                 // cfg.dp
   std::random_device entropy;  // local DP's noise and SecAgg+'s rounding keys: this device's own
 
-  std::unique_ptr<transport::Connection> conn;
-  std::optional<Clock::time_point> failing_since, last_failure;
-  int failures = 0;
-  bool decisive = false;
-  std::string failure_cause;
-  int failure_rank = 0;
-  bool handshake_ok = false;
+  transport::ClientLink link;  // to cfg.server: the connection, handshake failures, backoff
   bool welcomed = false;
   wire::Welcome welcome;
   uint32_t hb_ms = 1000;
@@ -76,7 +69,6 @@ struct Session::Impl {
   std::optional<uint64_t> pending_round;
   std::optional<uint64_t> rehello_round;
   Clock::time_point last_rx, next_hb;
-  uint64_t backoff_attempt = 0;
 
   struct AtomicCounters {
     std::atomic<uint64_t> hellos{0}, welcomes{0}, tasks_done{0}, tasks_refused{0}, updates_acked{0},
@@ -115,13 +107,10 @@ struct Session::Impl {
   Outcome handle(wire::Message& m);
   Outcome on_welcome(const wire::Welcome& w);
   Outcome on_error(const wire::ErrorBody& e);
-  void open_connection();
-  void check_handshakes();
+  void open_connection();  // link.open(): not welcomed, no update pending
   bool send(const wire::Message& m);
-  bool send_bytes(const std::string& bytes);
   bool send_hello();
   wire::ParseLimits limits() const;
-  void backoff();
 
   // ---- tasks and state (session_task.cc) ----
   void open_state();

@@ -261,7 +261,7 @@ void Session::Impl::commit_and_send(uint64_t r, Trained& t, std::string bytes) {
   pending_round = r;
   spdlog::info("round {}: trained {} samples in {:.2f} s (loss {:.4f}), sending {} bytes", r, t.update.num_samples,
                t.secs, t.update.mean_loss, bytes.size());
-  if (!send_bytes(bytes)) spdlog::warn("round {}: the update could not be queued", r);
+  if (!link.send(bytes)) spdlog::warn("round {}: the update could not be queued", r);
   std::string().swap(bytes);  // sent (ZeroMQ holds its own copy): not kept while idle
 }
 

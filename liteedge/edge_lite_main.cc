@@ -19,6 +19,7 @@
 #include "core/error.h"
 #include "core/error_text.h"
 #include "core/paths.h"
+#include "edge/device/files.h"
 #include "liteedge/config.h"
 #include "liteedge/data.h"
 #include "liteedge/device.h"
@@ -60,21 +61,11 @@ int main(int argc, char** argv) {
   sparrow::cli::on_stop(stop_device);
   std::string command = "sparrow-edge-lite";
   for (int i = 1; i < argc; ++i) command += std::string(" ") + argv[i];
-  try {
+  return sparrow::cli::run_main([&] {
     if (insecure) overrides.push_back("insecure=true");
+    // Config validation demands weights and data = "folder:PATH" or "fashion-mnist".
     le::DeviceConfig cfg = le::load_device_config(config_path, overrides);
-    if (!cfg.progress.empty()) sparrow::core::check_file_path("progress", cfg.progress);
-    if (!cfg.insecure) {
-      sparrow::core::check_input_file("cloud_key", cfg.cloud_key);
-      sparrow::core::check_input_file("key", cfg.key);
-    }
-    sparrow::core::check_input_file("weights", cfg.weights);
-    if (cfg.data.rfind("folder:", 0) == 0)
-      sparrow::core::check_data_folder("data", cfg.data.substr(7));
-    else
-      sparrow::core::check_data_folder("data_dir", cfg.data_dir);
-    if (const std::string w = cfg.insecure ? "" : sparrow::core::secret_file_warning("key", cfg.key); !w.empty())
-      spdlog::warn("event=key_permissions msg=\"{}\"", w);
+    sparrow::edge::device::check_device_files(cfg);
     if (sparrow::cli::stop_requested()) return interrupted("stopped before the device started", command);
     const int64_t input_size = sparrow::lite::Model(sparrow::lite::builtin_spec(cfg.model)).input_size();
     le::DeviceData data = le::load_device_data(cfg, input_size);
@@ -83,22 +74,16 @@ int main(int argc, char** argv) {
     le::EdgeDevice device(cfg, std::move(data));
     g_device.store(&device);
     if (sparrow::cli::stop_requested()) device.stop();
-    const auto summary = device.run();
+    sparrow::edge::device::Summary summary;
+    try {
+      summary = device.run();
+    } catch (const le::Stopped&) {  // a signal: run() saved the progress
+      g_device.store(nullptr);
+      spdlog::info("event=stopped msg=\"progress saved\"");
+      return interrupted("stopped; progress saved", command);
+    }
     g_device.store(nullptr);
     std::cout << summary.json() << std::endl;
-    return 0;
-  } catch (const sparrow::ConfigError& e) {
-    spdlog::error("event=config_error msg=\"{}\"", sparrow::core::error_text(e));
-    return sparrow::cli::kBadInput;
-  } catch (const sparrow::FormatError& e) {
-    spdlog::error("event=bad_input msg=\"{}\"", sparrow::core::error_text(e));
-    return sparrow::cli::kBadInput;
-  } catch (const le::Stopped&) {
-    g_device.store(nullptr);
-    spdlog::info("event=stopped msg=\"progress saved\"");
-    return interrupted("stopped; progress saved", command);
-  } catch (const std::exception& e) {
-    spdlog::error("event=fatal msg=\"{}\"", sparrow::core::error_text(e));
-    return sparrow::cli::kFailure;
-  }
+    return sparrow::cli::kOk;
+  });
 }

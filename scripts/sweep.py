@@ -26,8 +26,10 @@ Writes into --out (default runs/sweep-<grid stem>):
     runs.csv     one row per run: accuracy (mean of the last `last` evaluations),
                  final accuracy, uplink, downlink and total wire bytes, seconds
     summary.csv  one row per method: mean over seeds with a 95% t-interval, the
-                 paired difference to `reference` with its 95% t-interval, and the
-                 mean uplink, downlink and total bytes
+                 paired difference to `reference` with its 95% t-interval, the
+                 mean uplink, downlink and total bytes, and how many times fewer
+                 each is than the reference's over the same seeds
+                 (uplink_reduction, downlink_reduction, total_reduction)
     summary.md   the same as a Markdown table
     plot.svg     accuracy (mean, 95% interval, and each seed as a hollow mark) against
                  uplink bytes (--x total: uplink + downlink), log scale, one point per
@@ -298,15 +300,20 @@ def main():
         mean, half = mean_ci(acc)
         up = sum(r["bytes_up"] for r in by_seed.values()) / len(by_seed)
         down = sum(r["bytes_down"] for r in by_seed.values()) / len(by_seed)
-        diff, dhalf, ratio = float("nan"), float("nan"), float("nan")
+        nan = float("nan")
+        diff, dhalf, ratio, down_ratio, total_ratio = nan, nan, nan, nan, nan
         paired = [s for s in by_seed if s in ref_runs]
         if ref and paired:
             diff, dhalf = mean_ci([100 * (by_seed[s]["accuracy"] - ref_runs[s]["accuracy"]) for s in paired])
             ref_up = sum(ref_runs[s]["bytes_up"] for s in paired) / len(paired)
-            ratio = ref_up / up if up else float("nan")
+            ref_down = sum(ref_runs[s]["bytes_down"] for s in paired) / len(paired)
+            ratio = ref_up / up if up else nan
+            down_ratio = ref_down / down if down else nan
+            total_ratio = (ref_up + ref_down) / (up + down) if up + down else nan
         rows.append({"method": m["name"], "set": " ".join(m["set"]), "seeds": len(by_seed), "accuracy": mean,
                      "ci95": half, "diff": diff, "diff_ci95": dhalf, "bytes_up": up, "bytes_down": down,
-                     "bytes_total": up + down, "uplink_reduction": ratio, "acc_seeds": acc})
+                     "bytes_total": up + down, "uplink_reduction": ratio, "downlink_reduction": down_ratio,
+                     "total_reduction": total_ratio, "acc_seeds": acc})
 
     with open(os.path.join(out_dir, "summary.csv"), "w", newline="") as f:
         fields = [k for k in rows[0].keys() if k != "acc_seeds"]
@@ -319,13 +326,15 @@ def main():
         f.write(f"Accuracy: mean over seeds of each run's mean of its last {grid['last']} evaluations, "
                 f"± the 95% t-interval; difference to `{ref}` paired by seed.\n\n")
         f.write(f"| method | seeds | accuracy % | vs {ref} (points) | uplink bytes / run | fewer uplink bytes | "
-                "downlink bytes / run | total bytes / run | `--set` |\n|---|---|---|---|---|---|---|---|---|\n")
+                "downlink bytes / run | fewer downlink bytes | total bytes / run | fewer total bytes | `--set` |\n"
+                "|---|---|---|---|---|---|---|---|---|---|---|\n")
+        times = lambda x: "–" if x != x else f"{x:.1f}×"
         for r in rows:
             d = "–" if r["diff"] != r["diff"] else f"{r['diff']:+.2f} ± {f2(r['diff_ci95'])}"
-            red = "–" if r["uplink_reduction"] != r["uplink_reduction"] else f"{r['uplink_reduction']:.1f}×"
             f.write(f"| {r['method']} | {r['seeds']} | {r['accuracy']:.2f} ± {f2(r['ci95'])} | {d} | "
-                    f"{fmt_bytes(r['bytes_up'])} | {red} | {fmt_bytes(r['bytes_down'])} | "
-                    f"{fmt_bytes(r['bytes_total'])} | `{r['set']}` |\n")
+                    f"{fmt_bytes(r['bytes_up'])} | {times(r['uplink_reduction'])} | {fmt_bytes(r['bytes_down'])} | "
+                    f"{times(r['downlink_reduction'])} | {fmt_bytes(r['bytes_total'])} | "
+                    f"{times(r['total_reduction'])} | `{r['set']}` |\n")
     title = args.title or os.path.basename(args.grid)
     written = ["plot.svg"]
     for name, total in (("plot.svg", args.x == "total"), ("plot_total.svg", True)):

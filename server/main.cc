@@ -225,7 +225,7 @@ int main(int argc, char** argv) {
   st->add_flag("--json", st_json, "one JSON object");
   if (const int rc = sparrow::cli::parse(app, argc, argv); rc >= 0) return rc;
   sparrow::cli::setup_logging("sparrow-server", log_level);
-  try {
+  return sparrow::cli::run_main([&] {
     if (*kg) return keygen(kg_out, kg_name, kg_clients);
     if (*st) return status(st_db, st_json);
     if (*ex) return export_model(ex_db, ex_out);
@@ -308,14 +308,5 @@ int main(int argc, char** argv) {
     if (done) return sparrow::cli::kOk;
     return interrupted("stopped after round " + std::to_string(server.completed_rounds()) + " of " +
                        std::to_string(cfg.rounds));
-  } catch (const sparrow::ConfigError& e) {
-    spdlog::error("event=config_error msg=\"{}\"", sparrow::core::error_text(e));
-    return sparrow::cli::kBadInput;
-  } catch (const sparrow::FormatError& e) {  // a damaged database or data file: nothing was done
-    spdlog::error("event=bad_input msg=\"{}\"", sparrow::core::error_text(e));
-    return sparrow::cli::kBadInput;
-  } catch (const std::exception& e) {
-    spdlog::error("event=fatal msg=\"{}\"", sparrow::core::error_text(e));
-    return sparrow::cli::kFailure;
-  }
+  });
 }

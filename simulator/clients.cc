@@ -136,8 +136,10 @@ void Simulator::Impl::run_worker(int w, int t, const std::vector<int64_t>& ids, 
       ClientResult& r = *out[j];
       r.client = c;
       // From this process's store: over ranks, c's owner rank trains it (ranks.cc).
-      std::optional<state::ClientState> got = store->get(c);
+      const auto g0 = Clock::now();
+      std::optional<state::ClientState> got = store->take(c);  // put() back once encoded
       r.state = got ? std::move(*got) : state::ClientState{};
+      wk.host.get += seconds_since(g0);
       const int64_t n = client_idx[c].numel();
       client::ClientJob job;
       job.x = train_x.narrow(0, client_off[c], n);  // views: the data is client-major
@@ -183,6 +185,9 @@ void Simulator::Impl::run_worker(int w, int t, const std::vector<int64_t>& ids, 
 void Simulator::Impl::finish_client(Worker& wk, int t, ClientResult& r, const client::TrainResult& tr,
                                     aggregation::ContextMap& ctxs, const client::Weights* replaced) {
   const int64_t c = r.client;
+  HostStages& host = wk.host;
+  host.clients += 1;
+  auto e0 = Clock::now();
   r.samples = tr.num_samples;
   r.train_loss = tr.mean_loss;
   // What the client sends: an attacker's update, or its own under local DP.
@@ -202,8 +207,11 @@ void Simulator::Impl::finish_client(Worker& wk, int t, ClientResult& r, const cl
                                                            federation::sim_secagg_key(cfg.seed, t64, c));
     SPARROW_CHECK(q.x.size() == sa->length,
                   "secagg: client " << c << "'s update has " << q.x.size() << " coordinates, the model " << sa->length);
+    host.encode += seconds_since(e0);
+    e0 = Clock::now();
     bytes = wire::serialize(wire::Message{wire::kProtocolMajor, wire::kProtocolMinor,
                                           sa->party.at(c)->masked(std::move(q.x), {{"train_loss", tr.mean_loss}})});
+    host.message += seconds_since(e0);
   } else {
     // The client pipeline sparrow-client runs (federation/client_pipeline.h):
     // the task's seed in each codec context, the round's client count.
@@ -215,13 +223,18 @@ void Simulator::Impl::finish_client(Worker& wk, int t, ClientResult& r, const cl
     const wire::ModelUpdate u =
         federation::make_update(static_cast<uint64_t>(t) + 1, id, tr.num_samples, names, sent, *compressor,
                                 r.state.compressor, cctx, {}, {{"train_loss", tr.mean_loss}});
+    host.encode += seconds_since(e0);
+    e0 = Clock::now();
     bytes = wire::serialize(wire::Message{wire::kProtocolMajor, wire::kProtocolMinor, u});
+    host.message += seconds_since(e0);
   }
+  e0 = Clock::now();
   r.state.rounds += 1;
   // To the store now: its writer streams it into the open checkpoint
   // transaction while the next clients train. Over ranks this is the
   // owner's store: the state never leaves the rank that trains the client.
   store->put(c, std::move(r.state));
+  host.put += seconds_since(e0);
   r.bytes_up = bytes.size();
   const Profile& p = profiles[c];
   r.sim_s = static_cast<double>(model_bytes) * 8 / p.down_bps + r.train_s / p.speed +
@@ -245,13 +258,19 @@ void Simulator::Impl::finish_client(Worker& wk, int t, ClientResult& r, const cl
     sa->server->add_masked(sa->index.at(c), y);
     return;
   }
-  fold(wk.slot, c, bytes, tr.control_delta);
+  fold(wk.slot, c, bytes, tr.control_delta, &host);
 }
 
-void Simulator::Impl::fold(size_t slot, int64_t c, const std::string& bytes, const client::Weights& control_delta) {
+void Simulator::Impl::fold(size_t slot, int64_t c, const std::string& bytes, const client::Weights& control_delta,
+                           HostStages* host) {
   if (async_mode()) return hold(c, bytes, control_delta);  // folded when it arrives (round.cc)
+  auto p0 = Clock::now();
   wire::Message back = wire::parse(bytes);
   auto& pu = std::get<wire::ModelUpdate>(back.body);
+  if (host) {
+    host->parse += seconds_since(p0);
+    p0 = Clock::now();
+  }
   federation::Arrival a;
   a.update.reserve(pu.tensors.size());
   for (auto& nt : pu.tensors) a.update.emplace_back(std::move(nt.name), std::move(nt.tensor));
@@ -260,6 +279,7 @@ void Simulator::Impl::fold(size_t slot, int64_t c, const std::string& bytes, con
     for (const auto& [n, dc] : control_delta) a.control_delta[n] = dc.to(at::kCPU, at::kFloat);
   // Its own updates: an early one is held unchecked (a failure shows when folded).
   engine->add(slot, federation::sim_client_id(c), std::move(a), /*check=*/false);
+  if (host) host->fold += seconds_since(p0);
 }
 
 void Simulator::Impl::run_local(int t, const std::vector<std::vector<int64_t>>& wids,

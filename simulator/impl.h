@@ -88,6 +88,30 @@ struct Deferred {
   client::TrainResult tr;
 };
 
+// A worker's host path, summed over its clients since the round began:
+// everything a client costs besides training (docs/performance.md, "Per-client
+// host cost"). Seconds; one worker's thread writes it, step() reads it after
+// the workers joined.
+struct HostStages {
+  double get = 0;      // the client's state from the store
+  double encode = 0;   // the client pipeline: local DP or an attack, the codec
+  double message = 0;  // the wire message built (or its size computed)
+  double put = 0;      // the client's state into the store
+  double parse = 0;    // the message parsed back (the wire round trip only)
+  double fold = 0;     // the update into the round's aggregate
+  int64_t clients = 0;
+  HostStages& operator+=(const HostStages& o) {
+    get += o.get;
+    encode += o.encode;
+    message += o.message;
+    put += o.put;
+    parse += o.parse;
+    fold += o.fold;
+    clients += o.clients;
+    return *this;
+  }
+};
+
 struct Worker {
   std::shared_ptr<core::Model> model;
   std::unique_ptr<client::LocalTrainer> trainer;
@@ -95,6 +119,7 @@ struct Worker {
   size_t batch = 1;                                 // clients per pass (cap)
   size_t slot = 0;                                  // its slot in the round's OrderedFold
   std::vector<Deferred> deferred;                   // ALIE adversaries of this round
+  HostStages host;                                  // this round's host path (reset by step())
 };
 
 // The client-state store as the simulator keeps it: checkpoint mode
@@ -201,7 +226,9 @@ struct Simulator::Impl {
                      const client::Weights* replaced = nullptr);
   // Client c's update as a server parses it, and its SCAFFOLD Δc, into the
   // round's OrderedFold (from worker slot `slot`).
-  void fold(size_t slot, int64_t c, const std::string& bytes, const client::Weights& control_delta);
+  // `host`, when given, gets the parse and fold times.
+  void fold(size_t slot, int64_t c, const std::string& bytes, const client::Weights& control_delta,
+            HostStages* host = nullptr);
   // This process's workers on their slots' clients (slots 0..workers-1), on
   // threads when there are several.
   void run_local(int t, const std::vector<std::vector<int64_t>>& wids,
@@ -239,6 +266,9 @@ struct Simulator::Impl {
   uint64_t downlink_bytes(int t, const std::vector<int64_t>& ids) const;
   // Wire bytes of the masks that go to each selected client with the round's model.
   uint64_t mask_bytes() const;
+  // At debug level: the round's host stages summed over the workers
+  // (event=host_stages; sparrow-bench sim --case host reads it).
+  void log_host_stages(int t, const RoundMetrics& m, const std::vector<ClientResult>& results, double wall_s) const;
 
   // ---- asynchronous mode (round.cc; docs/async.md) ----
 

@@ -81,13 +81,17 @@ void Simulator::Impl::count_participations(const std::vector<int64_t>& ids) {
 }
 
 uint64_t Simulator::Impl::downlink_bytes(int t, const std::vector<int64_t>& ids) const {
-  if (!gm->has_downlink() || t == 0) return model_bytes * static_cast<uint64_t>(ids.size());
+  if (!gm->has_downlink()) return model_bytes * static_cast<uint64_t>(ids.size());
+  // A client that never took part holds B_0, the model it builds from the
+  // run's model_seed (sparrow-client's Hello says last_round = 0): round 1's
+  // task is an empty Delta, a later first task what the policy sends from B_0.
+  if (t == 0) return 0;
   const std::vector<int64_t> before = select_clients(t - 1);  // ascending
   // sparrow-server's rule (server/round.cc): a client of the round before
   // gets C_t; one further behind what the downlink_catchup policy sends from
-  // the B_s it holds (federation::CatchupView, the server's code); one that
-  // never took part the dense model. B_s: the model of the last round s it
-  // took part in, found by replaying the selection backwards.
+  // the B_s it holds (federation::CatchupView, the server's code). B_s: the
+  // model of the last round s it took part in, found by replaying the
+  // selection backwards; B_0 when it never took part.
   std::map<int64_t, std::optional<uint64_t>> held;
   size_t missing = 0;
   for (const int64_t c : ids)
@@ -109,6 +113,10 @@ uint64_t Simulator::Impl::downlink_bytes(int t, const std::vector<int64_t>& ids)
         --missing;
       }
     }
+    // Not found: never took part (or, under a chain-only policy, beyond the
+    // chain's reach, where B_0 gets the dense model as B_s would).
+    for (auto& kv : held)
+      if (!kv.second) kv.second = uint64_t{0};
   }
   uint64_t bytes = 0;
   std::array<int, 4> kinds{};
@@ -173,6 +181,7 @@ RoundMetrics Simulator::Impl::step() {
     round_ctxs = engine->open(static_cast<uint64_t>(t) + 1, chosen);  // rounds are 1-based in the engine
   }
   if (sa_params.enabled) begin_secagg(t, ids);
+  for (auto& wk : workers) wk.host = HostStages{};
   const auto s0 = Clock::now();
   if (distributed()) send_round(t, n_sel, wids);
   const double send_s = seconds_since(s0);
@@ -282,8 +291,25 @@ RoundMetrics Simulator::Impl::step() {
   // Client states were put by the workers; they become durable with the
   // next checkpoint (see checkpoint()).
   finish_round(t, m, t0);
+  log_host_stages(t, m, results, seconds_since(t0));
   history.push_back(m);
   return m;
+}
+
+void Simulator::Impl::log_host_stages(int t, const RoundMetrics& m, const std::vector<ClientResult>& results,
+                                      double wall_s) const {
+  if (!spdlog::should_log(spdlog::level::debug)) return;
+  HostStages h;
+  for (const auto& wk : workers) h += wk.host;
+  double train_s = 0;
+  for (const auto& r : results) train_s += r.train_s;
+  // One worker: the round's wall-clock less training and evaluation is the
+  // host path of its clients plus the round's serial part (selection, the
+  // global step, the checkpoint).
+  spdlog::debug(
+      "event=host_stages round={} clients={} wall_s={:.6f} eval_s={:.6f} train_s={:.6f} get_s={:.6f} encode_s={:.6f} "
+      "message_s={:.6f} put_s={:.6f} parse_s={:.6f} fold_s={:.6f}",
+      t + 1, h.clients, wall_s, m.eval_s, train_s, h.get, h.encode, h.message, h.put, h.parse, h.fold);
 }
 
 // ---- asynchronous mode (docs/async.md) ----
@@ -336,13 +362,14 @@ void Simulator::Impl::async_fill() {
     busy[static_cast<size_t>(c)] = 1;
     // The downlink by sparrow-server's rule (federation::CatchupView): the
     // client holds the model of its last task's version (async_last - 1), or
-    // none. The simulated download time stays the dense model's, so that the
-    // policy never changes which update arrives first (nor the model).
+    // B_0 (built from model_seed) before its first task. The simulated
+    // download time stays the dense model's, so that the policy never changes
+    // which update arrives first (nor the model).
     const uint64_t prev = async_last[static_cast<size_t>(c)];
     if (gm->has_downlink()) {
       if (!view) view = gm->catchup_view(async->version());
       const federation::CatchupPlan plan =
-          view->plan(prev > 0 ? std::optional<uint64_t>(prev - 1) : std::nullopt, /*catchup=*/true);
+          view->plan(std::optional<uint64_t>(prev > 0 ? prev - 1 : 0), /*catchup=*/true);
       async_down += plan.kind == federation::CatchupPlan::Kind::kFull ? model_bytes : plan.bytes;
     } else {
       async_down += model_bytes;  // the dense broadcast model

@@ -100,11 +100,9 @@ int serve_rank(sparrow::simulator::Cluster& cluster) {
     return 0;
   } catch (const std::exception& e) {
     // The same exit status as rank 0 gives the same error (both may abort first).
-    const bool bad_input =
-        dynamic_cast<const sparrow::ConfigError*>(&e) || dynamic_cast<const sparrow::FormatError*>(&e);
-    spdlog::error("event={} rank={} msg=\"{}\"", bad_input ? "config_error" : "fatal", cluster.rank(),
+    spdlog::error("event={} rank={} msg=\"{}\"", sparrow::cli::error_event(e), cluster.rank(),
                   sparrow::core::error_text(e));
-    cluster.abort(bad_input ? sparrow::cli::kBadInput : sparrow::cli::kFailure);
+    cluster.abort(sparrow::cli::exit_status(e));
   }
   return 1;  // not reached: abort ends the job
 }
@@ -156,39 +154,29 @@ int main(int argc, char** argv) {
   sparrow::cli::setup_logging("sparrow-sim", log_level);
   sparrow::cli::on_stop(stop_sim);
   if (*exp) {
-    try {
-      const SimConfig rc = load_config((std::filesystem::path(export_dir) / "config.toml").string());
-      auto [weights, round] = load_run_model(export_dir);
-      const std::string out = export_out.empty() ? (std::filesystem::path(export_dir) / "export").string() : export_out;
-      const sparrow::core::ExportResult r = sparrow::core::export_model(rc.model, weights, out);
-      spdlog::info("event=exported round={} run=\"{}\" model=\"{}\" parameters={} out=\"{}\"", round, export_dir,
-                   rc.model, r.npy.size(), out);
-      if (!r.note.empty()) spdlog::info("event=export_note msg=\"{}\"", r.note);
-      if (!r.torchscript.empty()) std::cout << r.torchscript << "\n" << r.state_dict << "\n";
-      std::cout << (std::filesystem::path(out) / "weights").string() << "/\n";
-      return sparrow::cli::kOk;
-    } catch (const sparrow::ConfigError& e) {
-      spdlog::error("event=config_error msg=\"export: {}\"", sparrow::core::error_text(e));
-      return sparrow::cli::kBadInput;
-    } catch (const sparrow::FormatError& e) {
-      spdlog::error("event=bad_input msg=\"export: {}\"", sparrow::core::error_text(e));
-      return sparrow::cli::kBadInput;
-    } catch (const std::exception& e) {
-      spdlog::error("event=fatal msg=\"export: {}\"", sparrow::core::error_text(e));
-      return sparrow::cli::kFailure;
-    }
+    return sparrow::cli::run_main(
+        [&] {
+          const SimConfig rc = load_config((std::filesystem::path(export_dir) / "config.toml").string());
+          auto [weights, round] = load_run_model(export_dir);
+          const std::string out =
+              export_out.empty() ? (std::filesystem::path(export_dir) / "export").string() : export_out;
+          const sparrow::core::ExportResult r = sparrow::core::export_model(rc.model, weights, out);
+          spdlog::info("event=exported round={} run=\"{}\" model=\"{}\" parameters={} out=\"{}\"", round, export_dir,
+                       rc.model, r.npy.size(), out);
+          if (!r.note.empty()) spdlog::info("event=export_note msg=\"{}\"", r.note);
+          if (!r.torchscript.empty()) std::cout << r.torchscript << "\n" << r.state_dict << "\n";
+          std::cout << (std::filesystem::path(out) / "weights").string() << "/\n";
+          return sparrow::cli::kOk;
+        },
+        "export: ");
   }
   if (*report) {
-    try {
-      for (const std::string& path : write_report(report_dir, compare, report_out)) std::cout << path << '\n';
-      return 0;
-    } catch (const sparrow::ConfigError& e) {
-      spdlog::error("event=config_error msg=\"report: {}\"", sparrow::core::error_text(e));
-      return 2;
-    } catch (const std::exception& e) {
-      spdlog::error("event=fatal msg=\"report: {}\"", sparrow::core::error_text(e));
-      return 1;
-    }
+    return sparrow::cli::run_main(
+        [&] {
+          for (const std::string& path : write_report(report_dir, compare, report_out)) std::cout << path << '\n';
+          return sparrow::cli::kOk;
+        },
+        "report: ");
   }
   // Several ranks (mpirun -np R): rank 0 runs what follows, the others serve.
   // mpirun forwards SIGUSR1 to every rank: ignored until a rank can act on it
@@ -363,14 +351,7 @@ int main(int argc, char** argv) {
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     return 0;
-  } catch (const sparrow::ConfigError& e) {
-    spdlog::error("event=config_error msg=\"{}\"", sparrow::core::error_text(e));
-    return fail(sparrow::cli::kBadInput);
-  } catch (const sparrow::FormatError& e) {  // data or run folder files that cannot be read
-    spdlog::error("event=bad_input msg=\"{}\"", sparrow::core::error_text(e));
-    return fail(sparrow::cli::kBadInput);
-  } catch (const std::exception& e) {
-    spdlog::error("event=fatal msg=\"{}\"", sparrow::core::error_text(e));
-    return fail(1);
+  } catch (const std::exception& e) {  // after `started`, the other ranks are ended with the same status
+    return fail(sparrow::cli::report_error(e));
   }
 }

@@ -164,6 +164,7 @@ struct ClientStateStore::Impl {
     Snapshot state;
     size_t bytes;
     bool dirty;
+    bool pinned = false;  // prefetched and not yet asked for: not evicted
   };
 
   std::string path;
@@ -177,6 +178,7 @@ struct ClientStateStore::Impl {
   std::unordered_map<int64_t, std::list<Entry>::iterator> index;
   std::unordered_set<int64_t> dirty;
   size_t bytes = 0, dirty_bytes = 0;
+  size_t pinned_bytes = 0;                         // of the pinned entries
   std::map<std::string, std::string> staged_meta;  // set_meta() not yet handed off
   // Handed off, oldest first; the background thread writes the front. A batch
   // stays at the front while it is written (`writing`) and after a failure.
@@ -204,6 +206,25 @@ struct ClientStateStore::Impl {
   }
 
   void touch(std::list<Entry>::iterator it) { lru.splice(lru.begin(), lru, it); }
+
+  void unpin(Entry& e) {
+    if (!e.pinned) return;
+    e.pinned = false;
+    pinned_bytes -= e.bytes;
+    cv.notify_all();  // the prefetcher may go on
+  }
+
+  // Prefetching pauses while pinned states fill half the cache.
+  bool prefetch_room() const { return pinned_bytes < options.cache_bytes / 2; }
+
+  // Removes an entry from the cache (its state goes with the iterator's owner).
+  void erase_entry(std::list<Entry>::iterator it) {
+    unpin(*it);
+    mark_clean(*it);
+    bytes -= it->bytes;
+    index.erase(it->client);
+    lru.erase(it);
+  }
 
   void mark_clean(Entry& e) {
     if (!e.dirty) return;
@@ -301,6 +322,10 @@ struct ClientStateStore::Impl {
     auto it = lru.end();
     while (bytes > options.cache_bytes && it != lru.begin()) {
       auto victim = std::prev(it);
+      if (victim->pinned) {
+        it = victim;
+        continue;
+      }
       if (victim->dirty) {
         if (options.explicit_flush) {
           it = victim;
@@ -327,6 +352,7 @@ struct ClientStateStore::Impl {
     if (found != index.end()) {
       Entry& e = *found->second;
       const bool was_dirty = e.dirty;
+      unpin(e);
       mark_clean(e);
       bytes -= e.bytes;
       e.state = std::move(state);
@@ -351,7 +377,7 @@ struct ClientStateStore::Impl {
     std::unique_lock<std::mutex> lock(mu);
     for (;;) {
       cv.wait(lock, [&] {
-        return stop || !prefetch_ids.empty() || !graveyard.empty() ||
+        return stop || (!prefetch_ids.empty() && prefetch_room()) || !graveyard.empty() ||
                (!queue.empty() && !error &&
                 (queue.front().closed || queue.front().restart || !queue.front().todo.empty()));
       });
@@ -371,7 +397,7 @@ struct ClientStateStore::Impl {
         cv.notify_all();
         continue;
       }
-      if (!prefetch_ids.empty() && !stop) {
+      if (!prefetch_ids.empty() && prefetch_room() && !stop) {
         const int64_t id = prefetch_ids.front();
         prefetch_ids.pop_front();
         if (index.count(id) || unwritten(id) || options.cache_bytes == 0) continue;
@@ -387,6 +413,9 @@ struct ClientStateStore::Impl {
         lock.lock();
         if (s && !index.count(id) && !unwritten(id) && s->approx_bytes() <= options.cache_bytes) {
           insert(id, std::make_shared<const ClientState>(std::move(*s)), /*is_dirty=*/false);
+          Entry& e = *index.at(id);
+          e.pinned = true;  // kept until asked for: later prefetches and puts must not evict it
+          pinned_bytes += e.bytes;
           stats.prefetched += 1;
           evict(lock);
         }
@@ -543,6 +572,7 @@ std::optional<ClientState> ClientStateStore::get(int64_t client) {
   auto found = m.index.find(client);
   if (found != m.index.end()) {
     m.stats.hits += 1;
+    m.unpin(*found->second);
     m.touch(found->second);
     return found->second->state->deep_copy();
   }
@@ -560,6 +590,36 @@ std::optional<ClientState> ClientStateStore::get(int64_t client) {
   m.insert(client, std::make_shared<const ClientState>(std::move(state)), /*is_dirty=*/false);
   m.evict(lock);
   return copy;
+}
+
+std::optional<ClientState> ClientStateStore::take(int64_t client) {
+  std::unique_lock<std::mutex> lock(impl_->mu);
+  Impl& m = *impl_;
+  auto found = m.index.find(client);
+  if (found != m.index.end()) {
+    m.stats.hits += 1;
+    Impl::Entry& e = *found->second;
+    m.unpin(e);
+    // use_count 1: no hand-off, mark or writer holds this snapshot, so the
+    // database (or nothing, for a state never written) has what the cache
+    // held, and the tensors can change hands.
+    if (!e.dirty && e.state.use_count() == 1) {
+      Snapshot s = std::move(e.state);
+      m.erase_entry(found->second);
+      m.stats.taken += 1;
+      return std::move(const_cast<ClientState&>(*s));
+    }
+    m.touch(found->second);
+    return e.state->deep_copy();
+  }
+  if (Snapshot s = m.unwritten(client)) {
+    m.stats.hits += 1;
+    return s->deep_copy();
+  }
+  m.stats.misses += 1;
+  std::optional<std::string> blob = m.fg.read(client);
+  if (!blob) return std::nullopt;
+  return decode(m.path, client, *blob);
 }
 
 void ClientStateStore::put(int64_t client, const ClientState& state) {
@@ -625,10 +685,7 @@ void ClientStateStore::rollback_to_mark() {
     if (k != keep.end() && k->second == st) continue;
     auto it = m.index.find(id);
     if (it == m.index.end()) continue;
-    m.mark_clean(*it->second);
-    m.bytes -= it->second->bytes;
-    m.lru.erase(it->second);
-    m.index.erase(it);
+    m.erase_entry(it->second);
   }
   m.queued_bytes -= b.bytes;
   b.rows = std::move(keep);
@@ -663,6 +720,9 @@ void ClientStateStore::prefetch(const std::vector<int64_t>& clients) {
   if (!impl_->options.background) return;
   {
     std::lock_guard<std::mutex> lock(impl_->mu);
+    // A new hint replaces the old pins: states prefetched before and never
+    // asked for (a round given up) must not hold the cache for ever.
+    for (Impl::Entry& e : impl_->lru) impl_->unpin(e);
     impl_->prefetch_ids.insert(impl_->prefetch_ids.end(), clients.begin(), clients.end());
   }
   impl_->cv.notify_all();

@@ -67,6 +67,7 @@ class ClientStateStore {
     uint64_t transactions = 0;  // write-back transactions committed
     uint64_t evictions = 0;     // entries dropped from the cache
     uint64_t prefetched = 0;    // clients loaded into the cache by prefetch()
+    uint64_t taken = 0;         // take() answers handed over without a copy
   };
 
   // Creates or opens the database at `path` (WAL journal, synchronous=NORMAL)
@@ -89,6 +90,13 @@ class ClientStateStore {
   // The client's state, or nullopt when it has none. A row that does not
   // decode throws FormatError naming the client; the store stays usable.
   std::optional<ClientState> get(int64_t client);
+  // The same for a caller that gives the state back with put() (the
+  // simulator's worker): a cached state nothing else in the store refers to
+  // (not in an unwritten hand-off, not marked, not dirty) leaves the cache and
+  // is handed over without a copy; any other is copied as get() copies it. A
+  // state read from the database is handed over without being cached (the
+  // put() that follows caches it). The values returned equal get()'s.
+  std::optional<ClientState> take(int64_t client);
   // Replaces the client's state (in the cache; see write-back above). Throws
   // sparrow::Error, changing nothing, for a state serialize() would refuse
   // (with Options::encoding bf16: a residual or control bf16 cannot hold).
@@ -114,8 +122,11 @@ class ClientStateStore {
   // the two, or a rollback without a mark, is an Error.
   void mark();
   void rollback_to_mark();
-  // Background mode: loads these clients into the cache ahead of get(), as
-  // far as the cache has room. A hint: errors are ignored (get() reports them).
+  // Background mode: loads these clients into the cache ahead of get(), in
+  // order, as far as the cache has room: a prefetched state is not evicted
+  // until a get() or take() has asked for it, and prefetching pauses while
+  // such states fill half the cache (take() makes room again). A hint: errors
+  // are ignored (get() reports them).
   void prefetch(const std::vector<int64_t>& clients);
 
   // A small named value committed in the same transaction as the next

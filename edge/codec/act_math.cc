@@ -15,6 +15,7 @@
 
 #include "core/rng.h"
 #include "edge/codec/act_math.h"
+#include "kernels/cpu.h"
 
 namespace sparrow::edge::flat::detail {
 
@@ -29,13 +30,13 @@ void orthonormalize(float* a, int64_t n, int64_t r);
 
 namespace {
 
-// SPARROW_ACT_CODEC_ISA=baseline forces the baseline build (tests compare the two).
+// SPARROW_KERNELS=reference (kernels/cpu.h), or SPARROW_ACT_CODEC_ISA=baseline,
+// forces the baseline build (tests compare the two).
 bool pick_avx2() {
 #if defined(SPARROW_ACT_CODEC_AVX2)
   const char* isa = std::getenv("SPARROW_ACT_CODEC_ISA");
   if (isa != nullptr && std::strcmp(isa, "baseline") == 0) return false;
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return kernels::isa_enabled(kernels::Isa::kAvx2);
 #else
   return false;
 #endif

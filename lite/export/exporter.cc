@@ -1,16 +1,15 @@
 #include "lite/export/exporter.h"
 
 #include <torch/csrc/jit/ir/constants.h>
-#include <torch/csrc/jit/passes/constant_propagation.h>
-#include <torch/csrc/jit/passes/dead_code_elimination.h>
-#include <torch/csrc/jit/passes/inliner.h>
 #include <torch/script.h>
 
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <optional>
 #include <set>
 
+#include "batched/script_graph.h"
 #include "core/error.h"
 
 namespace sparrow::lite {
@@ -26,11 +25,10 @@ std::vector<float> flat(const at::Tensor& t) {
 
 Shape shape_of(const at::Tensor& t) { return t.sizes().vec(); }
 
-// Sparrow's name of a TorchScript model's tensor (core/models.h): '.' -> '_'.
-std::string flat_name(std::string dotted) {
-  std::replace(dotted.begin(), dotted.end(), '.', '_');
-  return dotted;
-}
+using batched::flat_name;
+using batched::OpKind;
+using batched::ScriptGraph;
+using batched::ScriptOp;
 
 // A LoRA layer found in the graph: the value it reads, its trainable A and
 // B (dotted paths) and its spec, frozen values included.
@@ -67,14 +65,10 @@ Exported with_values(ModelSpec spec, const std::map<std::string, at::Tensor>& we
 // What the graph walk knows about each op it meets.
 class GraphReader {
  public:
-  GraphReader(const torch::jit::Module& module, std::shared_ptr<torch::jit::Graph> graph)
-      : module_(module), graph_(std::move(graph)) {
-    // What the LibTorch side sends and aggregates is every parameter,
-    // requires_grad=False ones too (core/models.cc registers them all); only
-    // buffers stay out of the flat vector, so only buffers may be frozen here.
-    for (const auto& p : module_.named_parameters(/*recurse=*/true)) trainable_.push_back(p.name);
-    for (const auto& b : module_.named_buffers(/*recurse=*/true)) frozen_.insert(b.name);
-  }
+  // What the LibTorch side sends and aggregates is every parameter,
+  // requires_grad=False ones too (core/models.cc registers them all); only
+  // buffers stay out of the flat vector, so only buffers may be frozen here.
+  explicit GraphReader(const ScriptGraph& sg) : sg_(sg), graph_(sg.graph()), trainable_(sg.parameters()) {}
 
   Exported read(Shape input_shape) {
     const auto inputs = graph_->inputs();
@@ -118,52 +112,17 @@ class GraphReader {
     return s + "]";
   }
 
-  c10::IValue attr_at(const std::string& dotted) const {
-    torch::jit::Module m = module_;
-    size_t start = 0;
-    for (size_t dot; (dot = dotted.find('.', start)) != std::string::npos; start = dot + 1)
-      m = m.attr(dotted.substr(start, dot - start)).toModule();
-    return m.attr(dotted.substr(start));
-  }
-  at::Tensor tensor_at(const std::string& dotted) const { return attr_at(dotted).toTensor(); }
-
-  // Where in the module an op sits, for messages: "in 'fc1'" or "".
-  static std::string where(const Node* n) {
-    if (auto cs = n->callstack()) {
-      if (auto mi = (*cs)->module_instance()) return " (in module '" + mi->instance_name() + "')";
-    }
-    return "";
-  }
+  c10::IValue attr_at(const std::string& dotted) const { return sg_.attr_at(dotted); }
+  at::Tensor tensor_at(const std::string& dotted) const { return sg_.tensor_at(dotted); }
+  static std::string where(const Node* n) { return ScriptGraph::where(n); }
 
   [[noreturn]] void refuse(const Node* n, const std::string& why) const {
     throw ConfigError("lite export: unsupported layer " + std::string(n->kind().toQualString()) + where(n) + ": " +
                       why);
   }
 
-  // The dotted attribute path of a prim::GetAttr chain from the module
-  // itself; empty when v is not one.
-  std::string attr_path_of(const Value* v) const {
-    std::vector<std::string> parts;
-    while (v->node()->kind() == c10::prim::GetAttr) {
-      parts.push_back(v->node()->s(c10::attr::name));
-      v = v->node()->input(0);
-    }
-    if (v != graph_->inputs()[0] || parts.empty()) return "";
-    std::string s;
-    for (size_t i = parts.size(); i-- > 0;) s += parts[i] + (i ? "." : "");
-    return s;
-  }
-  std::string attr_path(const Value* v, const Node* user) const {
-    std::string s = attr_path_of(v);
-    if (s.empty()) refuse(user, "a weight that is no parameter of the module");
-    return s;
-  }
-
-  static bool is_none(const Value* v) {
-    if (v->type()->kind() == c10::TypeKind::NoneType) return true;
-    auto c = torch::jit::toIValue(v);
-    return c && c->isNone();
-  }
+  std::string attr_path_of(const Value* v) const { return sg_.attr_path_of(v); }
+  static bool is_none(const Value* v) { return ScriptGraph::is_none(v); }
   bool is_trainable(const std::string& path) const {
     return std::find(trainable_.begin(), trainable_.end(), path) != trainable_.end();
   }
@@ -246,7 +205,7 @@ class GraphReader {
     auto frozen_path = [&](const Value* v, const char* what) {
       const std::string path = attr_path_of(v);
       if (path.empty()) why(std::string("the base ") + what + " is no buffer of the module");
-      if (!frozen_.count(path))
+      if (!sg_.is_buffer(path))
         why(std::string("the base ") + what + " '" + path +
             "' must be a buffer (register_buffer): Sparrow trains and sends every parameter of a TorchScript "
             "model, requires_grad=False ones too, so a frozen parameter would be in the LibTorch client's "
@@ -292,31 +251,11 @@ class GraphReader {
     return FrozenTensor{flat_name(path), shape_of(t), std::make_shared<const std::vector<float>>(flat(t))};
   }
 
-  c10::IValue constant(const Node* n, size_t i, const char* what) const {
-    auto v = torch::jit::toIValue(n->input(i));
-    if (!v) refuse(n, std::string(what) + " is not a constant");
-    return *v;
-  }
-  std::pair<int64_t, int64_t> pair(const Node* n, size_t i, const char* what, int64_t if_empty = -1) const {
-    c10::IValue v = constant(n, i, what);
-    if (v.isInt()) return {v.toInt(), v.toInt()};
-    if (v.isIntList()) {
-      auto l = v.toIntVector();
-      if (l.empty() && if_empty >= 0) return {if_empty, if_empty};
-      if (l.size() == 1) return {l[0], l[0]};
-      if (l.size() == 2) return {l[0], l[1]};
-    }
-    refuse(n, std::string(what) + " must be an int or a pair");
-  }
-
-  // Adds a parameter read by input i (weight or bias); false when it is None.
-  bool param(const Node* n, size_t i, LayerSpec& l) {
-    const Value* v = n->input(i);
-    if (v->type()->kind() == c10::TypeKind::NoneType) return false;
-    auto c = torch::jit::toIValue(v);
-    if (c && c->isNone()) return false;
-    const std::string path = attr_path(v, n);
-    if (frozen_.count(path))
+  // Adds the parameter at `path` (a weight or bias the op reads); false
+  // when it is None ("").
+  bool param(const Node* n, const std::string& path, LayerSpec& l) {
+    if (path.empty()) return false;
+    if (sg_.is_buffer(path))
       refuse(n, "'" + path + "' is a buffer; the lite runtime keeps weights frozen only in LoRA layers");
     const at::Tensor t = tensor_at(path);
     l.param_names.push_back(flat_name(path));
@@ -351,119 +290,126 @@ class GraphReader {
       if (k.rfind("aten::", 0) == 0 || k.rfind("prim::", 0) == 0) return;  // shape arithmetic
       refuse(n, "an op the lite runtime does not know");
     }
-    LayerSpec l;
-    if (k == "aten::linear") {
-      l.kind = LayerKind::kLinear;
-      param(n, 1, l);
-      l.bias = param(n, 2, l) ? 1 : 0;
-      l.out = l.param_shapes[0][0];
-      l.in = l.param_shapes[0][1];
-    } else if (k == "aten::conv2d" || k == "aten::_convolution") {
-      l.kind = LayerKind::kConv2d;
-      param(n, 1, l);
-      l.bias = param(n, 2, l) ? 1 : 0;
-      const Shape& w = l.param_shapes[0];
-      if (w.size() != 4) refuse(n, "the weight is not 4-D");
-      l.out = w[0];
-      l.in = w[1];
-      l.kh = w[2];
-      l.kw = w[3];
-      std::tie(l.sh, l.sw) = pair(n, 3, "stride");
-      if (constant(n, 4, "padding").isString()) refuse(n, "padding given as a string ('same'/'valid')");
-      std::tie(l.ph, l.pw) = pair(n, 4, "padding");
-      if (pair(n, 5, "dilation") != std::pair<int64_t, int64_t>{1, 1}) refuse(n, "dilation other than 1");
-      if (k == "aten::_convolution") {
-        if (constant(n, 6, "transposed").toBool()) refuse(n, "transposed convolution");
-        if (constant(n, 8, "groups").toInt() != 1) refuse(n, "groups other than 1");
-      } else if (constant(n, 6, "groups").toInt() != 1) {
-        refuse(n, "groups other than 1");
-      }
-    } else if (k == "aten::relu" || k == "aten::relu_") {
-      l.kind = LayerKind::kRelu;
-    } else if (k == "aten::gelu" || k == "aten::gelu_") {
-      l.kind = LayerKind::kGelu;
-      if (n->inputs().size() > 1) {
-        const std::string a = constant(n, 1, "approximate").toStringRef();
-        if (a != "none" && a != "tanh") refuse(n, "approximate='" + a + "'");
-        l.flag = a == "tanh" ? 1 : 0;
-      }
-    } else if (k == "aten::max_pool2d" || k == "aten::avg_pool2d") {
-      const bool max = k == "aten::max_pool2d";
-      l.kind = max ? LayerKind::kMaxPool2d : LayerKind::kAvgPool2d;
-      std::tie(l.kh, l.kw) = pair(n, 1, "kernel_size");
-      std::tie(l.sh, l.sw) = pair(n, 2, "stride", 0);
-      if (l.sh == 0) std::tie(l.sh, l.sw) = std::make_pair(l.kh, l.kw);
-      std::tie(l.ph, l.pw) = pair(n, 3, "padding");
-      if (max) {
-        if (pair(n, 4, "dilation") != std::pair<int64_t, int64_t>{1, 1}) refuse(n, "dilation other than 1");
-        if (constant(n, 5, "ceil_mode").toBool()) refuse(n, "ceil_mode=True");
-      } else {
-        if (constant(n, 4, "ceil_mode").toBool()) refuse(n, "ceil_mode=True");
-        if (!constant(n, 5, "count_include_pad").toBool()) refuse(n, "count_include_pad=False");
-        if (!constant(n, 6, "divisor_override").isNone()) refuse(n, "divisor_override");
-      }
-    } else if (k == "aten::flatten") {
-      l.kind = LayerKind::kFlatten;
-      if (constant(n, 1, "start_dim").toInt() != 1 || constant(n, 2, "end_dim").toInt() != -1)
-        refuse(n, "only flatten(x, 1) (start_dim=1, end_dim=-1)");
-    } else if (k == "aten::reshape" || k == "aten::view") {
-      // x.reshape([x.size(0), -1]) is a Flatten; reshape to fixed dims is the input shape.
-      const Node* list = n->input(1)->node();
-      if (list->kind() != c10::prim::ListConstruct || list->inputs().size() < 2) refuse(n, "a reshape to a shape");
-      Shape dims;
-      for (size_t i = 1; i < list->inputs().size(); ++i) {
-        auto v = torch::jit::toIValue(list->input(i));
-        if (!v || !v->isInt()) refuse(n, "a reshape to a shape that is not constant");
-        dims.push_back(v->toInt());
-      }
-      if (dims == Shape{-1}) {
-        l.kind = LayerKind::kFlatten;
-      } else if (spec_.layers.empty() && std::all_of(dims.begin(), dims.end(), [](int64_t d) { return d > 0; })) {
-        first_shape_ = dims;  // the model's own view of its input
-        current_ = n->output(0);
-        return;
-      } else {
-        refuse(n, "a reshape other than to [batch, -1] or, first, to the input shape");
-      }
-    } else if (k == "aten::dropout" || k == "aten::dropout_" || k == "aten::feature_dropout") {
-      if (k == "aten::feature_dropout") refuse(n, "channel dropout (Dropout2d)");
-      l.kind = LayerKind::kDropout;
-      l.p = static_cast<float>(constant(n, 1, "p").toDouble());
-    } else if (k == "aten::layer_norm") {
-      l.kind = LayerKind::kLayerNorm;
-      const auto shape = constant(n, 1, "normalized_shape").toIntVector();
-      l.in = 1;
-      for (int64_t d : shape) l.in *= d;
-      const bool w = param(n, 2, l), b = param(n, 3, l);
-      if (w != b) refuse(n, "a weight without a bias or the reverse");
-      l.bias = w ? 1 : 0;
-      l.eps = static_cast<float>(constant(n, 4, "eps").toDouble());
-    } else if (k == "aten::embedding") {
-      if (n->input(1) != current_) refuse(n, "the data is not the indices");
-      l.kind = LayerKind::kEmbedding;
-      param(n, 0, l);
-      if (constant(n, 2, "padding_idx").toInt() != -1) refuse(n, "padding_idx");
-      if (constant(n, 3, "scale_grad_by_freq").toBool()) refuse(n, "scale_grad_by_freq");
-      l.in = l.param_shapes[0][0];
-      l.out = l.param_shapes[0][1];
-      if (!spec_.layers.empty()) refuse(n, "an embedding that is not the first layer");
-      first_shape_.clear();
-    } else if (k == "aten::to" || k == "aten::long" || k == "aten::contiguous" || k == "aten::clone") {
-      current_ = n->output(0);  // a dtype or layout change: the runtime's data are floats throughout
-      return;
-    } else {
+    // The ops the lite runtime runs (the batched program runs more).
+    static const std::set<OpKind> kLite = {OpKind::kLinear,    OpKind::kConv2d,    OpKind::kRelu,
+                                           OpKind::kGelu,      OpKind::kMaxPool2d, OpKind::kAvgPool2d,
+                                           OpKind::kFlatten,   OpKind::kReshape,   OpKind::kDropout,
+                                           OpKind::kLayerNorm, OpKind::kEmbedding, OpKind::kIdentity};
+    const std::optional<OpKind> kind = ScriptGraph::kind_of(n);
+    if (!kind || !kLite.count(*kind))
       refuse(n,
              "not one of linear, conv2d, relu, gelu, max_pool2d, avg_pool2d, flatten, dropout, layer_norm, "
              "embedding");
+    if (*kind == OpKind::kIdentity) {
+      current_ = n->output(0);  // a dtype or layout change: the runtime's data are floats throughout
+      return;
+    }
+    ScriptOp op;
+    try {
+      op = sg_.decode(n);
+    } catch (const batched::Unsupported& e) {
+      refuse(n, e.why());
+    }
+    LayerSpec l;
+    switch (op.kind) {
+      case OpKind::kLinear:
+        l.kind = LayerKind::kLinear;
+        param(n, op.tensors[0], l);
+        l.bias = param(n, op.tensors[1], l) ? 1 : 0;
+        l.out = l.param_shapes[0][0];
+        l.in = l.param_shapes[0][1];
+        break;
+      case OpKind::kConv2d: {
+        l.kind = LayerKind::kConv2d;
+        param(n, op.tensors[0], l);
+        l.bias = param(n, op.tensors[1], l) ? 1 : 0;
+        const Shape& w = l.param_shapes[0];
+        if (w.size() != 4) refuse(n, "the weight is not 4-D");
+        l.out = w[0];
+        l.in = w[1];
+        l.kh = w[2];
+        l.kw = w[3];
+        std::tie(l.sh, l.sw) = std::make_pair(op.stride[0], op.stride[1]);
+        if (op.padding_string) refuse(n, "padding given as a string ('same'/'valid')");
+        std::tie(l.ph, l.pw) = std::make_pair(op.padding[0], op.padding[1]);
+        if (op.dilation != std::array<int64_t, 2>{1, 1}) refuse(n, "dilation other than 1");
+        if (op.transposed) refuse(n, "transposed convolution");
+        if (op.groups != 1) refuse(n, "groups other than 1");
+        break;
+      }
+      case OpKind::kRelu:
+        l.kind = LayerKind::kRelu;
+        break;
+      case OpKind::kGelu:
+        l.kind = LayerKind::kGelu;
+        l.flag = op.flag ? 1 : 0;
+        break;
+      case OpKind::kMaxPool2d:
+      case OpKind::kAvgPool2d: {
+        const bool max = op.kind == OpKind::kMaxPool2d;
+        l.kind = max ? LayerKind::kMaxPool2d : LayerKind::kAvgPool2d;
+        std::tie(l.kh, l.kw) = std::make_pair(op.kernel[0], op.kernel[1]);
+        std::tie(l.sh, l.sw) = std::make_pair(op.stride[0], op.stride[1]);
+        std::tie(l.ph, l.pw) = std::make_pair(op.padding[0], op.padding[1]);
+        if (max && op.dilation != std::array<int64_t, 2>{1, 1}) refuse(n, "dilation other than 1");
+        if (op.ceil_mode) refuse(n, "ceil_mode=True");
+        if (!max && !op.count_include_pad) refuse(n, "count_include_pad=False");
+        if (!max && op.divisor_override) refuse(n, "divisor_override");
+        break;
+      }
+      case OpKind::kFlatten:
+        l.kind = LayerKind::kFlatten;
+        if (op.start_dim != 1 || op.end_dim != -1) refuse(n, "only flatten(x, 1) (start_dim=1, end_dim=-1)");
+        break;
+      case OpKind::kReshape:
+        // x.reshape([x.size(0), -1]) is a Flatten; reshape to fixed dims is the input shape.
+        if (op.shape == Shape{-1}) {
+          l.kind = LayerKind::kFlatten;
+        } else if (spec_.layers.empty() &&
+                   std::all_of(op.shape.begin(), op.shape.end(), [](int64_t d) { return d > 0; })) {
+          first_shape_ = op.shape;  // the model's own view of its input
+          current_ = n->output(0);
+          return;
+        } else {
+          refuse(n, "a reshape other than to [batch, -1] or, first, to the input shape");
+        }
+        break;
+      case OpKind::kDropout:
+        if (op.feature) refuse(n, "channel dropout (Dropout2d)");
+        l.kind = LayerKind::kDropout;
+        l.p = static_cast<float>(op.p);
+        break;
+      case OpKind::kLayerNorm: {
+        l.kind = LayerKind::kLayerNorm;
+        l.in = 1;
+        for (int64_t d : op.shape) l.in *= d;
+        const bool w = param(n, op.tensors[0], l), b = param(n, op.tensors[1], l);
+        if (w != b) refuse(n, "a weight without a bias or the reverse");
+        l.bias = w ? 1 : 0;
+        l.eps = static_cast<float>(op.eps);
+        break;
+      }
+      case OpKind::kEmbedding:
+        if (n->input(1) != current_) refuse(n, "the data is not the indices");
+        l.kind = LayerKind::kEmbedding;
+        param(n, op.tensors[0], l);
+        if (op.padding_idx != -1) refuse(n, "padding_idx");
+        if (op.flag) refuse(n, "scale_grad_by_freq");
+        l.in = l.param_shapes[0][0];
+        l.out = l.param_shapes[0][1];
+        if (!spec_.layers.empty()) refuse(n, "an embedding that is not the first layer");
+        first_shape_.clear();
+        break;
+      default:
+        break;
     }
     if (n->input(0) != current_ && k != "aten::embedding") refuse(n, "its input is not the previous layer's output");
     add(n, std::move(l));
   }
 
-  const torch::jit::Module& module_;
+  const ScriptGraph& sg_;
   std::shared_ptr<torch::jit::Graph> graph_;
   std::vector<std::string> trainable_;  // the parameters, dotted, in registration order
-  std::set<std::string> frozen_;        // the buffers, dotted
   std::map<const Node*, Lora> lora_;    // by the add that ends the pattern
   std::set<const Node*> lora_inner_;    // the pattern's other ops
   ModelSpec spec_;
@@ -489,21 +435,18 @@ Exported export_builtin(const std::string& name, const std::map<std::string, at:
 }
 
 Exported export_torchscript(const torch::jit::Module& module, Shape input_shape) {
-  std::shared_ptr<torch::jit::Graph> g;
+  std::unique_ptr<ScriptGraph> sg;
   try {
-    g = module.get_method("forward").graph()->copy();
-  } catch (const c10::Error&) {
-    throw ConfigError("lite export: the TorchScript module has no forward method");
+    sg = std::make_unique<ScriptGraph>(module, /*training=*/false);
+  } catch (const ConfigError& e) {
+    throw ConfigError(std::string("lite export: ") + e.what());
   }
-  torch::jit::Inline(*g);
-  torch::jit::ConstantPropagation(g);
-  torch::jit::EliminateDeadCode(g);
-  for (Node* n : g->nodes()) {
+  for (Node* n : sg->graph()->nodes()) {
     SPARROW_CHECK_T(ConfigError, n->blocks().empty(),
                     "lite export: forward has control flow (" << n->kind().toQualString()
                                                               << "); the lite runtime runs a fixed chain of layers");
   }
-  return GraphReader(module, g).read(std::move(input_shape));
+  return GraphReader(*sg).read(std::move(input_shape));
 }
 
 Exported export_torchscript_file(const std::string& path, Shape input_shape) {

@@ -658,3 +658,74 @@ TEST_CASE("aggregator: tcs share=mean averages each mask position over the updat
   only.add(clients[1].update, 2.0, plain);
   CHECK(identical(empty_share.mean(), only.mean()));
 }
+
+TEST_CASE("aggregator: tcs mask=all, share=mean averages every position over the updates that carried it") {
+  // No mask in the contexts (the server broadcasts none for mask=all): each
+  // update's share is a seeded 40% of all positions.
+  ContextMap ctxs;
+  for (const auto& [name, shape] : kModel) {
+    Context c;
+    c.name = name;
+    c.seed = 9;
+    c.round = 2;
+    c.share_mean = true;
+    ctxs[name] = c;
+  }
+  auto codec = make_compressor("tcs:mask=all,keep=0.4,share=mean,ef=0,values=fp32");
+  CHECK(codec->mask_ratio() == 0.0);
+  at::manual_seed(23);
+  std::vector<Client> clients;
+  for (int i = 0; i < 4; ++i) {
+    Client cl;
+    cl.weight = 1.0 + i;
+    for (const auto& [name, shape] : kModel) {
+      State st;
+      cl.x[name] = at::randn(shape);
+      cl.update.emplace_back(name, codec->encode(cl.x[name], st, ctxs.at(name)));
+    }
+    clients.push_back(std::move(cl));
+  }
+  // By hand: per position, the weighted mean of the values of the updates
+  // whose share holds it (the share is seeded_indices of all positions), 0 where none does.
+  std::map<std::string, at::Tensor> want;
+  int64_t uncarried = 0, several = 0;
+  for (const auto& [name, shape] : kModel) {
+    const at::Tensor proto = at::zeros(shape, at::kDouble);
+    const int64_t n = proto.numel();
+    at::Tensor sum = at::zeros({n}, at::kDouble), carried = at::zeros({n}, at::kDouble);
+    for (const auto& cl : clients) {
+      for (const auto& [nm, e] : cl.update) {
+        if (nm != name) continue;
+        REQUIRE(e.params.size() == 4);
+        CHECK(e.params[1] == static_cast<uint32_t>(n));
+        const at::Tensor x = cl.x.at(name).reshape({-1}).to(at::kDouble);
+        for (const int64_t j : sparrow::compression::detail::seeded_indices(e.seed, e.params[3], n)) {
+          sum[j] += x[j] * cl.weight;
+          carried[j] += cl.weight;
+        }
+      }
+    }
+    want[name] = at::where(carried.gt(0), sum / carried.clamp_min(1e-30), at::zeros({n}, at::kDouble))
+                     .reshape(shape)
+                     .to(at::kFloat);
+    uncarried += carried.eq(0).sum().item<int64_t>();
+    several += carried.gt(4).sum().item<int64_t>();
+  }
+  CHECK(uncarried > 0);
+  CHECK(several > 0);
+  StreamingAggregator flat(kModel);
+  for (const auto& cl : clients) flat.add(cl.update, cl.weight, ctxs);
+  check_close(flat.mean(), want);
+  // Partials merged equal the flat aggregate.
+  StreamingAggregator a(kModel), b(kModel), merged(kModel);
+  for (size_t i = 0; i < clients.size(); ++i) (i < 2 ? a : b).add(clients[i].update, clients[i].weight, ctxs);
+  merged.merge(a);
+  merged.merge(b);
+  check_close(merged.mean(), flat.mean(), 1e-6);
+  // A round with a step mask refuses a mask=all update (it was made for every position).
+  ContextMap masked = ctxs;
+  masked.at("bias").mask = at::arange(0, 24, 3, at::TensorOptions().dtype(at::kLong));
+  StreamingAggregator refused(kModel);
+  CHECK_THROWS_AS(refused.add(clients[0].update, 1.0, masked), sparrow::FormatError);
+  CHECK(refused.count() == 0);
+}

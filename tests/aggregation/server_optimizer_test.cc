@@ -169,6 +169,72 @@ TEST_CASE("server optimizer: fedtopk applies the k largest of the error-compensa
   CHECK_THROWS_AS(ServerOptimizer{"fedtopk:momentum=1"}, sparrow::ConfigError);
 }
 
+TEST_CASE("server optimizer: fedtopk values=sign steps by ±mu on the k largest and keeps the rest in the error") {
+  ServerOptimizer opt("fedtopk:ratio=0.5,values=sign");
+  Weights w{{"a", at::zeros({4})}};
+  opt.step(w, {{"a", at::tensor({1.0f, -3.0f, 0.5f, 2.0f})}});
+  // k = 2: positions 1 and 3, mu = (3 + 2) / 2 = 2.5, signs kept.
+  CHECK(at::equal(w.at("a"), at::tensor({0.0f, -2.5f, 0.0f, 2.5f})));
+  // The error keeps the unsent entries and the quantisation error of the sent ones.
+  CHECK(at::allclose(opt.second_moment("a"), at::tensor({1.0f, -0.5f, 0.5f, -0.5f})));
+  // mu's mantissa is rounded to 8 bits: (1 + 1/1024 + 1) / 2 is sent as 1, so
+  // w ± mu stays exact and the broadcast can follow W bit for bit.
+  ServerOptimizer r("fedtopk:ratio=0.5,values=sign");
+  Weights q{{"a", at::full({4}, 0.1f)}};
+  r.step(q, {{"a", at::tensor({1.0f + 1.0f / 1024, 0.0f, 0.0f, -1.0f})}});
+  CHECK(at::equal(q.at("a"), at::tensor({1.1f, 0.1f, 0.1f, 0.1f - 1.0f})));
+  // Exact zeros among the k largest are not sent (they would move by +mu).
+  ServerOptimizer z("fedtopk:ratio=0.75,values=sign");
+  Weights v{{"a", at::zeros({4})}};
+  z.step(v, {{"a", at::tensor({0.0f, -4.0f, 0.0f, 2.0f})}});
+  CHECK(at::equal(v.at("a"), at::tensor({0.0f, -3.0f, 0.0f, 3.0f})));
+  // Over many steps the model plus the error is the sum of the steps, and each
+  // step moves at most k positions by one magnitude.
+  ServerOptimizer big("fedtopk:ratio=0.1,lr=0.5,values=sign");
+  Weights x = random_weights(5);
+  const Weights x0 = clone(x);
+  Weights sum{{"a", at::zeros({5, 7})}, {"b", at::zeros({11})}};
+  for (int t = 0; t < 20; ++t) {
+    Weights d = random_weights(300 + t, 0.1);
+    for (auto& [k, t2] : sum) t2 += d.at(k);
+    const Weights before = clone(x);
+    big.step(x, d);
+    const at::Tensor moved = (x.at("a") - before.at("a")).abs();
+    const at::Tensor nz = moved.masked_select(moved > 0);
+    CHECK(nz.numel() <= 4);
+    if (nz.numel() > 1) CHECK(at::allclose(nz, at::full_like(nz, nz[0].item<float>()), 1e-4, 1e-6));
+  }
+  for (const auto& [k, t2] : x) CHECK(at::allclose(t2 - x0.at(k) + big.second_moment(k), sum.at(k) * 0.5, 1e-4, 1e-5));
+  CHECK_THROWS_AS(ServerOptimizer{"fedtopk:values=int8"}, sparrow::ConfigError);
+}
+
+TEST_CASE("server optimizer: fedtopk scope=model picks one k over the whole model") {
+  // k = ceil(0.25 · 8) = 2 over both tensors: the two largest are both in a,
+  // so b does not move (per tensor, b would get its own ceil(0.25 · 4) = 1).
+  const Weights d{{"a", at::tensor({6.0f, -3.0f, 0.1f, 0.2f})}, {"b", at::tensor({2.0f, 0.5f, 0.0f, 0.0f})}};
+  ServerOptimizer g("fedtopk:ratio=0.25,scope=model");
+  Weights w{{"a", at::zeros({4})}, {"b", at::zeros({4})}};
+  g.step(w, d);
+  CHECK(at::equal(w.at("a"), at::tensor({6.0f, -3.0f, 0.0f, 0.0f})));
+  CHECK(at::equal(w.at("b"), at::zeros({4})));
+  CHECK(at::equal(g.second_moment("b"), d.at("b")));
+  ServerOptimizer t("fedtopk:ratio=0.25");
+  Weights x{{"a", at::zeros({4})}, {"b", at::zeros({4})}};
+  t.step(x, d);
+  CHECK(at::equal(x.at("b"), at::tensor({2.0f, 0.0f, 0.0f, 0.0f})));
+  // Ternary, a magnitude per tensor: a moves by ±4.5 and keeps 1.5 at both
+  // positions in its error; the next step sends b's 2 (the model's largest).
+  ServerOptimizer gs("fedtopk:ratio=0.25,scope=model,values=sign");
+  Weights y{{"a", at::zeros({4})}, {"b", at::zeros({4})}};
+  gs.step(y, d);
+  CHECK(at::equal(y.at("a"), at::tensor({4.5f, -4.5f, 0.0f, 0.0f})));
+  CHECK(at::equal(y.at("b"), at::zeros({4})));
+  gs.step(y, {{"a", at::zeros({4})}, {"b", at::zeros({4})}});
+  CHECK(at::equal(y.at("b"), at::tensor({2.0f, 0.0f, 0.0f, 0.0f})));
+  CHECK((y.at("a") != at::tensor({4.5f, -4.5f, 0.0f, 0.0f})).sum().item<int64_t>() == 1);
+  CHECK_THROWS_AS(ServerOptimizer{"fedtopk:scope=layer"}, sparrow::ConfigError);
+}
+
 TEST_CASE("server optimizer: fedlowrank steps by a rank-R PowerSGD approximation with error feedback") {
   // A rank-1 delta is recovered exactly by one warm-started power step at rank 1.
   const at::Tensor u = at::tensor({1.0f, -2.0f, 0.5f, 3.0f, 1.5f, -1.0f}),

@@ -137,6 +137,8 @@ const std::vector<std::string>& specs() {
       "tcs:ratio=0.1,keep=0.3,values=sign,ef=0",
       "tcs:ratio=0.1,keep=0.5,share=mean,values=int8,block=16,decay=0.5,max_age=2",
       "tcs:ratio=0.05,values=fp16",
+      "tcs:mask=all,keep=0.09,share=mean,values=sign,ef=0",
+      "tcs:mask=all,keep=0.3,values=int8,block=64",
   };
   return s;
 }
@@ -155,7 +157,7 @@ TEST_CASE("flat codecs: every registered method runs without LibTorch, unknown o
   CHECK(error_of([] { fl::make_codec("bogus"); }).rfind("ConfigError: unknown compression method 'bogus'", 0) == 0);
   // Bad keys and values: the LibTorch registry's very messages.
   for (const char* spec : {"topk:ratio=2", "topk:foo=1", "dgc:momentum=1", "qsgd", "qsgd:levels=0", "threshold",
-                           "tcs:share=mean", "stc:values=sign,decay=2", "sign:ef=maybe"}) {
+                           "tcs:share=mean", "tcs:mask=all,extra=0.1", "stc:values=sign,decay=2", "sign:ef=maybe"}) {
     INFO(spec);
     const std::string flat = error_of([&] { fl::make_codec(spec); });
     CHECK(!flat.empty());

@@ -446,3 +446,54 @@ TEST_CASE("tcs keep=P, share=mean: the share goes unscaled and asks the aggregat
   CHECK_THROWS_AS(make_compressor("tcs:ratio=0.05,share=mean"), ConfigError);  // keep=1: nothing to average
   CHECK_THROWS_AS(make_compressor("tcs:ratio=0.05,keep=0.5,share=median"), ConfigError);
 }
+
+TEST_CASE("tcs mask=all: a seeded share of every position, whatever the last step, with no mask on the wire") {
+  auto c = make_compressor("tcs:mask=all,keep=0.2,share=mean,ef=0,values=sign");
+  CHECK(c->mask_ratio() == 0.0);  // the server keeps and broadcasts no mask
+  CHECK(c->share_mean());
+  const int64_t n = 1000;
+  const at::Tensor x = randn(n, 71);
+  // The same update with no mask in ctx, or with a step mask the codec ignores.
+  State s1, s2;
+  const Encoded a = c->encode(x, s1, with_mask({}));
+  const Encoded b = c->encode(x, s2, with_mask(positions({1, 7, 300})));
+  REQUIRE(a.params.size() == 4);
+  CHECK(a.params[1] == static_cast<uint32_t>(n));  // the mask is every position
+  CHECK(a.params[3] == 200u);                      // ceil(0.2 n) of them
+  CHECK(a.count == 200u);                          // and no own positions: none lies outside
+  CHECK(a.indices.empty());                        // no position bits of any kind
+  CHECK(a.values.size() == 200u / 8);              // one sign bit per kept position
+  CHECK(a.params == b.params);
+  CHECK(a.seed == b.seed);
+  CHECK(a.values == b.values);
+  CHECK(a.scales == b.scales);
+  // Decoded without any mask: the kept positions are the seeded entries of 0..n-1.
+  const std::vector<int64_t> idx = cd::decode_masked_indices(a, with_mask({}));
+  CHECK(idx == cd::seeded_indices(a.seed, 200, n));
+  const at::Tensor d = decode(a, with_mask({}));
+  const std::set<int64_t> kept(idx.begin(), idx.end());
+  const float mu = a.scales[0];
+  CHECK(mu > 0.0f);
+  for (int64_t i = 0; i < n; ++i) {
+    const float xi = x[i].item<float>(), di = d[i].item<float>();
+    if (kept.count(i))
+      CHECK(di == (xi < 0.0f ? -mu : mu));
+    else
+      CHECK(di == 0.0f);
+  }
+  // A round whose mask is a step's refuses it, and a step-mask update still needs its mask.
+  CHECK_THROWS_AS(decode(a, with_mask(positions({1, 7, 300}))), FormatError);
+  State s3;
+  const Encoded step =
+      make_compressor("tcs:ratio=0.05,keep=0.5,ef=0")->encode(x, s3, with_mask(positions({1, 7, 300})));
+  CHECK_THROWS_AS(decode(step, with_mask({})), FormatError);
+  // keep=1 sends every position, still without position bits; error feedback works as with a step mask.
+  auto whole = make_compressor("tcs:mask=all,values=fp32");
+  State s4;
+  const Encoded w = whole->encode(x, s4, with_mask({}));
+  CHECK(w.indices.empty());
+  CHECK(at::equal(decode(w, with_mask({})), x));
+  CHECK_THROWS_AS(make_compressor("tcs:mask=all,ratio=0.5"), ConfigError);
+  CHECK_THROWS_AS(make_compressor("tcs:mask=all,extra=0.001"), ConfigError);
+  CHECK_THROWS_AS(make_compressor("tcs:mask=some"), ConfigError);
+}

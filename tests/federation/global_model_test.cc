@@ -4,7 +4,9 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cstring>
+#include <string>
 #include <limits>
 
 #include "aggregation/aggregator.h"
@@ -109,4 +111,64 @@ TEST_CASE("downlink: B moves by the decoded C_r, and B equals W for a lossless c
   for (const auto& [n, e] : r.downlink) compression::decode_add(e, b.at(n), 1.0f);
   for (const auto& [n, v] : b) CHECK(at::equal(v, gm.broadcast().at(n)));
   CHECK_FALSE(at::equal(gm.broadcast().at("a"), gm.weights().at("a")));  // top half only
+}
+
+TEST_CASE("downlink: a ternary fedtopk step with stc at its ratio keeps B at W") {
+  // The server's step is ±mu on k positions: stc at the same ratio encodes
+  // it without loss, so clients train from the model itself (no lag); with
+  // fp32 values the same downlink lags W.
+  for (const bool sign : {true, false}) {
+    CAPTURE(sign);
+    GlobalConfig gc;
+    gc.server_optimizer = std::string("fedtopk:ratio=0.34,momentum=0.5") + (sign ? ",values=sign" : "");
+    gc.downlink = "stc:ratio=0.34";
+    GlobalModel gm(gc, zeros(), {"a", "b"});
+    aggregation::Aggregator aggr("mean", "none", 1, 1);
+    aggregation::Accumulator acc = aggr.make_accumulator(kShapes);
+    at::manual_seed(7);
+    float gap = 0;
+    for (uint64_t r = 1; r <= 6; ++r) {
+      acc.reset(aggr.clip());
+      acc.add({{"a", dense(at::randn({2, 3}))}, {"b", dense(at::randn({3}))}}, 1.0);
+      const federation::StepResult res = gm.step(aggr, acc, {}, r, 1.0);
+      REQUIRE(res.applied);
+      for (const auto& n : gm.names())
+        gap = std::max(gap, (gm.weights().at(n) - gm.broadcast().at(n)).abs().max().item<float>());
+      // Each step moves at most k = 3 of a's 6 and 2 of b's 3 positions.
+      CHECK(res.downlink[0].second.count <= 3);
+    }
+    if (sign)
+      CHECK(gap <= 1e-6f);
+    else
+      CHECK(gap > 1e-3f);
+  }
+}
+
+TEST_CASE("downlink: a tensor the step leaves unchanged is not sent, one tensor always is") {
+  // scope=model with k = 1 of 9 positions: only a's largest moves, so C_r
+  // names a alone; B still equals W.
+  GlobalConfig gc;
+  gc.server_optimizer = "fedtopk:ratio=0.1,scope=model,values=sign";
+  gc.downlink = "stc:ratio=1";
+  GlobalModel gm(gc, zeros(), {"a", "b"});
+  aggregation::Aggregator aggr("mean", "none", 1, 1);
+  aggregation::Accumulator acc = aggr.make_accumulator(kShapes);
+  acc.reset(aggr.clip());
+  acc.add({{"a", dense(at::tensor({0.0f, 0.0f, 3.0f, 0.0f, 0.0f, 0.0f}).reshape({2, 3}))},
+           {"b", dense(at::tensor({0.5f, 0.0f, 0.0f}))}},
+          1.0);
+  federation::StepResult r = gm.step(aggr, acc, {}, 1, 1.0);
+  REQUIRE(r.applied);
+  REQUIRE(r.downlink.size() == 1);
+  CHECK(r.downlink[0].first == "a");
+  for (const auto& n : gm.names()) CHECK(at::equal(gm.weights().at(n), gm.broadcast().at(n)));
+  // A step that moves nothing (a zero aggregate) still sends one tensor.
+  GlobalConfig gz;
+  gz.downlink = "stc:ratio=0.5";
+  GlobalModel gm2(gz, zeros(), {"a", "b"});
+  acc.reset(aggr.clip());
+  acc.add(update(0.0f, 0.0f), 1.0);
+  r = gm2.step(aggr, acc, {}, 1, 1.0);
+  REQUIRE(r.applied);
+  CHECK(r.downlink.size() == 1);
 }

@@ -16,21 +16,12 @@
 #
 #   edge_lite_test.sh BUILD_DIR      (SPARROW_TEST_KEEP=1 keeps the run folder)
 set -euo pipefail
+test_name=edge_lite
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 build=$(cd "$1" && pwd)
 bin="$build/bin"
-work=$(mktemp -d "${TMPDIR:-/tmp}/sparrow-edge-lite.XXXXXX")
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-  if [[ -n "${SPARROW_TEST_KEEP:-}" ]]; then echo "edge_lite: kept $work"; else rm -rf "$work"; fi
-}
-trap cleanup EXIT
+start_work
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
-
-fail() {
-  echo "edge_lite: FAIL: $*" >&2
-  exit 1
-}
 
 for b in sparrow-edge sparrow-edge-lite sparrow-lite-export; do
   [[ -x "$bin/$b" ]] || fail "$bin/$b is not built"
@@ -41,62 +32,16 @@ fi
 
 # The device's data folder: x.npy float32 [512, 784], y.npy int64, and a
 # test split test/x.npy + test/y.npy of 64 samples (ten Gaussian classes).
-python3 - "$work/data" <<'PY'
-import array, os, random, struct, sys
-root = sys.argv[1]
-def npy(path, descr, shape, payload):
-    h = "{'descr': '%s', 'fortran_order': False, 'shape': (%s), }" % (descr, ", ".join(map(str, shape)) + ("," if len(shape) == 1 else ""))
-    h += " " * ((64 - (10 + len(h) + 1) % 64) % 64) + "\n"
-    with open(path, "wb") as f:
-        f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(h)) + h.encode() + payload)
-rng = random.Random(7)
-means = [[rng.gauss(0, 1) for _ in range(784)] for _ in range(10)]
-for d, n in ((root, 512), (os.path.join(root, "test"), 64)):
-    os.makedirs(d)
-    y = [rng.randrange(10) for _ in range(n)]
-    x = array.array("f")
-    for label in y:
-        x.extend(means[label][j] + rng.gauss(0, 1.5) for j in range(784))
-    npy(os.path.join(d, "x.npy"), "<f4", (n, 784), x.tobytes())
-    npy(os.path.join(d, "y.npy"), "<i8", (n,), struct.pack("<%dq" % n, *y))
-PY
+gaussian_folders "$work/data:512" "$work/data/test:64"
 "$bin/sparrow-lite-export" --model mlp --seed 7 -o "$work/init.lite" > "$work/export.log" 2>&1 ||
   { cat "$work/export.log" >&2; fail "sparrow-lite-export failed"; }
 
-wait_log() {  # FILE PATTERN SECONDS
-  local end=$((SECONDS + $3))
-  while ! grep -q -- "$2" "$1" 2>/dev/null; do
-    ((SECONDS < end)) || return 1
-    sleep 0.1
-  done
-}
-
-cloud=""
-cloud_endpoint=""
-start_cloud() {  # NAME [--set k=v]...: a fresh cloud (in memory) -> $cloud (pid), $cloud_endpoint
-  local dir="$work/$1"
-  shift
-  mkdir -p "$dir"
-  cat > "$dir/cloud.toml" <<TOML
-listen = "tcp://127.0.0.1:*"
-state = ""
-model = "mlp"
-cut = "fc1"
-seed = 7
-lr = 0.05
-momentum = 0.9
-grad_norm_factor = 0
-threads = 1
-TOML
-  "$bin/sparrow-edge" serve --config "$dir/cloud.toml" --insecure "$@" > "$dir/cloud.log" 2>&1 &
-  cloud=$!
-  pids+=("$cloud")
-  wait_log "$dir/cloud.log" "event=listening" 60 || { cat "$dir/cloud.log" >&2; fail "$dir: the cloud did not start"; }
-  cloud_endpoint=$(grep -o 'endpoint=tcp://[0-9.:]*' "$dir/cloud.log" | head -1 | cut -d= -f2)
+start_cloud() {  # NAME [--set k=v]...: a fresh cloud (in memory) in $work/NAME -> $cloud_pid, $cloud_endpoint
+  start_split_cloud "$work/$1" "${@:2}"
 }
 stop_cloud() {
-  kill "$cloud" 2>/dev/null || true
-  wait "$cloud" 2>/dev/null || true
+  kill "$cloud_pid" 2>/dev/null || true
+  wait "$cloud_pid" 2>/dev/null || true
 }
 
 write_device() {  # DIR ENDPOINT CODEC STEPS: the device config both devices take

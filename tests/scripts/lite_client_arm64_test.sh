@@ -29,15 +29,13 @@
 # Installs nothing: exits 77 (CTest: skipped) without the cross compiler,
 # qemu-user or the arm64 libraries; scripts/setup.sh --arm64 installs them.
 set -euo pipefail
+test_name=lite_client_arm64
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 src=$(cd "$1" && pwd)
 build=$(cd "$2" && pwd)
 bin=$build/bin
 arm=${SPARROW_ARM64_BUILD_DIR:-$src/build-arm64}
-say() { echo "lite_client_arm64: $*"; }
-fail() {
-  echo "lite_client_arm64: FAIL: $*" >&2
-  exit 1
-}
+say() { echo "$test_name: $*"; }
 
 for tool in aarch64-linux-gnu-g++ aarch64-linux-gnu-readelf qemu-aarch64; do
   if ! command -v "$tool" >/dev/null; then
@@ -140,18 +138,10 @@ cd "$work"
 "$bin/sparrow-lite-export" --model mlp --seed 1 -o mlp.lite >/dev/null
 # Each client's own 256 Fashion-MNIST training images (x/255, float32 [256, 784])
 # and labels, as the x.npy + y.npy folders sparrow-client reads.
-python3 - <<'EOF'
+npy_python <<'EOF'
 import gzip, os, struct
 images = gzip.open("/usr/share/datasets/fashion-mnist/train-images-idx3-ubyte.gz").read()[16:]
 labels = gzip.open("/usr/share/datasets/fashion-mnist/train-labels-idx1-ubyte.gz").read()[8:]
-
-def npy(path, descr, shape, payload):
-    dims = ", ".join(str(n) for n in shape) + ("," if len(shape) == 1 else "")
-    header = "{'descr': '%s', 'fortran_order': False, 'shape': (%s), }" % (descr, dims)
-    header += " " * (63 - (10 + len(header)) % 64) + "\n"
-    with open(path, "wb") as f:
-        f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header.encode() + payload)
-
 n = 256
 for c in (1, 2):
     lo = (c - 1) * n
@@ -189,14 +179,9 @@ db = "$arch/server.db"
 EOF
   "$bin/sparrow-server" --config "$arch/server.toml" >"$arch/server.log" 2>&1 &
   server_pid=$!
-  endpoint=""
-  for ((i = 0; i < 300; ++i)); do
-    endpoint=$(sed -n 's/.*endpoint=\(tcp:\/\/127\.0\.0\.1:[0-9]*\).*/\1/p' "$arch/server.log" | head -n 1)
-    [[ -n $endpoint ]] && break
-    kill -0 "$server_pid" 2>/dev/null || { cat "$arch/server.log" >&2; fail "sparrow-server exited before listening"; }
-    sleep 0.1
-  done
-  [[ -n $endpoint ]] || { cat "$arch/server.log" >&2; fail "sparrow-server logged no endpoint= in 30 s"; }
+  wait_log "$arch/server.log" "endpoint=tcp://" 30 "$server_pid" ||
+    { cat "$arch/server.log" >&2; fail "sparrow-server logged no endpoint= in 30 s (or exited before listening)"; }
+  endpoint=$(log_endpoint "$arch/server.log")
   start=$(date +%s)
   for c in 1 2; do
     cat >"$arch/client$c.toml" <<EOF
@@ -284,28 +269,9 @@ split_run() {  # ARCH: a run in folder split-ARCH/
   local arch=$1 dir=split-$1 i endpoint cloud_pid rc
   local -a run
   if [[ $arch == arm64 ]]; then run=("${qemu[@]}" "$edge_arm"); else run=("$bin/sparrow-edge-lite"); fi
-  mkdir "$dir"
-  cat >"$dir/cloud.toml" <<EOF
-listen = "tcp://127.0.0.1:*"
-state = ""
-model = "mlp"
-cut = "fc1"
-seed = 7
-lr = 0.05
-momentum = 0.9
-grad_norm_factor = 0
-threads = 1
-EOF
-  "$bin/sparrow-edge" serve --config "$dir/cloud.toml" --insecure >"$dir/cloud.log" 2>&1 &
-  cloud_pid=$!
+  start_split_cloud "$dir"
   server_pid=$cloud_pid
-  endpoint=""
-  for ((i = 0; i < 300; ++i)); do
-    endpoint=$(grep -o 'endpoint=tcp://[0-9.:]*' "$dir/cloud.log" | head -n 1 | cut -d= -f2 || true)
-    [[ -n $endpoint ]] && break
-    sleep 0.1
-  done
-  [[ -n $endpoint ]] || { cat "$dir/cloud.log" >&2; fail "sparrow-edge serve logged no endpoint in 30 s"; }
+  endpoint=$cloud_endpoint
   cat >"$dir/device.toml" <<EOF
 cloud = "$endpoint"
 device_id = "dev1"

@@ -12,21 +12,12 @@
 #
 #   lite_client_mixed_test.sh BUILD_DIR      (SPARROW_TEST_KEEP=1 keeps the run folders)
 set -euo pipefail
+test_name=lite_client_mixed
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 build=$(cd "$1" && pwd)
 bin="$build/bin"
-work=$(mktemp -d "${TMPDIR:-/tmp}/sparrow-lite-mixed.XXXXXX")
-pids=()
-cleanup() {
-  for p in "${pids[@]}"; do kill -9 "$p" 2>/dev/null || true; done
-  if [[ -n "${SPARROW_TEST_KEEP:-}" ]]; then echo "lite_client_mixed: kept $work"; else rm -rf "$work"; fi
-}
-trap cleanup EXIT
+start_work
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1
-
-fail() {
-  echo "lite_client_mixed: $*" >&2
-  exit 1
-}
 
 for b in sparrow-server sparrow-client sparrow-client-lite sparrow-lite-export; do
   [[ -x "$bin/$b" ]] || fail "$bin/$b is not built"
@@ -37,42 +28,12 @@ fi
 
 # Four data folders (x.npy float32 [256, 784], y.npy int64 [256]): ten
 # Gaussian classes, one folder per client, the same for both runs.
-python3 - "$work" <<'PY'
-import array, random, struct, sys
-root = sys.argv[1]
-def npy(path, descr, shape, payload):
-    h = "{'descr': '%s', 'fortran_order': False, 'shape': (%s), }" % (descr, ", ".join(map(str, shape)) + ("," if len(shape) == 1 else ""))
-    h += " " * ((64 - (10 + len(h) + 1) % 64) % 64) + "\n"
-    with open(path, "wb") as f:
-        f.write(b"\x93NUMPY\x01\x00" + struct.pack("<H", len(h)) + h.encode() + payload)
-rng = random.Random(7)
-means = [[rng.gauss(0, 1) for _ in range(784)] for _ in range(10)]
-import os
-for c in range(1, 5):
-    d = os.path.join(root, "d%d" % c)
-    os.makedirs(d)
-    n = 256
-    y = [rng.randrange(10) for _ in range(n)]
-    x = array.array("f")
-    for label in y:
-        m = means[label]
-        x.extend(m[j] + rng.gauss(0, 1.5) for j in range(784))
-    npy(os.path.join(d, "x.npy"), "<f4", (n, 784), x.tobytes())
-    npy(os.path.join(d, "y.npy"), "<i8", (n,), struct.pack("<%dq" % n, *y))
-PY
+gaussian_folders "$work/d1:256" "$work/d2:256" "$work/d3:256" "$work/d4:256"
 
 "$bin/sparrow-server" keygen --out "$work/keys" --clients 4 > "$work/keygen.log" 2>&1 || fail "keygen failed"
 # The lite clients' model: the MLP's architecture (its weights come from the server).
 "$bin/sparrow-lite-export" --model mlp --seed 5 -o "$work/mlp.lite" > "$work/export.log" 2>&1 ||
   { cat "$work/export.log" >&2; fail "sparrow-lite-export failed"; }
-
-wait_log() {  # FILE PATTERN SECONDS
-  local end=$((SECONDS + $3))
-  while ! grep -q -- "$2" "$1" 2>/dev/null; do
-    ((SECONDS < end)) || return 1
-    sleep 0.1
-  done
-}
 
 start_client() {  # RUN I KIND(full|lite) -> pid in $started
   local run=$1 i=$2 kind=$3 log_suffix=${4:-}
@@ -139,8 +100,9 @@ TOML
     done
     kill -9 "$server"
   ) > /dev/null 2>&1 &
-  wait_log "$run/server.log" "event=listening" 60 || { cat "$run/server.log" >&2; fail "$name: the server did not start"; }
-  endpoint=$(grep -o 'event=listening endpoint=[^ ]*' "$run/server.log" | head -1 | cut -d= -f3)
+  wait_log "$run/server.log" "event=listening" 60 "$server" ||
+    { cat "$run/server.log" >&2; fail "$name: the server did not start"; }
+  endpoint=$(log_endpoint "$run/server.log")
   local cpids=()
   # With a kill, the sparrow-client wait 500 ms before each update: a round
   # then lasts that long, and the kill (this script reads the log up to

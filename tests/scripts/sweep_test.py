@@ -6,7 +6,8 @@
 A tiny grid (synthetic data, logistic regression, 3 rounds, 2 methods x 3 seeds):
 checks that every run ran with its seed and overrides, that the same seed gives the
 same client selection for both methods, that summary.csv's means, 95% t-intervals and
-paired differences equal what the runs' metrics.csv give, that an interrupted sweep
+paired differences and the byte reductions (uplink, downlink, total) equal what
+the runs' metrics.csv give, that an interrupted sweep
 resumes without running finished runs again, and that bad grids are refused.
 """
 
@@ -93,10 +94,23 @@ def main():
             check(abs(float(rows[method]["bytes_up"]) - up) < 1e-3, f"{method}: uplink bytes")
         check(float(rows["dense"]["diff"]) == 0.0, "reference differs from itself by 0")
         check(float(rows["stc 0.1"]["uplink_reduction"]) > 3, "stc uplink reduction")
+        # The reductions both ways and in total: the reference's mean bytes over the
+        # same seeds divided by the method's.
+        def mean_bytes(method, key):
+            return sum(sum(int(r[key]) for r in runs[(method, s)]) for s in (1, 2, 3)) / 3
+        for key, col in (("bytes_up", "uplink_reduction"), ("bytes_down", "downlink_reduction")):
+            want = mean_bytes("dense", key) / mean_bytes("stc 0.1", key)
+            check(abs(float(rows["stc 0.1"][col]) - want) < 1e-6 * want, f"stc {col} {rows['stc 0.1'][col]} vs {want}")
+        tot = lambda m: mean_bytes(m, "bytes_up") + mean_bytes(m, "bytes_down")
+        want = tot("dense") / tot("stc 0.1")
+        check(abs(float(rows["stc 0.1"]["total_reduction"]) - want) < 1e-6 * want, "stc total_reduction")
+        check(1 < want < float(rows["stc 0.1"]["uplink_reduction"]), f"dense downlink: total reduction {want} below the uplink's")
+        check(float(rows["dense"]["total_reduction"]) == 1.0, "reference's total reduction is 1")
         with open(os.path.join(out, "summary.md")) as f:
             md = f.read()
         check("| stc 0.1 | 3 |" in md, "summary.md has the stc row")
         check("| total bytes / run |" in md, "summary.md has a total bytes column")
+        check("| fewer downlink bytes |" in md and "| fewer total bytes |" in md, "summary.md has the reductions")
         for method in ("dense", "stc 0.1"):
             up, down, total = (float(rows[method][k]) for k in ("bytes_up", "bytes_down", "bytes_total"))
             check(abs(up + down - total) < 1e-3, f"{method}: total = uplink + downlink")

@@ -9,9 +9,11 @@
 #include <cstring>
 #include <string>
 
+#include "compression/compressor.h"
 #include "simulator/config.h"
 #include "simulator/simulator.h"
 #include "tests/simulator/sim_test_util.h"
+#include "wire/wire.h"
 
 using namespace sparrow::simulator;
 using sparrow::simulator::testing::TempDir;
@@ -74,6 +76,25 @@ TEST_CASE("simulator: downlink_catchup changes the downlink bytes only, and auto
   CHECK(total_down(chain) < total_down(full));
   CHECK(total_down(patch) < total_down(full));
   CHECK(total_down(autop) < total_down(full));
+}
+
+TEST_CASE("simulator: a client's first task is counted from B_0, the model it builds from model_seed") {
+  // sparrow-client's Hello says last_round = 0 before its first task, so the
+  // server sends round 1 an empty Delta and round 2 the Delta C_1, never the
+  // dense model to a client that has not taken part yet.
+  for (const char* policy : {"full", "chain", "auto"}) {
+    CAPTURE(policy);
+    TempDir d(std::string("catchup_first_") + policy);
+    Simulator s(catchup_config(d.path, policy));
+    s.run();
+    uint64_t model = 0;
+    for (const auto& [n, t] : s.global())
+      model += sparrow::wire::encoded_size(sparrow::compression::dense_encoded(t), n);
+    REQUIRE(s.history().size() >= 2);
+    CHECK(s.history()[0].bytes_down == 0);
+    CHECK(s.history()[1].bytes_down > 0);
+    CHECK(s.history()[1].bytes_down < model);  // two C_1 (topk 5%), not a dense model
+  }
 }
 
 TEST_CASE("simulator: a resumed run forgets the catch-up history (the dense model) and ends with the same model") {

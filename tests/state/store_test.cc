@@ -754,3 +754,79 @@ TEST_CASE("store refuses an SQLite file without tables and a damaged -wal file, 
     CHECK(read_file(copy.path() + "-wal") == wal);
   }
 }
+
+TEST_CASE("store take hands a sole cached state over without a copy and otherwise copies") {
+  TempDb db("take");
+  ClientStateStore::Options opt;
+  opt.background = true;
+  opt.explicit_flush = true;  // the simulator's checkpoint mode
+  auto store = ClientStateStore::open(db.path(), opt);
+  for (int64_t c = 0; c < 3; ++c) store->put(c, small_state(c));
+  SUBCASE("in the open checkpoint: copied, and what the store keeps is unchanged") {
+    std::optional<ClientState> t = store->take(1);
+    check_small(t, 1);
+    CHECK(store->stats().taken == 0);
+    t->compressor["w"].tensors["residual"].fill_(99.0f);  // the caller's copy, as an encoder changes it
+    check_small(store->get(1), 1);
+  }
+  SUBCASE("after the checkpoint: the cached tensors change hands, the database still answers") {
+    store->flush();
+    check_small(store->get(2), 2);  // the cache holds 2 alone now
+    check_small(store->take(2), 2);
+    CHECK(store->stats().taken == 1);
+    check_small(store->take(2), 2);  // from the database: equal values
+    CHECK(store->stats().misses >= 1);
+    // A taken state put back and taken again keeps its storage: no copy.
+    std::optional<ClientState> t = store->take(0);
+    REQUIRE(t.has_value());
+    t->compressor["w"].tensors["residual"].fill_(5.0f);
+    const void* p = t->compressor["w"].tensors["residual"].data_ptr();
+    store->put(0, std::move(*t));
+    store->flush();
+    std::optional<ClientState> again = store->take(0);
+    REQUIRE(again.has_value());
+    CHECK(again->compressor["w"].tensors["residual"].data_ptr() == p);
+    CHECK(again->compressor["w"].tensors["residual"].eq(5.0f).all().item<bool>());
+  }
+  SUBCASE("after a mark: copied, so that a rollback still has the marked value") {
+    store->flush();
+    store->put(1, small_state(11));
+    store->mark();
+    std::optional<ClientState> t = store->take(1);
+    check_equal(*t, small_state(11));
+    store->put(1, small_state(21));
+    store->rollback_to_mark();
+    check_equal(*store->get(1), small_state(11));
+  }
+  CHECK_FALSE(store->take(42).has_value());
+}
+
+TEST_CASE("store prefetched states stay cached until asked for") {
+  TempDb db("prefetch_pin");
+  {
+    auto w = ClientStateStore::open(db.path(), {});
+    for (int64_t c = 0; c < 8; ++c) w->put(c, small_state(c));
+  }
+  const size_t one = small_state(0).approx_bytes();
+  ClientStateStore::Options opt;
+  opt.background = true;
+  opt.explicit_flush = true;
+  opt.cache_bytes = 4 * one;  // pinned states may fill half: 2 at a time
+  auto store = ClientStateStore::open(db.path(), opt);
+  store->prefetch({0, 1, 2, 3});
+  for (int i = 0; i < 2000 && store->stats().prefetched < 2; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK(store->stats().prefetched == 2);  // paused: half the cache is pinned
+  // Puts of other clients (as the round's trained clients) do not evict them.
+  for (int64_t c = 4; c < 8; ++c) store->put(c, small_state(c));
+  check_small(store->take(0), 0);
+  check_small(store->take(1), 1);
+  CHECK(store->stats().misses == 0);
+  for (int i = 0; i < 2000 && store->stats().prefetched < 4; ++i)
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  CHECK(store->stats().prefetched == 4);  // taking made room: the rest came in
+  check_small(store->take(2), 2);
+  check_small(store->take(3), 3);
+  CHECK(store->stats().misses == 0);
+}

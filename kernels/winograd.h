@@ -28,7 +28,7 @@
 #include <cstdint>
 #include <vector>
 
-namespace sparrow::core::cpu {
+namespace sparrow::kernels {
 
 class WinogradConv5Pool {
  public:
@@ -76,53 +76,4 @@ class WinogradConv5Pool {
   std::vector<float> scratch_;         // the weight transform's
 };
 
-// A 5x5 convolution (stride 1, padding 2) of one single-channel h x w image
-// into cout channels, plus bias: out [cout, h, w] = weight [cout, 25] x the
-// image's 25 shifted copies (im2col into col, 25 h w floats of scratch). The
-// CNN's conv1: ATen's convolution with one input channel ran at 14 GFLOP/s.
-void conv5x5_one_channel(const float* x, int64_t h, int64_t w, const float* weight, const float* bias, int64_t cout,
-                         float* out, float* col);
-
-// conv5x5_one_channel then relu_maxpool2 (h, w even): out [cout, h/2, w/2]
-// and arg as relu_maxpool2 gives them; the CNN's conv1 in training and
-// evaluation. Where the CPU has AVX-512 (and w <= 32, h <= 60, cout a
-// multiple of 4) a fused register-blocked kernel pools straight from its
-// accumulators (1.7x the two kernels on the CNN's 28x28 images, in cache); otherwise, or with
-// simd = false, the two kernels run, in scratch ((25 + cout) h w floats;
-// unused by the fused kernel). The two agree to float rounding: the fused
-// kernel sums the 25 products in kernel order and adds the bias last, as
-// LibTorch 1.13's convolution does (on this machine its outputs were
-// bit-identical to ATen's); the GEMM's order differs by up to ~4e-7. Which
-// of two nearly equal values wins a pooling window follows from that, and a
-// different winner moves a whole window's gradient.
-void conv5x5_one_channel_relu_pool(const float* x, int64_t h, int64_t w, const float* weight, const float* bias,
-                                   int64_t cout, float* out, int32_t* arg, float* scratch, bool simd = true);
-
-// col [25, h, w]: the 25 copies of one h x w image shifted by (ky - 2,
-// kx - 2), zero outside (im2col for a 5x5 kernel, padding 2).
-void im2col5x5(const float* x, int64_t h, int64_t w, float* col);
-
-// conv5x5_one_channel's weight and bias gradients for one image: gw [cout,
-// 25] += dy [cout, h, w] x im2col(x)^T and gb [cout] += the sums of dy's
-// planes (col, colt: 25 h w floats of scratch each). Image by image, right
-// after the pooling's backward, dy stays in cache (ATen's
-// convolution_backward over the whole minibatch cost 9% of a CNN step).
-void conv5x5_one_channel_weight_grad(const float* x, int64_t h, int64_t w, const float* dy, int64_t cout, float* gw,
-                                     float* gb, float* col, float* colt);
-
-// ReLU then 2x2 max pooling (stride 2) of `planes` planes of h x w (even):
-// out [planes, h/2, w/2]. arg (same size, or null) receives each window's
-// winner, 0..3 in row-major order (4: the ReLU zeroed the window). The same
-// as ATen's relu + max_pool2d_with_indices, NaN included (it passes), whose
-// CPU kernel in LibTorch 1.13 is scalar and cost a fifth of a CNN training
-// step.
-// simd = false keeps to the portable loop (for tests; by default AVX-512
-// intrinsics run where the CPU has them, with identical results).
-void relu_maxpool2(const float* in, int64_t planes, int64_t h, int64_t w, float* out, int32_t* arg, bool simd = true);
-
-// The gradient of relu_maxpool2's input: din [planes, h, w] is dout at each
-// window's winner and 0 elsewhere.
-void relu_maxpool2_backward(const int32_t* arg, const float* dout, int64_t planes, int64_t h, int64_t w, float* din,
-                            bool simd = true);
-
-}  // namespace sparrow::core::cpu
+}  // namespace sparrow::kernels

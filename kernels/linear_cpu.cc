@@ -1,4 +1,4 @@
-#include "core/linear_cpu.h"
+#include "kernels/linear.h"
 
 #include <dlfcn.h>
 
@@ -8,13 +8,15 @@
 #include <string>
 
 #include "core/error.h"
-#include "core/simd.h"
+#include "kernels/cpu.h"
+#include "kernels/gemm.h"
+#include "kernels/simd.h"
 
 #ifdef SPARROW_HAVE_LIBXSMM
 #include <libxsmm.h>
 #endif
 
-namespace sparrow::core::cpu {
+namespace sparrow::kernels {
 namespace {
 
 using SgemmFn = void (*)(const char*, const char*, const int*, const int*, const int*, const float*, const float*,
@@ -133,6 +135,7 @@ double softmax_xent(const float* z, int64_t batch, int64_t classes, const int64_
 }  // namespace
 
 void gemm_nn(int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c, bool accumulate) {
+  if (!libraries_enabled()) return gemm(false, false, m, n, k, 1.0f, a, b, accumulate ? 1.0f : 0.0f, c);
 #ifdef SPARROW_HAVE_LIBXSMM
   init_libxsmm();
   const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
@@ -150,6 +153,7 @@ void gemm_nn(int64_t m, int64_t n, int64_t k, const float* a, const float* b, fl
 }
 
 void gemm_tn(int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c, bool accumulate) {
+  if (!libraries_enabled()) return gemm(true, false, m, n, k, 1.0f, a, b, accumulate ? 1.0f : 0.0f, c);
   const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
 #ifdef SPARROW_HAVE_LIBXSMM
   init_libxsmm();
@@ -170,7 +174,22 @@ void gemm_tn(int64_t m, int64_t n, int64_t k, const float* a, const float* b, fl
   fn("N", "T", &mi, &ni, &ki, &one, b, &mi, a, &ni, &beta, c, &mi);
 }
 
+void gemm_nt(int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c, bool accumulate) {
+  if (!libraries_enabled()) return gemm(false, true, m, n, k, 1.0f, a, b, accumulate ? 1.0f : 0.0f, c);
+  const SgemmFn fn = blas_sgemm();
+  SPARROW_CHECK(fn != nullptr, "no BLAS sgemm_ is loaded");
+  // Column-major C^T [n, m] = B [n, k] (B^T as stored, transposed) A^T (A as stored).
+  const float one = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  const int mi = static_cast<int>(n), ni = static_cast<int>(m), ki = static_cast<int>(k);
+  fn("T", "N", &mi, &ni, &ki, &one, b, &ki, a, &ki, &beta, c, &mi);
+}
+
 void transpose(const float* src, int64_t rows, int64_t cols, float* dst) {
+  if (!libraries_enabled()) {
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
+    return;
+  }
 #ifdef SPARROW_HAVE_LIBXSMM
   init_libxsmm();
   // Row-major [rows, cols] is column-major [cols, rows]: libxsmm's JIT
@@ -183,6 +202,7 @@ void transpose(const float* src, int64_t rows, int64_t cols, float* dst) {
 }
 
 const char* gemm_backend() {
+  if (!libraries_enabled()) return "reference (SPARROW_KERNELS=reference)";
 #ifdef SPARROW_HAVE_LIBXSMM
   init_libxsmm();
   static const std::string name = std::string("libxsmm (") + libxsmm_get_target_arch() + ")";
@@ -259,4 +279,4 @@ double linear_chain_step(int64_t batch, const float* xt, const std::vector<Linea
   return loss;
 }
 
-}  // namespace sparrow::core::cpu
+}  // namespace sparrow::kernels

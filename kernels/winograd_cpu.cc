@@ -1,21 +1,20 @@
-#include "core/winograd_cpu.h"
+// The Winograd F(4x4, 5x5) convolution + ReLU + pooling (kernels/winograd.h).
+// The transforms are vectorised across channels and compiled per ISA
+// (kernels/simd.h); the GEMMs are kernels/linear.h's.
+#include "kernels/winograd.h"
 
 #include <algorithm>
 #include <cstring>
 
 #include "core/error.h"
-#include "core/linear_cpu.h"
-#include "core/simd.h"
+#include "kernels/linear.h"
+#include "kernels/pool_math.h"
+#include "kernels/simd.h"
 
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#include <immintrin.h>
-#define SPARROW_POOL_AVX512 1
-#endif
-
-// The transforms are vectorised across channels and compiled per ISA (core/simd.h).
-
-namespace sparrow::core::cpu {
+namespace sparrow::kernels {
 namespace {
+
+using detail::relu_max4;
 
 // Parameter lists of six (and, below, eight) channel vectors: the 1-D
 // transforms are vectorised across the channels.
@@ -54,213 +53,7 @@ void unpad_channels_first(const float* __restrict dpad, int64_t c, int64_t h, in
     }
 }
 
-// The ReLU + max of one 2x2 window (v0 v1 / v2 v3, row-major) as ATen's relu
-// then max_pool2d compute it: the first of equal maxima wins; a NaN wins over
-// numbers (the last one, as ATen's `val > max || isnan(val)` scan) and passes
-// the ReLU. which: the winner 0..3, or 4 when the ReLU zeroed the window (no
-// gradient flows). Branch-free float selects, so callers' loops vectorise.
-[[gnu::always_inline]] inline void relu_max4(float v0, float v1, float v2, float v3, float& out, float& which) {
-  // Each test as a float flag, summed for "or": GCC vectorises float selects
-  // on them, not selects on combined bools.
-  const float c01 = (v1 > v0 ? 1.0f : 0.0f) + (v1 != v1 ? 1.0f : 0.0f);
-  const float c23 = (v3 > v2 ? 1.0f : 0.0f) + (v3 != v3 ? 1.0f : 0.0f);
-  const float b01 = c01 > 0 ? v1 : v0, w01 = c01 > 0 ? 1.0f : 0.0f;
-  const float b23 = c23 > 0 ? v3 : v2, w23 = c23 > 0 ? 3.0f : 2.0f;
-  const float c = (b23 > b01 ? 1.0f : 0.0f) + (b23 != b23 ? 1.0f : 0.0f);
-  const float best = c > 0 ? b23 : b01, w = c > 0 ? w23 : w01;
-  const float keep = (best > 0 ? 1.0f : 0.0f) + (best != best ? 1.0f : 0.0f);
-  out = keep > 0 ? best : 0.0f;
-  which = keep > 0 ? w : 4.0f;
-}
-
-// One row of windows: in0/in1 the two input rows (2 n values each).
-SPARROW_SIMD_CLONES
-void relu_maxpool2_row(const float* __restrict in0, const float* __restrict in1, int64_t n, float* __restrict out,
-                       int32_t* __restrict arg) {
-  for (int64_t x = 0; x < n; ++x) {
-    float which;
-    relu_max4(in0[2 * x], in0[2 * x + 1], in1[2 * x], in1[2 * x + 1], out[x], which);
-    if (arg) arg[x] = static_cast<int32_t>(which);
-  }
-}
-
-SPARROW_SIMD_CLONES
-void relu_maxpool2_backward_row(const int32_t* __restrict arg, const float* __restrict dout, int64_t n,
-                                float* __restrict din0, float* __restrict din1) {
-  for (int64_t x = 0; x < n; ++x) {
-    const float q = static_cast<float>(arg[x]), d = dout[x];
-    din0[2 * x] = q == 0.0f ? d : 0.0f;
-    din0[2 * x + 1] = q == 1.0f ? d : 0.0f;
-    din1[2 * x] = q == 2.0f ? d : 0.0f;
-    din1[2 * x + 1] = q == 3.0f ? d : 0.0f;
-  }
-}
-
-// The sum of n floats (16 partial sums, so it vectorises without -ffast-math).
-SPARROW_SIMD_CLONES
-float row_sum(const float* __restrict x, int64_t n) {
-  float part[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) part[j] += x[i + j];
-  float s = 0;
-  for (; i < n; ++i) s += x[i];
-  for (float p : part) s += p;
-  return s;
-}
-
-#ifdef SPARROW_POOL_AVX512
-// One 16-window step of a pooling row from window x0 of ow: the masks of its
-// two 16-float input (or input-gradient) halves and of its windows, and where
-// the second half starts (no address past the row when its mask is empty).
-struct PoolStep {
-  __mmask16 lo, hi, windows;
-  int64_t second;
-};
-inline PoolStep pool_step(int64_t x0, int64_t ow) {
-  const int64_t k = std::min<int64_t>(16, ow - x0);  // windows in this step: 2 k inputs per row
-  PoolStep s;
-  s.lo = static_cast<__mmask16>(k >= 8 ? 0xFFFF : (1u << (2 * k)) - 1);
-  s.hi = static_cast<__mmask16>(k <= 8 ? 0 : (1u << (2 * k - 16)) - 1);
-  s.windows = static_cast<__mmask16>((1u << k) - 1);
-  s.second = s.hi ? 2 * x0 + 16 : 2 * x0;
-  return s;
-}
-
-// ReLU + max pooling of 16 windows: a0 a1 the top row's 32 values, b0 b1 the
-// bottom row's. Even and odd columns are split by a two-register permute; the
-// comparisons follow relu_max4's rules, so the results are identical to the
-// scalar loop's. Stores the windows in mask wm to out and (unless null) arg.
-[[gnu::always_inline]] inline __attribute__((target("avx512f"))) void pool16(__m512 a0, __m512 a1, __m512 b0, __m512 b1,
-                                                                             __mmask16 wm, float* out, int32_t* arg) {
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
-  const __m512 y0 = _mm512_permutex2var_ps(a0, even, a1), y1 = _mm512_permutex2var_ps(a0, odd, a1);
-  const __m512 y2 = _mm512_permutex2var_ps(b0, even, b1), y3 = _mm512_permutex2var_ps(b0, odd, b1);
-  // relu_max4's rules: greater, or NaN (unordered with itself); kept if > 0 or NaN.
-  const __mmask16 m01 = _mm512_cmp_ps_mask(y1, y0, _CMP_GT_OQ) | _mm512_cmp_ps_mask(y1, y1, _CMP_UNORD_Q);
-  const __mmask16 m23 = _mm512_cmp_ps_mask(y3, y2, _CMP_GT_OQ) | _mm512_cmp_ps_mask(y3, y3, _CMP_UNORD_Q);
-  const __m512 b01 = _mm512_mask_blend_ps(m01, y0, y1), b23 = _mm512_mask_blend_ps(m23, y2, y3);
-  const __mmask16 m = _mm512_cmp_ps_mask(b23, b01, _CMP_GT_OQ) | _mm512_cmp_ps_mask(b23, b23, _CMP_UNORD_Q);
-  const __m512 best = _mm512_mask_blend_ps(m, b01, b23);
-  const __mmask16 pos = _mm512_cmp_ps_mask(best, _mm512_setzero_ps(), _CMP_NLE_UQ);
-  _mm512_mask_storeu_ps(out, wm, _mm512_maskz_mov_ps(pos, best));
-  if (arg) {
-    const __m512i w01 = _mm512_mask_blend_epi32(m01, _mm512_setzero_si512(), _mm512_set1_epi32(1));
-    const __m512i w23 = _mm512_mask_blend_epi32(m23, _mm512_set1_epi32(2), _mm512_set1_epi32(3));
-    const __m512i which = _mm512_mask_blend_epi32(m, w01, w23);
-    _mm512_mask_storeu_epi32(arg, wm, _mm512_mask_blend_epi32(pos, _mm512_set1_epi32(4), which));
-  }
-}
-
-// The same pooling with AVX-512 intrinsics, 16 windows per step: the
-// compiler's vectorisation of the stride-2 window loop above runs mostly in
-// scalar code on 14-window rows (a tenth of a CNN training step).
-__attribute__((target("avx512f"))) void relu_maxpool2_avx512(const float* in, int64_t rows, int64_t ow, float* out,
-                                                             int32_t* arg) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* in0 = in + 4 * r * ow;
-    const float* in1 = in0 + 2 * ow;
-    for (int64_t x0 = 0; x0 < ow; x0 += 16) {
-      const PoolStep st = pool_step(x0, ow);
-      const __mmask16 lo = st.lo, hi = st.hi, wm = st.windows;
-      const int64_t second = st.second;
-      const __m512 a0 = _mm512_maskz_loadu_ps(lo, in0 + 2 * x0), a1 = _mm512_maskz_loadu_ps(hi, in0 + second);
-      const __m512 b0 = _mm512_maskz_loadu_ps(lo, in1 + 2 * x0), b1 = _mm512_maskz_loadu_ps(hi, in1 + second);
-      pool16(a0, a1, b0, b1, wm, out + r * ow + x0, arg ? arg + r * ow + x0 : nullptr);
-    }
-  }
-}
-
-__attribute__((target("avx512f"))) void relu_maxpool2_backward_avx512(const int32_t* arg, const float* dout,
-                                                                      int64_t rows, int64_t ow, float* din) {
-  // Interleaving two 16-lane vectors u, v into u0 v0 u1 v1 ...: lanes 0-15 and 16-31.
-  const __m512i ilo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i ihi = _mm512_add_epi32(ilo, _mm512_set1_epi32(8));
-  const __m512i one = _mm512_set1_epi32(1), two = _mm512_set1_epi32(2), three = _mm512_set1_epi32(3);
-  for (int64_t r = 0; r < rows; ++r) {
-    float* din0 = din + 4 * r * ow;
-    float* din1 = din0 + 2 * ow;
-    for (int64_t x0 = 0; x0 < ow; x0 += 16) {
-      const PoolStep st = pool_step(x0, ow);
-      const __mmask16 lo = st.lo, hi = st.hi, wm = st.windows;
-      const int64_t second = st.second;
-      const __m512i q = _mm512_maskz_loadu_epi32(wm, arg + r * ow + x0);
-      const __m512 d = _mm512_maskz_loadu_ps(wm, dout + r * ow + x0);
-      const __m512 v0 = _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(q, _mm512_setzero_si512()), d);
-      const __m512 v1 = _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(q, one), d);
-      const __m512 v2 = _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(q, two), d);
-      const __m512 v3 = _mm512_maskz_mov_ps(_mm512_cmpeq_epi32_mask(q, three), d);
-      _mm512_mask_storeu_ps(din0 + 2 * x0, lo, _mm512_permutex2var_ps(v0, ilo, v1));
-      _mm512_mask_storeu_ps(din0 + second, hi, _mm512_permutex2var_ps(v0, ihi, v1));
-      _mm512_mask_storeu_ps(din1 + 2 * x0, lo, _mm512_permutex2var_ps(v2, ilo, v3));
-      _mm512_mask_storeu_ps(din1 + second, hi, _mm512_permutex2var_ps(v2, ihi, v3));
-    }
-  }
-}
-
-// conv5x5_one_channel_relu_pool on AVX-512 (w <= 32, h <= kConv1MaxH, cout a
-// multiple of 4): a register-blocked direct convolution. 16 accumulators hold
-// 4 output channels x 2 output rows (a pooling row pair) x 32 columns; each of
-// the pair's 6 input rows is loaded as 5 shifted vector pairs, each of which
-// feeds both output rows it reaches (broadcast weights); the accumulators are
-// then pooled from registers by pool16. The output never goes to memory
-// unpooled, and no im2col is built.
-constexpr int64_t kConv1Stride = 48;  // a padded row: columns -2 .. 45 (loads reach column kx + 31 <= 35)
-constexpr int64_t kConv1MaxH = 60;
-__attribute__((target("avx512f"))) void conv1_relu_pool_avx512(const float* x, int64_t h, int64_t w,
-                                                               const float* weight, const float* bias, int64_t cout,
-                                                               float* out, int32_t* arg) {
-  alignas(64) float xp[(kConv1MaxH + 4) * kConv1Stride];
-  std::fill(xp, xp + (h + 4) * kConv1Stride, 0.0f);
-  for (int64_t y = 0; y < h; ++y) std::copy(x + y * w, x + (y + 1) * w, xp + (y + 2) * kConv1Stride + 2);
-  const int64_t oh = h / 2, ow = w / 2;
-  const __mmask16 wm = static_cast<__mmask16>((1u << ow) - 1);
-  for (int64_t co = 0; co < cout; co += 4) {
-    const float* wc = weight + co * 25;
-    for (int64_t py = 0; py < oh; ++py) {
-      __m512 acc[4][2][2];  // [channel][output row][half]
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) acc[c][0][0] = acc[c][0][1] = acc[c][1][0] = acc[c][1][1] = _mm512_setzero_ps();
-      const float* rows = xp + 2 * py * kConv1Stride;
-#pragma GCC unroll 6
-      for (int t = 0; t < 6; ++t)  // input row 2 py + t - 2: kernel row t of output row 0, t - 1 of row 1
-#pragma GCC unroll 5
-        for (int kx = 0; kx < 5; ++kx) {
-          const __m512 lo = _mm512_loadu_ps(rows + t * kConv1Stride + kx);
-          const __m512 hi = _mm512_loadu_ps(rows + t * kConv1Stride + kx + 16);
-#pragma GCC unroll 4
-          for (int c = 0; c < 4; ++c) {
-            if (t < 5) {
-              const __m512 wv = _mm512_set1_ps(wc[c * 25 + t * 5 + kx]);
-              acc[c][0][0] = _mm512_fmadd_ps(wv, lo, acc[c][0][0]);
-              acc[c][0][1] = _mm512_fmadd_ps(wv, hi, acc[c][0][1]);
-            }
-            if (t > 0) {
-              const __m512 wv = _mm512_set1_ps(wc[c * 25 + (t - 1) * 5 + kx]);
-              acc[c][1][0] = _mm512_fmadd_ps(wv, lo, acc[c][1][0]);
-              acc[c][1][1] = _mm512_fmadd_ps(wv, hi, acc[c][1][1]);
-            }
-          }
-        }
-#pragma GCC unroll 4
-      for (int c = 0; c < 4; ++c) {  // the bias after the sum, as a GEMM onto the bias adds it
-        const __m512 b = _mm512_set1_ps(bias[co + c]);
-        const int64_t o = (co + c) * oh * ow + py * ow;
-        pool16(_mm512_add_ps(acc[c][0][0], b), _mm512_add_ps(acc[c][0][1], b), _mm512_add_ps(acc[c][1][0], b),
-               _mm512_add_ps(acc[c][1][1], b), wm, out + o, arg ? arg + o : nullptr);
-      }
-    }
-  }
-}
-
-bool have_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f");
-  return yes;
-}
-#endif
-
-// F(4, 5) (core/winograd_cpu.h), derived with exact
+// F(4, 5) (kernels/winograd.h), derived with exact
 // rationals from the points 0, 1, -1, 2, -2, 1/2, -1/2 and infinity, B^T's
 // rows scaled to integers (G's rows scaled back):
 //   B^T = [4 0 -21 0 21 0 -4 0; 0 -4 -4 17 17 -4 -4 0; 0 4 -4 -17 17 4 -4 0;
@@ -530,81 +323,6 @@ void untransform_grad(const float* __restrict du, int64_t cin, int64_t cout, con
 
 }  // namespace
 
-void im2col5x5(const float* x, int64_t h, int64_t w, float* col) {
-  for (int64_t ky = 0; ky < 5; ++ky)
-    for (int64_t kx = 0; kx < 5; ++kx) {
-      float* dst = col + (ky * 5 + kx) * h * w;  // x shifted by (ky - 2, kx - 2), zero outside
-      for (int64_t y = 0; y < h; ++y) {
-        const int64_t sy = y + ky - 2;
-        float* row = dst + y * w;
-        if (sy < 0 || sy >= h) {
-          std::fill(row, row + w, 0.0f);
-          continue;
-        }
-        // Columns [x0, x1) read the image; the rest are padding.
-        const int64_t x0 = std::min<int64_t>(w, std::max<int64_t>(0, 2 - kx));
-        const int64_t x1 = std::max<int64_t>(x0, std::min<int64_t>(w, w + 2 - kx));
-        std::fill(row, row + x0, 0.0f);
-        std::copy(x + sy * w + x0 + kx - 2, x + sy * w + x1 + kx - 2, row + x0);
-        std::fill(row + x1, row + w, 0.0f);
-      }
-    }
-}
-
-void conv5x5_one_channel(const float* x, int64_t h, int64_t w, const float* weight, const float* bias, int64_t cout,
-                         float* out, float* col) {
-  const int64_t hw = h * w;
-  im2col5x5(x, h, w, col);
-  for (int64_t co = 0; co < cout; ++co) std::fill(out + co * hw, out + (co + 1) * hw, bias[co]);
-  gemm_nn(cout, hw, 25, weight, col, out, true);
-}
-
-void conv5x5_one_channel_weight_grad(const float* x, int64_t h, int64_t w, const float* dy, int64_t cout, float* gw,
-                                     float* gb, float* col, float* colt) {
-  const int64_t hw = h * w;
-  im2col5x5(x, h, w, col);
-  transpose(col, 25, hw, colt);  // [hw, 25]
-  gemm_nn(cout, 25, hw, dy, colt, gw, true);
-  for (int64_t co = 0; co < cout; ++co) gb[co] += row_sum(dy + co * hw, hw);
-}
-
-void conv5x5_one_channel_relu_pool(const float* x, int64_t h, int64_t w, const float* weight, const float* bias,
-                                   int64_t cout, float* out, int32_t* arg, float* scratch, bool simd) {
-  SPARROW_CHECK(h % 2 == 0 && w % 2 == 0, "conv5x5_one_channel_relu_pool: " << h << "x" << w << " image (even sides)");
-#ifdef SPARROW_POOL_AVX512
-  if (simd && have_avx512() && w <= 32 && h <= kConv1MaxH && cout % 4 == 0)
-    return conv1_relu_pool_avx512(x, h, w, weight, bias, cout, out, arg);
-#endif
-  float* conv = scratch + 25 * h * w;
-  conv5x5_one_channel(x, h, w, weight, bias, cout, conv, scratch);
-  relu_maxpool2(conv, cout, h, w, out, arg, simd);
-}
-
-void relu_maxpool2(const float* in, int64_t planes, int64_t h, int64_t w, float* out, int32_t* arg, bool simd) {
-  SPARROW_CHECK(h % 2 == 0 && w % 2 == 0, "relu_maxpool2: " << h << "x" << w << " planes (even sides)");
-  const int64_t oh = h / 2, ow = w / 2;
-#ifdef SPARROW_POOL_AVX512
-  if (simd && have_avx512()) return relu_maxpool2_avx512(in, planes * oh, ow, out, arg);
-#else
-  (void)simd;
-#endif
-  for (int64_t r = 0; r < planes * oh; ++r)
-    relu_maxpool2_row(in + 2 * r * w, in + (2 * r + 1) * w, ow, out + r * ow, arg ? arg + r * ow : nullptr);
-}
-
-void relu_maxpool2_backward(const int32_t* arg, const float* dout, int64_t planes, int64_t h, int64_t w, float* din,
-                            bool simd) {
-  SPARROW_CHECK(h % 2 == 0 && w % 2 == 0, "relu_maxpool2_backward: " << h << "x" << w << " planes (even sides)");
-  const int64_t oh = h / 2, ow = w / 2;
-#ifdef SPARROW_POOL_AVX512
-  if (simd && have_avx512()) return relu_maxpool2_backward_avx512(arg, dout, planes * oh, ow, din);
-#else
-  (void)simd;
-#endif
-  for (int64_t r = 0; r < planes * oh; ++r)
-    relu_maxpool2_backward_row(arg + r * ow, dout + r * ow, ow, din + 2 * r * w, din + (2 * r + 1) * w);
-}
-
 WinogradConv5Pool::WinogradConv5Pool(int64_t cin, int64_t cout, int64_t h, int64_t w, int64_t group)
     : cin_(cin),
       cout_(cout),
@@ -701,4 +419,4 @@ void WinogradConv5Pool::weight_grad(float* gw, float* gb, float alpha, float bet
   for (int64_t co = 0; co < cout_; ++co) gb[co] = beta == 0 ? alpha * db_[co] : beta * gb[co] + alpha * db_[co];
 }
 
-}  // namespace sparrow::core::cpu
+}  // namespace sparrow::kernels

@@ -1,18 +1,17 @@
 #pragma once
-// The GEMM on Eigen, written once and compiled once per instruction set:
-// gemm.cc builds it with SPARROW_LITE_ARCH_FLAGS (the baseline variant) and
-// gemm_avx512.cc with AVX-512 (x86-64 only). Private to those two files.
+// The GEMM on Eigen, written once and compiled once per instruction set
+// (gemm.h). Private to gemm_cpu.cc, gemm_avx2.cc and gemm_avx512.cc.
 //
-// A file that includes this defines SPARROW_LITE_GEMM_FN, the name of the
-// function to define. The AVX-512 file also renames Eigen's namespace by
-// macro before including it: Eigen is all inline templates, and two copies
-// with the same symbol names compiled for different instruction sets would be
-// merged by the linker into one, which could hand AVX-512 code to an AVX2 CPU.
+// A file that includes this defines SPARROW_KERNELS_GEMM_FN, the name of the
+// function to define, and renames Eigen's namespace by macro first: Eigen is
+// all inline templates, and two copies with the same symbol names compiled
+// for different instruction sets would be merged by the linker into one,
+// which could hand AVX-512 code to an AVX2 CPU.
 
 #include <Eigen/Core>
 #include <cstdint>
 
-namespace sparrow::lite::detail {
+namespace sparrow::kernels::detail {
 namespace {
 
 using RowMat = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -38,8 +37,8 @@ void run(const A& a, const B& b, float alpha, float beta, Map& c) {
 }  // namespace
 
 // gemm.h's contract; m, n, k > 0 (gemm() handles the empty cases).
-void SPARROW_LITE_GEMM_FN(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
-                          const float* b, float beta, float* c) {
+void SPARROW_KERNELS_GEMM_FN(bool ta, bool tb, int64_t m, int64_t n, int64_t k, float alpha, const float* a,
+                             const float* b, float beta, float* c) {
   Map cm(c, m, n);
   CMap am(a, ta ? k : m, ta ? m : k);
   CMap bm(b, tb ? n : k, tb ? k : n);
@@ -53,4 +52,4 @@ void SPARROW_LITE_GEMM_FN(bool ta, bool tb, int64_t m, int64_t n, int64_t k, flo
     run(am, bm, alpha, beta, cm);
 }
 
-}  // namespace sparrow::lite::detail
+}  // namespace sparrow::kernels::detail

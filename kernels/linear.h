@@ -19,7 +19,7 @@
 #include <cstdint>
 #include <vector>
 
-namespace sparrow::core::cpu {
+namespace sparrow::kernels {
 
 // One Linear layer: weight [out, in] and bias [out], row-major, and where its
 // gradient goes: gw = beta gw + alpha dL/dW (same for gb). gw may be w itself
@@ -50,6 +50,11 @@ void gemm_nn(int64_t m, int64_t n, int64_t k, const float* a, const float* b, fl
 // contiguous operands; the reduction runs over the rows of both.
 void gemm_tn(int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c, bool accumulate);
 
+// Row-major C[m, n] = A B^T with A [m, k] and B [n, k] (accumulate: C += A B^T),
+// contiguous operands; the BLAS (libxsmm has no JIT kernel for it), or the
+// reference while it is forced.
+void gemm_nt(int64_t m, int64_t n, int64_t k, const float* a, const float* b, float* c, bool accumulate);
+
 // dst [cols, rows] = src [rows, cols]^T, row-major, not overlapping
 // (libxsmm's JIT transpose, or a tiled loop).
 void transpose(const float* src, int64_t rows, int64_t cols, float* dst);
@@ -57,4 +62,4 @@ void transpose(const float* src, int64_t rows, int64_t cols, float* dst);
 // "libxsmm (<target>)" or "BLAS": what gemm_nn runs on, for logs.
 const char* gemm_backend();
 
-}  // namespace sparrow::core::cpu
+}  // namespace sparrow::kernels

@@ -8,9 +8,14 @@
 
 #include "core/error.h"
 #include "core/models.h"
-#include "core/winograd_cpu.h"
+#include "kernels/conv5x5.h"
+#include "kernels/pool.h"
+#include "kernels/winograd.h"
+#include "tests/kernels/variants.h"
 
-using sparrow::core::cpu::WinogradConv5Pool;
+using sparrow::kernels::WinogradConv5Pool;
+using sparrow::kernels::testing::for_each_variant;
+namespace kn = sparrow::kernels;
 
 namespace {
 
@@ -73,10 +78,13 @@ void check_against_aten(int64_t n, int64_t cin, int64_t cout, int64_t h, int64_t
 }  // namespace
 
 TEST_CASE("winograd F(4x4, 5x5) conv5x5 + relu + maxpool equals ATen and autograd") {
-  check_against_aten(11, 32, 64, 14, 14, 4);  // the CNN's conv2, a last group of 3
-  check_against_aten(3, 3, 5, 8, 6, 2);       // odd channel counts, non-square
-  check_against_aten(2, 1, 17, 2, 2, 1);      // one tile, mostly padding
-  check_against_aten(2, 4, 3, 10, 18, 5);     // one group larger than the batch
+  // Every variant: the reference runs its GEMMs on the portable Eigen build.
+  for_each_variant([](kn::Isa) {
+    check_against_aten(11, 32, 64, 14, 14, 4);  // the CNN's conv2, a last group of 3
+    check_against_aten(3, 3, 5, 8, 6, 2);       // odd channel counts, non-square
+    check_against_aten(2, 1, 17, 2, 2, 1);      // one tile, mostly padding
+    check_against_aten(2, 4, 3, 10, 18, 5);     // one group larger than the batch
+  });
   CHECK_THROWS_WITH(WinogradConv5Pool(1, 1, 4, 3, 1), doctest::Contains("even"));
   WinogradConv5Pool conv(1, 1, 4, 4, 2);
   std::vector<float> in(48), out(12);
@@ -122,11 +130,11 @@ TEST_CASE("cnn inference on the CPU (Winograd) equals the training-mode forward"
 
 TEST_CASE("relu + 2x2 max pooling equals ATen and autograd") {
   // 6x8: windows narrower than a vector; 30x36: a row of 18 windows, more than
-  // one step of 16; 28x28: the CNN's. Both the vector and the portable loops.
+  // one step of 16; 28x28: the CNN's. Every variant (the intrinsics, the
+  // portable loop).
   for (const auto& hw : {std::pair<int64_t, int64_t>{6, 8}, {30, 36}, {28, 28}})
-    for (const bool simd : {true, false}) {
+    for_each_variant([&](kn::Isa) {
       CAPTURE(hw.second);
-      CAPTURE(simd);
       torch::manual_seed(12);
       const int64_t h = hw.first, w = hw.second;
       at::Tensor x = torch::randn({3, 4, h, w});
@@ -144,19 +152,18 @@ TEST_CASE("relu + 2x2 max pooling equals ATen and autograd") {
       const at::Tensor xd = x.detach().contiguous();
       at::Tensor out = torch::empty(ref.sizes()), din = torch::full(x.sizes(), 5.0f);
       std::vector<int32_t> arg(static_cast<size_t>(ref.numel()));
-      sparrow::core::cpu::relu_maxpool2(xd.data_ptr<float>(), 12, h, w, out.data_ptr<float>(), arg.data(), simd);
+      kn::relu_maxpool2(xd.data_ptr<float>(), 12, h, w, out.data_ptr<float>(), arg.data());
       CHECK(torch::allclose(out, ref.detach(), 0, 0, /*equal_nan=*/true));
       CHECK(out.isnan().sum().item<int64_t>() == 5);
-      sparrow::core::cpu::relu_maxpool2_backward(arg.data(), dout.data_ptr<float>(), 12, h, w, din.data_ptr<float>(),
-                                                 simd);
+      kn::relu_maxpool2_backward(arg.data(), dout.data_ptr<float>(), 12, h, w, din.data_ptr<float>());
       CHECK(torch::equal(din, x.grad()));
       at::Tensor out2 = torch::empty(ref.sizes());
-      sparrow::core::cpu::relu_maxpool2(xd.data_ptr<float>(), 12, h, w, out2.data_ptr<float>(), nullptr, simd);
+      kn::relu_maxpool2(xd.data_ptr<float>(), 12, h, w, out2.data_ptr<float>(), nullptr);
       CHECK(torch::allclose(out2, out, 0, 0, /*equal_nan=*/true));
-    }
+    });
   at::Tensor out2 = torch::empty({1});
   const at::Tensor xd = torch::zeros({6});
-  CHECK_THROWS_WITH(sparrow::core::cpu::relu_maxpool2(xd.data_ptr<float>(), 1, 3, 2, out2.data_ptr<float>(), nullptr),
+  CHECK_THROWS_WITH(kn::relu_maxpool2(xd.data_ptr<float>(), 1, 3, 2, out2.data_ptr<float>(), nullptr),
                     doctest::Contains("even"));
 }
 
@@ -170,9 +177,8 @@ TEST_CASE("conv5x5 of one channel: weight and bias gradients equal autograd's, a
     (at::conv2d(x, w, b, 1, 2) * dy).sum().backward();
     at::Tensor gw = torch::full({5, 25}, 0.5f), gb = torch::full({5}, 0.5f);  // accumulated onto
     std::vector<float> col(static_cast<size_t>(25 * hw.first * hw.second)), colt(col.size());
-    sparrow::core::cpu::conv5x5_one_channel_weight_grad(x.data_ptr<float>(), hw.first, hw.second, dy.data_ptr<float>(),
-                                                        5, gw.data_ptr<float>(), gb.data_ptr<float>(), col.data(),
-                                                        colt.data());
+    kn::conv5x5_one_channel_weight_grad(x.data_ptr<float>(), hw.first, hw.second, dy.data_ptr<float>(), 5,
+                                        gw.data_ptr<float>(), gb.data_ptr<float>(), col.data(), colt.data());
     CHECK(rel(gw - 0.5, w.grad().view({5, 25})) < 1e-5);
     CHECK(rel(gb - 0.5, b.grad()) < 1e-5);
   }
@@ -186,8 +192,8 @@ TEST_CASE("conv5x5 of one channel equals ATen") {
     const at::Tensor ref = at::conv2d(x, w, b, 1, 2);
     at::Tensor out = torch::full(ref.sizes(), 3.0f);
     std::vector<float> col(static_cast<size_t>(25 * hw.first * hw.second), 9.0f);
-    sparrow::core::cpu::conv5x5_one_channel(x.data_ptr<float>(), hw.first, hw.second, w.data_ptr<float>(),
-                                            b.data_ptr<float>(), 5, out.data_ptr<float>(), col.data());
+    kn::conv5x5_one_channel(x.data_ptr<float>(), hw.first, hw.second, w.data_ptr<float>(), b.data_ptr<float>(), 5,
+                            out.data_ptr<float>(), col.data());
     CHECK(rel(out, ref) < 1e-6);
   }
 }
@@ -195,16 +201,15 @@ TEST_CASE("conv5x5 of one channel equals ATen") {
 TEST_CASE("conv5x5 of one channel + ReLU + pooling, fused, equals ATen and autograd") {
   // 28x28 with 32 channels: the CNN's conv1, on the fused AVX-512 kernel; 6x8:
   // rows narrower than a vector; 8x36 (wider than 32), 62x4 (taller than 60)
-  // and 5 channels (not a multiple of 4): the two kernels. Both paths; a NaN
+  // and 5 channels (not a multiple of 4): the two kernels. Every variant; a NaN
   // pixel makes its 5x5 neighbourhood NaN in every channel, which must pass.
   for (const auto& hw : {std::pair<int64_t, int64_t>{28, 28}, {6, 8}, {8, 36}, {62, 4}})
     for (const int64_t cout : {32, 5})
-      for (const bool simd : {true, false})
+      for_each_variant([&](kn::Isa) {
         for (const bool nan : {false, true}) {
           CAPTURE(hw.first);
           CAPTURE(hw.second);
           CAPTURE(cout);
-          CAPTURE(simd);
           CAPTURE(nan);
           torch::manual_seed(31);
           const int64_t h = hw.first, w = hw.second;
@@ -218,26 +223,24 @@ TEST_CASE("conv5x5 of one channel + ReLU + pooling, fused, equals ATen and autog
           at::Tensor out = torch::full(ref.sizes(), 7.0f), din = torch::full(y.sizes(), 5.0f);
           std::vector<int32_t> arg(static_cast<size_t>(ref.numel()), -1);
           std::vector<float> scratch(static_cast<size_t>((25 + cout) * h * w), 9.0f);
-          sparrow::core::cpu::conv5x5_one_channel_relu_pool(x.data_ptr<float>(), h, w, wt.data_ptr<float>(),
-                                                            b.data_ptr<float>(), cout, out.data_ptr<float>(),
-                                                            arg.data(), scratch.data(), simd);
+          kn::conv5x5_one_channel_relu_pool(x.data_ptr<float>(), h, w, wt.data_ptr<float>(), b.data_ptr<float>(), cout,
+                                            out.data_ptr<float>(), arg.data(), scratch.data());
           const at::Tensor finite = ref.isfinite();
           CHECK(torch::equal(out.isnan(), ref.isnan()));
           CHECK(out.isnan().any().item<bool>() == nan);
           CHECK(rel(out.masked_select(finite), ref.detach().masked_select(finite)) < 1e-6);
           // The winners give autograd's gradient (no ties in random data).
-          sparrow::core::cpu::relu_maxpool2_backward(arg.data(), dout.data_ptr<float>(), cout, h, w,
-                                                     din.data_ptr<float>());
+          kn::relu_maxpool2_backward(arg.data(), dout.data_ptr<float>(), cout, h, w, din.data_ptr<float>());
           CHECK(torch::equal(din, y.grad()));
           at::Tensor out2 = torch::empty(ref.sizes());  // without winners: the same outputs
-          sparrow::core::cpu::conv5x5_one_channel_relu_pool(x.data_ptr<float>(), h, w, wt.data_ptr<float>(),
-                                                            b.data_ptr<float>(), cout, out2.data_ptr<float>(), nullptr,
-                                                            scratch.data(), simd);
+          kn::conv5x5_one_channel_relu_pool(x.data_ptr<float>(), h, w, wt.data_ptr<float>(), b.data_ptr<float>(), cout,
+                                            out2.data_ptr<float>(), nullptr, scratch.data());
           CHECK(torch::allclose(out2, out, 0, 0, /*equal_nan=*/true));
         }
+      });
   std::vector<float> scratch(57 * 9), out(32);
   const std::vector<float> x(9), wt(32 * 25), b(32);
-  CHECK_THROWS_WITH(sparrow::core::cpu::conv5x5_one_channel_relu_pool(x.data(), 3, 3, wt.data(), b.data(), 32,
-                                                                      out.data(), nullptr, scratch.data()),
-                    doctest::Contains("even"));
+  CHECK_THROWS_WITH(
+      kn::conv5x5_one_channel_relu_pool(x.data(), 3, 3, wt.data(), b.data(), 32, out.data(), nullptr, scratch.data()),
+      doctest::Contains("even"));
 }
