@@ -5,6 +5,7 @@
 #include "core/error.h"
 #include "kernels/batched_conv.h"
 #include "kernels/linear.h"
+#include "kernels/reduce.h"
 #include "kernels/simd.h"
 
 namespace sparrow::kernels {
@@ -114,19 +115,6 @@ void relu_mask(const float* __restrict y, const float* __restrict d, float* __re
   }
 }
 
-// The sum of n floats (16 partial sums, so it vectorises without -ffast-math).
-SPARROW_SIMD_CLONES
-float sum(const float* __restrict x, int64_t n) {
-  float part[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) part[j] += x[i + j];
-  float s = 0;
-  for (; i < n; ++i) s += x[i];
-  for (float p : part) s += p;
-  return s;
-}
-
 // Per-thread scratch, grown to the largest call and then reused.
 std::vector<float>& scratch(size_t n) {
   static thread_local std::vector<float> buf;
@@ -212,7 +200,7 @@ void batched_conv2d_backward(const ConvShape& s, const float* x, const float* we
           }
         d = d2;
       }
-      for (int64_t c = 0; c < o; ++c) sb[c] += sum(d + c * ld, ld);
+      for (int64_t c = 0; c < o; ++c) sb[c] += detail::sum(d + c * ld, ld);
       const bool no_col = nb == 1 && direct(s);
       if (!no_col)
         for (int64_t i = 0; i < nb; ++i) im2col(s, xb + i * in_size, col + i * hw, ld);

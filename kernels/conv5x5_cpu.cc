@@ -8,25 +8,9 @@
 #include "kernels/linear.h"
 #include "kernels/pool.h"
 #include "kernels/pool_avx512.h"
-#include "kernels/simd.h"
+#include "kernels/reduce.h"
 
 namespace sparrow::kernels {
-namespace {
-
-// The sum of n floats (16 partial sums, so it vectorises without -ffast-math).
-SPARROW_SIMD_CLONES
-float row_sum(const float* __restrict x, int64_t n) {
-  float part[16] = {};
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16)
-    for (int j = 0; j < 16; ++j) part[j] += x[i + j];
-  float s = 0;
-  for (; i < n; ++i) s += x[i];
-  for (float p : part) s += p;
-  return s;
-}
-
-}  // namespace
 
 void im2col5x5(const float* x, int64_t h, int64_t w, float* col) {
   for (int64_t ky = 0; ky < 5; ++ky)
@@ -63,7 +47,7 @@ void conv5x5_one_channel_weight_grad(const float* x, int64_t h, int64_t w, const
   im2col5x5(x, h, w, col);
   transpose(col, 25, hw, colt);  // [hw, 25]
   gemm_nn(cout, 25, hw, dy, colt, gw, true);
-  for (int64_t co = 0; co < cout; ++co) gb[co] += row_sum(dy + co * hw, hw);
+  for (int64_t co = 0; co < cout; ++co) gb[co] += detail::sum(dy + co * hw, hw);
 }
 
 void conv5x5_one_channel_relu_pool(const float* x, int64_t h, int64_t w, const float* weight, const float* bias,
