@@ -151,7 +151,10 @@ ClientSession::Impl::Outcome ClientSession::Impl::serve() {
 }
 
 ClientSession::Impl::Outcome ClientSession::Impl::handle(wire::Message& m) {
-  if (auto* w = std::get_if<wire::Welcome>(&m.body)) return on_welcome(*w);
+  if (auto* w = std::get_if<wire::Welcome>(&m.body)) {
+    server_minor = m.minor;
+    return on_welcome(*w);
+  }
   if (auto* e = std::get_if<wire::ErrorBody>(&m.body)) return on_error(*e);
   if (auto* t = std::get_if<wire::Task>(&m.body)) {
     if (!welcomed) {

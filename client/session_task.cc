@@ -271,8 +271,9 @@ void ClientSession::Impl::train_and_send(const wire::Task& task, const Weights& 
     if (auto it = p.masks.find(name); it != p.masks.end()) c.mask = it->second;
     contexts[name] = federation::client_context(std::move(c), task.seed, task.clients);
   }
-  const wire::ModelUpdate u = federation::make_update(r, cfg.client_id, t.tr.num_samples, names, t.outgoing, *p.comp,
-                                                      t.next.compressor, contexts, t.tr.control_delta, t.metrics);
+  wire::ModelUpdate u = federation::make_update(r, cfg.client_id, t.tr.num_samples, names, t.outgoing, *p.comp,
+                                                t.next.compressor, contexts, t.tr.control_delta, t.metrics);
+  u.packed = wire::packs_well(u, server_minor);
   if (cfg.update_delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(cfg.update_delay_ms));
   commit_and_send(r, t, wire::serialize(message(u)));
 }

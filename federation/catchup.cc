@@ -78,7 +78,13 @@ std::optional<compression::Encoded> make_patch(const std::vector<int64_t>& shape
                                           0.0f, compression::detail::IndexMode::kRice);
 }
 
-CatchupPlan CatchupView::plan(std::optional<uint64_t> held, bool catchup) const {
+CatchupPlan CatchupView::plan(std::optional<uint64_t> held, uint16_t minor) const {
+  const bool catchup = minor >= wire::kCatchupMinor, packed = minor >= wire::kPackedMinor;
+  // A packed task: the name table and list count once (a bound: the model's
+  // every name), then a list per step (list 0, the weights, empty in a chain).
+  const auto frame = [&](size_t lists) {  // packed_frame_ counts the list count as one byte
+    return packed_frame_ + (lists >= 128) + (lists >= 16384);
+  };
   CatchupPlan full;
   full.bytes = full_bytes_;
   if (!held || *held > round_) return full;
@@ -91,7 +97,7 @@ CatchupPlan CatchupView::plan(std::optional<uint64_t> held, bool catchup) const 
   if (s + 1 == round_) {
     if (!newest) return full;
     p.chain.push_back(steps_.back());
-    p.bytes = steps_.back()->bytes;
+    p.bytes = packed ? frame(1) + steps_.back()->packed_bytes : steps_.back()->bytes;
     return p;
   }
   if (!catchup || s < known_from_ || policy_.mode == CatchupMode::kFull) return full;
@@ -103,8 +109,9 @@ CatchupPlan CatchupView::plan(std::optional<uint64_t> held, bool catchup) const 
     for (const auto& st : steps_)
       if (st->round > s) {
         c.chain.push_back(st);
-        c.bytes += st->bytes;
+        c.bytes += packed ? st->packed_bytes : st->bytes;
       }
+    if (packed) c.bytes += frame(1 + c.chain.size()) + 1;
     if (c.bytes < best.bytes) best = std::move(c);
   }
   if (policy_.patch() && !changed_.empty()) {
@@ -117,11 +124,12 @@ CatchupPlan CatchupView::plan(std::optional<uint64_t> held, bool catchup) const 
       CatchupPlan c;
       c.kind = CatchupPlan::Kind::kPatch;
       c.base = s;
+      if (packed) c.bytes = frame(1) + 1;
       for (size_t i = 0; i < names_.size(); ++i) {
         const at::Tensor& v = values_[i];
         auto e = make_patch(shapes_[i], changed_[i]->data(), v.data_ptr<float>(), v.numel(), s);
         if (!e) continue;
-        c.bytes += wire::encoded_size(*e, names_[i]);
+        c.bytes += packed ? wire::packed_tensor_size(*e, i) : wire::encoded_size(*e, names_[i]);
         c.patch.push_back({names_[i], std::move(*e)});
       }
       if (c.bytes < best.bytes) best = std::move(c);
@@ -141,6 +149,7 @@ CatchupHistory::CatchupHistory(const CatchupPolicy& policy, const std::vector<st
       changed_.push_back(
           std::make_shared<std::vector<uint32_t>>(static_cast<size_t>(t.numel()), static_cast<uint32_t>(round)));
   }
+  packed_frame_ = wire::packed_frame_size(names_, shapes_, 1);
 }
 
 void CatchupHistory::forget_before(uint64_t r) {
@@ -177,8 +186,14 @@ void CatchupHistory::end_step(std::vector<wire::NamedTensor> c) {
   SPARROW_CHECK(stepping_ > 0, "CatchupHistory: end_step without begin_step");
   auto st = std::make_shared<DownStep>();
   st->round = stepping_;
-  for (const auto& nt : c) st->bytes += wire::encoded_size(nt.tensor, nt.name);
+  std::vector<size_t> index;  // each tensor's position in the model (its name's index at most)
+  for (const auto& nt : c) {
+    st->bytes += wire::encoded_size(nt.tensor, nt.name);
+    index.push_back(static_cast<size_t>(std::find(names_.begin(), names_.end(), nt.name) - names_.begin()));
+  }
+  st->packed_bytes = wire::packed_list_size(c, index);
   st->tensors = std::move(c);
+  newest_ = st;
   round_ = stepping_;
   stepping_ = 0;
   if (policy_.chain()) {
@@ -199,9 +214,15 @@ void CatchupHistory::end_step(std::vector<wire::NamedTensor> c) {
   }
 }
 
+uint64_t CatchupHistory::delta_bytes(uint16_t minor) const {
+  if (!newest_) return 0;
+  return minor >= wire::kPackedMinor ? packed_frame_ + newest_->packed_bytes : newest_->bytes;
+}
+
 std::shared_ptr<const CatchupView> CatchupHistory::view(uint64_t t, const Weights& b) const {
   auto v = std::make_shared<CatchupView>();
   v->policy_ = policy_;
+  v->packed_frame_ = packed_frame_;
   v->round_ = t;
   v->full_bytes_ = full_bytes_;
   if (t != round_) {

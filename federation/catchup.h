@@ -59,7 +59,8 @@ constexpr const char* kDefaultCatchup = "auto";
 struct DownStep {
   uint64_t round = 0;
   std::vector<wire::NamedTensor> tensors;
-  uint64_t bytes = 0;  // Σ wire::encoded_size
+  uint64_t bytes = 0;         // as tables: Σ wire::encoded_size
+  uint64_t packed_bytes = 0;  // as a packed list (1.10): wire::packed_list_size, model-order name indices
 };
 
 // What a client that holds B_s is sent to reach B_t.
@@ -82,10 +83,13 @@ class CatchupView {
   // Bytes of the dense model (Σ wire::encoded_size of each tensor in full).
   uint64_t full_bytes() const { return full_bytes_; }
   // The plan for a client that holds B_held (nullopt: nothing, or a model of
-  // another run, or a B_s newer than B_t). `catchup`: whether it reads Chain
-  // and Patch (protocol 1.9 on; an older client gets the dense model where
-  // they would go).
-  CatchupPlan plan(std::optional<uint64_t> held, bool catchup) const;
+  // another run, or a B_s newer than B_t) and speaks protocol 1.`minor`: from
+  // 1.9 (kCatchupMinor) it reads Chain and Patch (an older client gets the
+  // dense model where they would go); from 1.10 (kPackedMinor) the server
+  // packs Delta, Chain and Patch tasks, and `bytes` counts them packed (name
+  // table, list counts and records; wire::packed_*_size).
+  CatchupPlan plan(std::optional<uint64_t> held, uint16_t minor) const;
+  CatchupPlan plan(std::optional<uint64_t> held, bool) const = delete;  // pass the client's minor
 
  private:
   friend class CatchupHistory;
@@ -99,6 +103,7 @@ class CatchupView {
   std::vector<std::string> names_;
   std::vector<std::vector<int64_t>> shapes_;
   std::vector<std::shared_ptr<const std::vector<uint32_t>>> changed_;
+  uint64_t packed_frame_ = 0;  // wire::packed_frame_size of the model's names, one list
   std::vector<at::Tensor> values_;
 };
 
@@ -121,6 +126,10 @@ class CatchupHistory {
 
   const CatchupPolicy& policy() const { return policy_; }
 
+  // Wire bytes of the newest step C_t as a one-step Delta's model part to a
+  // client of protocol 1.`minor` (packed from 1.10); 0 before any step.
+  uint64_t delta_bytes(uint16_t minor) const;
+
  private:
   void forget_before(uint64_t r);
 
@@ -128,6 +137,8 @@ class CatchupHistory {
   std::vector<std::string> names_;
   std::vector<std::vector<int64_t>> shapes_;
   uint64_t full_bytes_ = 0;
+  uint64_t packed_frame_ = 0;  // wire::packed_frame_size of the model's names, one list
+  std::shared_ptr<const DownStep> newest_;
   uint64_t round_ = 0;       // last B recorded
   uint64_t known_from_ = 0;  // oldest base the history covers
   uint64_t stepping_ = 0;    // the step between begin_step and end_step

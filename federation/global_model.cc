@@ -172,6 +172,8 @@ void GlobalModel::encode_downlink(uint64_t r, StepResult& out) {
   catchup_->end_step(std::move(kept));
 }
 
+uint64_t GlobalModel::delta_bytes(uint16_t minor) const { return catchup_ ? catchup_->delta_bytes(minor) : 0; }
+
 std::shared_ptr<const CatchupView> GlobalModel::catchup_view(uint64_t t) const {
   return catchup_ ? catchup_->view(t, broadcast_) : nullptr;
 }

@@ -99,6 +99,9 @@ class GlobalModel {
   // a dense step changes every position). A t other than the last step's (a
   // restored checkpoint) knows nothing before t.
   std::shared_ptr<const CatchupView> catchup_view(uint64_t t) const;
+  // Wire bytes of the last C as a one-step Delta to a client of protocol
+  // 1.`minor` (CatchupHistory::delta_bytes); 0 without a downlink codec.
+  uint64_t delta_bytes(uint16_t minor) const;
   int64_t acp_rank() const { return acp_rank_; }
   double mask_ratio() const { return mask_ratio_; }
   bool share_mean() const { return share_mean_; }

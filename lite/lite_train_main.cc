@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <iostream>
 
+#include "core/error_text.h"
 #include "core/rng.h"
 #include "kernels/gemm.h"
 #include "lite/model_file.h"
@@ -44,7 +45,7 @@ int main(int argc, char** argv) {
     sparrow::lite::validate(cfg);
     SPARROW_CHECK_T(sparrow::ConfigError, samples > 0, "--samples must be > 0");
   } catch (const std::exception& e) {
-    std::cerr << "sparrow-lite-train: " << e.what() << "\n";
+    std::cerr << "sparrow-lite-train: " << sparrow::core::peer_message(e) << "\n";
     return 2;
   }
   try {
@@ -75,7 +76,7 @@ int main(int argc, char** argv) {
         static_cast<long long>(r.steps), r.mean_loss, secs, static_cast<double>(samples) * cfg.local_epochs / secs,
         static_cast<double>(ru.ru_maxrss) / 1024.0, sparrow::kernels::gemm_isa_name());
   } catch (const std::exception& e) {
-    std::cerr << "sparrow-lite-train: " << e.what() << "\n";
+    std::cerr << "sparrow-lite-train: " << sparrow::core::peer_message(e) << "\n";
     return 1;
   }
   return 0;

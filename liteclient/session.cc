@@ -99,7 +99,10 @@ Session::Impl::Outcome Session::Impl::serve() {
 }
 
 Session::Impl::Outcome Session::Impl::handle(wire::Message& m) {
-  if (auto* w = std::get_if<wire::Welcome>(&m.body)) return on_welcome(*w);
+  if (auto* w = std::get_if<wire::Welcome>(&m.body)) {
+    server_minor = m.minor;
+    return on_welcome(*w);
+  }
   if (auto* e = std::get_if<wire::ErrorBody>(&m.body)) return on_error(*e);
   if (auto* t = std::get_if<wire::Task>(&m.body)) {
     if (!welcomed) {

@@ -63,6 +63,7 @@ struct Session::Impl {
 
   transport::ClientLink link;  // to cfg.server: the connection, handshake failures, backoff
   bool welcomed = false;
+  uint16_t server_minor = 0;  // the Welcome's protocol minor: updates go packed from 1.10 (wire::packs_well)
   wire::Welcome welcome;
   uint32_t hb_ms = 1000;
   uint64_t known_round = 0;

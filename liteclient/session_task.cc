@@ -305,6 +305,7 @@ void Session::Impl::train_and_send(const wire::Task& task, std::vector<float> ba
   // file is written, only the serialised message is kept until it is sent.
   std::vector<float>().swap(t.update.delta);
   std::vector<float>().swap(t.update.control_delta);
+  u.packed = wire::packs_well(u, server_minor);
   std::string bytes = wire::serialize(message(std::move(u)));
   commit_and_send(r, t, std::move(bytes));
 }

@@ -98,7 +98,7 @@ void Server::Impl::send_task(const std::string& rid, Session& s, const RoundCont
     t.weights = rc.delta;
     kind = Kind::kDelta;
   } else if (rc.catchup && s.last_round && *s.last_round + 2 < r) {
-    federation::CatchupPlan p = rc.catchup->plan(s.last_round, s.minor >= wire::kCatchupMinor);
+    federation::CatchupPlan p = rc.catchup->plan(s.last_round, s.minor);
     kind = p.kind;
     t.base_round = p.base;
     if (kind == Kind::kChain) {
@@ -117,9 +117,15 @@ void Server::Impl::send_task(const std::string& rid, Session& s, const RoundCont
     t.weights = rc.full;
   }
   down_tasks[static_cast<size_t>(kind)]++;
-  for (const auto& nt : t.weights) down_model_bytes += wire::encoded_size(nt.tensor, nt.name);
-  for (const auto& step : t.chain)
-    for (const auto& nt : step) down_model_bytes += wire::encoded_size(nt.tensor, nt.name);
+  // Catch-up tasks go packed to clients that read it (protocol 1.10).
+  t.packed = kind != Kind::kFull && s.minor >= wire::kPackedMinor;
+  if (t.packed) {
+    down_model_bytes += wire::packed_size(t.weights, t.chain);
+  } else {
+    for (const auto& nt : t.weights) down_model_bytes += wire::encoded_size(nt.tensor, nt.name);
+    for (const auto& step : t.chain)
+      for (const auto& nt : step) down_model_bytes += wire::encoded_size(nt.tensor, nt.name);
+  }
   s.last_round = r - 1;  // what the client holds once it applied this task
   std::string bytes = wire::serialize(msg(std::move(t)));
   clients[s.client_id].bytes_down += bytes.size();

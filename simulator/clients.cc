@@ -220,9 +220,10 @@ void Simulator::Impl::finish_client(Worker& wk, int t, ClientResult& r, const cl
     std::map<std::string, compression::Context> cctx;
     for (const auto& n : names)
       cctx[n] = federation::client_context(ctxs.at(n), seed, static_cast<uint32_t>(ctxs.at(n).num_workers));
-    const wire::ModelUpdate u =
+    wire::ModelUpdate u =
         federation::make_update(static_cast<uint64_t>(t) + 1, id, tr.num_samples, names, sent, *compressor,
                                 r.state.compressor, cctx, {}, {{"train_loss", tr.mean_loss}});
+    u.packed = wire::packs_well(u, wire::kProtocolMinor);  // as sparrow-client packs for a server of this build
     host.encode += seconds_since(e0);
     e0 = Clock::now();
     bytes = wire::serialize(wire::Message{wire::kProtocolMajor, wire::kProtocolMinor, u});

@@ -126,7 +126,8 @@ uint64_t Simulator::Impl::downlink_bytes(int t, const std::vector<int64_t>& ids)
       bytes += down_bytes;
       continue;
     }
-    const federation::CatchupPlan plan = view ? view->plan(it->second, /*catchup=*/true) : federation::CatchupPlan{};
+    const federation::CatchupPlan plan =
+        view ? view->plan(it->second, wire::kProtocolMinor) : federation::CatchupPlan{};
     bytes += plan.kind == federation::CatchupPlan::Kind::kFull ? model_bytes : plan.bytes;
     ++kinds[static_cast<size_t>(plan.kind)];
   }
@@ -283,8 +284,7 @@ RoundMetrics Simulator::Impl::step() {
     } else {
       if (st.clip > 0) m.clip = st.clip;
       if (gm->has_downlink()) {
-        down_bytes = 0;
-        for (const auto& [n, e] : step.downlink) down_bytes += wire::encoded_size(e, n);
+        down_bytes = gm->delta_bytes(wire::kProtocolMinor);  // sent packed to clients of this build
       }
     }
   }
@@ -369,7 +369,7 @@ void Simulator::Impl::async_fill() {
     if (gm->has_downlink()) {
       if (!view) view = gm->catchup_view(async->version());
       const federation::CatchupPlan plan =
-          view->plan(std::optional<uint64_t>(prev > 0 ? prev - 1 : 0), /*catchup=*/true);
+          view->plan(std::optional<uint64_t>(prev > 0 ? prev - 1 : 0), wire::kProtocolMinor);
       async_down += plan.kind == federation::CatchupPlan::Kind::kFull ? model_bytes : plan.bytes;
     } else {
       async_down += model_bytes;  // the dense broadcast model

@@ -17,6 +17,8 @@
 #include "compression/codec_bits.h"
 #include "core/error_text.h"
 #include "sparrow_generated.h"
+#include "wire/checks.h"
+#include "wire/packed.h"
 
 namespace sparrow::wire {
 namespace {
@@ -48,41 +50,10 @@ static_assert(static_cast<int>(fb::ValueType::MAX) == static_cast<int>(c::ValueT
 static_assert(static_cast<int>(fb::IndexCoding::MAX) == static_cast<int>(c::IndexCoding::kMask),
               "fb::IndexCoding must mirror compression::IndexCoding");
 
-[[noreturn]] void fail(ErrorCode code, const std::string& what) { throw ProtocolError(code, what); }
-
-// Strict UTF-8 (no overlong forms, no surrogates, nothing above U+10FFFF) and
-// no NUL, so names are safe as keys, in logs and in C strings.
-bool valid_text(const char* s, size_t n) {
-  const auto* p = reinterpret_cast<const unsigned char*>(s);
-  size_t i = 0;
-  while (i < n) {
-    const unsigned b = p[i];
-    if (b == 0) return false;
-    if (b < 0x80) {
-      ++i;
-      continue;
-    }
-    size_t len;
-    uint32_t cp, min;
-    if ((b & 0xe0) == 0xc0) {
-      len = 2, cp = b & 0x1f, min = 0x80;
-    } else if ((b & 0xf0) == 0xe0) {
-      len = 3, cp = b & 0x0f, min = 0x800;
-    } else if ((b & 0xf8) == 0xf0) {
-      len = 4, cp = b & 0x07, min = 0x10000;
-    } else {
-      return false;
-    }
-    if (n - i < len) return false;
-    for (size_t k = 1; k < len; ++k) {
-      if ((p[i + k] & 0xc0) != 0x80) return false;
-      cp = (cp << 6) | (p[i + k] & 0x3f);
-    }
-    if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return false;
-    i += len;
-  }
-  return true;
-}
+using detail::check_payload;
+using detail::checked_numel;
+using detail::fail;
+using detail::valid_text;
 
 // The string's bytes, or "" for an absent string; kMalformed unless valid text.
 std::string_view text_of(const flatbuffers::String* s, const std::string& what) {
@@ -200,12 +171,20 @@ flatbuffers::Offset<flatbuffers::Vector<uint8_t>> bytes_or_absent(flatbuffers::F
 }
 
 flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const ModelUpdate& u) {
-  const auto tensors_off = build_tensors(b, u.tensors);
-  const auto control_off = build_tensors(b, u.control_delta);
+  flatbuffers::Offset<flatbuffers::Vector<uint8_t>> packed = 0;
+  if (u.packed) {
+    const std::string p =
+        detail::pack(u.tensors, u.control_delta.empty() ? std::vector<std::vector<NamedTensor>>{}
+                                                        : std::vector<std::vector<NamedTensor>>{u.control_delta});
+    packed = b.CreateVector(reinterpret_cast<const uint8_t*>(p.data()), p.size());
+  }
+  const auto tensors_off = u.packed ? 0 : build_tensors(b, u.tensors);
+  const auto control_off = u.packed ? 0 : build_tensors(b, u.control_delta);
   const auto metrics = build_metrics(b, u.metrics);
   const auto client_id = string_or_absent(b, u.client_id);
   const auto metrics_off = metrics.empty() ? 0 : b.CreateVector(metrics);
-  return fb::CreateModelUpdate(b, u.round, client_id, u.num_samples, tensors_off, metrics_off, control_off).Union();
+  return fb::CreateModelUpdate(b, u.round, client_id, u.num_samples, tensors_off, metrics_off, control_off, packed)
+      .Union();
 }
 
 flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const Hello& h) {
@@ -223,7 +202,7 @@ flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const We
 }
 
 flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const Task& t) {
-  const auto weights = build_tensors(b, t.weights);
+  const auto weights = t.packed ? 0 : build_tensors(b, t.weights);
   const auto shared = build_tensors(b, t.shared);
   const auto control = build_tensors(b, t.control);
   const auto compression = string_or_absent(b, t.compression);
@@ -236,14 +215,18 @@ flatbuffers::Offset<void> build_body(flatbuffers::FlatBufferBuilder& b, const Ta
     secagg = fb::CreateSecAggSetup(b, a.index, a.clients, a.degree, a.threshold, a.graph_seed, a.clip, a.weight);
   }
   flatbuffers::Offset<flatbuffers::Vector<flatbuffers::Offset<fb::ChainStep>>> chain = 0;
-  if (!t.chain.empty()) {
+  flatbuffers::Offset<flatbuffers::Vector<uint8_t>> packed = 0;
+  if (t.packed) {
+    const std::string p = detail::pack(t.weights, t.chain);
+    packed = b.CreateVector(reinterpret_cast<const uint8_t*>(p.data()), p.size());
+  } else if (!t.chain.empty()) {
     std::vector<flatbuffers::Offset<fb::ChainStep>> steps;
     steps.reserve(t.chain.size());
     for (const auto& step : t.chain) steps.push_back(fb::CreateChainStep(b, build_tensors(b, step)));
     chain = b.CreateVector(steps);
   }
   return fb::CreateTask(b, t.round, static_cast<fb::ModelEncoding>(t.model_encoding), t.base_round, weights, train,
-                        compression, t.seed, shared, control, t.deadline_ms, secagg, t.clients, chain)
+                        compression, t.seed, shared, control, t.deadline_ms, secagg, t.clients, chain, packed)
       .Union();
 }
 
@@ -340,7 +323,7 @@ size_t size_bound(const Task& t) {
   size_t n = 640 + t.train.algorithm.size() + t.compression.size() + tensors_bound(t.weights) +
              tensors_bound(t.shared) + tensors_bound(t.control);
   for (const auto& step : t.chain) n += 16 + tensors_bound(step);
-  return n;
+  return n;  // a packed Task is smaller than its tables
 }
 size_t size_bound(const Ack&) { return 128; }
 size_t size_bound(const Heartbeat&) { return 128; }
@@ -388,43 +371,14 @@ std::pair<uint16_t, uint16_t> peek_version(const uint8_t* buf, size_t size) {
 }
 
 // numel of `shape`, checked against the elements the message may still hold.
-uint64_t checked_numel(const std::vector<int64_t>& shape, uint64_t budget, const std::string& name) {
-  for (int64_t d : shape)
-    if (d < 0) fail(ErrorCode::kMalformed, "tensor '" + name + "': negative dimension " + std::to_string(d));
-  for (int64_t d : shape)
-    if (d == 0) return 0;
-  uint64_t n = 1;
-  for (int64_t d : shape) {
-    const auto ud = static_cast<uint64_t>(d);
-    if (n > budget / ud)
-      fail(ErrorCode::kOversize, "tensor '" + name + "' takes the message over the receiver's element limit");
-    n *= ud;
-  }
-  if (n > budget)
-    fail(ErrorCode::kOversize, "tensor '" + name + "' takes the message over the receiver's element limit");
-  return n;
-}
-
 NamedTensor tensor_of(const fb::EncodedTensor& t, size_t i, uint64_t& budget, const Owner& owner, c::ValueCheck check) {
   NamedTensor out;
   out.name = std::string(text_of(t.name(), "tensor " + std::to_string(i) + "'s name"));
   if (out.name.empty()) fail(ErrorCode::kMalformed, "tensor " + std::to_string(i) + " has no name");
   const std::string& name = out.name;
-  // Enum values this build does not know come from a newer peer (or noise).
-  const auto format = static_cast<uint8_t>(t.format());
-  const auto value_type = static_cast<uint8_t>(t.value_type());
-  const auto index_coding = static_cast<uint8_t>(t.index_coding());
-  if (format > static_cast<uint8_t>(fb::Format::MAX))
-    fail(ErrorCode::kUnsupported, "tensor '" + name + "': unknown format " + std::to_string(format));
-  if (value_type > static_cast<uint8_t>(fb::ValueType::MAX))
-    fail(ErrorCode::kUnsupported, "tensor '" + name + "': unknown value type " + std::to_string(value_type));
-  if (index_coding > static_cast<uint8_t>(fb::IndexCoding::MAX))
-    fail(ErrorCode::kUnsupported, "tensor '" + name + "': unknown index coding " + std::to_string(index_coding));
-
   c::Encoded& e = out.tensor;
-  e.format = static_cast<c::Format>(format);
-  e.value_type = static_cast<c::ValueType>(value_type);
-  e.index_coding = static_cast<c::IndexCoding>(index_coding);
+  detail::set_kinds(e, static_cast<uint8_t>(t.format()), static_cast<uint8_t>(t.value_type()),
+                    static_cast<uint8_t>(t.index_coding()), name);
   e.count = t.count();
   e.seed = t.seed();
   e.shape = vector_of(t.shape());
@@ -445,11 +399,7 @@ NamedTensor tensor_of(const fb::EncodedTensor& t, size_t i, uint64_t& budget, co
     e.values = c::Bytes::view(tv->data(), tv->size(), owner);
   else if (tv)
     e.values.assign(tv->data(), tv->data() + tv->size());
-  try {
-    c::validate(e, check);
-  } catch (const sparrow::Error& err) {
-    fail(ErrorCode::kMalformed, "tensor '" + name + "': " + err.what());
-  }
+  check_payload(e, check, name);
   return out;
 }
 
@@ -504,8 +454,18 @@ ModelUpdate update_of(const fb::ModelUpdate& u, uint64_t max_elements, const Own
   out.num_samples = u.num_samples();
   out.client_id = std::string(text_of(u.client_id(), "client_id"));
   uint64_t budget = max_elements;
-  out.tensors = tensors_of(u.tensors(), budget, owner, check);
-  out.control_delta = tensors_of(u.control_delta(), budget, owner);
+  if (const auto* packed = u.packed()) {
+    if (u.tensors() || u.control_delta())
+      fail(ErrorCode::kMalformed, "ModelUpdate: packed tensors next to tensors or control_delta");
+    detail::Unpacked p = detail::unpack(packed->data(), packed->size(), budget, 0, check, 2);
+    out.tensors = std::move(p.weights);
+    if (!p.chain.empty()) out.control_delta = std::move(p.chain[0]);
+    out.packed = true;
+  }
+  if (!out.packed) {
+    out.tensors = tensors_of(u.tensors(), budget, owner, check);
+    out.control_delta = tensors_of(u.control_delta(), budget, owner);
+  }
   out.metrics = metrics_of(u.metrics());
   return out;
 }
@@ -609,6 +569,14 @@ Task task_of(const fb::Task& t, uint64_t max_elements, const Owner& owner) {
   out.control = tensors_of(t.control(), budget, owner);
   out.deadline_ms = t.deadline_ms();
   out.clients = t.clients();
+  if (const auto* packed = t.packed()) {
+    if (t.weights() || t.chain())
+      fail(ErrorCode::kMalformed, "Task: packed tensors next to weights or chain (they go in one or the other)");
+    detail::Unpacked u = detail::unpack(packed->data(), packed->size(), budget, max_elements);  // own per step
+    out.weights = std::move(u.weights);
+    out.chain = std::move(u.chain);
+    out.packed = true;
+  }
   if (const auto* chain = t.chain()) {
     // Each step is at most one model: its own element allowance (a step is
     // applied before the next is read, so this bounds the work per step).

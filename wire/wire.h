@@ -35,10 +35,14 @@ namespace sparrow::wire {
 // 1.6: masked updates that carry a seeded share of the mask (params {b, m, B, k}, key in seed);
 // 1.7: SecAgg.rejected (a Masked message names the neighbours whose pair was bad);
 // 1.8: SecAgg.commitment, SecAggShare.digest and SecAgg.evidence (verifiable reveals and reports);
-// 1.9: downlink catch-up, Task model encodings Chain (Task.chain) and Patch.
-constexpr uint16_t kProtocolMajor = 1, kProtocolMinor = 9;
+// 1.9: downlink catch-up, Task model encodings Chain (Task.chain) and Patch;
+// 1.10: packed tensor lists (Task.packed: a catch-up task's weights and chain
+// with each name and shape once per message, records in varints).
+constexpr uint16_t kProtocolMajor = 1, kProtocolMinor = 10;
 // The first minor whose clients read Chain and Patch tasks (older ones get Full).
 constexpr uint16_t kCatchupMinor = 9;
+// The first minor whose clients read Task.packed (older ones get tables).
+constexpr uint16_t kPackedMinor = 10;
 
 // parse() refuses larger buffers before looking at them (kOversize).
 constexpr size_t kDefaultMaxMessageBytes = size_t{1} << 30;
@@ -83,7 +87,16 @@ struct ModelUpdate {
   std::vector<NamedTensor> tensors;
   std::vector<std::pair<std::string, double>> metrics;  // keys non-empty and unique, values finite
   std::vector<NamedTensor> control_delta;               // SCAFFOLD only; names unique
+  // 1.10: serialize() writes `tensors` and `control_delta` as ModelUpdate.packed
+  // (send it only to a server of minor >= kPackedMinor); parse() sets it when
+  // they came so.
+  bool packed = false;
 };
+
+// Whether a client packs its update for a server of protocol 1.`server_minor`:
+// from 1.10 on, unless a tensor is Dense (dense values stay in tables, where
+// the server reads them in place).
+bool packs_well(const ModelUpdate& u, uint16_t server_minor);
 
 struct ErrorBody {
   ErrorCode code = ErrorCode::kUnknown;
@@ -151,6 +164,9 @@ struct Task {
   // Sparse fp32 with explicit positions (apply_patch); a Full or Delta task
   // has no chain. Whether the names and shapes fit the model is the client's check.
   std::vector<std::vector<NamedTensor>> chain;
+  // 1.10: serialize() writes `weights` and `chain` as Task.packed (send it only
+  // to a peer of minor >= kPackedMinor); parse() sets it when they came so.
+  bool packed = false;
 };
 
 struct Ack {
@@ -290,6 +306,21 @@ ErrorBody error_for(const std::exception& e, std::optional<uint64_t> round = std
 // at most 64 bytes above the exact figure, computed without serializing;
 // compare with Encoded::payload_bytes() for the framing overhead.
 size_t encoded_size(const compression::Encoded& e, const std::string& name = {});
+
+// Packed tensor lists (Task.packed, 1.10; docs/protocol.md). The bytes of one
+// tensor's record whose name has index `name_index` in the message's name
+// table (exact); of a list of them (its count and records; `name_index` per
+// tensor, default: their positions); and what a Task.packed adds around its
+// lists: the name table for `names` and `shapes`, the list count and the
+// field's FlatBuffers framing (16 bytes, as packed_size).
+size_t packed_tensor_size(const compression::Encoded& e, size_t name_index = 0);
+size_t packed_list_size(const std::vector<NamedTensor>& ts, const std::vector<size_t>& name_index = {});
+size_t packed_frame_size(const std::vector<std::string>& names, const std::vector<std::vector<int64_t>>& shapes,
+                         size_t lists);
+// The bytes a Task.packed of these lists takes in the message: the packed
+// bytes (exact; it packs them to count) plus 16 for the field's framing (an
+// upper bound: offset, length, padding, vtable slot).
+size_t packed_size(const std::vector<NamedTensor>& weights, const std::vector<std::vector<NamedTensor>>& chain);
 
 // Patch tasks (1.9): sets dst[i] = v for each position i and fp32 value v of a
 // Sparse tensor with F32 values and DeltaVarint, Bitmap or Rice positions (set,

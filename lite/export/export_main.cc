@@ -16,6 +16,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "core/error_text.h"
 #include "core/models.h"
 #include "core/npy.h"
 #include "lite/export/exporter.h"
@@ -104,13 +105,13 @@ int main(int argc, char** argv) {
       e = sparrow::lite::export_builtin(model, weights);
     }
   } catch (const std::exception& err) {
-    std::cerr << "sparrow-lite-export: " << err.what() << "\n";
+    std::cerr << "sparrow-lite-export: " << sparrow::core::peer_message(err) << "\n";
     return 2;
   }
   try {
     sparrow::lite::save_model_file(out, e.spec, e.values);
   } catch (const std::exception& err) {
-    std::cerr << "sparrow-lite-export: " << err.what() << "\n";
+    std::cerr << "sparrow-lite-export: " << sparrow::core::peer_message(err) << "\n";
     return 1;
   }
   std::cout << out << ": " << e.spec.layers.size() << " layers, " << e.values.size() << " parameter values\n";

@@ -23,6 +23,8 @@ using federation::Weights;
 
 namespace {
 
+constexpr uint16_t kMinor = wire::kProtocolMinor;  // a client of this build (packed tasks)
+
 const std::vector<std::string> kNames = {"a", "b"};
 const aggregation::TensorShapes kShapes = {{"a", {40, 30}}, {"b", {30}}};
 constexpr int kRounds = 12;
@@ -159,14 +161,14 @@ TEST_CASE("catch-up: a client that missed 1, 3 or K+1 rounds ends at B_t bit for
       CAPTURE(t);
       const uint64_t model = full.views[t]->full_bytes();
       for (const Run* r : {&full, &chain, &patch, &autop}) {
-        const CatchupPlan p = r->views[t]->plan(s, /*catchup=*/true);
+        const CatchupPlan p = r->views[t]->plan(s, wire::kProtocolMinor);
         const wire::Task task = task_of(p, t, r->b[t]);
         CHECK(same_bits(apply_task(task, r->b[s]), r->b[t]));
         CHECK(p.bytes <= model);
         if (missed == 0) CHECK(p.kind == CatchupPlan::Kind::kDelta);
       }
-      const CatchupPlan c = chain.views[t]->plan(s, true), q = patch.views[t]->plan(s, true),
-                        a = autop.views[t]->plan(s, true), f = full.views[t]->plan(s, true);
+      const CatchupPlan c = chain.views[t]->plan(s, kMinor), q = patch.views[t]->plan(s, kMinor),
+                        a = autop.views[t]->plan(s, kMinor), f = full.views[t]->plan(s, kMinor);
       if (missed >= 1) {
         CHECK(f.kind == CatchupPlan::Kind::kFull);
         // A chain spans at most K steps: missing K + 1 rounds is K + 2 steps away.
@@ -176,22 +178,22 @@ TEST_CASE("catch-up: a client that missed 1, 3 or K+1 rounds ends at B_t bit for
         // auto: the smallest of the three.
         CHECK(a.bytes == std::min({c.bytes, q.bytes, f.bytes}));
         // An old client (protocol < 1.9) gets the dense model.
-        CHECK(autop.views[t]->plan(s, /*catchup=*/false).kind == CatchupPlan::Kind::kFull);
+        CHECK(autop.views[t]->plan(s, static_cast<uint16_t>(wire::kCatchupMinor - 1)).kind == CatchupPlan::Kind::kFull);
       }
     }
   }
   // Nothing held, or a model newer than B_t: the dense model.
-  CHECK(autop.views[5]->plan(std::nullopt, true).kind == CatchupPlan::Kind::kFull);
-  CHECK(autop.views[5]->plan(6, true).kind == CatchupPlan::Kind::kFull);
-  CHECK(autop.views[5]->plan(5, true).bytes == 0);
+  CHECK(autop.views[5]->plan(std::nullopt, kMinor).kind == CatchupPlan::Kind::kFull);
+  CHECK(autop.views[5]->plan(6, kMinor).kind == CatchupPlan::Kind::kFull);
+  CHECK(autop.views[5]->plan(5, kMinor).bytes == 0);
 }
 
 TEST_CASE("catch-up: a snapshot keeps its round's sources while the model moves on") {
   Run r("auto");
   // views[3] was taken at B_3; steps 4.. changed the arrays since.
-  const CatchupPlan p = r.views[3]->plan(1, true);
+  const CatchupPlan p = r.views[3]->plan(1, kMinor);
   CHECK(same_bits(apply_task(task_of(p, 3, r.b[3]), r.b[1]), r.b[3]));
-  const CatchupPlan q = r.views[3]->plan(0, true);
+  const CatchupPlan q = r.views[3]->plan(0, kMinor);
   REQUIRE(q.kind != CatchupPlan::Kind::kFull);
   CHECK(same_bits(apply_task(task_of(q, 3, r.b[3]), r.b[0]), r.b[3]));
 }
@@ -200,9 +202,9 @@ TEST_CASE("catch-up: after a restart nothing before it is known (the dense model
   federation::CatchupHistory h(federation::parse_catchup("auto"), kNames, initial());
   // Restored at B_5: the view of round 5 knows nothing before it.
   const auto v5 = h.view(5, initial());
-  CHECK(v5->plan(3, true).kind == CatchupPlan::Kind::kFull);
-  CHECK(v5->plan(4, true).kind == CatchupPlan::Kind::kFull);  // C_5 is not in this history
-  CHECK(v5->plan(5, true).kind == CatchupPlan::Kind::kDelta);
+  CHECK(v5->plan(3, kMinor).kind == CatchupPlan::Kind::kFull);
+  CHECK(v5->plan(4, kMinor).kind == CatchupPlan::Kind::kFull);  // C_5 is not in this history
+  CHECK(v5->plan(5, kMinor).kind == CatchupPlan::Kind::kDelta);
   // Step 6 after the restart: B_5 and later are known again.
   const Weights b5 = initial();
   Weights b6 = clone(b5);
@@ -212,8 +214,8 @@ TEST_CASE("catch-up: after a restart nothing before it is known (the dense model
   h.record_tensor(1, b5.at("b"), b6.at("b"));
   h.end_step({});
   const auto v6 = h.view(6, b6);
-  CHECK(v6->plan(4, true).kind == CatchupPlan::Kind::kFull);
-  const CatchupPlan p = v6->plan(5, true);
+  CHECK(v6->plan(4, kMinor).kind == CatchupPlan::Kind::kFull);
+  const CatchupPlan p = v6->plan(5, kMinor);
   CHECK(p.kind == CatchupPlan::Kind::kDelta);  // C_6 (empty here) applies to B_5
 }
 
@@ -225,7 +227,7 @@ TEST_CASE("catch-up: without a downlink codec there is no catch-up view (a dense
 TEST_CASE("catch-up: the wire refuses malformed chains and patches, and apply_patch leaves the model as it was") {
   Run r("chain");
   const uint64_t t = 6;
-  wire::Task chain = task_of(r.views[t]->plan(2, true), t, r.b[t]);
+  wire::Task chain = task_of(r.views[t]->plan(2, kMinor), t, r.b[t]);
   REQUIRE(chain.model_encoding == wire::ModelEncoding::kChain);
   auto reparse = [](const wire::Task& task) {
     wire::Message m;
@@ -261,7 +263,7 @@ TEST_CASE("catch-up: the wire refuses malformed chains and patches, and apply_pa
   CHECK_NOTHROW(reparse(chain));
   // apply_patch: another tensor's size, or not a patch at all: an error, the model untouched.
   Weights w = clone(r.b[2]);
-  compression::Encoded e = Run("patch").views[t]->plan(2, true).patch.at(0).tensor;
+  compression::Encoded e = Run("patch").views[t]->plan(2, kMinor).patch.at(0).tensor;
   CHECK_THROWS_AS(wire::apply_patch(e, w.at("b").data_ptr<float>(), w.at("b").numel()), FormatError);
   compression::Encoded dense = compression::dense_encoded(w.at("a"));
   CHECK_THROWS_AS(wire::apply_patch(dense, w.at("a").data_ptr<float>(), w.at("a").numel()), FormatError);

@@ -30,6 +30,7 @@ struct Seen {
   std::map<wire::ModelEncoding, int> kinds;
   std::map<std::string, std::map<wire::ModelEncoding, int>> kinds_of;  // per client
   double chains = 0, patches = 0;                                      // the rounds' downlink.* metrics
+  std::map<std::string, std::map<bool, int>> packed_of;  // per client: catch-up tasks packed (1.10) or not
 };
 
 Weights copy(const Weights& w) {
@@ -79,7 +80,8 @@ Weights mlp_weights() {
   return w0;
 }
 
-Seen run_policy(const std::string& policy, const std::string& name, bool old_c = false) {
+// `old_minor` > 0: client "c" speaks protocol 1.old_minor.
+Seen run_policy(const std::string& policy, const std::string& name, uint16_t old_minor = 0) {
   ServerConfig c;
   c.listen = "tcp://127.0.0.1:*";
   c.model = "mlp";
@@ -105,7 +107,7 @@ Seen run_policy(const std::string& policy, const std::string& name, bool old_c =
   }
   Running run(server);
   for (auto& cl : clients) {
-    if (old_c && cl->id == "c") {
+    if (old_minor > 0 && cl->id == "c") {
       wire::Hello h;
       h.client_id = "c";
       h.num_samples = 1;
@@ -113,7 +115,7 @@ Seen run_policy(const std::string& policy, const std::string& name, bool old_c =
       h.model_digest = server.model_digest();
       h.last_round = 0;
       wire::Message m = message(h);
-      m.minor = wire::kCatchupMinor - 1;  // a client before catch-up
+      m.minor = old_minor;
       cl->send(m);
       cl->expect<wire::Welcome>();
     } else {
@@ -141,6 +143,7 @@ Seen run_policy(const std::string& policy, const std::string& name, bool old_c =
     seen.model_at[r] = copy(w);
     seen.kinds[task->model_encoding]++;
     seen.kinds_of[who->id][task->model_encoding]++;
+    if (task->model_encoding != wire::ModelEncoding::kFull) seen.packed_of[who->id][task->packed]++;
     h = Held{r - 1, std::move(w)};
     Weights d;
     for (const auto& [k, v] : w0) d[k] = at::full_like(v, 0.01f * static_cast<float>(r)) * v.cos();
@@ -187,9 +190,35 @@ TEST_CASE("catch-up: clients that missed rounds rebuild B_{r-1} bit for bit from
 }
 
 TEST_CASE("catch-up: a client of protocol 1.8 gets the dense model where a chain would go") {
-  const Seen s = run_policy("chain", "old", /*old_c=*/true);
+  const Seen s = run_policy("chain", "old", wire::kCatchupMinor - 1);
   REQUIRE(s.kinds_of.count("c"));
   CHECK(s.kinds_of.at("c").count(wire::ModelEncoding::kChain) == 0);
   CHECK(s.kinds_of.at("c").count(wire::ModelEncoding::kFull) >= 1);
   CHECK(s.kinds.at(wire::ModelEncoding::kChain) >= 2);  // the others still get chains
+}
+
+TEST_CASE(
+    "catch-up: clients of 1.10 get catch-up tasks packed, a client of 1.9 as tables, and all rebuild the same models") {
+  const Seen now = run_policy("auto", "packed"), old = run_policy("auto", "tables", wire::kPackedMinor - 1);
+  REQUIRE(now.model_at.size() == 8);
+  REQUIRE(old.model_at.size() == 8);
+  for (const auto& kv : now.model_at) {
+    const uint64_t round = kv.first;
+    CAPTURE(round);
+    CHECK(same_bits(old.model_at.at(round), kv.second));
+  }
+  for (const char* id : {"a", "b", "c"}) {
+    CAPTURE(id);
+    REQUIRE(now.packed_of.count(id));
+    CHECK(now.packed_of.at(id).count(false) == 0);
+    CHECK(now.packed_of.at(id).at(true) >= 1);
+  }
+  REQUIRE(old.packed_of.count("c"));
+  CHECK(old.packed_of.at("c").count(true) == 0);
+  CHECK(old.packed_of.at("c").at(false) >= 1);
+  CHECK(old.packed_of.at("a").at(true) >= 1);
+  // The old client still gets chains or patches (it reads 1.9), just not packed.
+  CHECK(old.kinds_of.at("c").count(wire::ModelEncoding::kChain) +
+            old.kinds_of.at("c").count(wire::ModelEncoding::kPatch) >=
+        1);
 }

@@ -493,6 +493,16 @@ std::vector<Message> session_messages() {
   g.loss = 0.75;
   g.correct = 1;
   out[7].body = g;
+  // 1.10: a packed Chain (two steps, the first naming both tensors), so the
+  // truncation and mutation tests below cover packed tensor lists too.
+  Task c;
+  c.round = 45;
+  c.model_encoding = ModelEncoding::kChain;
+  c.base_round = 42;
+  c.chain = {{{"fc.weight", dense({2, 2}, ValueType::kF32, f32_bytes({1, 2, 3, 4}))}, {"fc.bias", sparse_delta_fp16()}},
+             {{"fc.bias", sparse_delta_fp16()}}};
+  c.packed = true;
+  out.emplace_back().body = c;
   return out;
 }
 
