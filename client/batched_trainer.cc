@@ -130,6 +130,12 @@ std::vector<TrainResult> BatchedTrainer::train(const Weights& global, std::vecto
         ++ka;
       }
       active[s] = ka;
+      // Every step is padded to the configured batch (zero-weight rows), not
+      // to the longest batch among the clients stacked with this one: a
+      // client's GEMM shapes, and so its bits, must not depend on which
+      // clients share its pass (workers split a round's clients; BLAS
+      // kernels may block a product differently for another width).
+      b_max = std::max<int64_t>(b_max, cfg_.batch_size);
       batch[s] = b_max;
       for (int64_t a = 0; a < ka; ++a) {
         const int64_t j = pos[a];

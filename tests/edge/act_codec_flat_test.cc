@@ -296,8 +296,11 @@ TEST_CASE("act codec: the flat lowrank is the earlier torch arithmetic within ro
       REQUIRE(q.sizes() == ref.state.basis.sizes());
       const bool deficient = step == 0 && c.rank > rows;
       if (!deficient) CHECK((q - ref.state.basis).abs().max().item<double>() <= 1e-4);
+      // The tracker accumulates orthogonalised factors over steps: at rank 24
+      // the BLAS kernels of another CPU (another summation order) move it by
+      // up to ~1.02e-4 (an AMD Zen 5 under OpenBLAS's Haswell kernels).
       if (c.beta > 0 && !deficient)
-        CHECK((from_flat(st).tracker - ref.state.tracker).abs().max().item<double>() <= 1e-4);
+        CHECK((from_flat(st).tracker - ref.state.tracker).abs().max().item<double>() <= 2e-4);
 
       flat::CodecState cloud = st;  // the cloud holds the basis the device holds
       const at::Tensor a_hat = tensor_of(flat::decode_activation(p, cloud), {rows, cols});

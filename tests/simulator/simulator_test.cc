@@ -475,7 +475,11 @@ TEST_CASE("simulator with two workers ends with one worker's model, bit for bit"
     // reduced in another order, the gradients are not.
     CHECK(one.history()[i].train_loss == doctest::Approx(two.history()[i].train_loss));
   }
-  for (const auto& [k, v] : one.global()) CHECK(at::equal(v, two.global().at(k)));
+  for (const auto& [k, v] : one.global()) {
+    CAPTURE(k);
+    CAPTURE((v - two.global().at(k)).abs().max().item<double>());
+    CHECK(at::equal(v, two.global().at(k)));
+  }
 }
 
 TEST_CASE("summary json is one valid line") {
