@@ -4,6 +4,9 @@
 
 #include <utility>
 
+#include <spdlog/spdlog.h>
+
+#include "compression/codec_bits.h"
 #include "compression/lowrank.h"
 #include "compression/mask.h"
 #include "core/error.h"
@@ -29,6 +32,8 @@ GlobalModel::GlobalModel(const GlobalConfig& cfg, Weights initial, std::vector<s
   }
   if (cfg_.downlink != "none") {
     down_ = compression::make_compressor(cfg_.downlink);
+    exact_step_ = cfg_.server_optimizer.rfind("fedtopk", 0) == 0 &&
+                  cfg_.server_optimizer.find("values=sign") != std::string::npos;
     for (const auto& n : names_) broadcast_[n] = global_.at(n).clone();
     catchup_ = std::make_unique<CatchupHistory>(parse_catchup(cfg_.downlink_catchup), names_, broadcast_);
   } else {
@@ -158,8 +163,30 @@ void GlobalModel::encode_downlink(uint64_t r, StepResult& out) {
     compression::State st;
     st.step = r - 1;
     compression::Encoded e = down_->encode(diff, st, c);
-    const at::Tensor before = track ? broadcast_.at(n).clone() : at::Tensor();
+    const at::Tensor before = track || exact_step_ ? broadcast_.at(n).clone() : at::Tensor();
     compression::decode_add(e, broadcast_.at(n), 1.0f, c);
+    // The sparse model step moves W by ±mu, which a codec that sends every
+    // nonzero of W - B with one magnitude (stc:ratio=1) carries exactly. When
+    // a move was not exact in fp32 (a weight that crosses into the next binade
+    // with an odd last bit rounds), W - B is ±mu plus a rounding there, the
+    // codec's magnitude misses at every position of the tensor, and B would
+    // drift from W for good (every later C then carries the drift: 5x the
+    // downlink in one MLP seed of five). Then this tensor's C is W - B itself,
+    // fp32 at its nonzero positions: B + (W - B) is W exactly.
+    if (exact_step_ && !at::equal(broadcast_.at(n), global_.at(n))) {
+      const at::Tensor nz = diff.reshape(-1).nonzero().reshape(-1).contiguous();
+      const at::Tensor vals = diff.reshape(-1).index_select(0, nz).contiguous();
+      e = compression::detail::make_sparse(diff.sizes().vec(), nz.data_ptr<int64_t>(), vals.data_ptr<float>(),
+                                           static_cast<uint64_t>(nz.numel()), compression::ValueType::kF32, 0.0f,
+                                           compression::detail::IndexMode::kRice);
+      broadcast_.at(n).copy_(before);
+      compression::decode_add(e, broadcast_.at(n), 1.0f, c);
+      ++exact_fallbacks_;
+      if (!at::equal(broadcast_.at(n), global_.at(n)))
+        spdlog::warn("downlink: round {}: '{}' could not be broadcast exactly; clients lag the model there", r, n);
+      else
+        spdlog::debug("downlink: round {}: '{}' sent as exact fp32 values (a step rounded in fp32)", r, n);
+    }
     if (track) catchup_->record_tensor(i, before, broadcast_.at(n));
     // A sparse C with no value leaves B as it was: it is not sent (a Delta
     // names the tensors it changes), except one, so that a Delta against

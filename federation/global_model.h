@@ -83,6 +83,9 @@ class GlobalModel {
   // B_r: what clients hold after round r (W_r without a downlink codec).
   Weights& broadcast() { return down_ ? broadcast_ : global_; }
   const Weights& broadcast() const { return down_ ? broadcast_ : global_; }
+  // Tensor-steps of a sparse model step (fedtopk values=sign) that the
+  // downlink codec could not carry exactly and went as exact fp32 values.
+  uint64_t exact_fallbacks() const { return exact_fallbacks_; }
   // SCAFFOLD's c (empty until the first step with control deltas = zeros);
   // FedDyn's h (federation/algorithms.h), empty until its first step.
   Weights& control() { return control_; }
@@ -148,6 +151,10 @@ class GlobalModel {
   int64_t acp_rank_ = 0;
   double mask_ratio_ = 0;
   bool share_mean_ = false;
+  // fedtopk values=sign: the step is ±mu at its positions, which the downlink
+  // is meant to carry exactly (encode_downlink keeps B = W bit for bit).
+  bool exact_step_ = false;
+  uint64_t exact_fallbacks_ = 0;
 };
 
 // Seed tag of the downlink codec's random streams: derive(seed, kDownTag).

@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -268,4 +269,33 @@ TEST_CASE("catch-up: the wire refuses malformed chains and patches, and apply_pa
   compression::Encoded dense = compression::dense_encoded(w.at("a"));
   CHECK_THROWS_AS(wire::apply_patch(dense, w.at("a").data_ptr<float>(), w.at("a").numel()), FormatError);
   CHECK(same_bits(w, r.b[2]));
+}
+
+TEST_CASE("sparse model step: a move that rounds in fp32 is still broadcast exactly (B stays W)") {
+  // 0.5 - 2^-25 has an odd last bit: + mu crosses into [0.5, 1), where the
+  // sum rounds, so W - B is mu plus a rounding there and stc's one magnitude
+  // cannot carry it; the tensor's C then goes as exact fp32 values.
+  const float below_half = std::nextafter(0.5f, 0.0f);
+  GlobalConfig gc;
+  gc.downlink = "stc:ratio=1";
+  gc.server_optimizer = "fedtopk:ratio=1,momentum=0,values=sign,scope=model";
+  const Weights w0 = {{"a", at::tensor({below_half, 0.1f, -0.2f, 0.3f})}};
+  GlobalModel gm(gc, clone(w0), {"a"});
+  aggregation::Aggregator aggr("mean", "none", 1, 1);
+  for (int r = 1; r <= 3; ++r) {
+    aggregation::Accumulator acc = aggr.make_accumulator({{"a", {4}}});
+    acc.reset(aggr.clip());
+    acc.add({{"a", compression::dense_encoded(at::full({4}, 0.01f))}}, 1.0);
+    const Weights b_before = clone(gm.broadcast());
+    const federation::StepResult st = gm.step(aggr, acc, {}, static_cast<uint64_t>(r), 1.0);
+    REQUIRE(st.applied);
+    CAPTURE(r);
+    CHECK(same_bits(gm.broadcast(), gm.weights()));
+    // What a client adds to the B it holds is the server's B, bit for bit.
+    Weights client = clone(b_before);
+    for (const auto& [n, e] : st.downlink) compression::decode_add(e, client.at(n), 1.0f);
+    CHECK(same_bits(client, gm.weights()));
+  }
+  CHECK(gm.weights().at("a")[0].item<float>() > 0.5f);
+  CHECK(gm.exact_fallbacks() >= 1);  // round 1's crossing of 0.5 at least
 }
