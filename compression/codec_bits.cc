@@ -241,9 +241,7 @@ IndexMode parse_index_mode(const std::string& text) {
 
 // ---- indices ------------------------------------------------------------------
 
-namespace {
-
-inline size_t varint_len(uint64_t v) {
+size_t varint_len(uint64_t v) {
   size_t n = 1;
   while (v >= 0x80) {
     v >>= 7;
@@ -252,7 +250,14 @@ inline size_t varint_len(uint64_t v) {
   return n;
 }
 
-}  // namespace
+uint8_t* put_varint(uint8_t* p, uint64_t v) {
+  while (v >= 0x80) {
+    *p++ = static_cast<uint8_t>(v | 0x80);
+    v >>= 7;
+  }
+  *p++ = static_cast<uint8_t>(v);
+  return p;
+}
 
 size_t delta_varint_bytes(const int64_t* idx, uint64_t k) {
   size_t bytes = 0;
@@ -417,13 +422,8 @@ void encode_indices(const int64_t* idx, uint64_t k, int64_t numel, Encoded& e, I
   uint8_t* p = e.indices.data();
   int64_t prev = -1;
   for (uint64_t i = 0; i < k; ++i) {
-    uint64_t v = static_cast<uint64_t>(idx[i] - prev - 1);
+    p = put_varint(p, static_cast<uint64_t>(idx[i] - prev - 1));
     prev = idx[i];
-    while (v >= 0x80) {
-      *p++ = static_cast<uint8_t>(v | 0x80);
-      v >>= 7;
-    }
-    *p++ = static_cast<uint8_t>(v);
   }
 }
 

@@ -118,6 +118,13 @@ void saturate(float* a, uint64_t n, ValueType vt);
 float int8_scale(const float* v, uint64_t n);
 ValueType parse_value_type(const std::string& text);  // "fp32" | "fp16" | "bf16" | "int8"
 
+// ---- varints ----------------------------------------------------------------
+// Unsigned LEB128 (7 bits a byte, low first, high bit = more follows): the
+// delta-varint index coding and the wire's packed tensor lists.
+size_t varint_len(uint64_t v);
+// Writes v at p (varint_len(v) bytes) and returns the byte after it.
+uint8_t* put_varint(uint8_t* p, uint64_t v);
+
 // ---- indices ----------------------------------------------------------------
 // kAuto: the smaller of delta-varint and bitmap (what every peer since 1.0 reads);
 // kRice: the smallest of Rice-coded gaps (protocol 1.2), delta-varint and bitmap.

@@ -13,6 +13,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "compression/codec_bits.h"
 #include "wire/checks.h"
 
 namespace sparrow::wire {
@@ -25,21 +26,11 @@ constexpr size_t kMaxDims = 8;
 // What a packed field adds to its message besides its bytes, at most.
 constexpr size_t kFieldBytes = 16;
 
-size_t varint_size(uint64_t v) {
-  size_t n = 1;
-  while (v >= 0x80) {
-    v >>= 7;
-    ++n;
-  }
-  return n;
-}
+using c::detail::varint_len;
 
 void put_varint(std::string& out, uint64_t v) {
-  while (v >= 0x80) {
-    out.push_back(static_cast<char>((v & 0x7f) | 0x80));
-    v >>= 7;
-  }
-  out.push_back(static_cast<char>(v));
+  uint8_t buf[10];
+  out.append(reinterpret_cast<const char*>(buf), static_cast<size_t>(c::detail::put_varint(buf, v) - buf));
 }
 
 void put_bytes(std::string& out, const uint8_t* p, size_t n) {
@@ -159,15 +150,15 @@ std::vector<NamedTensor> read_list(Reader& r, const std::vector<Entry>& names, u
 }  // namespace
 
 size_t packed_tensor_size(const c::Encoded& e, size_t name_index) {
-  size_t n = varint_size(name_index) + 3 + varint_size(e.count) + varint_size(e.seed) + varint_size(e.params.size());
-  for (uint32_t p : e.params) n += varint_size(p);
-  n += varint_size(e.scales.size()) + 4 * e.scales.size();
-  n += varint_size(e.indices.size()) + e.indices.size() + varint_size(e.values.size()) + e.values.size();
+  size_t n = varint_len(name_index) + 3 + varint_len(e.count) + varint_len(e.seed) + varint_len(e.params.size());
+  for (uint32_t p : e.params) n += varint_len(p);
+  n += varint_len(e.scales.size()) + 4 * e.scales.size();
+  n += varint_len(e.indices.size()) + e.indices.size() + varint_len(e.values.size()) + e.values.size();
   return n;
 }
 
 size_t packed_list_size(const std::vector<NamedTensor>& ts, const std::vector<size_t>& name_index) {
-  size_t n = varint_size(ts.size());
+  size_t n = varint_len(ts.size());
   for (size_t i = 0; i < ts.size(); ++i)
     n += packed_tensor_size(ts[i].tensor, i < name_index.size() ? name_index[i] : i);
   return n;
@@ -177,12 +168,12 @@ size_t packed_frame_size(const std::vector<std::string>& names, const std::vecto
                          size_t lists) {
   // The field (an upper bound): its offset (4), the vector's length (4), up
   // to 3 bytes of padding, its vtable slot (2) and the vtable's own padding.
-  size_t n = kFieldBytes + varint_size(names.size()) + varint_size(lists);
+  size_t n = kFieldBytes + varint_len(names.size()) + varint_len(lists);
   for (size_t i = 0; i < names.size(); ++i) {
-    n += varint_size(names[i].size()) + names[i].size();
+    n += varint_len(names[i].size()) + names[i].size();
     const auto& s = i < shapes.size() ? shapes[i] : std::vector<int64_t>{};
-    n += varint_size(s.size());
-    for (int64_t d : s) n += varint_size(static_cast<uint64_t>(d));
+    n += varint_len(s.size());
+    for (int64_t d : s) n += varint_len(static_cast<uint64_t>(d));
   }
   return n;
 }

@@ -47,6 +47,37 @@ std::vector<Client> make_clients(const std::string& spec, int n, uint64_t seed) 
   return out;
 }
 
+// The contexts of a tcs share=mean round (seed 9, round 2), without a mask.
+ContextMap share_contexts() {
+  ContextMap ctxs;
+  for (const auto& [name, shape] : kModel) {
+    Context c;
+    c.name = name;
+    c.seed = 9;
+    c.round = 2;
+    c.share_mean = true;
+    ctxs[name] = c;
+  }
+  return ctxs;
+}
+
+// Encodes random per-tensor updates with `codec` under `ctxs`; client i weighs 1 + i.
+std::vector<Client> make_share_clients(const Compressor& codec, const ContextMap& ctxs, int n, uint64_t seed) {
+  at::manual_seed(seed);
+  std::vector<Client> out;
+  for (int i = 0; i < n; ++i) {
+    Client cl;
+    cl.weight = 1.0 + i;
+    for (const auto& [name, shape] : kModel) {
+      State st;
+      cl.x[name] = at::randn(shape);
+      cl.update.emplace_back(name, codec.encode(cl.x[name], st, ctxs.at(name)));
+    }
+    out.push_back(std::move(cl));
+  }
+  return out;
+}
+
 // Σ w·decode(e) / Σ w, the direct (dense) weighted average.
 std::map<std::string, at::Tensor> direct_mean(const std::vector<Client>& clients) {
   std::map<std::string, at::Tensor> sum;
@@ -562,31 +593,14 @@ TEST_CASE("aggregator: a dense update that views a received frame is held, not c
 TEST_CASE("aggregator: tcs share=mean averages each mask position over the updates whose share carried it") {
   // Every third position of each tensor is on the mask; five clients send a
   // random 30% of it (fp32, unscaled) plus 5% of their own positions.
-  ContextMap ctxs;
+  ContextMap ctxs = share_contexts();
   for (const auto& [name, shape] : kModel) {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
-    Context c;
-    c.name = name;
-    c.seed = 9;
-    c.round = 2;
-    c.mask = at::arange(0, n, 3, at::TensorOptions().dtype(at::kLong));
-    c.share_mean = true;
-    ctxs[name] = c;
+    ctxs[name].mask = at::arange(0, n, 3, at::TensorOptions().dtype(at::kLong));
   }
   auto codec = make_compressor("tcs:ratio=0.3,extra=0.05,keep=0.3,share=mean,ef=0,values=fp32");
-  at::manual_seed(17);
-  std::vector<Client> clients;
-  for (int i = 0; i < 5; ++i) {
-    Client cl;
-    cl.weight = 1.0 + i;
-    for (const auto& [name, shape] : kModel) {
-      State st;
-      cl.x[name] = at::randn(shape);
-      cl.update.emplace_back(name, codec->encode(cl.x[name], st, ctxs.at(name)));
-    }
-    clients.push_back(std::move(cl));
-  }
+  const std::vector<Client> clients = make_share_clients(*codec, ctxs, 5, 17);
   // By hand: the per-position mean on carried mask positions, 0 on the mask
   // elsewhere, the plain weighted mean off the mask.
   std::map<std::string, at::Tensor> want;
@@ -662,29 +676,10 @@ TEST_CASE("aggregator: tcs share=mean averages each mask position over the updat
 TEST_CASE("aggregator: tcs mask=all, share=mean averages every position over the updates that carried it") {
   // No mask in the contexts (the server broadcasts none for mask=all): each
   // update's share is a seeded 40% of all positions.
-  ContextMap ctxs;
-  for (const auto& [name, shape] : kModel) {
-    Context c;
-    c.name = name;
-    c.seed = 9;
-    c.round = 2;
-    c.share_mean = true;
-    ctxs[name] = c;
-  }
+  const ContextMap ctxs = share_contexts();
   auto codec = make_compressor("tcs:mask=all,keep=0.4,share=mean,ef=0,values=fp32");
   CHECK(codec->mask_ratio() == 0.0);
-  at::manual_seed(23);
-  std::vector<Client> clients;
-  for (int i = 0; i < 4; ++i) {
-    Client cl;
-    cl.weight = 1.0 + i;
-    for (const auto& [name, shape] : kModel) {
-      State st;
-      cl.x[name] = at::randn(shape);
-      cl.update.emplace_back(name, codec->encode(cl.x[name], st, ctxs.at(name)));
-    }
-    clients.push_back(std::move(cl));
-  }
+  const std::vector<Client> clients = make_share_clients(*codec, ctxs, 4, 23);
   // By hand: per position, the weighted mean of the values of the updates
   // whose share holds it (the share is seeded_indices of all positions), 0 where none does.
   std::map<std::string, at::Tensor> want;
